@@ -1,0 +1,41 @@
+# remote-g2 — every target does its own set-up on a fresh machine.
+#   make test   venv + package + test extras + redis-server, then pytest (what CI runs)
+#   make demo   the end-to-end demo
+#   make bench  benchmarks (tables on stdout, JSON under bench/results/)
+
+PYTHON ?= python3
+VENV   ?= .venv
+VPY    := $(VENV)/bin/python
+# The CPU build of torch, installed first so no later resolve pulls a multi-GB CUDA build.
+# On a GPU machine: make TORCH_SPEC='torch==<your CUDA build>' ...
+TORCH_SPEC ?= torch==2.13.0
+STAMP  := $(VENV)/.remote-g2-installed
+PYTEST_ARGS ?=
+
+.PHONY: venv redis test test-all test-vllm demo bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml CMakeLists.txt cpp_ext/pool_index.cpp
+	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q "$(TORCH_SPEC)"
+	$(VPY) -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.4"
+	$(VPY) -m pip install -q --no-build-isolation -e ".[test,mpich]"
+	@touch $(STAMP)
+
+redis:
+	@tools/ensure-redis.sh
+
+test: venv redis
+	$(VPY) -m pytest $(PYTEST_ARGS)
+
+demo: venv
+	$(VPY) -m remote_g2.demo
+
+bench: venv
+	@mkdir -p bench/results
+	$(VPY) bench/bench_pool_index.py --json bench/results/pool_index.json
+
+clean:
+	rm -rf build $(VENV) .pytest_cache bench/results

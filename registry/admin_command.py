@@ -1,0 +1,170 @@
+"""``remote-g2 admin``: who holds which blocks, which workers are live, and operator actions.
+
+Subcommands: ``workers``, ``worker ID``, ``who-has HASH…``, ``prefix HASH…``,
+``stats``, ``drain ID``. Hashes are hex (``0x`` optional). Every subcommand
+takes ``--json``. An unreachable registry (or store) exits 1 with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from remote_g2.cli import print_json, print_table
+from remote_g2.config import ClientSettings
+from remote_g2.curve import CurveClientConfig
+from remote_g2.errors import ConfigError
+from remote_g2.hashing import hash_from_hex
+from remote_g2.messages import WorkerRecord
+
+from .client import RegistryClient
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--registry", default=None, help="registry endpoint (default: $REMOTE_G2_REGISTRY or tcp://127.0.0.1:7450)")
+    p.add_argument("--timeout-s", type=float, default=None, help="RPC timeout (default 5 s)")
+    p.add_argument("--curve-server-key", default=None, help="registry public key file or Z85 text")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print JSON for scripts")
+    sub = p.add_subparsers(dest="admin_command", metavar="SUBCOMMAND", required=True)
+    w = sub.add_parser("workers", parents=[common], help="list workers")
+    w.add_argument("--all", action="store_true", help="include workers whose lease lapsed (not yet swept)")
+    sub.add_parser("worker", parents=[common], help="one worker's record").add_argument("worker_id")
+    who = sub.add_parser("who-has", parents=[common], help="holders of each hash")
+    who.add_argument("hashes", nargs="+", metavar="HASH")
+    who.add_argument("--all", action="store_true", help="include dead holders")
+    pre = sub.add_parser("prefix", parents=[common], help="best owner of the longest prefix of HASH…")
+    pre.add_argument("hashes", nargs="+", metavar="HASH")
+    pre.add_argument("--requester", default=None, help="worker id asking (excluded; its layout is matched)")
+    pre.add_argument("--compat-key", default=None, help="layout compat key to match")
+    pre.add_argument("--holders", action="store_true", help="also list every holder")
+    sub.add_parser("stats", parents=[common], help="registry counters")
+    sub.add_parser("drain", parents=[common], help="forget a worker and its blocks").add_argument("worker_id")
+
+
+def _hashes(texts: list[str]) -> list[bytes]:
+    try:
+        return [hash_from_hex(t) for t in texts]
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _worker_json(w: WorkerRecord) -> dict[str, Any]:
+    fp = w.fingerprint
+    return {
+        "worker_id": w.worker_id, "endpoint": w.endpoint, "tp_size": w.tp_size, "epoch": w.epoch, "live": w.live,
+        "blocks": w.blocks, "load": w.load, "last_seq": w.last_seq, "lease_expires_in_ms": w.lease_expires_in_ms,
+        "registered_at_ms": w.registered_at_ms,
+        "fingerprint": {f: getattr(fp, f) for f in fp.__dataclass_fields__}, "compat_key": fp.compat_key(),
+    }
+
+
+def _print_workers(workers: list[WorkerRecord]) -> None:
+    print_table(
+        ["worker_id", "endpoint", "tp", "epoch", "live", "blocks", "load", "lease_ms", "model", "compat_key"],
+        [[w.worker_id, w.endpoint, w.tp_size, w.epoch, "yes" if w.live else "NO", w.blocks, w.load,
+          w.lease_expires_in_ms, w.fingerprint.model_id, w.fingerprint.compat_key()] for w in workers],
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = ClientSettings.from_env()
+    endpoint = args.registry or settings.registry_endpoint
+    key = args.curve_server_key or settings.curve_server_key
+    timeout_s = args.timeout_s or settings.rpc_timeout_ms / 1000
+    with RegistryClient(endpoint, timeout_s=timeout_s,
+                        curve=CurveClientConfig.for_server(key) if key else None) as client:
+        return _COMMANDS[args.admin_command](client, args)
+
+
+def _workers(client: RegistryClient, args: argparse.Namespace) -> int:
+    workers = client.list_workers(include_dead=args.all)
+    if args.json:
+        print_json([_worker_json(w) for w in workers])
+    elif workers:
+        _print_workers(workers)
+    else:
+        print("no workers registered")
+    return 0
+
+
+def _worker(client: RegistryClient, args: argparse.Namespace) -> int:
+    w = client.worker_info(args.worker_id)
+    if w is None:
+        if args.json:
+            print_json(None)
+        else:
+            print(f"unknown worker {args.worker_id!r}")
+        return 1
+    if args.json:
+        print_json(_worker_json(w))
+    else:
+        _print_workers([w])
+        fp = w.fingerprint
+        print(f"\nlayout: {fp.model_id} {fp.dtype} {fp.kv_layout} layers={fp.num_layers} kv_heads={fp.num_kv_heads} "
+              f"head_dim={fp.head_dim} tokens/block={fp.tokens_per_block} mla={fp.is_mla}")
+    return 0
+
+
+def _who_has(client: RegistryClient, args: argparse.Namespace) -> int:
+    hashes = _hashes(args.hashes)
+    holders = client.who_has(hashes, include_dead=args.all)
+    if args.json:
+        print_json({h.hex(): holders[h] for h in hashes})
+    else:
+        print_table(["hash", "holders"], [[h.hex(), ", ".join(holders[h]) or "-"] for h in hashes])
+    return 0
+
+
+def _prefix(client: RegistryClient, args: argparse.Namespace) -> int:
+    hashes = _hashes(args.hashes)
+    t0 = time.perf_counter()
+    r = client.lookup(hashes, requester=args.requester, compat_key=args.compat_key, want_all_holders=args.holders)
+    ms = (time.perf_counter() - t0) * 1e3
+    best = r.best
+    doc: dict[str, Any] = {"worker_id": best.worker_id if best else None, "endpoint": best.endpoint if best else None,
+                           "tp_size": best.tp_size if best else None, "matched": r.matched, "asked": len(hashes),
+                           "reason": r.reason}
+    if args.holders:
+        doc["holders"] = [{"worker_id": x.worker_id, "endpoint": x.endpoint, "tp_size": x.tp_size,
+                           "matched": x.matched} for x in r.holders]
+    if args.json:
+        print_json(doc)
+        return 0
+    if best is None:
+        print(f"no owner for this prefix: {r.reason}  ({ms:.2f} ms)")
+    else:
+        print(f"best: {best.worker_id} at {best.endpoint} (tp={best.tp_size}) matches {r.matched}/{len(hashes)} "
+              f"blocks  ({ms:.2f} ms)")
+    if args.holders and r.holders:
+        print()
+        print_table(["worker_id", "endpoint", "tp", "matched"],
+                    [[x.worker_id, x.endpoint, x.tp_size, x.matched] for x in r.holders])
+    return 0
+
+
+def _stats(client: RegistryClient, args: argparse.Namespace) -> int:
+    s = client.stats()
+    doc = {f: getattr(s, f) for f in s.__dataclass_fields__}
+    doc["hit_ratio"] = round(s.lookup_hits / s.lookups, 4) if s.lookups else None
+    if args.json:
+        print_json(doc)
+    else:
+        print_table(["metric", "value"], [[k, doc[k]] for k in sorted(doc)])
+    return 0
+
+
+def _drain(client: RegistryClient, args: argparse.Namespace) -> int:
+    r = client.drain_worker(args.worker_id)
+    if args.json:
+        print_json({"worker_id": args.worker_id, "existed": r.existed, "removed_blocks": r.removed_blocks})
+    elif r.existed:
+        print(f"drained {args.worker_id}: {r.removed_blocks} block entries removed")
+    else:
+        print(f"unknown worker {args.worker_id!r}; nothing to drain")
+    return 0 if r.existed else 1
+
+
+_COMMANDS = {"workers": _workers, "worker": _worker, "who-has": _who_has, "prefix": _prefix, "stats": _stats,
+             "drain": _drain}

@@ -1,0 +1,55 @@
+-- Shared by every registry script; the loader pastes it where a script says
+-- `--!include _lib.lua`. Every script gets the same three leading ARGVs:
+--   ARGV[1] meta prefix  "<prefix>{m}:"  (lease, workers, gone, ctr, i:<inc>; one slot)
+--   ARGV[2] block prefix "<prefix>b:"    (b:<hash>  SET of incarnation ids)
+--   ARGV[3] wb prefix    "<prefix>wb:"   (wb:{<inc>} SET of hashes, a slot per incarnation)
+-- Numbers that may exceed 2^53 (epochs, sequence numbers) stay decimal strings.
+local MP, BP, WP = ARGV[1], ARGV[2], ARGV[3]
+local LEASE, WORKERS, GONE, CTR = MP .. 'lease', MP .. 'workers', MP .. 'gone', MP .. 'ctr'
+
+-- Redis's clock, so every stateless server agrees on who is live.
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function inc_key(inc) return MP .. 'i:' .. inc end
+local function wb_key(inc) return WP .. '{' .. inc .. '}' end
+
+-- a < b for non-negative integers written in decimal without leading zeros.
+local function dec_lt(a, b)
+  if #a ~= #b then return #a < #b end
+  for i = 1, #a do
+    local x, y = a:byte(i), b:byte(i)
+    if x ~= y then return x < y end
+  end
+  return false
+end
+
+-- The worker's current incarnation if its lease runs and its epoch is `epoch`, else nil.
+local function live_inc(wid, epoch, now)
+  local inc = redis.call('HGET', WORKERS, wid)
+  if not inc then return nil end
+  local score = redis.call('ZSCORE', LEASE, inc)
+  if not score or tonumber(score) <= now then return nil end
+  if redis.call('HGET', inc_key(inc), 'epoch') ~= epoch then return nil end
+  return inc
+end
+
+-- Hide `inc` from lookups at once and queue its blocks for the sweeper.
+local function retire(inc, now)
+  redis.call('ZREM', LEASE, inc)
+  redis.call('DEL', inc_key(inc))
+  redis.call('ZADD', GONE, now, inc)
+end
+
+-- Move the worker to a fresh, empty incarnation with the same record and
+-- lease: "drop every block" in O(1); the sweeper deletes the old blocks later.
+local function rotate(wid, inc, now)
+  local new = tostring(redis.call('INCR', CTR))
+  redis.call('HSET', inc_key(new), unpack(redis.call('HGETALL', inc_key(inc))))
+  redis.call('ZADD', LEASE, redis.call('ZSCORE', LEASE, inc), new)
+  retire(inc, now)
+  redis.call('HSET', WORKERS, wid, new)
+  return new
+end

@@ -1,0 +1,74 @@
+"""``remote-g2 serve``: run a registry server until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+from remote_g2.curve import CurveServerConfig
+from remote_g2.errors import ConfigError
+
+from .server import DEFAULT_BIND, RegistryServer
+
+log = logging.getLogger("remote_g2.registry")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bind", default=DEFAULT_BIND, help=f"ZMQ endpoint to serve on (default {DEFAULT_BIND})")
+    store = p.add_mutually_exclusive_group()
+    store.add_argument("--redis-url", help="single-node Redis, e.g. redis://127.0.0.1:6379/0")
+    store.add_argument("--redis-cluster-url", help="any node of a Redis Cluster, e.g. redis://10.0.0.1:7000")
+    p.add_argument("--lease-ttl-s", type=float, default=10.0, help="worker liveness lease (default 10 s)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-addr", default="127.0.0.1", help="address for /metrics (default 127.0.0.1)")
+    p.add_argument("--curve-secret-key", default=None, help="CURVE server key file (NAME.key_secret)")
+    p.add_argument("--curve-allowed-clients", default=None, help="directory of client public keys to admit")
+    p.add_argument("--workers", type=int, default=4, help="request worker threads (default 4)")
+    p.add_argument("--vllm-kv-events", default=None,
+                   help="subscribe to vLLM KV-event publishers: ENDPOINT=WORKER_ID[,ENDPOINT=WORKER_ID...]")
+    p.add_argument("--vllm-all-media", action="store_true",
+                   help="take vLLM events of every medium, not only the host (CPU) tier")
+
+
+def build_server(args: argparse.Namespace) -> RegistryServer:
+    from .store_factory import open_store
+
+    if args.lease_ttl_s <= 0:
+        raise ConfigError("--lease-ttl-s must be positive")
+    if args.curve_allowed_clients and not args.curve_secret_key:
+        raise ConfigError("--curve-allowed-clients needs --curve-secret-key")
+    curve = CurveServerConfig.from_files(args.curve_secret_key, args.curve_allowed_clients) \
+        if args.curve_secret_key else None
+    store = open_store(redis_url=args.redis_url, redis_cluster_url=args.redis_cluster_url,
+                       lease_ttl_ms=int(args.lease_ttl_s * 1000))
+    return RegistryServer(store, bind=args.bind, workers=args.workers, curve=curve)
+
+
+def run(args: argparse.Namespace) -> int:
+    server = build_server(args)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    subscriber = None
+    try:
+        endpoint = server.start()
+        if args.metrics_port is not None:
+            server.metrics.serve_http(args.metrics_port, args.metrics_addr)
+        if args.vllm_kv_events:
+            from .vllm_events import VllmEventSubscriber, parse_subscriptions
+
+            subscriber = VllmEventSubscriber(server.store, parse_subscriptions(args.vllm_kv_events),
+                                             all_media=args.vllm_all_media, metrics=server.metrics).start()
+        metrics = f", metrics on http://{args.metrics_addr}:{args.metrics_port}/metrics" if args.metrics_port else ""
+        print(f"remote-g2 registry serving on {endpoint} (store: {server.store.name}{metrics})", flush=True)
+        while not stop.wait(0.5):
+            pass
+        log.info("shutting down")
+    finally:
+        if subscriber is not None:
+            subscriber.close()
+        server.close()
+        server.store.close()
+    return 0

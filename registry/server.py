@@ -1,0 +1,218 @@
+"""The registry server: registry messages over the shared RPC layer, in front of a store.
+
+Stateless over Redis: every answer comes from the store, so any number of
+servers can front one Redis (or Redis Cluster) and give the same answers. The
+only per-process state is counters (``stats``, Prometheus) and the round-robin
+tie-breaker.
+
+A background thread sweeps dead and superseded incarnations and refreshes the
+size gauges. A store that cannot reach Redis answers ``ERR StoreUnavailable``;
+the server keeps serving and recovers by itself when Redis is back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from remote_g2.curve import CurveServerConfig
+from remote_g2.errors import StoreUnavailable
+from remote_g2.messages import (
+    DrainWorker,
+    DrainWorkerReply,
+    Events,
+    EventsReply,
+    Heartbeat,
+    HeartbeatReply,
+    ListWorkers,
+    ListWorkersReply,
+    Lookup,
+    LookupReply,
+    RegisterWorker,
+    RegisterWorkerReply,
+    Resync,
+    ResyncReply,
+    Stats,
+    StatsReply,
+    WhoHas,
+    WhoHasReply,
+    WorkerInfo,
+    WorkerInfoReply,
+)
+from remote_g2.rpc_server import CallContext, RpcServer
+
+from .metrics import RegistryMetrics
+from .store import RegistryStore
+
+__all__ = ["RegistryServer", "DEFAULT_BIND"]
+
+log = logging.getLogger("remote_g2.registry")
+
+DEFAULT_BIND = "tcp://127.0.0.1:7450"
+
+
+class RegistryServer:
+    """Serve a :class:`RegistryStore` on ``bind``; ``start()`` returns the bound endpoint."""
+
+    def __init__(
+        self,
+        store: RegistryStore,
+        *,
+        bind: str = DEFAULT_BIND,
+        workers: int = 4,
+        curve: CurveServerConfig | None = None,
+        metrics: RegistryMetrics | None = None,
+        sweep_interval_s: float = 1.0,
+    ) -> None:
+        self.store = store
+        self.metrics = metrics or RegistryMetrics()
+        self._rr = itertools.count()
+        self._lookups = 0
+        self._hits = 0
+        self._events = 0
+        self._counter_lock = threading.Lock()
+        self._sweep_interval = sweep_interval_s
+        self._stop = threading.Event()
+        self._sweeper: threading.Thread | None = None
+        self._t0 = time.monotonic()
+        handlers: dict[str, Callable[[Any, CallContext], Any]] = {
+            "register_worker": self._register_worker,
+            "heartbeat": self._heartbeat,
+            "events": self._events_batch,
+            "resync": self._resync,
+            "lookup": self._lookup,
+            "who_has": self._who_has,
+            "worker_info": self._worker_info,
+            "list_workers": self._list_workers,
+            "stats": self._stats,
+            "drain_worker": self._drain_worker,
+        }
+        self._rpc = RpcServer(bind, {k: self._guard(v) for k, v in handlers.items()}, name="registry",
+                              workers=workers, curve=curve, on_call=self.metrics.observe_call)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> str:
+        endpoint = self._rpc.start()
+        self._sweeper = threading.Thread(target=self._sweep_loop, name="registry-sweeper", daemon=True)
+        self._sweeper.start()
+        log.info("registry on %s (store: %s, lease %d ms)", endpoint, self.store.name, self.store.lease_ttl_ms)
+        return endpoint
+
+    @property
+    def endpoint(self) -> str:
+        return self._rpc.endpoint
+
+    def close(self) -> None:
+        """Stop serving and sweeping; the store is the caller's to close."""
+        self._stop.set()
+        self._rpc.close()
+        if self._sweeper is not None:
+            self._sweeper.join(5)
+
+    def __enter__(self) -> RegistryServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _sweep_loop(self) -> None:
+        warned = False
+        while not self._stop.wait(self._sweep_interval):
+            try:
+                swept = self.store.sweep()
+                live, total, entries = self.store.counts()
+            except StoreUnavailable as e:
+                if not warned:
+                    log.warning("sweeper: %s (will keep retrying)", e)
+                    warned = True
+                continue
+            except Exception:
+                log.exception("sweeper failed")
+                continue
+            if warned:
+                log.info("sweeper: store reachable again")
+                warned = False
+            if swept:
+                self.metrics.swept.inc(swept)
+            self.metrics.workers_live.set(live)
+            self.metrics.workers_total.set(total)
+            self.metrics.block_entries.set(entries)
+
+    # -- handlers -----------------------------------------------------------------------
+
+    def _guard(self, handler: Callable[[Any, CallContext], Any]) -> Callable[[Any, CallContext], Any]:
+        def guarded(req: Any, ctx: CallContext) -> Any:
+            try:
+                return handler(req, ctx)
+            except StoreUnavailable:
+                self.metrics.errors.labels("store_unavailable").inc()
+                raise
+        return guarded
+
+    def _register_worker(self, req: RegisterWorker, ctx: CallContext) -> RegisterWorkerReply:
+        reply = self.store.register_worker(req)
+        log.info("worker %s registered (epoch %d, %s, tp=%d%s)", req.worker_id, req.epoch, req.endpoint,
+                 req.fingerprint.tp_size, ", new incarnation" if reply.new_incarnation else "")
+        return reply
+
+    def _heartbeat(self, req: Heartbeat, ctx: CallContext) -> HeartbeatReply:
+        return self.store.heartbeat(req)
+
+    def _events_batch(self, req: Events, ctx: CallContext) -> EventsReply:
+        reply = self.store.apply_events(req)
+        if reply.status == "ok":
+            self.metrics.events_ingested.labels("rpc").inc(reply.applied)
+            with self._counter_lock:
+                self._events += reply.applied
+        elif reply.status == "resync_needed":
+            self.metrics.resyncs.inc()
+        return reply
+
+    def _resync(self, req: Resync, ctx: CallContext) -> ResyncReply:
+        reply = self.store.resync(req)
+        if reply.status == "ok":
+            self.metrics.events_ingested.labels("resync").inc(len(req.hashes))
+        return reply
+
+    def _lookup(self, req: Lookup, ctx: CallContext) -> LookupReply:
+        t0 = time.perf_counter()
+        reply = self.store.lookup(req.hashes, compat_key=req.compat_key, requester=req.requester,
+                                  want_all_holders=req.want_all_holders, tie_breaker=next(self._rr))
+        self.metrics.lookup_latency.observe(time.perf_counter() - t0)
+        self.metrics.lookups.inc()
+        self.metrics.lookup_reasons.labels(reply.reason).inc()
+        hit = reply.reason == "ok"
+        if hit:
+            self.metrics.lookup_hits.inc()
+            self.metrics.matched_blocks.inc(reply.matched)
+        with self._counter_lock:
+            self._lookups += 1
+            self._hits += hit
+        return reply
+
+    def _who_has(self, req: WhoHas, ctx: CallContext) -> WhoHasReply:
+        return WhoHasReply(self.store.who_has(req.hashes, include_dead=req.include_dead))
+
+    def _worker_info(self, req: WorkerInfo, ctx: CallContext) -> WorkerInfoReply:
+        return WorkerInfoReply(self.store.worker_info(req.worker_id))
+
+    def _list_workers(self, req: ListWorkers, ctx: CallContext) -> ListWorkersReply:
+        return ListWorkersReply(self.store.list_workers(include_dead=req.include_dead))
+
+    def _stats(self, req: Stats, ctx: CallContext) -> StatsReply:
+        live, total, entries = self.store.counts()
+        with self._counter_lock:
+            return StatsReply(store=self.store.name, workers_live=live, workers_total=total, block_entries=entries,
+                              lookups=self._lookups, lookup_hits=self._hits, events_ingested=self._events,
+                              uptime_s=time.monotonic() - self._t0)
+
+    def _drain_worker(self, req: DrainWorker, ctx: CallContext) -> DrainWorkerReply:
+        reply = self.store.drain_worker(req.worker_id)
+        log.info("worker %s drained by admin (%d blocks)", req.worker_id, reply.removed_blocks)
+        return reply

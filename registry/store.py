@@ -1,0 +1,166 @@
+"""The registry's storage contract, shared by every backend.
+
+Backends: :mod:`.store_memory` (embedded, one process), :mod:`.store_redis`
+(single-node Redis, Lua scripts), the same module's cluster mode (Redis
+Cluster, node-batched). One parametrized test suite
+(``tests/test_registry_store.py``) holds them all to this contract.
+
+Model
+-----
+* A **worker** is known by ``worker_id`` and registers with an ``epoch``. Each
+  registration that starts afresh creates a new **incarnation** (an opaque,
+  never-reused id inside the store). Blocks belong to an incarnation, so
+  "drop everything this worker held" is O(1): switch the worker to a fresh
+  incarnation and let :meth:`RegistryStore.sweep` delete the old one's
+  entries in the background. Lookups only ever see the current incarnation.
+* **Liveness** is a lease of ``lease_ttl_ms`` renewed by heartbeats. A worker
+  whose lease lapsed is *dead*: invisible to lookups at once, answered
+  ``unknown_worker`` on heartbeat/events, and swept later.
+* **Events** arrive in batches numbered 1, 2, … per incarnation. A batch whose
+  ``seq`` is not the next one is not applied and is answered
+  ``resync_needed``. ``resync`` replaces the worker's whole block set.
+
+Semantics every backend implements
+----------------------------------
+``register_worker(req)``
+    * unknown worker, or its lease lapsed → new incarnation, ``next_seq=1``,
+      ``new_incarnation=True``;
+    * same epoch, live, same endpoint and fingerprint → lease renewed,
+      blocks kept, ``next_seq = last_seq + 1``, ``new_incarnation=False``;
+    * higher epoch → new incarnation (old blocks gone from lookups at once);
+    * lower epoch, or same epoch with a different endpoint/fingerprint →
+      :class:`~remote_g2.errors.StaleEpoch`.
+``heartbeat(req)``
+    renews the lease if the worker is live with that epoch (``ok``), else
+    ``unknown_worker`` (register again, then resync). Records ``load``.
+``apply_events(req)``
+    ``unknown_worker`` unless live with that epoch; ``resync_needed`` unless
+    ``seq == last_seq + 1`` (nothing applied); else applies in order —
+    ``stored`` adds, ``removed`` deletes, ``cleared`` drops all — and answers
+    ``ok`` with ``expected_seq = seq + 1`` and ``applied`` = hashes touched.
+``resync(req)``
+    ``unknown_worker`` unless live with that epoch; ``first`` drops all the
+    worker's blocks before adding; ``last`` sets ``last_seq = seq - 1``.
+    ``stored`` is the worker's block count afterwards.
+``lookup(hashes, compat_key, requester, want_all_holders, tie_breaker)``
+    candidates are the live holders of ``hashes[0]``; the requester is never
+    a candidate; when ``compat_key`` is None and the requester is registered,
+    the requester's compat key is used; a candidate with another compat key
+    is excluded. Each candidate's ``matched`` is the length of the prefix of
+    ``hashes`` it holds without a gap. Best: longest ``matched``, then lowest
+    load, then ``tie_breaker`` modulo the tied count (over tied workers
+    sorted by worker id). With no candidate the reason is
+    ``incompatible_layout`` if an incompatible live holder was excluded, else
+    ``source_is_target`` if the requester was the only live holder, else
+    ``no_candidate``; ``matched`` is then 0 and ``best`` None. ``holders``
+    (only with ``want_all_holders``): every candidate, by ``matched``
+    descending then worker id.
+``who_has(hashes, include_dead)``
+    per hash, the sorted worker ids holding it (live only unless asked).
+``worker_info`` / ``list_workers``
+    :class:`~remote_g2.messages.WorkerRecord` (``blocks`` = the current
+    incarnation's block count); ``list_workers`` sorted by worker id, dead
+    workers only with ``include_dead``.
+``drain_worker(worker_id)``
+    forgets the worker and its blocks; a later register starts afresh.
+``sweep()``
+    deletes dead workers (lease lapsed) and the blocks of superseded or dead
+    incarnations, a bounded amount per call; returns the number of
+    incarnations fully removed. Safe to run from several servers at once.
+``counts()``
+    ``(workers_live, workers_total, block_entries)`` where block entries count
+    (hash, live-or-dead worker) pairs not yet swept — approximate on Redis
+    backends while a sweep is pending.
+
+Errors: a store that cannot reach its backend raises
+:class:`~remote_g2.errors.StoreUnavailable`; nothing else escapes as a
+non-``RemoteG2Error``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from remote_g2.messages import (
+    DrainWorkerReply,
+    Events,
+    EventsReply,
+    Heartbeat,
+    HeartbeatReply,
+    LookupReply,
+    RegisterWorker,
+    RegisterWorkerReply,
+    Resync,
+    ResyncReply,
+    WorkerRecord,
+)
+
+__all__ = ["RegistryStore", "DEFAULT_LEASE_TTL_MS"]
+
+DEFAULT_LEASE_TTL_MS = 10_000
+
+
+class RegistryStore(ABC):
+    """Storage for worker records and block-hash → holder sets. Thread-safe."""
+
+    #: Short backend name for stats and logs ("memory", "redis", "redis-cluster").
+    name: str = "?"
+
+    def __init__(self, lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS) -> None:
+        if lease_ttl_ms <= 0:
+            raise ValueError("lease_ttl_ms must be positive")
+        self.lease_ttl_ms = lease_ttl_ms
+
+    # -- worker side -------------------------------------------------------------
+
+    @abstractmethod
+    def register_worker(self, req: RegisterWorker) -> RegisterWorkerReply: ...
+
+    @abstractmethod
+    def heartbeat(self, req: Heartbeat) -> HeartbeatReply: ...
+
+    @abstractmethod
+    def apply_events(self, req: Events) -> EventsReply: ...
+
+    @abstractmethod
+    def resync(self, req: Resync) -> ResyncReply: ...
+
+    # -- target side ---------------------------------------------------------------
+
+    @abstractmethod
+    def lookup(
+        self,
+        hashes: Sequence[bytes],
+        *,
+        compat_key: str | None = None,
+        requester: str | None = None,
+        want_all_holders: bool = False,
+        tie_breaker: int = 0,
+    ) -> LookupReply: ...
+
+    # -- admin -------------------------------------------------------------------------
+
+    @abstractmethod
+    def who_has(self, hashes: Sequence[bytes], *, include_dead: bool = False) -> list[list[str]]: ...
+
+    @abstractmethod
+    def worker_info(self, worker_id: str) -> WorkerRecord | None: ...
+
+    @abstractmethod
+    def list_workers(self, *, include_dead: bool = False) -> list[WorkerRecord]: ...
+
+    @abstractmethod
+    def drain_worker(self, worker_id: str) -> DrainWorkerReply: ...
+
+    @abstractmethod
+    def sweep(self) -> int: ...
+
+    @abstractmethod
+    def counts(self) -> tuple[int, int, int]: ...
+
+    def ping(self) -> None:
+        """Raise :class:`~remote_g2.errors.StoreUnavailable` if the backend is unreachable."""
+
+    def close(self) -> None:
+        """Release connections; idempotent."""

@@ -1,0 +1,275 @@
+"""The embedded registry store: plain dicts under one lock, for one box.
+
+It is the default of ``remote-g2 serve`` and the readable reference for the
+contract in :mod:`.store`. Superseded incarnations are dropped synchronously
+(the cost is one pass over their blocks); dead ones are found by
+:meth:`MemoryStore.sweep`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from remote_g2.errors import StaleEpoch
+from remote_g2.messages import (
+    DrainWorkerReply,
+    Events,
+    EventsReply,
+    Heartbeat,
+    HeartbeatReply,
+    Holder,
+    LayoutFingerprint,
+    LookupReply,
+    RegisterWorker,
+    RegisterWorkerReply,
+    Resync,
+    ResyncReply,
+    WorkerRecord,
+)
+
+from .store import DEFAULT_LEASE_TTL_MS, RegistryStore
+
+__all__ = ["MemoryStore"]
+
+
+@dataclass
+class _Incarnation:
+    inc: int
+    worker_id: str
+    epoch: int
+    endpoint: str
+    fingerprint: LayoutFingerprint
+    compat: str
+    registered_at_ms: int
+    expires_at: float
+    blocks: set[bytes] = field(default_factory=set)
+    last_seq: int = 0
+    load: int = 0
+
+
+class MemoryStore(RegistryStore):
+    """In-process store; ``clock`` (seconds, monotonic) is injectable for tests."""
+
+    name = "memory"
+
+    def __init__(self, lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(lease_ttl_ms)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._workers: dict[str, _Incarnation] = {}
+        self._holders: dict[bytes, set[int]] = {}
+        self._incs: dict[int, _Incarnation] = {}
+
+    # -- helpers (lock held) -------------------------------------------------------
+
+    def _live(self, rec: _Incarnation) -> bool:
+        return rec.expires_at > self._clock()
+
+    def _current(self, worker_id: str, epoch: int) -> _Incarnation | None:
+        rec = self._workers.get(worker_id)
+        if rec is None or rec.epoch != epoch or not self._live(rec):
+            return None
+        return rec
+
+    def _add(self, rec: _Incarnation, hashes: Iterable[bytes]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in rec.blocks:
+                rec.blocks.add(h)
+                self._holders.setdefault(h, set()).add(rec.inc)
+            n += 1
+        return n
+
+    def _remove(self, rec: _Incarnation, hashes: Iterable[bytes]) -> int:
+        n = 0
+        for h in hashes:
+            if h in rec.blocks:
+                rec.blocks.discard(h)
+                holders = self._holders.get(h)
+                if holders is not None:
+                    holders.discard(rec.inc)
+                    if not holders:
+                        del self._holders[h]
+            n += 1
+        return n
+
+    def _drop_incarnation(self, rec: _Incarnation) -> int:
+        n = len(rec.blocks)
+        self._remove(rec, list(rec.blocks))
+        self._incs.pop(rec.inc, None)
+        return n
+
+    def _new_incarnation(self, req: RegisterWorker) -> _Incarnation:
+        rec = _Incarnation(
+            inc=next(self._ids), worker_id=req.worker_id, epoch=req.epoch, endpoint=req.endpoint,
+            fingerprint=req.fingerprint, compat=req.fingerprint.compat_key(),
+            registered_at_ms=int(time.time() * 1000), expires_at=self._clock() + self.lease_ttl_ms / 1000,
+        )
+        self._incs[rec.inc] = rec
+        self._workers[req.worker_id] = rec
+        return rec
+
+    def _record(self, rec: _Incarnation) -> WorkerRecord:
+        left = rec.expires_at - self._clock()
+        return WorkerRecord(
+            worker_id=rec.worker_id, endpoint=rec.endpoint, epoch=rec.epoch, tp_size=rec.fingerprint.tp_size,
+            fingerprint=rec.fingerprint, live=left > 0, lease_expires_in_ms=int(left * 1000),
+            blocks=len(rec.blocks), last_seq=rec.last_seq, load=rec.load, registered_at_ms=rec.registered_at_ms,
+        )
+
+    # -- worker side -------------------------------------------------------------------
+
+    def register_worker(self, req: RegisterWorker) -> RegisterWorkerReply:
+        with self._lock:
+            old = self._workers.get(req.worker_id)
+            if old is not None and self._live(old):
+                if req.epoch < old.epoch:
+                    raise StaleEpoch(f"worker {req.worker_id!r} registered with epoch {req.epoch}, "
+                                     f"older than the live epoch {old.epoch}")
+                if req.epoch == old.epoch:
+                    if (req.endpoint, req.fingerprint) != (old.endpoint, old.fingerprint):
+                        raise StaleEpoch(f"worker {req.worker_id!r} re-registered epoch {req.epoch} with a "
+                                         "different endpoint or fingerprint; use a new epoch")
+                    old.expires_at = self._clock() + self.lease_ttl_ms / 1000
+                    return RegisterWorkerReply(self.lease_ttl_ms, old.last_seq + 1, False)
+            if old is not None:
+                self._drop_incarnation(old)
+            self._new_incarnation(req)
+            return RegisterWorkerReply(self.lease_ttl_ms, 1, True)
+
+    def heartbeat(self, req: Heartbeat) -> HeartbeatReply:
+        with self._lock:
+            rec = self._current(req.worker_id, req.epoch)
+            if rec is None:
+                return HeartbeatReply("unknown_worker", 0)
+            rec.expires_at = self._clock() + self.lease_ttl_ms / 1000
+            rec.load = req.load
+            return HeartbeatReply("ok", self.lease_ttl_ms)
+
+    def apply_events(self, req: Events) -> EventsReply:
+        with self._lock:
+            rec = self._current(req.worker_id, req.epoch)
+            if rec is None:
+                return EventsReply("unknown_worker", 0, 0)
+            if req.seq != rec.last_seq + 1:
+                return EventsReply("resync_needed", rec.last_seq + 1, 0)
+            applied = 0
+            for ev in req.events:
+                if ev.kind == "stored":
+                    applied += self._add(rec, ev.hashes)
+                elif ev.kind == "removed":
+                    applied += self._remove(rec, ev.hashes)
+                else:
+                    applied += len(rec.blocks)
+                    self._remove(rec, list(rec.blocks))
+            rec.last_seq = req.seq
+            return EventsReply("ok", req.seq + 1, applied)
+
+    def resync(self, req: Resync) -> ResyncReply:
+        with self._lock:
+            rec = self._current(req.worker_id, req.epoch)
+            if rec is None:
+                return ResyncReply("unknown_worker", 0, 0)
+            if req.first:
+                self._remove(rec, list(rec.blocks))
+            self._add(rec, req.hashes)
+            if req.last:
+                rec.last_seq = req.seq - 1
+            return ResyncReply("ok", rec.last_seq + 1, len(rec.blocks))
+
+    # -- target side ---------------------------------------------------------------------
+
+    def lookup(self, hashes: Sequence[bytes], *, compat_key: str | None = None, requester: str | None = None,
+               want_all_holders: bool = False, tie_breaker: int = 0) -> LookupReply:
+        with self._lock:
+            if compat_key is None and requester is not None and requester in self._workers:
+                compat_key = self._workers[requester].compat
+            first = self._holders.get(hashes[0], ())
+            cands: list[_Incarnation] = []
+            saw_self = saw_incompatible = False
+            for inc in first:
+                rec = self._incs[inc]
+                if not self._live(rec) or self._workers.get(rec.worker_id) is not rec:
+                    continue
+                if rec.worker_id == requester:
+                    saw_self = True
+                elif compat_key is not None and rec.compat != compat_key:
+                    saw_incompatible = True
+                else:
+                    cands.append(rec)
+            if not cands:
+                reason = ("incompatible_layout" if saw_incompatible
+                          else "source_is_target" if saw_self else "no_candidate")
+                return LookupReply(reason, 0)
+            matched = {}
+            for rec in cands:
+                n = 1
+                while n < len(hashes) and hashes[n] in rec.blocks:
+                    n += 1
+                matched[rec.inc] = n
+            return _choose(cands, matched, want_all_holders, tie_breaker)
+
+    # -- admin -------------------------------------------------------------------------------
+
+    def who_has(self, hashes: Sequence[bytes], *, include_dead: bool = False) -> list[list[str]]:
+        with self._lock:
+            out = []
+            for h in hashes:
+                ids = {self._incs[i].worker_id for i in self._holders.get(h, ())
+                       if include_dead or self._live(self._incs[i])}
+                out.append(sorted(ids))
+            return out
+
+    def worker_info(self, worker_id: str) -> WorkerRecord | None:
+        with self._lock:
+            rec = self._workers.get(worker_id)
+            return None if rec is None else self._record(rec)
+
+    def list_workers(self, *, include_dead: bool = False) -> list[WorkerRecord]:
+        with self._lock:
+            return [self._record(r) for _, r in sorted(self._workers.items())
+                    if include_dead or self._live(r)]
+
+    def drain_worker(self, worker_id: str) -> DrainWorkerReply:
+        with self._lock:
+            rec = self._workers.pop(worker_id, None)
+            if rec is None:
+                return DrainWorkerReply(False, 0)
+            return DrainWorkerReply(True, self._drop_incarnation(rec))
+
+    def sweep(self) -> int:
+        with self._lock:
+            dead = [r for r in self._workers.values() if not self._live(r)]
+            for rec in dead:
+                del self._workers[rec.worker_id]
+                self._drop_incarnation(rec)
+            return len(dead)
+
+    def counts(self) -> tuple[int, int, int]:
+        with self._lock:
+            live = sum(1 for r in self._workers.values() if self._live(r))
+            entries = sum(len(r.blocks) for r in self._incs.values())
+            return live, len(self._workers), entries
+
+
+def _choose(cands: Sequence[_Incarnation], matched: dict[int, int], want_all: bool, tie_breaker: int) -> LookupReply:
+    """Pick the best candidate by (matched desc, load asc, tie_breaker over worker id)."""
+    top = max(matched.values())
+    tied = [r for r in cands if matched[r.inc] == top]
+    low = min(r.load for r in tied)
+    tied = sorted((r for r in tied if r.load == low), key=lambda r: r.worker_id)
+    best = tied[tie_breaker % len(tied)]
+
+    def holder(r: _Incarnation) -> Holder:
+        return Holder(r.worker_id, r.endpoint, r.fingerprint.tp_size, matched[r.inc])
+
+    holders = []
+    if want_all:
+        holders = [holder(r) for r in sorted(cands, key=lambda r: (-matched[r.inc], r.worker_id))]
+    return LookupReply("ok", top, holder(best), holders)

@@ -1,0 +1,671 @@
+"""The registry store on Redis (:class:`RedisStore`) and Redis Cluster (:class:`RedisClusterStore`).
+
+Both hold the contract of :mod:`.store`; every server in front of one Redis
+gives the same answers because all state, the clock included (Redis ``TIME``),
+lives in Redis. Needs Redis >= 7 (script flags).
+
+Key layout (``P`` = ``key_prefix``, default ``rg2:``)::
+
+    P{m}:lease      ZSET  current incarnation id -> lease expiry (ms, Redis TIME)
+    P{m}:workers    HASH  worker id -> its current incarnation id
+    P{m}:i:<inc>    HASH  wid, epoch, endpoint, fp, compat, tp, seq, load, reg
+    P{m}:gone       ZSET  retired incarnation id -> when retired; the sweep queue
+    P{m}:ctr        STR   incarnation id counter (INCR; ids are never reused)
+    Pb:<hash>       SET   incarnation ids holding the block (raw hash bytes)
+    Pwb:{<inc>}     SET   hashes the incarnation holds (for "drop all" and sweep)
+
+The ``{m}`` hash tag keeps every meta key in one Cluster slot, so each
+worker-side command is one atomic script there; ``{<inc>}`` gives each
+incarnation's ``wb`` set its own slot; block keys spread by their hash bytes.
+Only current incarnations are in ``lease``: a superseded, cleared, drained or
+reaped incarnation leaves it at once (so lookups stop seeing it) and waits in
+``gone`` until :meth:`sweep` deletes its ``b:`` memberships and ``wb`` set.
+
+Round trips: on one node every worker-side call and every lookup is ONE
+``EVALSHA`` (``registry/lua/*.lua``; loaded on first use, reloaded after
+NOSCRIPT). On Cluster a lookup reads the block sets of the other nodes with
+one call per node, in parallel, then runs the same lookup script on the meta
+slot's node (liveness, layout filter and the prefix walk over its own keys);
+an event batch is one call to the meta node (validate, advance ``seq``), then
+writes ``wb`` before and after one call per node for the block sets, so that
+``wb`` always covers what the block sets hold. A node call declares one key
+(for routing) and names the rest in ARGV: Redis 7 refuses declared keys of
+several slots (CROSSSLOT) even with ``allow-cross-slot-keys``, but lets such a
+script touch undeclared keys of any slot on its own node.
+
+Errors: any Redis or connection failure becomes
+:class:`~remote_g2.errors.StoreUnavailable`; connections are re-made by
+redis-py on the next call, and on Cluster a failed call refreshes the slot
+table once and retries before giving up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import re
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+from urllib.parse import urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.crc import key_slot
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+from redis.retry import Retry
+
+from remote_g2.errors import StaleEpoch, StoreUnavailable
+from remote_g2.messages import (
+    BlockEvent,
+    DrainWorkerReply,
+    Events,
+    EventsReply,
+    Heartbeat,
+    HeartbeatReply,
+    Holder,
+    LayoutFingerprint,
+    LookupReply,
+    RegisterWorker,
+    RegisterWorkerReply,
+    Resync,
+    ResyncReply,
+    WorkerRecord,
+)
+
+from .store import DEFAULT_LEASE_TTL_MS, RegistryStore
+
+__all__ = ["RedisStore", "RedisClusterStore", "DEFAULT_KEY_PREFIX"]
+
+DEFAULT_KEY_PREFIX = "rg2:"
+_LUA_DIR = Path(__file__).with_name("lua")
+_INCLUDE = re.compile(r"^--!include (\S+)$", re.M)
+_ERRORS = (RedisError, RedisClusterException)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+# -- scripts --------------------------------------------------------------------------------
+
+
+@functools.cache
+def _script_sources() -> dict[str, str]:
+    """Every ``registry/lua/<name>.lua`` with its ``--!include`` lines expanded (``_*.lua`` are includes)."""
+    def expand(m: re.Match[str]) -> str:
+        return (_LUA_DIR / m.group(1)).read_text()
+    return {p.stem: _INCLUDE.sub(expand, p.read_text())
+            for p in sorted(_LUA_DIR.glob("*.lua")) if not p.stem.startswith("_")}
+
+
+class _Scripts:
+    """EVALSHA by name; on NOSCRIPT (new server, failover, SCRIPT FLUSH) load the script there and retry."""
+
+    def __init__(self) -> None:
+        self._src = _script_sources()
+        self._sha = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in self._src.items()}
+
+    def run(self, client: redis.Redis, name: str, key: bytes, args: Sequence[Any]) -> Any:
+        try:
+            return client.evalsha(self._sha[name], 1, key, *args)
+        except NoScriptError:
+            client.script_load(self._src[name])
+            return client.evalsha(self._sha[name], 1, key, *args)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Keys:
+    """Key names (bytes, binary-safe) for one ``key_prefix``."""
+
+    prefix: bytes
+
+    @property
+    def meta(self) -> bytes:
+        return self.prefix + b"{m}:"
+
+    @property
+    def lease(self) -> bytes:
+        return self.meta + b"lease"
+
+    @property
+    def gone(self) -> bytes:
+        return self.meta + b"gone"
+
+    @property
+    def block(self) -> bytes:
+        return self.prefix + b"b:"
+
+    def wb(self, inc: bytes) -> bytes:
+        return self.prefix + b"wb:{" + inc + b"}"
+
+    @property
+    def header(self) -> list[bytes]:
+        """ARGV[1..3] of every script (see ``lua/_lib.lua``)."""
+        return [self.meta, self.block, self.prefix + b"wb:"]
+
+
+# -- connections ------------------------------------------------------------------------------
+
+_Group = dict[str, tuple[redis.Redis, list[int]]]
+
+
+def _connection_options(socket_timeout_s: float) -> dict[str, Any]:
+    # One immediate retry replaces a pooled socket that died with a restarted
+    # server; no backoff, so an unreachable Redis fails within the timeouts.
+    return {"socket_timeout": socket_timeout_s, "socket_connect_timeout": socket_timeout_s,
+            "retry": Retry(NoBackoff(), 1), "health_check_interval": 30}
+
+
+def _address(url: str) -> str:
+    parts = urlsplit(url)
+    return parts.path if parts.scheme == "unix" else f"{parts.hostname or '127.0.0.1'}:{parts.port or 6379}"
+
+
+class _SingleNode:
+    """One Redis: every key is on the one node; redis-py reconnects by itself."""
+
+    def __init__(self, url: str, socket_timeout_s: float, max_connections: int) -> None:
+        self.address = _address(url)
+        pool = redis.BlockingConnectionPool.from_url(url, max_connections=max_connections,
+                                                     timeout=socket_timeout_s,
+                                                     **_connection_options(socket_timeout_s))
+        self.client = redis.Redis(connection_pool=pool)
+
+    def node(self, key: bytes) -> tuple[str, redis.Redis]:
+        return "", self.client
+
+    def group(self, keys: Sequence[bytes]) -> _Group:
+        return {"": (self.client, list(range(len(keys))))} if keys else {}
+
+    def retrying(self, fn: Callable[[], R]) -> R:
+        return fn()  # the connection's own Retry already covers a stale socket
+
+    def close(self) -> None:
+        self.client.close()
+        self.client.connection_pool.disconnect()
+
+
+class _ClusterNodes:
+    """A Redis Cluster addressed node by node, from a slot table copied out of redis-py.
+
+    Created lazily, so a store can be built while the cluster is down and
+    starts working once it is up.
+    """
+
+    def __init__(self, url: str, socket_timeout_s: float, max_connections: int) -> None:
+        self.address = _address(url)
+        self._url = url
+        self._options = {**_connection_options(socket_timeout_s), "max_connections": max_connections}
+        self._lock = threading.Lock()
+        self._rc: RedisCluster | None = None
+        # (slot -> node name, node name -> client); replaced whole, read without a lock.
+        self._table: tuple[list[str], dict[str, redis.Redis]] | None = None
+
+    def _slots(self) -> tuple[list[str], dict[str, redis.Redis]]:
+        table = self._table
+        if table is None:
+            with self._lock:
+                if self._table is None:
+                    if self._rc is None:
+                        self._rc = RedisCluster.from_url(self._url, **self._options)
+                    self._table = self._copy_table(self._rc)
+                table = self._table
+        return table
+
+    @staticmethod
+    def _copy_table(rc: RedisCluster) -> tuple[list[str], dict[str, redis.Redis]]:
+        names = [""] * 16384
+        clients: dict[str, redis.Redis] = {}
+        for slot, nodes in dict(rc.nodes_manager.slots_cache).items():
+            primary = nodes[0]
+            names[slot] = primary.name
+            clients[primary.name] = primary.redis_connection
+        if "" in names:
+            raise RedisClusterException("the cluster does not cover every slot")
+        return names, clients
+
+    def refresh(self) -> None:
+        """Re-read the slot table from the cluster (after MOVED, a dead node, ...)."""
+        with self._lock:
+            self._table = None
+            if self._rc is not None:
+                self._rc.nodes_manager.initialize()
+                self._table = self._copy_table(self._rc)
+
+    def node(self, key: bytes) -> tuple[str, redis.Redis]:
+        names, clients = self._slots()
+        name = names[key_slot(key)]
+        return name, clients[name]
+
+    def group(self, keys: Sequence[bytes]) -> _Group:
+        names, clients = self._slots()
+        out: _Group = {}
+        for i, key in enumerate(keys):
+            name = names[key_slot(key)]
+            entry = out.get(name)
+            if entry is None:
+                out[name] = (clients[name], [i])
+            else:
+                entry[1].append(i)
+        return out
+
+    def retrying(self, fn: Callable[[], R]) -> R:
+        """Run ``fn`` (which must be safe to repeat); on a Redis error refresh the slot table once and rerun."""
+        try:
+            return fn()
+        except _ERRORS:
+            self.refresh()
+            return fn()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._rc is not None:
+                self._rc.close()
+            self._rc, self._table = None, None
+
+
+def _command(retry: bool = True) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Turn Redis failures into StoreUnavailable; with ``retry``, a whole call is rerun once on Cluster."""
+    def wrap(method: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(method)
+        def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            store: _RedisBase = args[0]  # type: ignore[assignment]
+            try:
+                if retry:
+                    return store._nodes.retrying(lambda: method(*args, **kwargs))
+                return method(*args, **kwargs)
+            except _ERRORS as e:
+                raise StoreUnavailable(f"redis at {store._nodes.address} unreachable: "
+                                       f"{type(e).__name__}: {e}") from e
+        return call
+    return wrap
+
+
+# -- the store, by concern ------------------------------------------------------------------------
+
+
+class _RedisBase(RegistryStore):
+    """Connection, keys, scripts and the few helpers every group of commands uses."""
+
+    default_sweep_grace_ms = 0
+
+    def __init__(self, nodes: _SingleNode | _ClusterNodes, lease_ttl_ms: int, key_prefix: str | bytes,
+                 sweep_grace_ms: int | None, sweep_max_incarnations: int, sweep_max_keys: int) -> None:
+        super().__init__(lease_ttl_ms)
+        prefix = key_prefix.encode() if isinstance(key_prefix, str) else bytes(key_prefix)
+        if b"{" in prefix or b"}" in prefix:
+            raise ValueError("key_prefix must not contain '{' or '}' (it would pin every key to one Cluster slot)")
+        self._nodes = nodes
+        self._keys = _Keys(prefix)
+        self._scripts = _Scripts()
+        self.sweep_grace_ms = self.default_sweep_grace_ms if sweep_grace_ms is None else sweep_grace_ms
+        self.sweep_max_incarnations = sweep_max_incarnations
+        self.sweep_max_keys = sweep_max_keys
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    def _meta(self, script: str, *args: Any) -> Any:
+        """Run a script on the meta slot's node."""
+        _, client = self._nodes.node(self._keys.lease)
+        return self._scripts.run(client, script, self._keys.lease, [*self._keys.header, *args])
+
+    def _fan_out(self, calls: Sequence[Callable[[], R]]) -> list[R]:
+        """Run the calls (one per node) in parallel; the first on this thread."""
+        if len(calls) <= 1:
+            return [c() for c in calls]
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rg2-redis")
+        futures = [self._pool.submit(c) for c in calls[1:]]
+        first = calls[0]()
+        return [first, *(f.result() for f in futures)]
+
+    def _per_node(self, script: str, hashes: Sequence[bytes]) -> list[tuple[list[int], Any]]:
+        """Run a per-node script (ARGV: hashes) once on every node holding some of the hashes' block sets.
+
+        Returns (indexes into ``hashes`` that node got, its reply) per node.
+        """
+        keys = [self._keys.block + h for h in hashes]
+        groups = list(self._nodes.group(keys).values())
+        replies = self._fan_out([functools.partial(self._scripts.run, c, script, keys[idx[0]],
+                                                   [*self._keys.header, *(hashes[i] for i in idx)])
+                                 for c, idx in groups])
+        return [(idx, r) for (_, idx), r in zip(groups, replies)]
+
+    def _block_ops(self, inc: bytes, adds: Sequence[bytes], removes: Sequence[bytes]) -> None:
+        """Add ``inc`` to the block sets of ``adds`` and take it out of those of ``removes``, node by node."""
+        ops = [*adds, *removes]
+        if not ops:
+            return
+        keys = [self._keys.block + h for h in ops]
+        n_add = len(adds)
+
+        def call(client: redis.Redis, idx: list[int]) -> Any:
+            mine_add = [ops[i] for i in idx if i < n_add]
+            mine_rem = [ops[i] for i in idx if i >= n_add]
+            return self._scripts.run(client, "block_ops", keys[idx[0]],
+                                     [*self._keys.header, inc, len(mine_add), *mine_add, *mine_rem])
+        self._fan_out([functools.partial(call, c, idx) for c, idx in self._nodes.group(keys).values()])
+
+    def _block_counts(self, incs: Sequence[bytes]) -> list[int]:
+        """SCARD of each incarnation's ``wb`` set, one pipeline per node."""
+        keys = [self._keys.wb(inc) for inc in incs]
+        out = [0] * len(keys)
+        for client, idx in self._nodes.group(keys).values():
+            pipe = client.pipeline(transaction=False)
+            for i in idx:
+                pipe.scard(keys[i])
+            for i, n in zip(idx, pipe.execute()):
+                out[i] = n
+        return out
+
+    def _wb_write(self, inc: bytes, adds: Sequence[bytes], removes: Sequence[bytes],
+                  count: bool) -> int:
+        """Node-batched block writes for one incarnation; returns its block count when ``count``.
+
+        ``wb`` grows before and shrinks after the block sets, so after any
+        failure ``wb`` still names every block set that holds ``inc`` and the
+        sweeper can find them. Idempotent (set adds/removes of a net effect).
+        """
+        wb = self._keys.wb(inc)
+        _, client = self._nodes.node(wb)
+        for chunk in _chunks(adds):
+            client.sadd(wb, *chunk)
+        self._block_ops(inc, adds, removes)
+        pipe = client.pipeline(transaction=False)
+        for chunk in _chunks(removes):
+            pipe.srem(wb, *chunk)
+        if count:
+            pipe.scard(wb)
+        replies = pipe.execute() if len(pipe) else []
+        return int(replies[-1]) if count else 0
+
+    @_command()
+    def ping(self) -> None:
+        self._nodes.node(self._keys.lease)[1].ping()
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+                self._pool = None
+        self._nodes.close()
+
+
+class _WorkerCommands(_RedisBase):
+    """Registration, liveness, records: each one script on the meta slot."""
+
+    @_command()
+    def register_worker(self, req: RegisterWorker) -> RegisterWorkerReply:
+        fp = req.fingerprint
+        status, value = self._meta("register", req.worker_id, req.epoch, req.endpoint, _fp_json(fp),
+                                   fp.compat_key(), fp.tp_size, self.lease_ttl_ms)
+        if status == b"new":
+            return RegisterWorkerReply(self.lease_ttl_ms, 1, True)
+        if status == b"renewed":
+            return RegisterWorkerReply(self.lease_ttl_ms, int(value) + 1, False)
+        if status == b"stale":
+            raise StaleEpoch(f"worker {req.worker_id!r} registered with epoch {req.epoch}, "
+                             f"older than the live epoch {value.decode()}")
+        raise StaleEpoch(f"worker {req.worker_id!r} re-registered epoch {req.epoch} with a "
+                         "different endpoint or fingerprint; use a new epoch")
+
+    @_command()
+    def heartbeat(self, req: Heartbeat) -> HeartbeatReply:
+        if self._meta("heartbeat", req.worker_id, req.epoch, req.load, self.lease_ttl_ms):
+            return HeartbeatReply("ok", self.lease_ttl_ms)
+        return HeartbeatReply("unknown_worker", 0)
+
+    def _records(self, worker_ids: Sequence[str]) -> list[WorkerRecord]:
+        rows = self._meta("workers", *worker_ids)
+        blocks = self._block_counts([row[1] for row in rows])
+        out = []
+        for (wid, _inc, left, endpoint, epoch, fp, seq, load, reg), n in zip(rows, blocks):
+            fingerprint = LayoutFingerprint(**json.loads(fp))
+            out.append(WorkerRecord(
+                worker_id=wid.decode(), endpoint=endpoint.decode(), epoch=int(epoch), tp_size=fingerprint.tp_size,
+                fingerprint=fingerprint, live=left > 0, lease_expires_in_ms=int(left), blocks=n,
+                last_seq=int(seq), load=int(load), registered_at_ms=int(reg)))
+        return out
+
+    @_command()
+    def worker_info(self, worker_id: str) -> WorkerRecord | None:
+        records = self._records([worker_id])
+        return records[0] if records else None
+
+    @_command()
+    def list_workers(self, *, include_dead: bool = False) -> list[WorkerRecord]:
+        return sorted((r for r in self._records([]) if include_dead or r.live), key=lambda r: r.worker_id)
+
+    @_command()
+    def drain_worker(self, worker_id: str) -> DrainWorkerReply:
+        inc = self._meta("drain", worker_id)
+        if not inc:
+            return DrainWorkerReply(False, 0)
+        return DrainWorkerReply(True, self._block_counts([inc])[0])
+
+    @_command()
+    def counts(self) -> tuple[int, int, int]:
+        live, total, incs = self._meta("counts")
+        return int(live), int(total), sum(self._block_counts(incs))
+
+
+class _LookupCommands(_RedisBase):
+    """The target side: prefix lookup and who-has."""
+
+    @_command()
+    def lookup(self, hashes: Sequence[bytes], *, compat_key: str | None = None, requester: str | None = None,
+               want_all_holders: bool = False, tie_breaker: int = 0) -> LookupReply:
+        if not hashes:
+            return LookupReply("no_candidate", 0)
+        hashes = list(hashes)
+        keys = [self._keys.block + h for h in hashes]
+        meta_name, meta_client = self._nodes.node(self._keys.lease)
+        kinds = bytearray(b"k" * len(hashes))
+        payload: list[bytes] = list(hashes)
+        remote = [(c, idx) for name, (c, idx) in self._nodes.group(keys).items() if name != meta_name]
+        if remote:  # Cluster: read other nodes' block sets first, one call per node
+            replies = self._fan_out([functools.partial(self._scripts.run, c, "members", keys[idx[0]],
+                                                       [*self._keys.header, *(hashes[i] for i in idx)])
+                                     for c, idx in remote])
+            for (_, idx), members in zip(remote, replies):
+                for i, m in zip(idx, members):
+                    kinds[i] = ord("m")
+                    payload[i] = b",".join(m)
+            if kinds[0] == ord("m") and not payload[0]:
+                return LookupReply("no_candidate", 0)  # nobody, live or dead, holds the first block
+        reply = self._scripts.run(meta_client, "lookup", self._keys.lease,
+                                  [*self._keys.header, requester or "", compat_key or "",
+                                   b"1" if want_all_holders else b"0", bytes(kinds), *payload])
+        if reply[0] != b"ok":
+            return LookupReply(reply[0].decode(), 0)  # type: ignore[arg-type]
+        _, matched, tied, holders = reply
+        tied = sorted((Holder(w.decode(), e.decode(), int(tp), matched) for w, e, tp in tied),
+                      key=lambda x: x.worker_id)
+        everyone = sorted((Holder(w.decode(), e.decode(), int(tp), m) for w, e, tp, m in holders),
+                          key=lambda x: (-x.matched, x.worker_id))
+        return LookupReply("ok", matched, tied[tie_breaker % len(tied)], everyone)
+
+    @_command()
+    def who_has(self, hashes: Sequence[bytes], *, include_dead: bool = False) -> list[list[str]]:
+        hashes = list(hashes)
+        members: list[list[bytes]] = [[] for _ in hashes]
+        for idx, reply in self._per_node("members", hashes):
+            for i, m in zip(idx, reply):
+                members[i] = m
+        incs = sorted({inc for m in members for inc in m})
+        if not incs:
+            return [[] for _ in hashes]
+        owner = {}
+        for inc, row in zip(incs, self._meta("who_is", *incs)):
+            if row and (include_dead or row[1]):
+                owner[inc] = row[0].decode()
+        return [sorted({owner[inc] for inc in m if inc in owner}) for m in members]
+
+
+class _SweepCommands(_RedisBase):
+    """Background clean-up of retired incarnations: bounded, idempotent, safe to run concurrently."""
+
+    #: Block sets touched per round trip while sweeping.
+    sweep_chunk = 1000
+
+    @_command()
+    def sweep(self) -> int:
+        ready = self._meta("reap", self.sweep_max_incarnations, self.sweep_grace_ms)
+        removed, budget = 0, self.sweep_max_keys
+        _, meta_client = self._nodes.node(self._keys.lease)
+        for inc in ready:
+            wb = self._keys.wb(inc)
+            _, client = self._nodes.node(wb)
+            while budget > 0:
+                chunk = client.srandmember(wb, min(self.sweep_chunk, budget))
+                if not chunk:
+                    removed += meta_client.zrem(self._keys.gone, inc)  # 0 if a concurrent sweeper won
+                    break
+                self._block_ops(inc, (), chunk)  # block sets first, so wb keeps naming what is left
+                client.srem(wb, *chunk)
+                budget -= len(chunk)
+            if budget <= 0:
+                break
+        return removed
+
+
+class RedisStore(_WorkerCommands, _LookupCommands, _SweepCommands):
+    """Single-node Redis: each worker-side call and each lookup is one atomic EVALSHA.
+
+    ``url`` is a redis-py URL (``redis://host:port/db``, ``rediss://``,
+    ``unix://``). Thread-safe; the connection pool holds up to
+    ``max_connections`` sockets (callers beyond that wait up to the timeout).
+    """
+
+    name = "redis"
+
+    def __init__(self, url: str = "redis://127.0.0.1:6379/0", lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS, *,
+                 key_prefix: str | bytes = DEFAULT_KEY_PREFIX, socket_timeout_s: float = 2.0,
+                 max_connections: int = 64, sweep_grace_ms: int | None = None,
+                 sweep_max_incarnations: int = 64, sweep_max_keys: int = 20_000) -> None:
+        super().__init__(self._connect(url, socket_timeout_s, max_connections), lease_ttl_ms, key_prefix,
+                         sweep_grace_ms, sweep_max_incarnations, sweep_max_keys)
+
+    @staticmethod
+    def _connect(url: str, socket_timeout_s: float, max_connections: int) -> _SingleNode | _ClusterNodes:
+        return _SingleNode(url, socket_timeout_s, max_connections)
+
+    @_command()
+    def apply_events(self, req: Events) -> EventsReply:
+        kinds = bytearray()
+        counts: list[int] = []
+        hashes: list[bytes] = []
+        for ev in req.events:
+            kinds += _KIND[ev.kind]
+            if ev.kind == "cleared":
+                counts.append(0)
+            else:
+                counts.append(len(ev.hashes))
+                hashes += ev.hashes
+        status, value = self._meta("events", req.worker_id, req.epoch, req.seq, req.seq - 1, bytes(kinds),
+                                   *counts, *hashes)
+        return _events_reply(status, value, req.seq)
+
+    @_command()
+    def resync(self, req: Resync) -> ResyncReply:
+        status, last_seq, stored = self._meta("resync", req.worker_id, req.epoch, b"1" if req.first else b"0",
+                                              req.seq - 1 if req.last else b"", *req.hashes)
+        if status != b"ok":
+            return ResyncReply("unknown_worker", 0, 0)
+        return ResyncReply("ok", int(last_seq) + 1, int(stored))
+
+
+class RedisClusterStore(RedisStore):
+    """Redis Cluster: the same store, with block keys spread over the nodes and calls batched per node.
+
+    ``url`` names any node (``redis://host:port``). Worker-side calls are not
+    atomic across nodes: an event batch first advances the worker's sequence
+    (meta slot), then writes the block sets; if that fails the caller gets
+    StoreUnavailable and its retry is answered ``resync_needed``. Because a
+    batch validated just before its incarnation was retired may still be
+    writing, retired incarnations are swept only ``sweep_grace_ms`` later.
+    """
+
+    name = "redis-cluster"
+    default_sweep_grace_ms = 10_000
+
+    @staticmethod
+    def _connect(url: str, socket_timeout_s: float, max_connections: int) -> _SingleNode | _ClusterNodes:
+        return _ClusterNodes(url, socket_timeout_s, max_connections)
+
+    @_command(retry=False)  # the meta step is not idempotent; each step retries by itself
+    def apply_events(self, req: Events) -> EventsReply:
+        segments: list[list[BlockEvent]] = [[]]  # the events between `cleared`s
+        for ev in req.events:
+            if ev.kind == "cleared":
+                segments.append([])
+            else:
+                segments[-1].append(ev)
+        reply = self._nodes.retrying(lambda: self._meta("begin_batch", req.worker_id, req.epoch, b"e", req.seq,
+                                                        req.seq - 1, len(segments) - 1))
+        if reply[0] != b"ok":
+            return _events_reply(reply[0], reply[1], req.seq)
+        applied = 0
+        for n, (events, inc) in enumerate(zip(segments, reply[2:])):
+            adds, removes, touched = _net_effect(events)
+            cleared_after = n < len(segments) - 1
+            applied += touched + self._nodes.retrying(
+                lambda: self._wb_write(inc, adds, removes, count=cleared_after))
+        return EventsReply("ok", req.seq + 1, applied)
+
+    @_command(retry=False)
+    def resync(self, req: Resync) -> ResyncReply:
+        reply = self._nodes.retrying(lambda: self._meta("begin_batch", req.worker_id, req.epoch, b"r",
+                                                        b"1" if req.first else b"0",
+                                                        req.seq - 1 if req.last else b""))
+        if reply[0] != b"ok":
+            return ResyncReply("unknown_worker", 0, 0)
+        _, last_seq, inc = reply
+        adds = list(dict.fromkeys(req.hashes))
+        stored = self._nodes.retrying(lambda: self._wb_write(inc, adds, (), count=True))
+        return ResyncReply("ok", int(last_seq) + 1, stored)
+
+
+# -- small pure helpers -------------------------------------------------------------------------
+
+_KIND = {"stored": b"s", "removed": b"r", "cleared": b"c"}
+
+
+def _fp_json(fp: LayoutFingerprint) -> str:
+    """Canonical text of a fingerprint: equal fingerprints give equal strings (compared inside Lua)."""
+    return json.dumps(dataclasses.asdict(fp), sort_keys=True, separators=(",", ":"))
+
+
+def _events_reply(status: bytes, value: bytes, seq: int) -> EventsReply:
+    """Reply from a script's {status, value}: value is `applied` when ok, the last applied seq when not."""
+    if status == b"ok":
+        return EventsReply("ok", seq + 1, int(value))
+    if status == b"resync_needed":
+        return EventsReply("resync_needed", int(value) + 1, 0)
+    return EventsReply("unknown_worker", 0, 0)
+
+
+def _net_effect(events: Iterable[BlockEvent]) -> tuple[list[bytes], list[bytes], int]:
+    """(hashes present after the events, hashes absent after them, hashes touched), in first-seen order.
+
+    Applying the net effect is idempotent, which is what makes a retried node call safe.
+    """
+    state: dict[bytes, bool] = {}
+    touched = 0
+    for ev in events:
+        present = ev.kind == "stored"
+        for h in ev.hashes:
+            state[h] = present
+        touched += len(ev.hashes)
+    return [h for h, p in state.items() if p], [h for h, p in state.items() if not p], touched
+
+
+def _chunks(items: Sequence[bytes], size: int = 4096) -> Iterable[Sequence[bytes]]:
+    for i in range(0, len(items), size):
+        yield items[i:i + size]

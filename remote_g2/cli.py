@@ -1,0 +1,103 @@
+"""The ``remote-g2`` command line.
+
+``main(argv) -> int`` so tests call it without a subprocess. Every command that
+prints data takes ``--json`` (one JSON document on stdout, for scripts) and
+otherwise prints a table for people. Errors print one line on stderr and exit
+non-zero: 2 for usage/config errors, 1 for everything else.
+
+Subcommands are declared in :data:`COMMANDS` (name → module path); a module
+provides ``add_arguments(parser)`` and ``run(args) -> int`` and is imported
+only when its command runs, so ``remote-g2 --version`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import remote_g2
+from remote_g2.errors import ConfigError, RemoteG2Error
+
+__all__ = ["main", "COMMANDS", "print_table", "print_json"]
+
+#: command → (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("remote_g2.registry.serve_command", "run the block registry server"),
+    "admin": ("remote_g2.registry.admin_command", "query and manage the registry (workers, who-has, prefix, ...)"),
+    "ping": ("remote_g2.commands.ping", "check that a remote-g2 server answers, and who it is"),
+    "keygen": ("remote_g2.commands.keygen", "write a CURVE key pair for authenticated TCP endpoints"),
+}
+
+
+def print_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """A plain aligned table; numbers right-aligned, everything else left."""
+    cells = [[str(h) for h in headers]] + [[_fmt(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    numeric = [all(isinstance(row[i], (int, float)) for row in rows) and bool(rows) for i in range(len(headers))]
+    for n, r in enumerate(cells):
+        line = "  ".join(c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        print(line.rstrip())
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 1000 else f"{v:.0f}"
+    if isinstance(v, bytes):
+        return v.hex()
+    return "-" if v is None else str(v)
+
+
+def build_parser(modules: dict[str, Any] | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="remote-g2",
+        description="Cross-worker reuse of host-pinned (G2) KV-cache blocks.",
+    )
+    parser.add_argument("--version", action="version", version=f"remote-g2 {remote_g2.__version__}")
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING, ERROR (env: REMOTE_G2_LOG_LEVEL)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_path, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if modules is not None and name in modules:
+            modules[name].add_arguments(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; return the process exit code."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    # Only the chosen command's module is imported (its imports may be heavy).
+    chosen = next((a for a in args_list if a in COMMANDS), None)
+    modules = {chosen: importlib.import_module(COMMANDS[chosen][0])} if chosen else {}
+    parser = build_parser(modules)
+    args = parser.parse_args(args_list)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    from remote_g2.log import configure_logging
+
+    try:
+        configure_logging(args.log_level)
+        return int(modules[args.command].run(args))
+    except ConfigError as e:
+        print(f"remote-g2 {args.command}: {e}", file=sys.stderr)
+        return 2
+    except RemoteG2Error as e:
+        print(f"remote-g2 {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

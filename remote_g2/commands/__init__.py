@@ -1,0 +1,1 @@
+"""Core ``remote-g2`` subcommands (each module: ``add_arguments`` + ``run``)."""

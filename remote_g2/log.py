@@ -1,0 +1,38 @@
+"""Logging under the ``remote_g2`` logger, with a ``REMOTE_G2_LOG_LEVEL`` override.
+
+Library code only calls ``logging.getLogger("remote_g2.<part>")``; handlers are
+the application's business. Command-line entry points call
+:func:`configure_logging` once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from remote_g2.errors import ConfigError
+
+__all__ = ["configure_logging", "LOG_LEVEL_ENV"]
+
+LOG_LEVEL_ENV = "REMOTE_G2_LOG_LEVEL"
+_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+
+
+def configure_logging(level: str | None = None) -> int:
+    """Attach a stderr handler to ``remote_g2`` at ``level`` (else the env var, else INFO).
+
+    Returns the numeric level. An unknown level name is a :class:`ConfigError`
+    rather than a silent fallback, so a typo in an operator's env is visible.
+    """
+    name = (level or os.environ.get(LOG_LEVEL_ENV) or "INFO").upper()
+    numeric = logging.getLevelName(name)
+    if not isinstance(numeric, int):
+        raise ConfigError(f"unknown log level {name!r} (use DEBUG, INFO, WARNING, ERROR)")
+    logger = logging.getLogger("remote_g2")
+    logger.setLevel(numeric)
+    if not any(getattr(h, "_remote_g2", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(_FORMAT))
+        handler._remote_g2 = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+    return numeric

@@ -1,0 +1,114 @@
+"""RPC client: one DEALER socket, typed calls, timeouts that name the call.
+
+``client.call(request)`` sends a request dataclass and returns the reply
+dataclass the message table pairs with it. An ``ERR`` reply is raised as the
+error class of the same name from :mod:`remote_g2.errors` (``remote`` set to
+the endpoint), or :class:`~remote_g2.errors.RemoteError` when the name is
+unknown here. No reply within the timeout raises
+:class:`~remote_g2.errors.RpcTimeout` naming the call and the endpoint.
+
+A DEALER socket (not REQ) means a timed-out call leaves no stuck state: a late
+reply is recognised by its ``re`` and discarded. The client is thread-safe;
+calls from several threads are serialised on one socket — give a thread its
+own client when it needs its own pace.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from remote_g2.curve import CurveClientConfig
+from remote_g2.errors import RemoteError, RpcClosed, RpcTimeout, error_class_for
+from remote_g2.messages import ErrorReply, Ping, Pong, spec_for_request
+from remote_g2.wire import DEFAULT_MAX_FRAME_BYTES, ERR, decode_frame, decode_reply_body, encode_request
+
+__all__ = ["RpcClient", "DEFAULT_TIMEOUT_MS"]
+
+DEFAULT_TIMEOUT_MS = 5000.0
+
+
+class RpcClient:
+    """Calls one server endpoint (``tcp://…`` or ``ipc://…``)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout_ms: float = DEFAULT_TIMEOUT_MS,
+        curve: CurveClientConfig | None = None,
+        context: zmq.Context | None = None,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout_ms = timeout_ms
+        self._max_frame = max_frame_bytes
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.linger = 0
+        self._sock.maxmsgsize = 4 * max_frame_bytes
+        if curve is not None:
+            curve.apply(self._sock)
+        self._sock.connect(endpoint)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def call(self, request: Any, *, timeout_ms: float | None = None) -> Any:
+        """Send ``request`` and return its validated reply; see the module docstring for errors."""
+        spec = spec_for_request(type(request))
+        timeout = self.timeout_ms if timeout_ms is None else timeout_ms
+        with self._lock:
+            if self._closed:
+                raise RpcClosed(f"calling {spec.name} on {self.endpoint}: client is closed")
+            msg_id = next(self._ids)
+            self._sock.send(encode_request(msg_id, request))
+            deadline = time.monotonic() + timeout / 1000.0
+            while True:
+                left_ms = (deadline - time.monotonic()) * 1000.0
+                if left_ms <= 0 or not self._sock.poll(max(1, int(left_ms)), zmq.POLLIN):
+                    raise RpcTimeout(
+                        f"calling {spec.name} on {self.endpoint}: no reply within {timeout:g} ms",
+                        call=spec.name, endpoint=self.endpoint, timeout_ms=timeout,
+                    )
+                frame = decode_frame(self._sock.recv(), max_frame_bytes=self._max_frame)
+                # An ERR without ``re`` means the server could not read our id; it is
+                # about this call. Any other id is a late reply to a timed-out call.
+                if frame.re != msg_id and not (frame.re is None and frame.type == ERR):
+                    continue
+                body = decode_reply_body(frame, spec)
+                if isinstance(body, ErrorReply):
+                    raise self._error(body)
+                return body
+
+    def ping(self, *, timeout_ms: float | None = None) -> Pong:
+        """Ask the server who it is; a cheap liveness check."""
+        reply: Pong = self.call(Ping(), timeout_ms=timeout_ms)
+        return reply
+
+    def _error(self, err: ErrorReply) -> Exception:
+        cls = error_class_for(err.name)
+        if cls is None or cls is RemoteError:
+            return RemoteError(err.message, name=err.name, remote=self.endpoint)
+        try:
+            return cls(err.message, remote=self.endpoint)
+        except TypeError:  # a subclass with a different constructor
+            return RemoteError(err.message, name=err.name, remote=self.endpoint)
+
+    def close(self) -> None:
+        """Close the socket; idempotent. Later calls raise :class:`RpcClosed`."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._sock.close(0)
+
+    def __enter__(self) -> RpcClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

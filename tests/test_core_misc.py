@@ -1,0 +1,88 @@
+"""Errors, hashing, config, logging: the small shared pieces."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from remote_g2 import errors
+from remote_g2.config import ClientSettings, env_flag, env_float
+from remote_g2.hashing import (
+    chain_block_hashes,
+    check_block_hash,
+    hash_from_hex,
+    hash_to_hex,
+    hash_to_u64,
+    u64_to_hash,
+)
+from remote_g2.log import configure_logging
+
+
+def test_every_error_is_a_remote_g2_error_and_registered_by_name():
+    for name in errors.__all__:
+        obj = getattr(errors, name)
+        if isinstance(obj, type):
+            assert issubclass(obj, errors.RemoteG2Error)
+            assert errors.error_class_for(name) is obj
+    assert issubclass(errors.RpcTimeout, errors.TransportError)
+    assert issubclass(errors.BlockPinnedError, ValueError)
+
+
+def test_duplicate_error_names_are_refused():
+    with pytest.raises(TypeError, match="duplicate"):
+        type("SourceError", (errors.RemoteG2Error,), {})
+
+
+def test_remote_errors_say_where_they_came_from():
+    e = errors.SourceError("lease gone", remote="tcp://h:1")
+    assert str(e) == "lease gone (from tcp://h:1)"
+    r = errors.RemoteError("boom", name="InternalError", remote="tcp://h:1")
+    assert str(r).startswith("InternalError: boom")
+
+
+def test_hash_helpers():
+    assert u64_to_hash(1) == b"\x00" * 7 + b"\x01"
+    assert hash_to_u64(u64_to_hash(2**64 - 1)) == 2**64 - 1
+    assert hash_to_hex(b"\xab\x01") == "ab01"
+    assert hash_from_hex("0xAB01") == b"\xab\x01"
+    for bad in ("", "zz", "00" * 33):
+        with pytest.raises(ValueError):
+            hash_from_hex(bad)
+    with pytest.raises(ValueError):
+        u64_to_hash(-1)
+    with pytest.raises(ValueError):
+        check_block_hash("ab")
+    with pytest.raises(ValueError):
+        hash_to_u64(b"\x00")
+
+
+def test_chain_hash_equal_prefixes_equal_hashes():
+    a = chain_block_hashes(list(range(40)), 16)
+    b = chain_block_hashes(list(range(32)) + [99] * 8, 16)
+    c = chain_block_hashes([7] + list(range(1, 40)), 16)
+    assert len(a) == 2 and all(len(h) == 8 for h in a)  # the partial third block is not hashed
+    assert a == b  # same two full blocks
+    assert c[0] != a[0] and c[1] != a[1]  # a changed first block changes every later hash
+    assert chain_block_hashes(list(range(32)), 16, extra_keys=b"lora-1") != a
+    assert chain_block_hashes(list(range(16, 32)), 16, parent=a[0]) == a[1:]
+    assert len(chain_block_hashes(list(range(16)), 16, digest_size=32)[0]) == 32
+
+
+def test_env_parsing_is_strict():
+    assert env_flag("X", {"X": "yes"}) and not env_flag("X", {})
+    with pytest.raises(errors.ConfigError):
+        env_flag("X", {"X": "maybe"})
+    assert env_float("T", 5.0, {}) == 5.0
+    with pytest.raises(errors.ConfigError):
+        env_float("T", 5.0, {"T": "-1"})
+    s = ClientSettings.from_env({"REMOTE_G2_REGISTRY": "tcp://127.0.0.1:9", "REMOTE_G2_RPC_TIMEOUT_MS": "250"})
+    assert s.registry_endpoint == "tcp://127.0.0.1:9" and s.rpc_timeout_ms == 250.0
+
+
+def test_log_level_override(monkeypatch):
+    monkeypatch.setenv("REMOTE_G2_LOG_LEVEL", "debug")
+    assert configure_logging() == logging.DEBUG
+    with pytest.raises(errors.ConfigError):
+        configure_logging("chatty")
+    configure_logging("WARNING")

@@ -1,0 +1,259 @@
+"""The registry server, client, publisher and admin CLI over real ZMQ sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from remote_g2.cli import main
+from remote_g2.errors import RpcTimeout, StaleEpoch
+from remote_g2.messages import BlockEvent, LayoutFingerprint
+from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer, SourcePublisher
+
+FP = LayoutFingerprint(model_id="tiny", dtype="bf16", tokens_per_block=16, kv_layout="HND",
+                       num_layers=2, num_kv_heads=4, head_dim=32, tp_size=2)
+CHAIN = [i.to_bytes(8, "big") for i in range(1, 65)]
+
+
+@pytest.fixture
+def registry():
+    server = RegistryServer(MemoryStore(lease_ttl_ms=2000), bind="tcp://127.0.0.1:0", sweep_interval_s=0.1)
+    endpoint = server.start()
+    client = RegistryClient(endpoint, timeout_s=5)
+    yield server, client
+    client.close()
+    server.close()
+
+
+def scrape(server: RegistryServer) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(server.metrics.registry).decode()
+
+
+def test_round_trip_of_every_message(registry):
+    server, c = registry
+    assert c.register_worker("w1", "tcp://127.0.0.1:9001", FP, epoch=1).next_seq == 1
+    assert c.heartbeat("w1", 1, load=3).status == "ok"
+    assert c.events("w1", 1, 1, [BlockEvent("stored", CHAIN[:10])]).expected_seq == 2
+    r = c.lookup(CHAIN[:12], want_all_holders=True)
+    assert (r.reason, r.matched, r.best.worker_id, r.best.endpoint) == ("ok", 10, "w1", "tcp://127.0.0.1:9001")
+    assert [h.worker_id for h in r.holders] == ["w1"]
+    assert c.lookup(CHAIN[:3], requester="w1").reason == "source_is_target"
+    assert c.resync("w1", 1, 5, CHAIN[:4], first=True, last=True).stored == 4
+    assert c.who_has([CHAIN[0], CHAIN[9]]) == {CHAIN[0]: ["w1"], CHAIN[9]: []}
+    assert c.worker_info("w1").load == 3 and c.worker_info("nobody") is None
+    assert [w.worker_id for w in c.list_workers()] == ["w1"]
+    s = c.stats()
+    assert (s.store, s.workers_live, s.block_entries, s.lookups, s.lookup_hits, s.events_ingested) == \
+        ("memory", 1, 4, 2, 1, 10)
+    assert c.drain_worker("w1").removed_blocks == 4
+    assert c.ping().server == "registry"
+    with pytest.raises(StaleEpoch):
+        c.register_worker("w2", "tcp://127.0.0.1:9002", FP, epoch=5)
+        c.register_worker("w2", "tcp://127.0.0.1:9002", FP, epoch=4)
+
+
+def test_metrics_count_lookups_events_and_bad_frames(registry):
+    server, c = registry
+    c.register_worker("w1", "tcp://127.0.0.1:9001", FP, epoch=1)
+    c.events("w1", 1, 1, [BlockEvent("stored", CHAIN[:5])])
+    c.lookup(CHAIN[:5])
+    c.lookup([b"\x99"])
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(server.endpoint)
+    for bad in (b"junk", msgpack.packb([{"v": 1, "id": 1}, "lookup", {"hashes": [b"x" * 33]}])):
+        sock.send(bad)
+        assert sock.poll(5000)
+        assert msgpack.unpackb(sock.recv())[1] == "ERR"
+    sock.close()
+    assert c.ping().server == "registry"  # still serving
+    text = scrape(server)
+    assert "remote_g2_registry_lookups_total 2.0" in text
+    assert "remote_g2_registry_lookup_hits_total 1.0" in text
+    assert 'remote_g2_registry_block_events_total{source="rpc"} 5.0' in text
+    assert 'remote_g2_registry_errors_total{kind="bad_request"} 2.0' in text
+    assert 'remote_g2_registry_lookup_reasons_total{reason="no_candidate"} 1.0' in text
+    assert "remote_g2_registry_lookup_seconds_bucket" in text
+    deadline = time.monotonic() + 5
+    while "remote_g2_registry_workers_live 1.0" not in scrape(server):  # set by the sweeper thread
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_dead_worker_is_hidden_then_swept(registry):
+    server, c = registry
+    c.register_worker("w1", "tcp://127.0.0.1:9001", FP, epoch=1)
+    c.events("w1", 1, 1, [BlockEvent("stored", CHAIN[:3])])
+    time.sleep(2.2)  # lease is 2 s and nobody heartbeats
+    assert c.lookup(CHAIN[:3]).reason == "no_candidate"
+    deadline = time.monotonic() + 5
+    while c.worker_info("w1") is not None:
+        assert time.monotonic() < deadline, "sweeper did not remove the dead worker"
+        time.sleep(0.05)
+    assert c.stats().block_entries == 0
+
+
+def snapshot_of(pool: set[bytes]):
+    return lambda: sorted(pool)
+
+
+def test_publisher_batches_heartbeats_and_resyncs(registry):
+    server, c = registry
+    pool: set[bytes] = set()
+    pub = SourcePublisher(RegistryClient(server.endpoint), worker_id="src", endpoint="tcp://127.0.0.1:9100",
+                          fingerprint=FP, snapshot=snapshot_of(pool), load=lambda: 7, flush_interval_s=0.01,
+                          heartbeat_interval_s=0.2).start()
+    try:
+        for h in CHAIN[:40]:
+            pool.add(h)
+            pub.stored([h])
+        assert pub.flush(5)
+        assert c.lookup(CHAIN[:40]).matched == 40
+        pool.difference_update(CHAIN[20:])
+        pub.removed(CHAIN[20:])
+        assert pub.flush(5)
+        assert c.lookup(CHAIN[:40]).matched == 20
+        time.sleep(2.5)  # > lease: only heartbeats keep it alive
+        rec = c.worker_info("src")
+        assert rec.live and rec.load == 7
+        # The registry forgets the worker: the publisher registers anew and resyncs its pool.
+        c.drain_worker("src")
+        pool.add(CHAIN[20])
+        pub.stored([CHAIN[20]])
+        deadline = time.monotonic() + 5
+        while c.lookup(CHAIN[:40]).matched != 21:
+            assert time.monotonic() < deadline, "publisher did not recover after drain"
+            time.sleep(0.05)
+        assert pub.registrations == 2 and pub.resyncs >= 2
+    finally:
+        pub.close()
+        pub.client.close()
+
+
+def test_publisher_waits_out_a_registry_that_is_down():
+    store = MemoryStore(lease_ttl_ms=5000)
+    probe = RegistryServer(store, bind="tcp://127.0.0.1:0")
+    endpoint = probe.start()
+    probe.close()  # the port is free again: the registry is "down"
+    pool = set(CHAIN[:8])
+    pub = SourcePublisher(RegistryClient(endpoint, timeout_s=0.2), worker_id="src", endpoint="tcp://127.0.0.1:1",
+                          fingerprint=FP, snapshot=snapshot_of(pool), flush_interval_s=0.01).start()
+    try:
+        pub.stored(CHAIN[:8])
+        assert not pub.flush(0.5)
+        server = RegistryServer(store, bind=endpoint)
+        server.start()
+        try:
+            assert pub.flush(10)
+            with RegistryClient(endpoint) as c:
+                assert c.lookup(CHAIN[:8]).matched == 8
+        finally:
+            server.close()
+    finally:
+        pub.close()
+        pub.client.close()
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_admin_cli(registry, capsys):
+    server, c = registry
+    ep = server.endpoint
+    c.register_worker("w1", "tcp://127.0.0.1:9001", FP, epoch=1)
+    c.register_worker("w2", "tcp://127.0.0.1:9002", FP, epoch=1)
+    c.events("w1", 1, 1, [BlockEvent("stored", CHAIN[:4])])
+    c.events("w2", 1, 1, [BlockEvent("stored", CHAIN[:2])])
+    hexes = [h.hex() for h in CHAIN[:4]]
+
+    code, out, _ = run_cli(capsys, "admin", "--registry", ep, "workers", "--json")
+    doc = json.loads(out)
+    assert code == 0 and [w["worker_id"] for w in doc] == ["w1", "w2"]
+    assert {"worker_id", "endpoint", "tp_size", "epoch", "live"} <= set(doc[0]) and doc[0]["live"] is True
+    code, out, _ = run_cli(capsys, "admin", "--registry", ep, "workers")
+    assert "worker_id" in out and "tcp://127.0.0.1:9002" in out
+
+    code, out, _ = run_cli(capsys, "admin", "--registry", ep, "who-has", *hexes[1:3], "--json")
+    assert json.loads(out) == {hexes[1]: ["w1", "w2"], hexes[2]: ["w1"]}
+    code, out, _ = run_cli(capsys, "admin", "--registry", ep, "who-has", "0x" + hexes[0].upper())
+    assert "w1, w2" in out
+
+    code, out, _ = run_cli(capsys, "admin", "--registry", ep, "prefix", *hexes, "--json")
+    assert json.loads(out)["worker_id"] == "w1" and json.loads(out)["matched"] == 4
+    assert json.loads(out)["reason"] == "ok"
+    code, out, _ = run_cli(capsys, "admin", "--registry", ep, "prefix", *hexes, "--holders")
+    assert "best: w1" in out and "4/4" in out
+    code, out, _ = run_cli(capsys, "admin", "--registry", ep, "prefix", "ff" * 8, "--json")
+    assert json.loads(out) == {"worker_id": None, "endpoint": None, "tp_size": None, "matched": 0, "asked": 1,
+                               "reason": "no_candidate"}
+
+    code, out, _ = run_cli(capsys, "admin", "--registry", ep, "worker", "w2", "--json")
+    assert json.loads(out)["blocks"] == 2
+    assert run_cli(capsys, "admin", "--registry", ep, "worker", "nope")[0] == 1
+    code, out, _ = run_cli(capsys, "admin", "--registry", ep, "stats", "--json")
+    assert json.loads(out)["workers_live"] == 2
+    code, out, _ = run_cli(capsys, "admin", "--registry", ep, "drain", "w2", "--json")
+    assert json.loads(out) == {"worker_id": "w2", "existed": True, "removed_blocks": 2}
+
+    code, _, err = run_cli(capsys, "admin", "--registry", ep, "who-has", "xyz")
+    assert code == 2 and "not a hex block hash" in err
+
+
+def test_admin_cli_unreachable_registry_is_one_line(capsys):
+    code, out, err = run_cli(capsys, "admin", "--registry", "tcp://127.0.0.1:1", "--timeout-s", "0.2", "workers")
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and "RpcTimeout" in err and "list_workers" in err
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_command_runs_until_sigterm(tmp_path):
+    port, mport = free_port(), free_port()
+    script = Path(sys.executable).parent / "remote-g2"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "remote_g2.cli"]
+    proc = subprocess.Popen(cmd + ["serve", "--bind", f"tcp://127.0.0.1:{port}", "--metrics-port", str(mport),
+                                   "--lease-ttl-s", "3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "REMOTE_G2_LOG_LEVEL": "WARNING"})
+    try:
+        line = proc.stdout.readline()
+        assert f"serving on tcp://127.0.0.1:{port}" in line and "store: memory" in line
+        with RegistryClient(f"tcp://127.0.0.1:{port}") as c:
+            assert c.register_worker("w", "tcp://127.0.0.1:5", FP, 1).lease_ttl_ms == 3000
+        body = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read().decode()
+        assert 'remote_g2_registry_requests_total{outcome="ok",type="register_worker"} 1.0' in body
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+
+
+def test_serve_command_rejects_bad_settings(capsys):
+    assert main(["serve", "--lease-ttl-s", "0"]) == 2
+    assert "--lease-ttl-s" in capsys.readouterr().err
+    assert main(["serve", "--curve-allowed-clients", "/tmp"]) == 2
+
+
+def test_client_timeout_names_the_call():
+    with RegistryClient("tcp://127.0.0.1:1", timeout_s=0.1) as c, pytest.raises(RpcTimeout, match="lookup"):
+        c.lookup(CHAIN[:1])

@@ -1,0 +1,238 @@
+"""The registry store contract (registry/store.py), one suite over every backend.
+
+``make_store`` (tests/conftest.py) yields memory, a real single-node
+redis-server and a real 3-master Redis Cluster in turn.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from remote_g2.errors import StaleEpoch
+from remote_g2.messages import BlockEvent, Events, Heartbeat, LayoutFingerprint, RegisterWorker, Resync
+
+FP = LayoutFingerprint(model_id="m", dtype="bf16", tokens_per_block=16, kv_layout="HND",
+                       num_layers=4, num_kv_heads=8, head_dim=64, tp_size=2)
+
+
+def fp(**changes) -> LayoutFingerprint:
+    fields = {f: getattr(FP, f) for f in FP.__dataclass_fields__}
+    fields.update(changes)
+    return LayoutFingerprint(**fields)
+
+
+def h(i: int, n: int = 8) -> bytes:
+    return i.to_bytes(n, "big")
+
+
+CHAIN = [h(i) for i in range(1, 21)]
+
+
+def register(store, wid: str, epoch: int = 1, fingerprint: LayoutFingerprint = FP, endpoint: str | None = None):
+    return store.register_worker(RegisterWorker(wid, endpoint or f"tcp://127.0.0.1:1{wid[-1:] or 0}00",
+                                                fingerprint, epoch))
+
+
+def stored(store, wid: str, seq: int, hashes, epoch: int = 1, kind: str = "stored"):
+    return store.apply_events(Events(wid, epoch, seq, [BlockEvent(kind, list(hashes))]))
+
+
+@pytest.fixture
+def store(make_store):
+    return make_store(lease_ttl_ms=10_000)
+
+
+def test_register_new_and_repeat(store):
+    r = register(store, "w1")
+    assert (r.next_seq, r.new_incarnation, r.lease_ttl_ms) == (1, True, 10_000)
+    assert stored(store, "w1", 1, CHAIN[:3]).status == "ok"
+    again = register(store, "w1")
+    assert (again.next_seq, again.new_incarnation) == (2, False)
+    assert store.lookup(CHAIN[:3]).matched == 3  # same epoch keeps the blocks
+
+
+def test_new_epoch_drops_old_blocks_at_once(store):
+    register(store, "w1", epoch=1)
+    stored(store, "w1", 1, CHAIN[:5])
+    r = register(store, "w1", epoch=2)
+    assert (r.next_seq, r.new_incarnation) == (1, True)
+    assert store.lookup(CHAIN[:5]).reason == "no_candidate"
+    assert store.worker_info("w1").blocks == 0
+    # Events from the old epoch are refused.
+    assert stored(store, "w1", 2, CHAIN[:1], epoch=1).status == "unknown_worker"
+
+
+def test_stale_or_conflicting_epoch_is_refused(store):
+    register(store, "w1", epoch=5)
+    with pytest.raises(StaleEpoch):
+        register(store, "w1", epoch=4)
+    with pytest.raises(StaleEpoch):
+        register(store, "w1", epoch=5, endpoint="tcp://127.0.0.1:9")
+
+
+def test_events_sequence_gap_asks_for_resync_and_applies_nothing(store):
+    register(store, "w1")
+    assert stored(store, "w1", 1, CHAIN[:2]).expected_seq == 2
+    gap = stored(store, "w1", 3, CHAIN[2:4])
+    assert (gap.status, gap.expected_seq, gap.applied) == ("resync_needed", 2, 0)
+    assert store.lookup(CHAIN[:4]).matched == 2
+    assert stored(store, "w1", 1, CHAIN[:2]).status == "resync_needed"  # a replay is a gap too
+    assert stored(store, "nobody", 1, CHAIN[:2]).status == "unknown_worker"
+
+
+def test_stored_removed_cleared(store):
+    register(store, "w1")
+    ev = [BlockEvent("stored", CHAIN[:6], parent=None), BlockEvent("removed", [CHAIN[3]])]
+    r = store.apply_events(Events("w1", 1, 1, ev))
+    assert (r.status, r.applied) == ("ok", 7)
+    assert store.lookup(CHAIN[:6]).matched == 3  # the gap at index 3 ends the prefix
+    assert store.who_has([CHAIN[3], CHAIN[4]]) == [[], ["w1"]]
+    assert stored(store, "w1", 2, [], kind="cleared").status == "ok"
+    assert store.lookup(CHAIN[:6]).reason == "no_candidate"
+    assert store.worker_info("w1").blocks == 0
+    assert stored(store, "w1", 3, CHAIN[:2]).applied == 2
+    assert store.lookup(CHAIN[:2]).matched == 2
+
+
+def test_resync_replaces_the_snapshot_in_chunks(store):
+    register(store, "w1")
+    stored(store, "w1", 1, CHAIN[10:15])
+    assert store.resync(Resync("w1", 1, 7, CHAIN[:4], first=True, last=False)).status == "ok"
+    r = store.resync(Resync("w1", 1, 7, CHAIN[4:8], first=False, last=True))
+    assert (r.status, r.expected_seq, r.stored) == ("ok", 7, 8)
+    assert store.who_has([CHAIN[10]]) == [[]]
+    assert store.lookup(CHAIN[:8]).matched == 8
+    assert stored(store, "w1", 7, CHAIN[8:9]).status == "ok"
+    assert store.resync(Resync("ghost", 1, 1, CHAIN[:1], True, True)).status == "unknown_worker"
+
+
+def test_lookup_longest_prefix_wins_and_reports_all_holders(store):
+    for wid, n in (("w1", 3), ("w2", 7), ("w3", 5)):
+        register(store, wid)
+        stored(store, wid, 1, CHAIN[:n])
+    r = store.lookup(CHAIN[:10], want_all_holders=True)
+    assert (r.reason, r.matched, r.best.worker_id) == ("ok", 7, "w2")
+    assert r.best.endpoint == "tcp://127.0.0.1:1200" and r.best.tp_size == 2
+    assert [(x.worker_id, x.matched) for x in r.holders] == [("w2", 7), ("w3", 5), ("w1", 3)]
+    assert store.lookup(CHAIN[:10]).holders == []  # only on request
+    assert store.lookup([h(999)]).reason == "no_candidate"
+    # A worker missing the *first* block is no candidate even if it holds later ones.
+    register(store, "w4")
+    stored(store, "w4", 1, CHAIN[1:15])
+    assert store.lookup(CHAIN[:10]).best.worker_id == "w2"
+
+
+def test_lookup_ties_break_on_load_then_tie_breaker(store):
+    for wid in ("w1", "w2", "w3"):
+        register(store, wid)
+        stored(store, wid, 1, CHAIN[:4])
+    picks = {store.lookup(CHAIN[:4], tie_breaker=i).best.worker_id for i in range(3)}
+    assert picks == {"w1", "w2", "w3"}  # round-robin over the tie
+    assert store.lookup(CHAIN[:4], tie_breaker=4).best.worker_id == "w2"  # 4 % 3 = 1 → sorted ids
+    store.heartbeat(Heartbeat("w1", 1, load=5))
+    store.heartbeat(Heartbeat("w2", 1, load=5))
+    assert {store.lookup(CHAIN[:4], tie_breaker=i).best.worker_id for i in range(3)} == {"w3"}
+
+
+def test_requester_and_layout_filtering(store):
+    register(store, "me")
+    stored(store, "me", 1, CHAIN[:5])
+    assert store.lookup(CHAIN[:5], requester="me").reason == "source_is_target"
+    register(store, "other", fingerprint=fp(dtype="fp8"))
+    stored(store, "other", 1, CHAIN[:5])
+    # The requester's own fingerprint sets the compat key when none is given.
+    assert store.lookup(CHAIN[:5], requester="me").reason == "incompatible_layout"
+    assert store.lookup(CHAIN[:5], compat_key=FP.compat_key()).best.worker_id == "me"
+    assert store.lookup(CHAIN[:5], compat_key=fp(dtype="fp8").compat_key()).best.worker_id == "other"
+    # A different TP size is compatible (heterogeneous TP).
+    register(store, "tp4", fingerprint=fp(tp_size=4))
+    stored(store, "tp4", 1, CHAIN[:2])
+    r = store.lookup(CHAIN[:5], requester="me")
+    assert (r.best.worker_id, r.best.tp_size, r.matched) == ("tp4", 4, 2)
+
+
+def test_heartbeat_keeps_a_worker_alive_and_lapsed_lease_hides_it(make_store):
+    store = make_store(lease_ttl_ms=600)
+    register(store, "w1")
+    register(store, "w2")
+    stored(store, "w1", 1, CHAIN[:3])
+    stored(store, "w2", 1, CHAIN[:2])
+    for _ in range(4):
+        time.sleep(0.25)
+        assert store.heartbeat(Heartbeat("w1", 1)).status == "ok"
+    # w2 never heartbeated: dead at once for lookups, heartbeats and events.
+    assert [x.worker_id for x in store.lookup(CHAIN[:3], want_all_holders=True).holders] == ["w1"]
+    assert store.heartbeat(Heartbeat("w2", 1)).status == "unknown_worker"
+    assert stored(store, "w2", 2, CHAIN[:1]).status == "unknown_worker"
+    assert [w.worker_id for w in store.list_workers()] == ["w1"]
+    dead = {w.worker_id: w for w in store.list_workers(include_dead=True)}
+    assert not dead["w2"].live and dead["w2"].lease_expires_in_ms < 0
+    assert store.who_has([CHAIN[0]]) == [["w1"]]
+    assert store.who_has([CHAIN[0]], include_dead=True) == [["w1", "w2"]]
+    # The sweeper removes it for good; re-registering starts afresh.
+    for _ in range(50):
+        store.sweep()
+        if store.worker_info("w2") is None:
+            break
+    assert store.worker_info("w2") is None
+    assert store.who_has([CHAIN[0]], include_dead=True) == [["w1"]]
+    assert register(store, "w2").new_incarnation
+
+
+def test_reregistering_after_lapse_starts_a_new_incarnation(make_store):
+    store = make_store(lease_ttl_ms=200)
+    register(store, "w1")
+    stored(store, "w1", 1, CHAIN[:3])
+    time.sleep(0.35)
+    r = register(store, "w1")  # same epoch, but the lease lapsed: blocks may be half-swept
+    assert (r.new_incarnation, r.next_seq) == (True, 1)
+    assert store.lookup(CHAIN[:3]).reason == "no_candidate"
+
+
+def test_worker_records_and_drain(store):
+    register(store, "w2", fingerprint=fp(tp_size=4))
+    register(store, "w1")
+    stored(store, "w1", 1, CHAIN[:4])
+    rec = store.worker_info("w1")
+    assert (rec.worker_id, rec.epoch, rec.tp_size, rec.blocks, rec.last_seq, rec.live) == ("w1", 1, 2, 4, 1, True)
+    assert rec.fingerprint == FP and 0 < rec.lease_expires_in_ms <= 10_000
+    assert [w.worker_id for w in store.list_workers()] == ["w1", "w2"]
+    assert store.worker_info("nobody") is None
+    d = store.drain_worker("w1")
+    assert (d.existed, d.removed_blocks) == (True, 4)
+    assert store.drain_worker("w1").existed is False
+    assert store.worker_info("w1") is None
+    assert store.lookup(CHAIN[:4]).reason == "no_candidate"
+    assert store.heartbeat(Heartbeat("w1", 1)).status == "unknown_worker"
+    assert register(store, "w1").new_incarnation
+
+
+def test_counts(store):
+    register(store, "w1")
+    register(store, "w2")
+    stored(store, "w1", 1, CHAIN[:4])
+    stored(store, "w2", 1, CHAIN[:2])
+    assert store.counts() == (2, 2, 6)
+
+
+def test_long_and_odd_hashes(store):
+    hashes = [b"\x00", b"\x00\x00", b"{tag}", b"\xff" * 32, b"}{", bytes(range(32))]
+    register(store, "w1")
+    stored(store, "w1", 1, hashes)
+    assert store.lookup(hashes).matched == len(hashes)
+    # b"\x00" and b"\x00\x00" are different blocks.
+    assert store.lookup([b"\x00\x00\x00"]).reason == "no_candidate"
+    assert store.who_has(hashes) == [["w1"]] * len(hashes)
+
+
+def test_many_blocks_and_workers(store):
+    chain = [h(i, 32) for i in range(2000)]
+    for w in range(8):
+        register(store, f"w{w}")
+        store.apply_events(Events(f"w{w}", 1, 1, [BlockEvent("stored", chain[: 250 * (w + 1)])]))
+    r = store.lookup(chain[:1500], want_all_holders=True)
+    assert r.best.worker_id in ("w5", "w6", "w7") and r.matched == 1500
+    assert [x.matched for x in r.holders] == [1500, 1500, 1500, 1250, 1000, 750, 500, 250]
+    assert store.counts()[2] == sum(250 * (w + 1) for w in range(8))

@@ -1,0 +1,279 @@
+"""RPC server and client over real ZMQ sockets (TCP on 127.0.0.1, and IPC)."""
+
+from __future__ import annotations
+
+import threading
+
+import msgpack
+import pytest
+import zmq
+
+import remote_g2
+from remote_g2.curve import CurveClientConfig, CurveServerConfig, generate_keypair
+from remote_g2.errors import (
+    ConfigError,
+    RemoteError,
+    RpcClosed,
+    RpcTimeout,
+    ServerBusy,
+    SourceError,
+    UnknownMessage,
+)
+from remote_g2.messages import Pong
+from remote_g2.rpc_client import RpcClient
+from remote_g2.rpc_server import RpcServer
+from remote_g2.wire import encode_request
+
+
+@pytest.fixture
+def serve():
+    servers, clients = [], []
+
+    def start(handlers=None, **kwargs):
+        server = RpcServer(kwargs.pop("endpoint", "tcp://127.0.0.1:0"), handlers or {}, name="test", **kwargs)
+        servers.append(server)
+        return server.start()
+
+    def client(endpoint, **kwargs):
+        c = RpcClient(endpoint, **kwargs)
+        clients.append(c)
+        return c
+
+    start.client = client
+    yield start
+    for c in clients:
+        c.close()
+    for s in servers:
+        s.close()
+
+
+def raw_call(endpoint: str, data: bytes | list[bytes]) -> list:
+    """Send raw frames and return the decoded reply envelope."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(endpoint)
+    try:
+        if isinstance(data, list):
+            sock.send_multipart(data)
+        else:
+            sock.send(data)
+        assert sock.poll(5000), "server did not answer a malformed frame"
+        return msgpack.unpackb(sock.recv(), raw=False)
+    finally:
+        sock.close()
+
+
+def test_ping_names_server_and_version(serve):
+    ep = serve()
+    pong = serve.client(ep).ping()
+    assert isinstance(pong, Pong)
+    assert pong.server == "test" and pong.version == remote_g2.__version__
+    assert pong.uptime_s >= 0
+
+
+def test_ipc_endpoint(serve, tmp_path):
+    ep = serve(endpoint=f"ipc://{tmp_path}/rpc.sock")
+    assert serve.client(ep).ping().server == "test"
+
+
+def test_many_clients_are_served_concurrently(serve):
+    n = 4
+    barrier = threading.Barrier(n, timeout=10)
+
+    def slow_ping(req, ctx):
+        barrier.wait()  # passes only if n handlers run at the same time
+        return Pong(server="slow", version="x", uptime_s=0.0)
+
+    ep = serve({"ping": slow_ping}, workers=n, inline=())
+    results, errors = [], []
+
+    def call():
+        try:
+            results.append(serve.client(ep, timeout_ms=10_000).ping())
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=call) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert not errors
+    assert [r.server for r in results] == ["slow"] * n
+
+
+def test_timeout_names_the_call_and_a_late_reply_is_discarded(serve):
+    release = threading.Event()
+    calls = []
+
+    def stuck_ping(req, ctx):
+        calls.append(ctx.msg_id)
+        if len(calls) == 1:
+            release.wait(10)
+            return Pong(server="late", version="x", uptime_s=0.0)
+        return Pong(server="fresh", version="x", uptime_s=0.0)
+
+    ep = serve({"ping": stuck_ping}, workers=2, inline=())
+    client = serve.client(ep, timeout_ms=200)
+    with pytest.raises(RpcTimeout) as info:
+        client.ping()
+    assert info.value.call == "ping" and info.value.endpoint == ep
+    assert "calling ping" in str(info.value) and "200 ms" in str(info.value)
+    release.set()
+    # The late "late" reply arrives first on the socket and must be skipped.
+    assert client.ping(timeout_ms=5000).server == "fresh"
+
+
+def test_remote_errors_map_to_the_tree(serve):
+    def fail(req, ctx):
+        raise SourceError("lease 42 is unknown")
+
+    ep = serve({"ping": fail})
+    with pytest.raises(SourceError) as info:
+        serve.client(ep).ping()
+    assert info.value.remote == ep and "lease 42" in str(info.value)
+
+
+def test_unexpected_exception_is_internal_error_and_server_lives_on(serve):
+    n = {"calls": 0}
+
+    def flaky(req, ctx):
+        n["calls"] += 1
+        if n["calls"] == 1:
+            raise KeyError("boom")
+        if n["calls"] == 2:
+            return "not a Pong"
+        return Pong(server="ok", version="x", uptime_s=0.0)
+
+    ep = serve({"ping": flaky})
+    client = serve.client(ep)
+    with pytest.raises(RemoteError) as info:
+        client.ping()
+    assert info.value.name == "InternalError" and "boom" in str(info.value)
+    with pytest.raises(RemoteError, match="returned str"):
+        client.ping()
+    assert client.ping().server == "ok"
+
+
+@pytest.mark.parametrize(
+    "frames, name",
+    [
+        (b"garbage", "ProtocolError"),
+        (msgpack.packb([{"v": 1, "id": 5}, "no_such_message", {}]), "UnknownMessage"),
+        (msgpack.packb([{"v": 1, "id": 5}, "ping", {"junk": 1}]), "ProtocolError"),
+        (msgpack.packb([{"v": 9, "id": 5}, "ping", {}]), "ProtocolError"),
+        (msgpack.packb([{"v": 1, "id": 5, "re": 1}, "ping", {}]), "ProtocolError"),
+        ([b"a", b"b"], "ProtocolError"),
+        (b"\x00" * (2 * 1024 * 1024 + 1), "FrameTooLarge"),
+    ],
+)
+def test_malformed_frames_get_err_and_server_keeps_serving(serve, frames, name):
+    ep = serve(max_frame_bytes=2 * 1024 * 1024)
+    reply = raw_call(ep, frames)
+    assert reply[1] == "ERR"
+    assert reply[2]["name"] == name
+    if isinstance(frames, bytes) and frames.startswith(b"\x93"):
+        assert reply[0]["re"] == 5  # the id was readable, so the ERR says which request
+    assert serve.client(ep).ping().server == "test"
+
+
+def test_server_that_does_not_serve_a_type_says_so():
+    # "ping" is always served; drop it to see the refusal path.
+    server = RpcServer("tcp://127.0.0.1:0", {}, name="bare")
+    server._handlers.pop("ping")
+    ep = server.start()
+    try:
+        with RpcClient(ep) as c, pytest.raises(UnknownMessage, match="does not serve"):
+            c.ping()
+    finally:
+        server.close()
+
+
+def test_overload_is_shed_with_server_busy(serve):
+    release = threading.Event()
+    entered = threading.Event()
+
+    def block(req, ctx):
+        entered.set()
+        release.wait(10)
+        return Pong(server="x", version="x", uptime_s=0.0)
+
+    ep = serve({"ping": block}, workers=1, inline=(), max_pending=1)
+    first = serve.client(ep, timeout_ms=10_000)
+    t = threading.Thread(target=first.ping)
+    t.start()
+    assert entered.wait(5)
+    with pytest.raises(ServerBusy):
+        serve.client(ep).ping()
+    release.set()
+    t.join(10)
+
+
+def test_close_is_idempotent_and_calls_after_close_fail(serve):
+    server = RpcServer("tcp://127.0.0.1:0", {}, name="x")
+    ep = server.start()
+    client = RpcClient(ep)
+    assert client.ping().server == "x"
+    client.close()
+    client.close()
+    with pytest.raises(RpcClosed):
+        client.ping()
+    server.close()
+    server.close()
+
+
+def test_bind_conflict_is_a_config_error(serve):
+    ep = serve()
+    with pytest.raises(ConfigError, match="cannot bind"):
+        RpcServer(ep, {}, name="dup").start()
+
+
+def test_handlers_for_unknown_messages_are_rejected():
+    with pytest.raises(ConfigError):
+        RpcServer("tcp://127.0.0.1:0", {"nope": lambda r, c: None})
+
+
+def test_observer_sees_every_outcome(serve):
+    seen = []
+    ep = serve(on_call=lambda t, s, o: seen.append((t, o)))
+    serve.client(ep).ping()
+    raw_call(ep, b"junk")
+    assert ("ping", "ok") in seen and ("?", "bad_request") in seen
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
+def test_curve_encrypts_and_authenticates(serve, tmp_path):
+    server_pub, server_secret = generate_keypair(tmp_path / "server", "server")
+    allowed = tmp_path / "clients"
+    _, good_secret = generate_keypair(allowed, "good")
+    _, bad_secret = generate_keypair(tmp_path / "other", "bad")
+
+    # Without an allow-list: any client that knows the server key gets in; a plain one does not.
+    ep = serve(curve=CurveServerConfig.from_files(server_secret))
+    assert serve.client(ep, curve=CurveClientConfig.for_server(str(server_pub))).ping().server == "test"
+    with pytest.raises(RpcTimeout):
+        serve.client(ep, timeout_ms=300).ping()
+
+    # With an allow-list: only listed client keys.
+    ep2 = serve(curve=CurveServerConfig.from_files(server_secret, allowed))
+    good = CurveClientConfig.for_server(str(server_pub), str(good_secret))
+    bad = CurveClientConfig.for_server(str(server_pub), str(bad_secret))
+    assert serve.client(ep2, curve=good).ping().server == "test"
+    with pytest.raises(RpcTimeout):
+        serve.client(ep2, curve=bad, timeout_ms=300).ping()
+
+
+def test_curve_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        CurveServerConfig.from_files(tmp_path / "missing.key_secret")
+    pub, _ = generate_keypair(tmp_path, "s")
+    with pytest.raises(ConfigError, match="no secret key"):
+        CurveServerConfig.from_files(pub)
+
+
+def test_request_encoding_rejects_unregistered_types():
+    class NotAMessage:
+        pass
+
+    with pytest.raises(UnknownMessage):
+        encode_request(1, NotAMessage())
