@@ -386,6 +386,7 @@ nb::object as_fast_sequence(nb::handle seq, const char *what) {
   return nb::steal(fast);
 }
 
+// Reading bytes objects runs no Python code, so the item array stays valid.
 void read_hash_list(nb::handle seq, std::vector<Key> &keys) {
   nb::object fast =
       as_fast_sequence(seq, "block hashes must be a sequence of bytes");
@@ -397,10 +398,13 @@ void read_hash_list(nb::handle seq, std::vector<Key> &keys) {
 
 void read_id_list(nb::handle seq, int32_t nblocks, std::vector<int32_t> &ids) {
   nb::object fast = as_fast_sequence(seq, "block ids must be a sequence of int");
-  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
-  PyObject **items = PySequence_Fast_ITEMS(fast.ptr());
-  ids.resize(size_t(n));
-  for (Py_ssize_t i = 0; i < n; ++i) ids[size_t(i)] = read_id(items[i], nblocks);
+  ids.clear();
+  // A non-int's __index__ runs Python code that may change the list: re-read
+  // the size every time and hold a reference to the item being converted.
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast.ptr()); ++i) {
+    nb::object item = nb::borrow(PySequence_Fast_GET_ITEM(fast.ptr(), i));
+    ids.push_back(read_id(item.ptr(), nblocks));
+  }
 }
 
 size_t check_hash_len(int64_t hash_len) {
@@ -456,26 +460,41 @@ void read_packed_ids(nb::handle arr, int32_t nblocks, std::vector<int32_t> &ids)
   }
 }
 
-// Scratch space reused across calls on the same thread (no allocation on the
-// hot path). Only used between argument reading and result building, with no
-// Python code running in between, so calls cannot nest.
-thread_local std::vector<Key> tls_keys;
-thread_local std::vector<int32_t> tls_ids;
-thread_local std::vector<int32_t> tls_out;
+// Per-thread buffers for copied-out arguments and results, reused across
+// calls so the hot path does not allocate. A call can re-enter on the same
+// thread (a non-int id's __index__, or a generator of hashes, runs Python code
+// that may call the index again); the nested call then gets fresh buffers.
+struct Scratch {
+  std::vector<Key> keys;
+  std::vector<int32_t> ids, out;
+};
+thread_local Scratch tls_scratch;
+thread_local bool tls_scratch_busy = false;
 
-// Declared first in a method that uses the scratch vectors: on the way out,
-// frees them if a bulk call grew them large (a 1M-hash fill would otherwise
-// keep ~40 MB per thread for good).
-struct ScratchTrim {
-  ScratchTrim() = default;
-  ScratchTrim(const ScratchTrim &) = delete;
-  ScratchTrim &operator=(const ScratchTrim &) = delete;
-  ~ScratchTrim() {
-    constexpr size_t kKeep = size_t(1) << 16;
-    if (tls_keys.capacity() > kKeep) std::vector<Key>().swap(tls_keys);
-    if (tls_ids.capacity() > kKeep) std::vector<int32_t>().swap(tls_ids);
-    if (tls_out.capacity() > kKeep) std::vector<int32_t>().swap(tls_out);
+class ScratchLease {
+ public:
+  ScratchLease()
+      : s_(tls_scratch_busy ? &own_ : &tls_scratch), owner_(!tls_scratch_busy) {
+    tls_scratch_busy = true;
   }
+  ~ScratchLease() {
+    if (!owner_) return;
+    // Give memory back after a bulk call (a 1M-hash fill would otherwise
+    // keep ~40 MB per thread for good).
+    constexpr size_t kKeep = size_t(1) << 16;
+    if (s_->keys.capacity() > kKeep) std::vector<Key>().swap(s_->keys);
+    if (s_->ids.capacity() > kKeep) std::vector<int32_t>().swap(s_->ids);
+    if (s_->out.capacity() > kKeep) std::vector<int32_t>().swap(s_->out);
+    tls_scratch_busy = false;
+  }
+  ScratchLease(const ScratchLease &) = delete;
+  ScratchLease &operator=(const ScratchLease &) = delete;
+  Scratch *operator->() { return s_; }
+
+ private:
+  Scratch own_;
+  Scratch *s_;
+  bool owner_;
 };
 
 PyObject *g_numpy_empty = nullptr;  // numpy.empty, looked up once, never freed
@@ -530,9 +549,9 @@ class PoolIndex {
   }
 
   void insert_packed(nb::handle buf, nb::handle ids, int64_t hash_len) {
-    ScratchTrim trim;
-    std::vector<Key> &keys = tls_keys;
-    std::vector<int32_t> &idv = tls_ids;
+    ScratchLease scratch;
+    std::vector<Key> &keys = scratch->keys;
+    std::vector<int32_t> &idv = scratch->ids;
     read_packed_hashes(buf, hash_len, keys);
     read_packed_ids(ids, core_.num_blocks(), idv);
     if (keys.size() != idv.size())
@@ -543,43 +562,43 @@ class PoolIndex {
   }
 
   nb::object find_and_pin(nb::handle hashes) {
-    ScratchTrim trim;
-    std::vector<Key> &keys = tls_keys;
-    read_hash_list(hashes, keys);
-    size_t k = find_and_pin_keys(keys);
-    return built_or_unpinned(k, [&] { return int_list(tls_out.data(), k); });
+    ScratchLease scratch;
+    read_hash_list(hashes, scratch->keys);
+    size_t k = find_and_pin_keys(scratch->keys, scratch->out);
+    const int32_t *ids = scratch->out.data();
+    return built_or_unpinned(ids, k, [&] { return int_list(ids, k); });
   }
 
   nb::object find_and_pin_packed(nb::handle buf, int64_t hash_len) {
-    ScratchTrim trim;
-    std::vector<Key> &keys = tls_keys;
-    read_packed_hashes(buf, hash_len, keys);
-    size_t k = find_and_pin_keys(keys);
-    return built_or_unpinned(k, [&] { return numpy_int32(tls_out.data(), k); });
+    ScratchLease scratch;
+    read_packed_hashes(buf, hash_len, scratch->keys);
+    size_t k = find_and_pin_keys(scratch->keys, scratch->out);
+    const int32_t *ids = scratch->out.data();
+    return built_or_unpinned(ids, k, [&] { return numpy_int32(ids, k); });
   }
 
   void pin_blocks_by_id(nb::handle ids) {
-    ScratchTrim trim;
-    read_id_list(ids, core_.num_blocks(), tls_ids);
-    pin_ids(tls_ids);
+    ScratchLease scratch;
+    read_id_list(ids, core_.num_blocks(), scratch->ids);
+    pin_ids(scratch->ids);
   }
 
   void unpin_blocks_by_id(nb::handle ids) {
-    ScratchTrim trim;
-    read_id_list(ids, core_.num_blocks(), tls_ids);
-    unpin_ids(tls_ids);
+    ScratchLease scratch;
+    read_id_list(ids, core_.num_blocks(), scratch->ids);
+    unpin_ids(scratch->ids);
   }
 
   void pin_packed(nb::handle ids) {
-    ScratchTrim trim;
-    read_packed_ids(ids, core_.num_blocks(), tls_ids);
-    pin_ids(tls_ids);
+    ScratchLease scratch;
+    read_packed_ids(ids, core_.num_blocks(), scratch->ids);
+    pin_ids(scratch->ids);
   }
 
   void unpin_packed(nb::handle ids) {
-    ScratchTrim trim;
-    read_packed_ids(ids, core_.num_blocks(), tls_ids);
-    unpin_ids(tls_ids);
+    ScratchLease scratch;
+    read_packed_ids(ids, core_.num_blocks(), scratch->ids);
+    unpin_ids(scratch->ids);
   }
 
   nb::object evict(nb::handle n_obj) {
@@ -659,22 +678,21 @@ class PoolIndex {
     return f();
   }
 
-  size_t find_and_pin_keys(const std::vector<Key> &keys) {
-    tls_out.resize(keys.size());
+  size_t find_and_pin_keys(const std::vector<Key> &keys, std::vector<int32_t> &out) {
+    out.resize(keys.size());
     return locked(keys.size() >= kReleaseGilItems, [&] {
-      return core_.find_and_pin(keys.data(), keys.size(), tls_out.data());
+      return core_.find_and_pin(keys.data(), keys.size(), out.data());
     });
   }
 
   // Builds the result of a find_and_pin; if that fails (out of memory), the
   // pins just taken are dropped again so they do not leak.
   template <class Build>
-  nb::object built_or_unpinned(size_t k, Build &&build) {
+  nb::object built_or_unpinned(const int32_t *ids, size_t k, Build &&build) {
     try {
       return build();
     } catch (...) {
-      std::vector<int32_t> taken(tls_out.begin(), tls_out.begin() + k);
-      locked(true, [&] { core_.unpin(taken.data(), taken.size()); });
+      locked(true, [&] { core_.unpin(ids, k); });
       throw;
     }
   }

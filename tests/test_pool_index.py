@@ -509,3 +509,29 @@ def test_larger_index_round_trip():
     assert all(index.lookup(h(i)) == n - 1 - i for i in range(1, n, 2))
     assert all(index.lookup(h(i)) is None for i in range(0, n, 2))
     assert len(index) == n // 2
+
+
+def test_reentrant_calls_from_argument_conversion(make):
+    # Python code that runs while arguments are read (an id's __index__, a
+    # generator of hashes) may call the index again and change the list being
+    # read; the outer call must see a consistent view and nothing may break.
+    index = filled(make, 8)
+    ids: list = []
+
+    class Sneaky:
+        def __index__(self) -> int:
+            index.pin_blocks_by_id([1, 2, 3])
+            ids.clear()
+            return 0
+
+    ids.extend([Sneaky(), 5, 6])
+    index.pin_blocks_by_id(ids)  # the list shrank to nothing after item 0
+    assert [index.pin_count(b) for b in range(8)] == [1, 1, 1, 1, 0, 0, 0, 0]
+
+    def hashes():
+        yield h(4)
+        assert index.find_and_pin([h(5), h(6)]) == [5, 6]
+        yield h(5)
+
+    assert index.find_and_pin(hashes()) == [4, 5]
+    assert [index.pin_count(b) for b in range(8)] == [1, 1, 1, 1, 1, 2, 1, 0]
