@@ -257,3 +257,74 @@ def test_serve_command_rejects_bad_settings(capsys):
 def test_client_timeout_names_the_call():
     with RegistryClient("tcp://127.0.0.1:1", timeout_s=0.1) as c, pytest.raises(RpcTimeout, match="lookup"):
         c.lookup(CHAIN[:1])
+
+
+@pytest.mark.redis
+def test_two_servers_on_one_redis_give_the_same_answers(redis_url):
+    from remote_g2.registry import open_store
+
+    servers = [RegistryServer(open_store(redis_url=redis_url, lease_ttl_ms=10_000), bind="tcp://127.0.0.1:0")
+               for _ in range(2)]
+    a, b = (RegistryClient(s.start()) for s in servers)
+    try:
+        a.register_worker("w1", "tcp://127.0.0.1:9001", FP, epoch=1)
+        b.register_worker("w2", "tcp://127.0.0.1:9002", FP, epoch=1)
+        a.events("w1", 1, 1, [BlockEvent("stored", CHAIN[:8])])
+        b.events("w2", 1, 1, [BlockEvent("stored", CHAIN[:5])])
+        # w1's next batch goes through the *other* server: the sequence lives in Redis.
+        assert b.events("w1", 1, 2, [BlockEvent("stored", CHAIN[8:10])]).status == "ok"
+        ra, rb = (c.lookup(CHAIN[:12], want_all_holders=True) for c in (a, b))
+        assert ra.holders == rb.holders and [(h.worker_id, h.matched) for h in ra.holders] == [("w1", 10), ("w2", 5)]
+        assert [w.worker_id for w in a.list_workers()] == [w.worker_id for w in b.list_workers()] == ["w1", "w2"]
+        assert a.stats().store == "redis"
+    finally:
+        for c in (a, b):
+            c.close()
+        for s in servers:
+            s.close()
+            s.store.close()
+
+
+@pytest.mark.redis
+def test_redis_outage_answers_store_unavailable_and_recovers(spawn_redis):
+    from remote_g2.errors import StoreUnavailable
+    from remote_g2.registry import open_store
+
+    proc, url = spawn_redis()
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    server = RegistryServer(open_store(redis_url=url, lease_ttl_ms=30_000), bind="tcp://127.0.0.1:0")
+    client = RegistryClient(server.start(), timeout_s=10)
+    try:
+        client.register_worker("w1", "tcp://127.0.0.1:9001", FP, epoch=1)
+        proc.terminate()
+        proc.wait(5)
+        with pytest.raises(StoreUnavailable) as info:
+            client.lookup(CHAIN[:4])
+        assert info.value.remote == server.endpoint and "unreachable" in str(info.value)
+        assert client.ping().server == "registry"  # the server itself keeps answering
+        assert 'remote_g2_registry_errors_total{kind="store_unavailable"} 1.0' in scrape(server)
+        spawn_redis(port)  # Redis is back (empty: nothing persisted)
+        assert client.lookup(CHAIN[:4]).reason == "no_candidate"
+        assert client.register_worker("w1", "tcp://127.0.0.1:9001", FP, epoch=2).new_incarnation
+    finally:
+        client.close()
+        server.close()
+        server.store.close()
+
+
+@pytest.mark.cluster
+def test_server_on_redis_cluster(redis_cluster_url):
+    from remote_g2.registry import open_store
+
+    server = RegistryServer(open_store(redis_cluster_url=redis_cluster_url, lease_ttl_ms=10_000),
+                            bind="tcp://127.0.0.1:0")
+    try:
+        with RegistryClient(server.start()) as c:
+            c.register_worker("w1", "tcp://127.0.0.1:9001", FP, epoch=1)
+            c.events("w1", 1, 1, [BlockEvent("stored", CHAIN)])
+            r = c.lookup(CHAIN)
+            assert (r.best.worker_id, r.matched) == ("w1", len(CHAIN))
+            assert c.stats().store == "redis-cluster"
+    finally:
+        server.close()
+        server.store.close()
