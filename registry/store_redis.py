@@ -23,15 +23,17 @@ reaped incarnation leaves it at once (so lookups stop seeing it) and waits in
 
 Round trips: on one node every worker-side call and every lookup is ONE
 ``EVALSHA`` (``registry/lua/*.lua``; loaded on first use, reloaded after
-NOSCRIPT). On Cluster a lookup reads the block sets of the other nodes with
-one call per node, in parallel, then runs the same lookup script on the meta
-slot's node (liveness, layout filter and the prefix walk over its own keys);
-an event batch is one call to the meta node (validate, advance ``seq``), then
-writes ``wb`` before and after one call per node for the block sets, so that
-``wb`` always covers what the block sets hold. A node call declares one key
-(for routing) and names the rest in ARGV: Redis 7 refuses declared keys of
-several slots (CROSSSLOT) even with ``allow-cross-slot-keys``, but lets such a
-script touch undeclared keys of any slot on its own node.
+NOSCRIPT); the lookup script reads each candidate's prefix from its ``wb``
+set (one SMISMEMBER over the hashes per candidate). On Cluster a lookup reads
+the block sets of the other nodes with one call per node, in parallel, then
+runs the same lookup script on the meta slot's node (liveness, layout filter,
+and a walk hash by hash over its own block sets and the ones read); an event
+batch is one call to the meta node (validate, advance ``seq``), then writes
+``wb`` before and after one call per node for the block sets, so that ``wb``
+always covers what the block sets hold. A node call declares one key (for
+routing) and names the rest in ARGV: Redis 7 refuses declared keys of several
+slots (CROSSSLOT) even with ``allow-cross-slot-keys``, but lets such a script
+touch undeclared keys of any slot on its own node.
 
 Errors: any Redis or connection failure becomes
 :class:`~remote_g2.errors.StoreUnavailable`; connections are re-made by
@@ -50,14 +52,16 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+from redis.exceptions import ClusterError, NoScriptError, RedisClusterException, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from remote_g2.errors import StaleEpoch, StoreUnavailable
@@ -86,6 +90,7 @@ DEFAULT_KEY_PREFIX = "rg2:"
 _LUA_DIR = Path(__file__).with_name("lua")
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.M)
 _ERRORS = (RedisError, RedisClusterException)
+_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, ClusterError, RedisClusterException)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -118,35 +123,22 @@ class _Scripts:
             return client.evalsha(self._sha[name], 1, key, *args)
 
 
-@dataclasses.dataclass(frozen=True)
 class _Keys:
-    """Key names (bytes, binary-safe) for one ``key_prefix``."""
+    """Key names (bytes, binary-safe) for one ``key_prefix``; see the module docstring."""
 
-    prefix: bytes
+    __slots__ = ("prefix", "meta", "lease", "gone", "block", "header")
 
-    @property
-    def meta(self) -> bytes:
-        return self.prefix + b"{m}:"
-
-    @property
-    def lease(self) -> bytes:
-        return self.meta + b"lease"
-
-    @property
-    def gone(self) -> bytes:
-        return self.meta + b"gone"
-
-    @property
-    def block(self) -> bytes:
-        return self.prefix + b"b:"
+    def __init__(self, prefix: bytes) -> None:
+        self.prefix = prefix
+        self.meta = prefix + b"{m}:"
+        self.lease = self.meta + b"lease"
+        self.gone = self.meta + b"gone"
+        self.block = prefix + b"b:"
+        #: ARGV[1..3] of every script (see ``lua/_lib.lua``).
+        self.header = (self.meta, self.block, prefix + b"wb:")
 
     def wb(self, inc: bytes) -> bytes:
         return self.prefix + b"wb:{" + inc + b"}"
-
-    @property
-    def header(self) -> list[bytes]:
-        """ARGV[1..3] of every script (see ``lua/_lib.lua``)."""
-        return [self.meta, self.block, self.prefix + b"wb:"]
 
 
 # -- connections ------------------------------------------------------------------------------
@@ -168,6 +160,8 @@ def _address(url: str) -> str:
 
 class _SingleNode:
     """One Redis: every key is on the one node; redis-py reconnects by itself."""
+
+    all_keys_local = True
 
     def __init__(self, url: str, socket_timeout_s: float, max_connections: int) -> None:
         self.address = _address(url)
@@ -197,6 +191,8 @@ class _ClusterNodes:
     starts working once it is up.
     """
 
+    all_keys_local = False
+
     def __init__(self, url: str, socket_timeout_s: float, max_connections: int) -> None:
         self.address = _address(url)
         self._url = url
@@ -205,6 +201,7 @@ class _ClusterNodes:
         self._rc: RedisCluster | None = None
         # (slot -> node name, node name -> client); replaced whole, read without a lock.
         self._table: tuple[list[str], dict[str, redis.Redis]] | None = None
+        self._generation = 0  # counts refreshes, so threads failing together refresh once
 
     def _slots(self) -> tuple[list[str], dict[str, redis.Redis]]:
         table = self._table
@@ -229,9 +226,15 @@ class _ClusterNodes:
             raise RedisClusterException("the cluster does not cover every slot")
         return names, clients
 
-    def refresh(self) -> None:
-        """Re-read the slot table from the cluster (after MOVED, a dead node, ...)."""
+    def refresh(self, seen_generation: int | None = None) -> None:
+        """Re-read the slot table from the cluster (after MOVED, a dead node, ...).
+
+        With ``seen_generation``, do nothing if another thread refreshed since.
+        """
         with self._lock:
+            if seen_generation is not None and seen_generation != self._generation:
+                return
+            self._generation += 1
             self._table = None
             if self._rc is not None:
                 self._rc.nodes_manager.initialize()
@@ -256,10 +259,11 @@ class _ClusterNodes:
 
     def retrying(self, fn: Callable[[], R]) -> R:
         """Run ``fn`` (which must be safe to repeat); on a Redis error refresh the slot table once and rerun."""
+        generation = self._generation
         try:
             return fn()
         except _ERRORS:
-            self.refresh()
+            self.refresh(generation)
             return fn()
 
     def close(self) -> None:
@@ -280,8 +284,8 @@ def _command(retry: bool = True) -> Callable[[Callable[P, R]], Callable[P, R]]:
                     return store._nodes.retrying(lambda: method(*args, **kwargs))
                 return method(*args, **kwargs)
             except _ERRORS as e:
-                raise StoreUnavailable(f"redis at {store._nodes.address} unreachable: "
-                                       f"{type(e).__name__}: {e}") from e
+                what = "unreachable" if isinstance(e, _UNREACHABLE) else "failed"
+                raise StoreUnavailable(f"redis at {store._nodes.address} {what}: {type(e).__name__}: {e}") from e
         return call
     return wrap
 
@@ -463,15 +467,17 @@ class _LookupCommands(_RedisBase):
                want_all_holders: bool = False, tie_breaker: int = 0) -> LookupReply:
         if not hashes:
             return LookupReply("no_candidate", 0)
-        hashes = list(hashes)
-        keys = [self._keys.block + h for h in hashes]
-        meta_name, meta_client = self._nodes.node(self._keys.lease)
-        kinds = bytearray(b"k" * len(hashes))
         payload: list[bytes] = list(hashes)
-        remote = [(c, idx) for name, (c, idx) in self._nodes.group(keys).items() if name != meta_name]
-        if remote:  # Cluster: read other nodes' block sets first, one call per node
+        kinds = bytearray(b"k" * len(payload))
+        meta_name, meta_client = self._nodes.node(self._keys.lease)
+        keys: list[bytes] = []
+        remote: list[tuple[redis.Redis, list[int]]] = []
+        if not self._nodes.all_keys_local:  # Cluster: read other nodes' block sets first, one call per node
+            keys = [self._keys.block + h for h in payload]
+            remote = [(c, idx) for name, (c, idx) in self._nodes.group(keys).items() if name != meta_name]
+        if remote:
             replies = self._fan_out([functools.partial(self._scripts.run, c, "members", keys[idx[0]],
-                                                       [*self._keys.header, *(hashes[i] for i in idx)])
+                                                       [*self._keys.header, *(payload[i] for i in idx)])
                                      for c, idx in remote])
             for (_, idx), members in zip(remote, replies):
                 for i, m in zip(idx, members):
@@ -481,9 +487,10 @@ class _LookupCommands(_RedisBase):
                 return LookupReply("no_candidate", 0)  # nobody, live or dead, holds the first block
         reply = self._scripts.run(meta_client, "lookup", self._keys.lease,
                                   [*self._keys.header, requester or "", compat_key or "",
-                                   b"1" if want_all_holders else b"0", bytes(kinds), *payload])
+                                   b"1" if want_all_holders else b"0",
+                                   b"inc" if self._nodes.all_keys_local else b"pos", bytes(kinds), *payload])
         if reply[0] != b"ok":
-            return LookupReply(reply[0].decode(), 0)  # type: ignore[arg-type]
+            return LookupReply(reply[0].decode(), 0)
         _, matched, tied, holders = reply
         tied = sorted((Holder(w.decode(), e.decode(), int(tp), matched) for w, e, tp in tied),
                       key=lambda x: x.worker_id)
@@ -523,7 +530,7 @@ class _SweepCommands(_RedisBase):
             wb = self._keys.wb(inc)
             _, client = self._nodes.node(wb)
             while budget > 0:
-                chunk = client.srandmember(wb, min(self.sweep_chunk, budget))
+                chunk = cast(list[bytes], client.srandmember(wb, min(self.sweep_chunk, budget)))
                 if not chunk:
                     removed += meta_client.zrem(self._keys.gone, inc)  # 0 if a concurrent sweeper won
                     break

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from remote_g2.registry.store import RegistryStore
 
 
-def _need_redis_binaries() -> None:
-    missing = [b for b in ("redis-server", "redis-cli") if shutil.which(b) is None]
+def _need_redis_binaries(*names: str) -> None:
+    missing = [b for b in names or ("redis-server",) if shutil.which(b) is None]
     if missing:
         pytest.skip(f"{' and '.join(missing)} not on PATH (install Redis >= 7: `make redis`)")
 
@@ -42,9 +42,13 @@ def _port_is_free(port: int) -> bool:
 
 
 def free_port(with_cluster_bus: bool = False) -> int:
-    """A free loopback port (and port + 10000 free too when a cluster node's bus needs it)."""
+    """A free loopback port (and port + 10000 free too when a cluster node's bus needs it).
+
+    Drawn below Linux's ephemeral range (32768+), bus port included, so no
+    outgoing connection grabs it between this check and the server's bind.
+    """
     for _ in range(200):
-        port = random.randint(20000, 40000)
+        port = random.randint(10000, 22000)
         if _port_is_free(port) and (not with_cluster_bus or _port_is_free(port + 10000)):
             return port
     raise RuntimeError("no free port found")
@@ -113,11 +117,11 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A private 3-master Redis Cluster for the session; yields ``redis://127.0.0.1:P1``."""
     import redis
 
-    _need_redis_binaries()
+    _need_redis_binaries("redis-server", "redis-cli")
     workdir = tmp_path_factory.mktemp("redis-cluster")
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        ports = []
+        ports: list[int] = []
         while len(ports) < 3:
             port = free_port(with_cluster_bus=True)
             if port not in ports:

@@ -1,44 +1,46 @@
 #!lua flags=allow-cross-slot-keys,no-writes
 --!include _lib.lua
 -- lookup, run on the node that holds the meta slot. KEYS[1] = lease.
--- ARGV[4..7] = requester ('' none), compat key ('' none), want all holders ('1'/'0'),
--- kinds: one char per asked hash, 'k' = its block set is on this node and
--- ARGV[7+i] is the hash, 'm' = another node's block set, already read, and
--- ARGV[7+i] is its members joined by ','. (Single node: all 'k'.)
+-- ARGV[4..8] = requester ('' none), compat key ('' none), want all holders ('1'/'0'),
+-- walk, kinds. kinds: one char per asked hash, 'k' = its block set is on this
+-- node and ARGV[8+i] is the hash, 'm' = another node's block set, already read,
+-- and ARGV[8+i] is its members joined by ','.
+-- walk 'inc' (single node: every key is here, all kinds 'k'): each candidate's
+-- prefix is read from its own wb set, one SMISMEMBER over many hashes per
+-- candidate; walk 'pos' (Cluster: wb sets live elsewhere): one SMISMEMBER of
+-- the candidates per hash, over the hash's block set or its inline members.
 -- Returns {reason} or {'ok', matched, tied, holders}: `tied` = {wid, endpoint, tp}
 -- of every candidate with the longest prefix and the lowest load among those
 -- (the caller picks one with the tie breaker, ordering ids byte-wise, which Lua's
 -- locale-dependent string comparison cannot promise); `holders` = {wid, endpoint,
 -- tp, matched} of every candidate when asked for.
-local requester, compat, want_all, kinds = ARGV[4], ARGV[5], ARGV[6] == '1', ARGV[7]
+local requester, compat, want_all, by_inc, kinds = ARGV[4], ARGV[5], ARGV[6] == '1', ARGV[7] == 'inc', ARGV[8]
+local n = #kinds
 
 local function members(i)
-  if kinds:sub(i, i) == 'k' then return redis.call('SMEMBERS', BP .. ARGV[7 + i]) end
+  if kinds:sub(i, i) == 'k' then return redis.call('SMEMBERS', BP .. ARGV[8 + i]) end
   local out = {}
-  for inc in string.gmatch(ARGV[7 + i], '[^,]+') do out[#out + 1] = inc end
+  for inc in string.gmatch(ARGV[8 + i], '[^,]+') do out[#out + 1] = inc end
   return out
 end
 
--- The candidates still holding hash i: one SMISMEMBER (in chunks, under Lua's unpack limit).
-local function still_holding(i, cands)
-  local keep = {}
-  if kinds:sub(i, i) == 'k' then
-    for s = 1, #cands, 1000 do
-      local ids = {}
-      for j = s, math.min(s + 999, #cands) do ids[#ids + 1] = cands[j].inc end
-      local flags = redis.call('SMISMEMBER', BP .. ARGV[7 + i], unpack(ids))
-      for j = 1, #ids do
-        if flags[j] == 1 then keep[#keep + 1] = cands[s + j - 1] end
-      end
-    end
-  else
-    local set = {}
-    for inc in string.gmatch(ARGV[7 + i], '[^,]+') do set[inc] = true end
-    for _, c in ipairs(cands) do
-      if set[c.inc] then keep[#keep + 1] = c end
-    end
+-- Flags (1/0), in the order of `ids`, for whether the block set of hash i holds each id.
+local function holding(i, ids)
+  if kinds:sub(i, i) == 'm' then
+    local set, flags = {}, {}
+    for inc in string.gmatch(ARGV[8 + i], '[^,]+') do set[inc] = true end
+    for j, inc in ipairs(ids) do flags[j] = set[inc] and 1 or 0 end
+    return flags
   end
-  return keep
+  local key = BP .. ARGV[8 + i]
+  if #ids == 1 then return {redis.call('SISMEMBER', key, ids[1])} end
+  if #ids <= 1000 then return redis.call('SMISMEMBER', key, unpack(ids)) end
+  local flags = {}  -- stay under Lua's unpack limit
+  for s = 1, #ids, 1000 do
+    local part = redis.call('SMISMEMBER', key, unpack(ids, s, math.min(s + 999, #ids)))
+    for _, f in ipairs(part) do flags[#flags + 1] = f end
+  end
+  return flags
 end
 
 if compat == '' and requester ~= '' then
@@ -47,8 +49,14 @@ if compat == '' and requester ~= '' then
 end
 local now = now_ms()
 local cands, saw_self, saw_incompatible = {}, false, false
-for _, inc in ipairs(members(1)) do
-  local score = redis.call('ZSCORE', LEASE, inc)   -- only current incarnations have one
+local first, scores = members(1), {}
+for s = 1, #first, 1000 do  -- chunks stay under Lua's unpack limit
+  for _, score in ipairs(redis.call('ZMSCORE', LEASE, unpack(first, s, math.min(s + 999, #first)))) do
+    scores[#scores + 1] = score
+  end
+end
+for k, inc in ipairs(first) do
+  local score = scores[k]   -- only current incarnations have one
   if score and tonumber(score) > now then
     local r = redis.call('HMGET', inc_key(inc), 'wid', 'compat', 'load', 'endpoint', 'tp')
     if r[1] == requester then
@@ -66,11 +74,50 @@ if #cands == 0 then
   return {'no_candidate'}
 end
 
-local alive = cands
-for i = 2, #kinds do
-  alive = still_holding(i, alive)
-  if #alive == 0 then break end
-  for _, c in ipairs(alive) do c.matched = i end
+-- The number of leading hashes, from the 2nd on, that `inc`'s wb set holds:
+-- a first chunk of 128, then doubling, so a short prefix costs one call.
+local function prefix_in_wb(inc)
+  local wb, m, s, size = wb_key(inc), 1, 2, 128
+  while s <= n do
+    local e = math.min(n, s + size - 1)
+    local flags = redis.call('SMISMEMBER', wb, unpack(ARGV, 8 + s, 8 + e))
+    for j = 1, #flags do
+      if flags[j] ~= 1 then return m end
+      m = m + 1
+    end
+    s, size = e + 1, math.min(size * 2, 4096)
+  end
+  return m
+end
+
+if by_inc then
+  for _, c in ipairs(cands) do c.matched = prefix_in_wb(c.inc) end
+else
+  -- Walk on while any candidate still holds the next hash; a candidate's
+  -- `matched` is fixed when it drops out (or at the end, for the survivors).
+  local alive, ids, i = cands, {}, 2
+  for j, c in ipairs(cands) do ids[j] = c.inc end
+  while i <= n do
+    local flags = holding(i, ids)
+    local dropped = false
+    for j = 1, #flags do
+      if flags[j] ~= 1 then dropped = true break end
+    end
+    if dropped then
+      local keep, keep_ids = {}, {}
+      for j, c in ipairs(alive) do
+        if flags[j] == 1 then
+          keep[#keep + 1], keep_ids[#keep_ids + 1] = c, c.inc
+        else
+          c.matched = i - 1
+        end
+      end
+      alive, ids = keep, keep_ids
+      if #alive == 0 then break end
+    end
+    i = i + 1
+  end
+  for _, c in ipairs(alive) do c.matched = i - 1 end
 end
 
 local top, low = 0, nil
