@@ -6,8 +6,7 @@ Everything the project raises on purpose derives from :class:`RemoteG2Error`::
     ├── ConfigError                  bad settings or environment
     ├── TransportError               the bytes did not get there (or back)
     │   ├── RpcTimeout               no reply within the call's timeout
-    │   ├── RpcClosed                the RPC object was used after close()
-    │   └── ServerBusy               the server shed the request (too many in flight)
+    │   └── RpcClosed                the RPC object was used after close()
     ├── ProtocolError                a frame or message failed validation
     │   ├── FrameTooLarge
     │   └── UnknownMessage
@@ -35,7 +34,6 @@ __all__ = [
     "TransportError",
     "RpcTimeout",
     "RpcClosed",
-    "ServerBusy",
     "ProtocolError",
     "FrameTooLarge",
     "UnknownMessage",
@@ -102,10 +100,6 @@ class RpcTimeout(TransportError):
 
 class RpcClosed(TransportError):
     """The client or server was used after it was closed."""
-
-
-class ServerBusy(TransportError):
-    """The server had too many requests in flight and shed this one; retry later."""
 
 
 class ProtocolError(RemoteG2Error):

@@ -1,18 +1,25 @@
 """A ROUTER-socket RPC server that serves many clients at once.
 
-One I/O thread owns the ROUTER socket: it reads frames, validates them, and
-either answers in place (cheap handlers, listed in ``inline``) or hands the
-request to a thread pool. Workers never touch the ROUTER socket (ZMQ sockets
-are single-threaded); they push finished replies to the I/O thread over an
-inproc PUSH/PULL pair. So one slow request never blocks another client, and
-no client waits in REQ/REP lockstep behind someone else's call.
+Clients talk to one ROUTER socket. A ZMQ proxy running in C (no GIL) hands
+each request to one of ``workers`` handler threads over inproc, and carries
+the replies back; every handler thread owns its own socket, reads the frame,
+validates it, runs the handler and answers. There is no Python hop between
+reading a request and handling it, so a request costs one thread wake-up, and
+one slow request holds up only its own thread: no client waits in REQ/REP
+lockstep behind another.
+
+Overload is backpressure, not loss: each thread's queue is bounded by the ZMQ
+high-water mark (``queue_depth``); past it the proxy stops reading and the
+clients' calls time out with :class:`~remote_g2.errors.RpcTimeout` naming the
+call.
 
 Contract for handlers: ``handler(request, ctx) -> reply`` where ``request`` is
 the validated request dataclass and ``reply`` an instance of the message's
-reply class. Raising a :class:`~remote_g2.errors.RemoteG2Error` answers
-``ERR`` with that class's name; any other exception answers
-``ERR InternalError`` and is logged with its traceback. A malformed,
-oversized or unknown frame answers ``ERR`` and the server keeps serving.
+reply class. Handlers may run concurrently on different threads. Raising a
+:class:`~remote_g2.errors.RemoteG2Error` answers ``ERR`` with that class's
+name; any other exception answers ``ERR InternalError`` and is logged with its
+traceback. A malformed, oversized or unknown frame answers ``ERR`` and the
+server keeps serving.
 """
 
 from __future__ import annotations
@@ -21,8 +28,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +51,6 @@ __all__ = ["RpcServer", "CallContext", "Handler", "normalize_bind_endpoint"]
 log = logging.getLogger("remote_g2.rpc")
 
 _server_ids = itertools.count()
-_STOP = b"\x00stop"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +79,9 @@ class RpcServer:
     """Serve the handlers in ``handlers`` (message name → handler) on ``endpoint``.
 
     ``start()`` binds and returns the bound endpoint (with the real port when
-    ``:0`` was asked); ``close()`` stops the loop, drops queued work and closes
-    the sockets. ``ping`` is answered by every server unless overridden.
+    ``:0`` was asked); ``close()`` stops the proxy and the handler threads and
+    closes the sockets. ``ping`` is answered by every server unless overridden.
+    ``workers`` is the number of handler threads (at least 1).
     """
 
     def __init__(
@@ -85,8 +91,7 @@ class RpcServer:
         *,
         name: str = "remote-g2",
         workers: int = 4,
-        inline: Collection[str] = ("ping",),
-        max_pending: int = 1024,
+        queue_depth: int = 1000,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         curve: CurveServerConfig | None = None,
         context: zmq.Context | None = None,
@@ -95,31 +100,27 @@ class RpcServer:
         unknown = set(handlers) - set(MESSAGES)
         if unknown:
             raise ConfigError(f"handlers for unknown message types: {sorted(unknown)}")
-        if workers < 0 or max_pending < 1:
-            raise ConfigError("workers must be >= 0 and max_pending >= 1")
+        if workers < 1 or queue_depth < 1:
+            raise ConfigError("workers and queue_depth must be >= 1")
         self._endpoint = normalize_bind_endpoint(endpoint)
         self._handlers: dict[str, Handler] = {"ping": self._ping, **handlers}
-        self._inline = frozenset(inline) if workers else frozenset(self._handlers)
         self.name = name
         self._workers = workers
-        self._max_pending = max_pending
+        self._queue_depth = queue_depth
         self._max_frame = max_frame_bytes
         self._curve = curve
         self._on_call = on_call
         # ZAP authentication is per context, so an allow-list gets a private context.
         self._own_context = context is None and curve is not None and curve.allowed_clients_dir is not None
         self._ctx = zmq.Context() if self._own_context else (context or zmq.Context.instance())
+        tag = f"{id(self):x}-{next(_server_ids)}"
+        self._backend_addr = f"inproc://remote-g2-rpc-{tag}"
+        self._control_addr = f"inproc://remote-g2-rpc-ctl-{tag}"
         self._auth: Any = None
-        self._inproc = f"inproc://remote-g2-rpc-{id(self):x}-{next(_server_ids)}"
-        self._push: zmq.Socket | None = None
-        self._push_lock = threading.Lock()
-        self._pending = 0
-        self._pending_lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._started = threading.Event()
-        self._start_error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._threads: list[threading.Thread] = []
+        self._stopping = threading.Event()
+        self._control: zmq.Socket | None = None
         self._closed = False
         self._bound: str | None = None
         self._t0 = time.monotonic()
@@ -134,64 +135,19 @@ class RpcServer:
         return self._bound
 
     def start(self) -> str:
-        """Bind and start serving in a background thread; return the bound endpoint."""
-        if self._thread is not None:
+        """Bind and start serving in background threads; return the bound endpoint."""
+        if self._threads:
             raise ConfigError("server already started")
-        if self._workers:
-            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix=f"{self.name}-rpc")
-        self._thread = threading.Thread(target=self._run, name=f"{self.name}-rpc-io", daemon=True)
-        self._thread.start()
-        self._started.wait()
-        if self._start_error is not None:
-            self._thread.join()
-            if self._pool:
-                self._pool.shutdown(wait=False)
-            raise self._start_error
-        assert self._bound is not None
-        return self._bound
-
-    def serve_forever(self, stop: threading.Event | None = None) -> None:
-        """Start (if needed) and block until ``stop`` is set or :meth:`close` is called."""
-        if self._thread is None:
-            self.start()
-        assert self._thread is not None
-        while self._thread.is_alive():
-            if stop is not None and stop.wait(0.2):
-                break
-            self._thread.join(0.2)
-        self.close()
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop serving; idempotent. In-flight handlers finish but their replies are dropped."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._thread is not None and self._thread.is_alive():
-            self._send_internal([_STOP])
-            self._thread.join(timeout)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._own_context:
-            self._ctx.term()
-
-    def __enter__(self) -> RpcServer:
-        if self._thread is None:
-            self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # -- I/O thread ------------------------------------------------------------
-
-    def _run(self) -> None:
-        router = self._ctx.socket(zmq.ROUTER)
-        pull = self._ctx.socket(zmq.PULL)
+        front = self._ctx.socket(zmq.ROUTER)
+        back = self._ctx.socket(zmq.DEALER)
+        control_in = self._ctx.socket(zmq.PAIR)
         try:
-            router.linger = 0
+            for sock in (front, back):
+                sock.linger = 0
+                sock.sndhwm = sock.rcvhwm = self._queue_depth
             # Hard cap well above the protocol limit: frames between the two get a
             # clean ERR; only absurd ones make libzmq drop the connection.
-            router.maxmsgsize = 4 * self._max_frame
+            front.maxmsgsize = 4 * self._max_frame
             if self._curve is not None:
                 if self._curve.allowed_clients_dir is not None:
                     from zmq.auth.thread import ThreadAuthenticator
@@ -199,115 +155,120 @@ class RpcServer:
                     self._auth = ThreadAuthenticator(self._ctx)
                     self._auth.start()
                     self._auth.configure_curve(domain="*", location=str(self._curve.allowed_clients_dir))
-                self._curve.apply(router)
-            router.bind(self._endpoint)
-            pull.bind(self._inproc)
-            self._push = self._ctx.socket(zmq.PUSH)
-            self._push.linger = 0
-            self._push.connect(self._inproc)
-            self._bound = router.getsockopt_string(zmq.LAST_ENDPOINT)
-        except Exception as e:  # bind errors go back to start()
-            self._start_error = ConfigError(f"{self.name}: cannot bind {self._endpoint}: {e}")
-            router.close(0)
-            pull.close(0)
-            self._started.set()
-            return
-        self._started.set()
-        log.info("%s serving on %s", self.name, self._bound)
-        poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
-        poller.register(pull, zmq.POLLIN)
-        try:
-            while True:
-                ready = dict(poller.poll())
-                if pull in ready:
-                    if not self._drain_replies(pull, router):
-                        break
-                if router in ready:
-                    self._read_requests(router)
-        finally:
-            with self._push_lock:
-                self._push.close(0)
-                self._push = None
-            router.close(0)
-            pull.close(0)
+                self._curve.apply(front)
+            front.bind(self._endpoint)
+            back.bind(self._backend_addr)
+            control_in.bind(self._control_addr)
+            self._control = self._ctx.socket(zmq.PAIR)
+            self._control.connect(self._control_addr)
+        except zmq.ZMQError as e:
+            for sock in (front, back, control_in):
+                sock.close(0)
             if self._auth is not None:
                 self._auth.stop()
-            log.info("%s stopped", self.name)
+            raise ConfigError(f"{self.name}: cannot bind {self._endpoint}: {e}") from None
+        self._bound = front.getsockopt_string(zmq.LAST_ENDPOINT)
+        for i in range(self._workers):
+            self._spawn(self._serve_requests, f"{self.name}-rpc-{i}")
+        self._spawn(self._run_proxy, f"{self.name}-rpc-proxy", front, back, control_in)
+        log.info("%s serving on %s (%d handler threads)", self.name, self._bound, self._workers)
+        return self._bound
 
-    def _drain_replies(self, pull: zmq.Socket, router: zmq.Socket) -> bool:
-        """Forward replies from workers; False once the stop sentinel arrives."""
-        while True:
-            try:
-                frames = pull.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return True
-            if frames == [_STOP]:
-                return False
-            self._send(router, frames)
+    def _spawn(self, target: Callable[..., None], name: str, *args: Any) -> None:
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self._threads.append(t)
+        t.start()
 
-    def _read_requests(self, router: zmq.Socket) -> None:
-        # Bounded batch so replies from workers are not starved by a flood.
-        for _ in range(256):
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._dispatch(router, frames)
+    def serve_forever(self, stop: threading.Event | None = None) -> None:
+        """Start (if needed) and block until ``stop`` is set or :meth:`close` is called."""
+        if not self._threads:
+            self.start()
+        while not self._stopping.is_set():
+            if stop is not None and stop.wait(0.2):
+                break
+            self._stopping.wait(0.2)
+        self.close()
 
-    def _send(self, router: zmq.Socket, frames: list[bytes]) -> None:
-        try:
-            router.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:
-            # The client's pipe is full (it stopped reading); dropping beats wedging the loop.
-            log.warning("%s: dropped a reply to a client that is not reading", self.name)
-
-    def _dispatch(self, router: zmq.Socket, frames: list[bytes]) -> None:
-        t0 = time.perf_counter()
-        peer = frames[0]
-        if len(frames) != 2:
-            self._send(router, [peer, encode_err(next(self._ids), None, "ProtocolError",
-                                                 f"expected one frame per message, got {len(frames) - 1}")])
-            self._observe("?", t0, "bad_request")
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop serving; idempotent. Requests still queued are dropped (their callers time out)."""
+        if self._closed:
             return
-        msg_id: int | None = None
+        self._closed = True
+        self._stopping.set()
+        if self._control is not None:
+            self._control.send(b"TERMINATE")
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if self._control is not None:
+            self._control.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+        if self._own_context:
+            self._ctx.term()
+        log.info("%s stopped", self.name)
+
+    def __enter__(self) -> RpcServer:
+        if not self._threads:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- threads -----------------------------------------------------------------
+
+    def _run_proxy(self, front: zmq.Socket, back: zmq.Socket, control: zmq.Socket) -> None:
+        try:
+            zmq.proxy_steerable(front, back, None, control)  # in C, GIL released, until TERMINATE
+        except zmq.ZMQError as e:
+            if not self._stopping.is_set():
+                log.error("%s: proxy failed: %s", self.name, e)
+        finally:
+            for sock in (front, back, control):
+                sock.close(0)
+
+    def _serve_requests(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.rcvhwm = sock.sndhwm = self._queue_depth
+        sock.connect(self._backend_addr)
+        try:
+            while not self._stopping.is_set():
+                # The timeout only bounds how long close() waits for this thread.
+                if not sock.poll(100, zmq.POLLIN):
+                    continue
+                frames = sock.recv_multipart()
+                reply = self._dispatch(frames)
+                try:
+                    sock.send_multipart([frames[0], reply], zmq.NOBLOCK)
+                except zmq.Again:
+                    log.warning("%s: dropped a reply (the reply queue is full)", self.name)
+        finally:
+            sock.close(0)
+
+    def _dispatch(self, frames: list[bytes]) -> bytes:
+        """Validate one request and run its handler; always returns the reply frame."""
+        t0 = time.perf_counter()
+        if len(frames) != 2:
+            self._observe("?", t0, "bad_request")
+            return encode_err(next(self._ids), None, "ProtocolError",
+                              f"expected one frame per message, got {len(frames) - 1}")
+        frame = None
         try:
             frame = decode_frame(frames[1], max_frame_bytes=self._max_frame)
-            msg_id = frame.id
             if frame.re is not None:
                 raise ProtocolError("a request must not carry header.re")
             spec, request = decode_request_body(frame)
         except ProtocolError as e:
-            msg_id = msg_id if msg_id is not None else e.request_id
-            self._send(router, [peer, encode_err(next(self._ids), msg_id, type(e).__name__, e.message)])
             self._observe("?", t0, "bad_request")
-            return
+            re = frame.id if frame is not None else e.request_id  # name the request when we can
+            return encode_err(next(self._ids), re, type(e).__name__, e.message)
         handler = self._handlers.get(spec.name)
         if handler is None:
-            self._send(router, [peer, encode_err(next(self._ids), msg_id, "UnknownMessage",
-                                                 f"{self.name} does not serve {spec.name!r}")])
             self._observe(spec.name, t0, "bad_request")
-            return
-        ctx = CallContext(peer, msg_id, spec.name, t0)
-        if spec.name in self._inline or self._pool is None:
-            self._send(router, [peer, self._invoke(handler, spec, request, ctx)])
-            return
-        with self._pending_lock:
-            busy = self._pending >= self._max_pending
-            if not busy:
-                self._pending += 1
-        if busy:
-            self._send(router, [peer, encode_err(next(self._ids), msg_id, "ServerBusy",
-                                                 f"{self.name} has {self._max_pending} requests in flight")])
-            self._observe(spec.name, t0, "error")
-            return
-        try:
-            self._pool.submit(self._invoke_in_worker, handler, spec, request, ctx)
-        except RuntimeError:  # pool shut down: we are closing
-            with self._pending_lock:
-                self._pending -= 1
-
-    # -- handlers ----------------------------------------------------------------
+            return encode_err(next(self._ids), frame.id, "UnknownMessage", f"{self.name} does not serve {spec.name!r}")
+        return self._invoke(handler, spec, request, CallContext(frames[0], frame.id, spec.name, t0))
 
     def _invoke(self, handler: Handler, spec: MessageSpec, request: Any, ctx: CallContext) -> bytes:
         outcome = "ok"
@@ -327,20 +288,6 @@ class RpcServer:
         self._observe(spec.name, ctx.received_at, outcome)
         return data
 
-    def _invoke_in_worker(self, handler: Handler, spec: MessageSpec, request: Any, ctx: CallContext) -> None:
-        try:
-            data = self._invoke(handler, spec, request, ctx)
-            self._send_internal([ctx.peer, data])
-        finally:
-            with self._pending_lock:
-                self._pending -= 1
-
-    def _send_internal(self, frames: list[bytes]) -> None:
-        # The lock is also the memory barrier ZMQ asks for when a socket is shared.
-        with self._push_lock:
-            if self._push is not None:
-                self._push.send_multipart(frames)
-
     def _observe(self, type_: str, t0: float, outcome: str) -> None:
         if self._on_call is not None:
             try:
@@ -350,8 +297,3 @@ class RpcServer:
 
     def _ping(self, request: Ping, ctx: CallContext) -> Pong:
         return Pong(server=self.name, version=remote_g2.__version__, uptime_s=time.monotonic() - self._t0)
-
-    @property
-    def pending(self) -> int:
-        """Requests handed to workers and not yet answered."""
-        return self._pending
