@@ -186,7 +186,7 @@ class RegistryServer:
                                   want_all_holders=req.want_all_holders, tie_breaker=next(self._rr))
         self.metrics.lookup_latency.observe(time.perf_counter() - t0)
         self.metrics.lookups.inc()
-        self.metrics.lookup_reasons.labels(reply.reason).inc()
+        self.metrics.lookup_reason(reply.reason).inc()
         hit = reply.reason == "ok"
         if hit:
             self.metrics.lookup_hits.inc()

@@ -65,8 +65,10 @@ Semantics every backend implements
     forgets the worker and its blocks; a later register starts afresh.
 ``sweep()``
     deletes dead workers (lease lapsed) and the blocks of superseded or dead
-    incarnations, a bounded amount per call; returns the number of
-    incarnations fully removed. Safe to run from several servers at once.
+    incarnations, a bounded amount per call; returns the number of retired
+    incarnations whose entries were fully deleted (the memory store drops
+    superseded ones at once, so it counts dead workers only). Safe to run
+    from several servers at once.
 ``counts()``
     ``(workers_live, workers_total, block_entries)`` where block entries count
     (hash, live-or-dead worker) pairs not yet swept — approximate on Redis

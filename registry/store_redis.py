@@ -485,10 +485,7 @@ class _LookupCommands(_RedisBase):
                     payload[i] = b",".join(m)
             if kinds[0] == ord("m") and not payload[0]:
                 return LookupReply("no_candidate", 0)  # nobody, live or dead, holds the first block
-        reply = self._scripts.run(meta_client, "lookup", self._keys.lease,
-                                  [*self._keys.header, requester or "", compat_key or "",
-                                   b"1" if want_all_holders else b"0",
-                                   b"inc" if self._nodes.all_keys_local else b"pos", bytes(kinds), *payload])
+        reply = self._run_lookup(meta_client, payload, bytes(kinds), requester, compat_key, want_all_holders)
         if reply[0] != b"ok":
             return LookupReply(reply[0].decode(), 0)
         _, matched, tied, holders = reply
@@ -497,6 +494,22 @@ class _LookupCommands(_RedisBase):
         everyone = sorted((Holder(w.decode(), e.decode(), int(tp), m) for w, e, tp, m in holders),
                           key=lambda x: (-x.matched, x.worker_id))
         return LookupReply("ok", matched, tied[tie_breaker % len(tied)], everyone)
+
+    def _run_lookup(self, client: redis.Redis, payload: Sequence[bytes], kinds: bytes, requester: str | None,
+                    compat_key: str | None, want_all_holders: bool) -> Any:
+        return self._scripts.run(client, "lookup", self._keys.lease,
+                                 [*self._keys.header, requester or "", compat_key or "",
+                                  b"1" if want_all_holders else b"0",
+                                  b"inc" if self._nodes.all_keys_local else b"pos", kinds, _pack(payload)])
+
+    def raw_lookup(self, client: redis.Redis, hashes: Sequence[bytes]) -> Any:
+        """One EVALSHA of the lookup script on ``client``, reply left raw (single node only).
+
+        The benchmark's baseline: the same Redis work as :meth:`lookup`, without
+        this class's Python around it. Returns ``[b"ok", matched, tied, holders]``
+        or ``[reason]``.
+        """
+        return self._run_lookup(client, hashes, b"k" * len(hashes), None, None, False)
 
     @_command()
     def who_has(self, hashes: Sequence[bytes], *, include_dead: bool = False) -> list[list[str]]:
@@ -671,6 +684,11 @@ def _net_effect(events: Iterable[BlockEvent]) -> tuple[list[bytes], list[bytes],
             state[h] = present
         touched += len(ev.hashes)
     return [h for h, p in state.items() if p], [h for h, p in state.items() if not p], touched
+
+
+def _pack(items: Sequence[bytes]) -> bytes:
+    """Length-prefixed (4-byte big-endian) concatenation: many values as one script argument."""
+    return b"".join([len(x).to_bytes(4, "big") + x for x in items])
 
 
 def _chunks(items: Sequence[bytes], size: int = 4096) -> Iterable[Sequence[bytes]]:

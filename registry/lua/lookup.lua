@@ -1,10 +1,12 @@
 #!lua flags=allow-cross-slot-keys,no-writes
 --!include _lib.lua
 -- lookup, run on the node that holds the meta slot. KEYS[1] = lease.
--- ARGV[4..8] = requester ('' none), compat key ('' none), want all holders ('1'/'0'),
--- walk, kinds. kinds: one char per asked hash, 'k' = its block set is on this
--- node and ARGV[8+i] is the hash, 'm' = another node's block set, already read,
--- and ARGV[8+i] is its members joined by ','.
+-- ARGV[4..9] = requester ('' none), compat key ('' none), want all holders ('1'/'0'),
+-- walk, kinds, payload. payload: one entry per asked hash, each a 4-byte
+-- big-endian length then the bytes (one argument instead of one per hash: the
+-- client packs it ~10x faster). kinds: one char per asked hash, 'k' = its block
+-- set is on this node and the entry is the hash, 'm' = another node's block
+-- set, already read, and the entry is its members joined by ','.
 -- walk 'inc' (single node: every key is here, all kinds 'k'): each candidate's
 -- prefix is read from its own wb set, one SMISMEMBER over many hashes per
 -- candidate; walk 'pos' (Cluster: wb sets live elsewhere): one SMISMEMBER of
@@ -16,11 +18,18 @@
 -- tp, matched} of every candidate when asked for.
 local requester, compat, want_all, by_inc, kinds = ARGV[4], ARGV[5], ARGV[6] == '1', ARGV[7] == 'inc', ARGV[8]
 local n = #kinds
+local P, blob, pos = {}, ARGV[9], 1
+for i = 1, n do
+  local b1, b2, b3, b4 = blob:byte(pos, pos + 3)
+  local len = ((b1 * 256 + b2) * 256 + b3) * 256 + b4
+  P[i] = blob:sub(pos + 4, pos + 3 + len)
+  pos = pos + 4 + len
+end
 
 local function members(i)
-  if kinds:sub(i, i) == 'k' then return redis.call('SMEMBERS', BP .. ARGV[8 + i]) end
+  if kinds:sub(i, i) == 'k' then return redis.call('SMEMBERS', BP .. P[i]) end
   local out = {}
-  for inc in string.gmatch(ARGV[8 + i], '[^,]+') do out[#out + 1] = inc end
+  for inc in string.gmatch(P[i], '[^,]+') do out[#out + 1] = inc end
   return out
 end
 
@@ -28,11 +37,11 @@ end
 local function holding(i, ids)
   if kinds:sub(i, i) == 'm' then
     local set, flags = {}, {}
-    for inc in string.gmatch(ARGV[8 + i], '[^,]+') do set[inc] = true end
+    for inc in string.gmatch(P[i], '[^,]+') do set[inc] = true end
     for j, inc in ipairs(ids) do flags[j] = set[inc] and 1 or 0 end
     return flags
   end
-  local key = BP .. ARGV[8 + i]
+  local key = BP .. P[i]
   if #ids == 1 then return {redis.call('SISMEMBER', key, ids[1])} end
   if #ids <= 1000 then return redis.call('SMISMEMBER', key, unpack(ids)) end
   local flags = {}  -- stay under Lua's unpack limit
@@ -80,7 +89,7 @@ local function prefix_in_wb(inc)
   local wb, m, s, size = wb_key(inc), 1, 2, 128
   while s <= n do
     local e = math.min(n, s + size - 1)
-    local flags = redis.call('SMISMEMBER', wb, unpack(ARGV, 8 + s, 8 + e))
+    local flags = redis.call('SMISMEMBER', wb, unpack(P, s, e))
     for j = 1, #flags do
       if flags[j] ~= 1 then return m end
       m = m + 1

@@ -1,0 +1,261 @@
+"""Registry benchmark: ingest, lookup latency, and lookup throughput vs raw Redis Lua.
+
+Everything real, on this machine: a private ``redis-server`` (free port), a
+``remote-g2 serve --redis-url`` process, clients in separate processes.
+
+Phases
+  1. ingest    8 workers register; every block event is sent through the server
+               (``events`` batches of --batch hashes) until --blocks (hash, worker)
+               entries exist. Reports block events/s.
+  2. latency   one client, sequential 128-hash prefix lookups through the server:
+               p50 / p99 client-observed. Same for the raw Lua script (baseline).
+  3. throughput --clients processes for --seconds each way: lookups through the
+               server, and the same lookups as raw EVALSHA of the store's own Lua
+               script straight to Redis (the ceiling). Reports the ratio.
+
+Targets (issue 3): p50 <= 0.5 ms, p99 <= 2 ms; throughput >= 50 % of the raw
+ceiling; ingest >= 200 k block events/s.
+
+    python bench/bench_registry.py [--blocks 1000000] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from remote_g2.messages import BlockEvent, LayoutFingerprint
+from remote_g2.registry import RegistryClient
+from remote_g2.registry.store_redis import RedisStore
+
+FP = LayoutFingerprint(model_id="bench", dtype="bf16", tokens_per_block=16, kv_layout="HND",
+                       num_layers=32, num_kv_heads=8, head_dim=128, tp_size=1)
+CHAIN_LEN = 128
+HOLDERS_PER_CHAIN = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_redis(tmp: str) -> tuple[subprocess.Popen[bytes], str]:
+    if shutil.which("redis-server") is None:
+        raise SystemExit("redis-server not found (make test installs it; or apt-get install redis-server)")
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    r = redis.Redis.from_url(url)
+    for _ in range(200):
+        try:
+            r.ping()
+            return proc, url
+        except redis.ConnectionError:
+            time.sleep(0.02)
+    proc.kill()
+    raise SystemExit("redis-server did not start")
+
+
+def start_registry(redis_url: str) -> tuple[subprocess.Popen[str], str]:
+    port = free_port()
+    exe = Path(sys.executable).parent / "remote-g2"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "remote_g2.cli"]
+    proc = subprocess.Popen(cmd + ["serve", "--bind", f"tcp://127.0.0.1:{port}", "--redis-url", redis_url,
+                                   "--lease-ttl-s", "600"], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "REMOTE_G2_LOG_LEVEL": "WARNING"})
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "serving on" not in line:
+        proc.kill()
+        raise SystemExit(f"registry did not start: {line!r}")
+    return proc, f"tcp://127.0.0.1:{port}"
+
+
+def chain(c: int) -> list[bytes]:
+    """The hashes of chain c: 8-byte u64s, distinct across chains."""
+    base = c * CHAIN_LEN
+    return [(base + i + 1).to_bytes(8, "big") for i in range(CHAIN_LEN)]
+
+
+def ingest(endpoint: str, blocks: int, workers: int, batch: int) -> dict[str, Any]:
+    """Fill the registry with ``blocks`` entries: every chain is held by HOLDERS_PER_CHAIN workers."""
+    chains = blocks // (CHAIN_LEN * HOLDERS_PER_CHAIN)
+    per_worker: list[list[bytes]] = [[] for _ in range(workers)]
+    for c in range(chains):
+        for k in range(HOLDERS_PER_CHAIN):
+            per_worker[(c + k) % workers].extend(chain(c))
+    with RegistryClient(endpoint, timeout_s=60) as client:
+        seqs = {}
+        for w in range(workers):
+            client.register_worker(f"w{w}", f"tcp://127.0.0.1:{20000 + w}", FP, epoch=1)
+            seqs[w] = 1
+        total = 0
+        t0 = time.perf_counter()
+        progress = time.monotonic()
+        for w in range(workers):
+            hashes = per_worker[w]
+            for i in range(0, len(hashes), batch):
+                reply = client.events(f"w{w}", 1, seqs[w], [BlockEvent("stored", hashes[i:i + batch])])
+                assert reply.status == "ok", reply
+                seqs[w] = reply.expected_seq
+                total += reply.applied
+                if time.monotonic() - progress > 2:
+                    progress = time.monotonic()
+                    print(f"  ingest: {total:,} / {blocks:,} block events", file=sys.stderr)
+        secs = time.perf_counter() - t0
+    return {"block_events": total, "seconds": secs, "events_per_s": total / secs, "chains": chains}
+
+
+def _percentiles(samples: list[float]) -> dict[str, float]:
+    s = sorted(samples)
+    return {"p50_ms": s[len(s) // 2] * 1e3, "p99_ms": s[min(len(s) - 1, int(len(s) * 0.99))] * 1e3,
+            "mean_ms": sum(s) / len(s) * 1e3, "n": len(s)}
+
+
+class RawLookup:
+    """The store's own lookup Lua script, called with EVALSHA straight to Redis (no registry server)."""
+
+    def __init__(self, redis_url: str) -> None:
+        self.store = RedisStore(redis_url, lease_ttl_ms=600_000)
+        self.client = redis.Redis.from_url(redis_url)
+
+    def __call__(self, hashes: list[bytes]) -> Any:
+        return self.store.raw_lookup(self.client, hashes)
+
+
+def _lookup_loop(kind: str, target: str, chains: int, seconds: float, seed: int, out: Any) -> None:
+    rng = random.Random(seed)
+    if kind == "server":
+        client = RegistryClient(target, timeout_s=10)
+        call = client.lookup
+    else:
+        call = RawLookup(target)
+    n = 0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for _ in range(20):
+            call(chain(rng.randrange(chains)))
+        n += 20
+    out.put(n)
+
+
+def throughput(kind: str, target: str, chains: int, clients: int, seconds: float) -> float:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_lookup_loop, args=(kind, target, chains, seconds, i, q)) for i in range(clients)]
+    for p in procs:
+        p.start()
+    counts = [q.get(timeout=seconds + 60) for _ in procs]
+    for p in procs:
+        p.join(30)
+    return sum(counts) / seconds
+
+
+def latency(call: Any, chains: int, n: int, check: Any) -> dict[str, float]:
+    rng = random.Random(1)
+    samples = []
+    for _ in range(50):  # warm-up: connections, script cache
+        call(chain(rng.randrange(chains)))
+    for _ in range(n):
+        c = chain(rng.randrange(chains))
+        t0 = time.perf_counter()
+        reply = call(c)
+        samples.append(time.perf_counter() - t0)
+        check(reply)
+    return _percentiles(samples)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", type=int, default=1_000_000, help="(hash, worker) entries to index")
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=4096, help="hashes per events batch")
+    ap.add_argument("--lookups", type=int, default=3000, help="sequential lookups for the latency phase")
+    ap.add_argument("--clients", type=int, default=4, help="client processes for the throughput phase")
+    ap.add_argument("--seconds", type=float, default=5.0, help="duration of each throughput run")
+    ap.add_argument("--json", default=None, help="write results here")
+    args = ap.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        redis_proc, redis_url = start_redis(tmp)
+        reg_proc, endpoint = start_registry(redis_url)
+        try:
+            print(f"redis {redis_url}, registry {endpoint}", file=sys.stderr)
+            ing = ingest(endpoint, args.blocks, args.workers, args.batch)
+            chains = ing["chains"]
+            print(f"  ingest done: {ing['events_per_s']:,.0f} block events/s", file=sys.stderr)
+
+            def full_match(reply: Any) -> None:
+                assert reply.reason == "ok" and reply.matched == CHAIN_LEN, reply
+
+            def raw_ok(reply: Any) -> None:
+                assert reply[0] == b"ok" and int(reply[1]) == CHAIN_LEN, reply[:2]
+
+            with RegistryClient(endpoint, timeout_s=10) as client:
+                lat_server = latency(client.lookup, chains, args.lookups, full_match)
+                lat_ping = latency(lambda _: client.ping(), chains, args.lookups, lambda r: None)
+            raw = RawLookup(redis_url)
+            lat_raw = latency(raw, chains, args.lookups, raw_ok)
+            noop = raw.client.script_load("return 1")
+            lat_noop = latency(lambda _: raw.client.evalsha(noop, 0), chains, args.lookups, lambda r: None)
+            print("  latency done; throughput runs...", file=sys.stderr)
+            tput_server = throughput("server", endpoint, chains, args.clients, args.seconds)
+            tput_raw = throughput("raw", redis_url, chains, args.clients, args.seconds)
+        finally:
+            reg_proc.send_signal(signal.SIGTERM)
+            reg_proc.wait(10)
+            redis_proc.terminate()
+            redis_proc.wait(10)
+
+    ratio = tput_server / tput_raw
+    rows = [
+        ("ingest through server", f"{ing['events_per_s']:,.0f} block events/s", ">= 200,000 /s",
+         ing["events_per_s"] >= 200_000),
+        ("lookup p50, server (client-observed)", f"{lat_server['p50_ms']:.3f} ms", "<= 0.5 ms",
+         lat_server["p50_ms"] <= 0.5),
+        ("lookup p99, server (client-observed)", f"{lat_server['p99_ms']:.3f} ms", "<= 2 ms",
+         lat_server["p99_ms"] <= 2.0),
+        ("lookup p50 / p99, raw Lua (baseline)", f"{lat_raw['p50_ms']:.3f} / {lat_raw['p99_ms']:.3f} ms", "", None),
+        ("floor: ping through server p50", f"{lat_ping['p50_ms']:.3f} ms", "", None),
+        ("floor: no-op EVALSHA to Redis p50", f"{lat_noop['p50_ms']:.3f} ms", "", None),
+        (f"throughput, server, {args.clients} clients", f"{tput_server:,.0f} lookups/s", "", None),
+        (f"throughput, raw Lua, {args.clients} clients", f"{tput_raw:,.0f} lookups/s", "", None),
+        ("server / raw throughput", f"{ratio:.2f}", ">= 0.50", ratio >= 0.5),
+    ]
+    print(f"\nregistry benchmark: {args.blocks:,} entries over {args.workers} workers, {CHAIN_LEN}-hash prefixes, "
+          f"real redis-server, {os.cpu_count()} cores")
+    w = max(len(r[0]) for r in rows)
+    print(f"{'measure':<{w}}  {'value':>28}  {'target':>14}  met")
+    print(f"{'-' * w}  {'-' * 28}  {'-' * 14}  ---")
+    for name, value, target, met in rows:
+        print(f"{name:<{w}}  {value:>28}  {target:>14}  {'' if met is None else ('yes' if met else 'NO')}")
+    result = {"blocks": args.blocks, "workers": args.workers, "prefix": CHAIN_LEN, "clients": args.clients,
+              "ingest": ing, "latency_server": lat_server, "latency_raw_lua": lat_raw,
+              "latency_ping_server": lat_ping, "latency_noop_evalsha": lat_noop,
+              "throughput_server_per_s": tput_server, "throughput_raw_lua_per_s": tput_raw,
+              "throughput_ratio": ratio}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
