@@ -1,6 +1,6 @@
 # remote-g2 — every target does its own set-up on a fresh machine.
 #   make test   venv + package + test extras + redis-server, then pytest (what CI runs)
-#   make demo   the end-to-end demo
+#   make demo   the demo: a registry round trip (and, as later parts land, the full data path)
 #   make bench  benchmarks (tables on stdout, JSON under bench/results/)
 
 PYTHON ?= python3
@@ -33,9 +33,10 @@ test: venv redis
 demo: venv
 	$(VPY) -m remote_g2.demo
 
-bench: venv
+bench: venv redis
 	@mkdir -p bench/results
 	$(VPY) bench/bench_pool_index.py --json bench/results/pool_index.json
+	$(VPY) bench/bench_registry.py --json bench/results/registry.json
 
 clean:
 	rm -rf build $(VENV) .pytest_cache bench/results
