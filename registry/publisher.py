@@ -29,11 +29,17 @@ from remote_g2.messages import BlockEvent, LayoutFingerprint
 
 from .client import RegistryClient
 
-__all__ = ["SourcePublisher"]
+__all__ = ["SourcePublisher", "resync_chunks"]
 
 log = logging.getLogger("remote_g2.registry.publisher")
 
-_RESYNC_CHUNK = 16_384
+RESYNC_CHUNK = 16_384
+
+
+def resync_chunks(hashes: Sequence[bytes], size: int = RESYNC_CHUNK) -> list[tuple[Sequence[bytes], bool, bool]]:
+    """Split a snapshot into ``(chunk, first, last)`` for ``resync``; an empty pool is one empty chunk."""
+    parts = [hashes[i:i + size] for i in range(0, len(hashes), size)] or [hashes[:0]]
+    return [(part, i == 0, i == len(parts) - 1) for i, part in enumerate(parts)]
 
 
 class SourcePublisher:
@@ -210,10 +216,8 @@ class SourcePublisher:
             self._in_flight = True
         try:
             hashes = list(self._snapshot())
-            chunks = [hashes[i:i + _RESYNC_CHUNK] for i in range(0, len(hashes), _RESYNC_CHUNK)] or [[]]
-            for i, chunk in enumerate(chunks):
-                reply = self.client.resync(self.worker_id, self.epoch, self.next_seq, chunk,
-                                           first=i == 0, last=i == len(chunks) - 1)
+            for chunk, first, last in resync_chunks(hashes):
+                reply = self.client.resync(self.worker_id, self.epoch, self.next_seq, chunk, first=first, last=last)
                 if reply.status == "unknown_worker":
                     self.registered = False
                     self._register()

@@ -36,6 +36,7 @@ from remote_g2.errors import ConfigError, ProtocolError, RemoteG2Error
 from remote_g2.messages import BlockEvent, Events, Resync
 
 from .metrics import RegistryMetrics
+from .publisher import resync_chunks
 from .store import RegistryStore
 
 __all__ = ["VllmEventSubscriber", "Subscription", "parse_subscriptions", "decode_kv_event_batch", "G2_MEDIUM"]
@@ -44,7 +45,6 @@ log = logging.getLogger("remote_g2.registry.vllm")
 
 G2_MEDIUM = "CPU"
 _MAX_PAYLOAD = 64 * 1024 * 1024
-_RESYNC_CHUNK = 16_384
 # Field order of the array-like encoding (vllm/distributed/kv_events.py).
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
 _REMOVED_FIELDS = ("block_hashes", "medium")
@@ -245,10 +245,8 @@ class VllmEventSubscriber:
                 return
             hashes = list(feed.mirror)
             seq = rec.last_seq + 1
-            chunks = [hashes[i:i + _RESYNC_CHUNK] for i in range(0, len(hashes), _RESYNC_CHUNK)] or [[]]
-            for i, chunk in enumerate(chunks):
-                reply = self.store.resync(Resync(feed.sub.worker_id, rec.epoch, seq, chunk,
-                                                 first=i == 0, last=i == len(chunks) - 1))
+            for chunk, first, last in resync_chunks(hashes):
+                reply = self.store.resync(Resync(feed.sub.worker_id, rec.epoch, seq, list(chunk), first, last))
                 if reply.status != "ok":
                     return
         except RemoteG2Error as e:

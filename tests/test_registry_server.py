@@ -328,3 +328,13 @@ def test_server_on_redis_cluster(redis_cluster_url):
     finally:
         server.close()
         server.store.close()
+
+
+def test_resync_chunks_cover_the_snapshot_once():
+    from remote_g2.registry.publisher import resync_chunks
+
+    hashes = [i.to_bytes(8, "big") for i in range(10)]
+    parts = resync_chunks(hashes, size=4)
+    assert [(list(c), f, last) for c, f, last in parts] == [
+        (hashes[0:4], True, False), (hashes[4:8], False, False), (hashes[8:10], False, True)]
+    assert [(list(c), f, last) for c, f, last in resync_chunks([], size=4)] == [([], True, True)]
