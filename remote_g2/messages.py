@@ -364,3 +364,214 @@ class DrainWorker:
     """Admin: forget a worker and everything it holds (it must re-register to come back)."""
 
     worker_id: _WorkerId
+
+
+# --------------------------------------------------------------------------
+# Source: rank 0 of a sharing worker serves these over TCP
+# --------------------------------------------------------------------------
+
+_AgentName = Annotated[str, Limits(min_len=1, max_len=256)]
+_Blob = Annotated[bytes, Limits(max_len=4 * 1024 * 1024)]  # NIXL agent metadata
+_Rank = Annotated[int, Limits(ge=0, le=4095)]
+_Addr = Annotated[int, Limits(ge=0)]
+_Ttl = Annotated[int, Limits(ge=1, le=3_600_000)]
+_Ids = Annotated[list[Annotated[int, Limits(ge=0)]], Limits(max_len=65_536)]
+ResolveReason = Literal["ok", "miss", "over_budget"]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLayout:
+    """How blocks sit in one rank's pool region.
+
+    A block is ``block_bytes`` long and starts at ``pool_base + block_id * block_bytes``.
+    Inside it, ``num_layers * kv`` slabs follow each other; a slab is
+    ``num_kv_heads * tokens_per_block * head_dim * dtype_bytes`` and is ordered
+    heads-outermost for ``order == "HND"`` (so a head range is contiguous) or
+    tokens-outermost for ``"NHD"``.
+    """
+
+    num_blocks: Annotated[int, Limits(ge=1)]
+    block_bytes: Annotated[int, Limits(ge=1)]
+    num_layers: Annotated[int, Limits(ge=1)]
+    kv: Annotated[int, Limits(ge=1, le=2)]
+    num_kv_heads: Annotated[int, Limits(ge=1)]
+    tokens_per_block: Annotated[int, Limits(ge=1)]
+    head_dim: Annotated[int, Limits(ge=1)]
+    dtype_bytes: Annotated[int, Limits(ge=1, le=16)]
+    order: Literal["HND", "NHD"]
+
+    @property
+    def slab_bytes(self) -> int:
+        """Bytes of one (layer, k-or-v) slab: every head, token and dim of it."""
+        return self.num_kv_heads * self.tokens_per_block * self.head_dim * self.dtype_bytes
+
+    def head_extents(self, block_id: int, head_lo: int, head_hi: int) -> list[tuple[int, int]]:
+        """``(offset, nbytes)`` in the region of heads ``[head_lo, head_hi)`` of a block, one per slab.
+
+        Only an ``HND`` layout keeps a head range contiguous inside a slab; for
+        all heads the block is returned as one extent.
+        """
+        if not 0 <= head_lo < head_hi <= self.num_kv_heads:
+            raise ValueError(f"head range [{head_lo}, {head_hi}) outside 0..{self.num_kv_heads}")
+        base = block_id * self.block_bytes
+        if head_lo == 0 and head_hi == self.num_kv_heads:
+            return [(base, self.num_layers * self.kv * self.slab_bytes)]
+        if self.order != "HND":
+            raise ValueError("a head slice needs the head-major (HND) layout")
+        per_head = self.tokens_per_block * self.head_dim * self.dtype_bytes
+        return [(base + s * self.slab_bytes + head_lo * per_head, (head_hi - head_lo) * per_head)
+                for s in range(self.num_layers * self.kv)]
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """One source rank: its NIXL agent and its pool region."""
+
+    rank: _Rank
+    agent_name: _AgentName
+    agent_metadata: _Blob | None
+    pool_base: _Addr
+    pool_bytes: _Addr
+    layout: BlockLayout
+
+
+@dataclass(frozen=True, slots=True)
+class SourceMetadataReply:
+    """Everything a target needs to read from this worker, per rank; ``epoch`` changes on restart."""
+
+    worker_id: _WorkerId
+    epoch: _Epoch
+    tp_size: Annotated[int, Limits(ge=1, le=4096)]
+    ranks: Annotated[list[RankInfo], Limits(max_len=4096)]
+
+
+@message("get_metadata", reply=SourceMetadataReply)
+@dataclass(frozen=True, slots=True)
+class GetMetadata:
+    """The source's per-rank agent metadata, pool regions and layouts."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankBlocks:
+    """The pinned blocks of one rank for a lease, in the order of the asked hashes."""
+
+    rank: _Rank
+    block_ids: _Ids
+
+
+@dataclass(frozen=True, slots=True)
+class ResolveReply:
+    """A lease over the first ``matched`` hashes, pinned on every rank.
+
+    ``ranks[r].block_ids[i]`` is the block holding ``hashes[i]`` on rank ``r``
+    (its address: that rank's ``pool_base + block_id * block_bytes``).
+    ``metadata`` carries :class:`RankInfo` for the ranks whose agent the caller
+    did not list as known (``agent_metadata`` omitted otherwise). ``lease_id``
+    is 0 when nothing was pinned (``reason`` says why).
+    """
+
+    reason: ResolveReason
+    lease_id: _Count
+    matched: _Count
+    epoch: _Epoch
+    expires_in_ms: _Count
+    ranks: Annotated[list[RankBlocks], Limits(max_len=4096)] = field(default_factory=list)
+    metadata: Annotated[list[RankInfo], Limits(max_len=4096)] = field(default_factory=list)
+
+
+@message("resolve", reply=ResolveReply)
+@dataclass(frozen=True, slots=True)
+class Resolve:
+    """Pin the longest prefix of ``hashes`` present on every rank, for ``ttl_ms``."""
+
+    hashes: Annotated[list[BlockHash], Limits(min_len=1, max_len=65_536)]
+    ttl_ms: _Ttl
+    requester: _WorkerId | None = None
+    known_agents: Annotated[list[_AgentName], Limits(max_len=4096)] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseReply:
+    """``released`` is False when the lease was unknown (already released or expired)."""
+
+    released: bool
+
+
+@message("release", reply=ReleaseReply)
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Unpin a lease on every rank; idempotent."""
+
+    lease_id: Annotated[int, Limits(ge=1)]
+
+
+@dataclass(frozen=True, slots=True)
+class RenewReply:
+    """``renewed`` is False when the lease is gone; then its blocks are no longer safe to read."""
+
+    renewed: bool
+    expires_in_ms: _Count
+
+
+@message("renew", reply=RenewReply)
+@dataclass(frozen=True, slots=True)
+class Renew:
+    """Extend a lease (for a transfer that outlives half its TTL)."""
+
+    lease_id: Annotated[int, Limits(ge=1)]
+    ttl_ms: _Ttl
+
+
+# --------------------------------------------------------------------------
+# Source siblings: rank 0 → rank r > 0 over the worker's private IPC sockets
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SiblingPinReply:
+    """Block ids this rank pinned under the lease, for the longest prefix it holds."""
+
+    block_ids: _Ids
+
+
+@message("sibling_pin", reply=SiblingPinReply)
+@dataclass(frozen=True, slots=True)
+class SiblingPin:
+    """Find-and-pin ``hashes`` on this rank under ``lease_id`` until ``ttl_ms`` passes."""
+
+    lease_id: Annotated[int, Limits(ge=1)]
+    hashes: Annotated[list[BlockHash], Limits(min_len=1, max_len=65_536)]
+    ttl_ms: _Ttl
+
+
+@dataclass(frozen=True, slots=True)
+class SiblingAck:
+    """``known`` is False when this rank held no pins under that lease."""
+
+    known: bool
+
+
+@message("sibling_trim", reply=SiblingAck)
+@dataclass(frozen=True, slots=True)
+class SiblingTrim:
+    """Keep only the first ``keep`` pinned blocks of the lease (the prefix every rank has)."""
+
+    lease_id: Annotated[int, Limits(ge=1)]
+    keep: _Count
+
+
+@message("sibling_release", reply=SiblingAck)
+@dataclass(frozen=True, slots=True)
+class SiblingRelease:
+    """Unpin everything this rank holds under the lease; idempotent."""
+
+    lease_id: Annotated[int, Limits(ge=1)]
+
+
+@message("sibling_renew", reply=SiblingAck)
+@dataclass(frozen=True, slots=True)
+class SiblingRenew:
+    """Extend this rank's copy of the lease."""
+
+    lease_id: Annotated[int, Limits(ge=1)]
+    ttl_ms: _Ttl
