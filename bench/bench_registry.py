@@ -72,12 +72,13 @@ def start_redis(tmp: str) -> tuple[subprocess.Popen[bytes], str]:
     raise SystemExit("redis-server did not start")
 
 
-def start_registry(redis_url: str) -> tuple[subprocess.Popen[str], str]:
+def start_registry(redis_url: str, workers: int) -> tuple[subprocess.Popen[str], str]:
     port = free_port()
     exe = Path(sys.executable).parent / "remote-g2"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "remote_g2.cli"]
     proc = subprocess.Popen(cmd + ["serve", "--bind", f"tcp://127.0.0.1:{port}", "--redis-url", redis_url,
-                                   "--lease-ttl-s", "600"], stdout=subprocess.PIPE, text=True,
+                                   "--lease-ttl-s", "600", "--workers", str(workers)],
+                            stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "REMOTE_G2_LOG_LEVEL": "WARNING"})
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -189,12 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lookups", type=int, default=3000, help="sequential lookups for the latency phase")
     ap.add_argument("--clients", type=int, default=4, help="client processes for the throughput phase")
     ap.add_argument("--seconds", type=float, default=5.0, help="duration of each throughput run")
+    ap.add_argument("--server-workers", type=int, default=4, help="registry handler threads (serve --workers)")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
         redis_proc, redis_url = start_redis(tmp)
-        reg_proc, endpoint = start_registry(redis_url)
+        reg_proc, endpoint = start_registry(redis_url, args.server_workers)
         try:
             print(f"redis {redis_url}, registry {endpoint}", file=sys.stderr)
             ing = ingest(endpoint, args.blocks, args.workers, args.batch)
