@@ -67,5 +67,5 @@ class SecondaryPool(Protocol):
         ...
 
     def add_listener(self, listener: PoolListener) -> None:
-        """Call ``listener(kind, hashes)`` after every store / eviction (from the engine's thread)."""
+        """Call ``listener(kind, hashes)`` after every store / eviction, in order (possibly from another pool caller's thread)."""
         ...
