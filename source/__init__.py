@@ -1,1 +1,48 @@
-"""placeholder"""
+"""The source service: serves a worker's G2 pool to remote readers, from every TP rank.
+
+Engine-facing entry point::
+
+    from remote_g2.source import maybe_start_source_service, SourceConfig
+
+    service = maybe_start_source_service(pool, worker_id="w0", config=SourceConfig.from_env())
+    ...
+    if service is not None:
+        service.shutdown()
+
+Modules::
+
+    service.py     SourceService, start/maybe_start_source_service, rank 0's RPCs
+    config.py      SourceConfig (code or REMOTE_G2_SOURCE* environment)
+    leases.py      LeaseTable (per-rank pins per lease, expiry), PinBudget
+    siblings.py    sibling IPC sockets, handlers, rank 0's concurrent fan-out
+    tp_group.py    the TP-group communicator and the one start-up allgather
+    rank_agent.py  the rank's NIXL agent, registered pool, progress thread
+    metrics.py     Prometheus metrics (one private registry per service)
+
+Names are imported lazily so ``import remote_g2.source`` stays cheap (NIXL,
+MPI and prometheus load when a service starts).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "maybe_start_source_service": ".service",
+    "start_source_service": ".service",
+    "SourceService": ".service",
+    "SourceConfig": ".config",
+    "LeaseTable": ".leases",
+    "PinBudget": ".leases",
+    "SourceMetrics": ".metrics",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module, __name__), name)

@@ -286,7 +286,7 @@ def test_two_servers_on_one_redis_give_the_same_answers(redis_url):
 
 
 @pytest.mark.redis
-def test_redis_outage_answers_store_unavailable_and_recovers(spawn_redis):
+def test_redis_outage_answers_store_unavailable_and_recovers(spawn_redis, capsys):
     from remote_g2.errors import StoreUnavailable
     from remote_g2.registry import open_store
 
@@ -302,6 +302,9 @@ def test_redis_outage_answers_store_unavailable_and_recovers(spawn_redis):
             client.lookup(CHAIN[:4])
         assert info.value.remote == server.endpoint and "unreachable" in str(info.value)
         assert client.ping().server == "registry"  # the server itself keeps answering
+        assert main(["admin", "--registry", server.endpoint, "workers"]) == 1  # one line, no traceback
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "StoreUnavailable" in err
         assert 'remote_g2_registry_errors_total{kind="store_unavailable"} 1.0' in scrape(server)
         spawn_redis(port)  # Redis is back (empty: nothing persisted)
         assert client.lookup(CHAIN[:4]).reason == "no_candidate"
