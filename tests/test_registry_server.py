@@ -305,7 +305,7 @@ def test_redis_outage_answers_store_unavailable_and_recovers(spawn_redis, capsys
         assert main(["admin", "--registry", server.endpoint, "workers"]) == 1  # one line, no traceback
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "StoreUnavailable" in err
-        assert 'remote_g2_registry_errors_total{kind="store_unavailable"} 1.0' in scrape(server)
+        assert 'remote_g2_registry_errors_total{kind="store_unavailable"} 2.0' in scrape(server)
         spawn_redis(port)  # Redis is back (empty: nothing persisted)
         assert client.lookup(CHAIN[:4]).reason == "no_candidate"
         assert client.register_worker("w1", "tcp://127.0.0.1:9001", FP, epoch=2).new_incarnation
