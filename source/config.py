@@ -1,0 +1,202 @@
+"""Settings of the source service, from code or from ``REMOTE_G2_SOURCE*`` variables.
+
+An engine builds a :class:`SourceConfig` itself, or calls
+:meth:`SourceConfig.from_env` and lets a deployment configure the worker
+without code changes:
+
+======================================  ===========================================  ==========================
+variable                                field                                        default
+======================================  ===========================================  ==========================
+``REMOTE_G2_SOURCE``                    ``enabled``                                  off
+``REMOTE_G2_REGISTRY``                  ``registry_endpoint`` (unset: no publishing)  unset
+``REMOTE_G2_SOURCE_BIND``               ``bind`` (rank 0's TCP endpoint)             ``tcp://127.0.0.1:0``
+``REMOTE_G2_SOURCE_IPC_DIR``            ``ipc_dir`` (private, mode 0700)             see :func:`default_ipc_dir`
+``REMOTE_G2_SOURCE_DEFAULT_TTL_MS``     ``default_lease_ttl_ms``                     10000
+``REMOTE_G2_SOURCE_MAX_TTL_MS``         ``max_lease_ttl_ms``                         60000
+``REMOTE_G2_SOURCE_MIN_TTL_MS``         ``min_lease_ttl_ms``                         100
+``REMOTE_G2_SOURCE_PIN_BUDGET``         ``pin_budget_blocks`` (0: half the pool)     0
+``REMOTE_G2_SOURCE_SIBLING_TIMEOUT_MS`` ``sibling_timeout_ms``                       1000
+``REMOTE_G2_SOURCE_RPC_WORKERS``        ``rpc_workers``                              4
+``REMOTE_G2_SOURCE_METRICS_PORT``       ``metrics_port`` (rank r serves port + r)    off
+``REMOTE_G2_SOURCE_FINGERPRINT``        ``fingerprint`` (JSON of LayoutFingerprint)  unset
+``REMOTE_G2_SOURCE_CURVE_SECRET_KEY``   ``curve`` (server key file)                  unset
+``REMOTE_G2_SOURCE_CURVE_ALLOWED``      ``curve`` allow-list directory               unset
+======================================  ===========================================  ==========================
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from remote_g2.config import env_flag
+from remote_g2.curve import CurveServerConfig
+from remote_g2.errors import ConfigError
+from remote_g2.messages import LayoutFingerprint
+
+__all__ = ["SourceConfig", "default_ipc_dir", "ENABLE_ENV"]
+
+ENABLE_ENV = "REMOTE_G2_SOURCE"
+
+
+def default_ipc_dir() -> str:
+    """``$XDG_RUNTIME_DIR/remote-g2`` when set (already private), else ``/tmp/remote-g2-{uid}``."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and Path(runtime).is_dir():
+        return str(Path(runtime) / "remote-g2")
+    return str(Path(tempfile.gettempdir()) / f"remote-g2-{os.getuid()}")
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """How one worker's source service runs; every rank of the worker gets the same one.
+
+    * ``enabled`` — :func:`~remote_g2.source.maybe_start_source_service` is a
+      no-op unless this (or ``REMOTE_G2_SOURCE=1``) is set.
+    * ``registry_endpoint`` — where rank 0 registers the worker and streams
+      its pool's stored/removed events; None serves resolves without
+      announcing anything (a target must learn the endpoint another way).
+    * ``bind`` — rank 0's TCP endpoint; ``:0`` picks a free port, and the bound
+      one is what the registry is told. Bind a routable address in a fleet.
+    * ``advertise`` — the endpoint to tell the registry when it differs from
+      the bound one (e.g. bound on ``0.0.0.0``); None: the bound endpoint.
+    * ``ipc_dir`` — directory of the sibling sockets; created with mode 0700
+      and refused when another user owns it or it is open to others.
+    * ``default_lease_ttl_ms`` / ``min_lease_ttl_ms`` / ``max_lease_ttl_ms`` —
+      a resolve's (and a renew's) TTL is the asked one clamped to
+      ``[min, max]`` (the floor keeps a lease from expiring while the resolve
+      that made it is still fanning out); the protocol makes
+      callers always ask, so the default is only for code that builds requests
+      from this config (it is lowered to the maximum if above it).
+    * ``pin_budget_blocks`` — most blocks per rank remote leases may hold
+      pinned at once; 0 means half the pool.
+    * ``sibling_timeout_ms`` — how long rank 0 waits for a sibling's answer.
+    * ``sibling_retry_after_ms`` — after a sibling failed, resolves fail fast
+      for this long instead of waiting for it again.
+    * ``rpc_workers`` — handler threads of rank 0's server (and of each sibling's).
+    * ``metrics_port`` — serve Prometheus ``/metrics`` on ``metrics_addr``,
+      port ``metrics_port + tp_rank``; None: not served over HTTP.
+    * ``progress_interval_ms`` / ``idle_progress_interval_ms`` — how often each
+      rank drives its NIXL agent (the progress thread is off; a reader's
+      connection needs the source to make progress) while leases are open /
+      while none are.
+    * ``reap_interval_ms`` — the lease reaper's longest sleep.
+    * ``fingerprint`` — the layout announced to the registry (required with
+      ``registry_endpoint``).
+    * ``curve`` — CURVE keys for rank 0's TCP endpoint (IPC needs none).
+    """
+
+    enabled: bool = False
+    registry_endpoint: str | None = None
+    bind: str = "tcp://127.0.0.1:0"
+    advertise: str | None = None
+    ipc_dir: str | None = None
+    default_lease_ttl_ms: int = 10_000
+    max_lease_ttl_ms: int = 60_000
+    min_lease_ttl_ms: int = 100
+    pin_budget_blocks: int = 0
+    sibling_timeout_ms: int = 1_000
+    sibling_retry_after_ms: int = 1_000
+    rpc_workers: int = 4
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
+    progress_interval_ms: float = 5.0
+    idle_progress_interval_ms: float = 20.0
+    reap_interval_ms: float = 50.0
+    registry_timeout_s: float = 5.0
+    fingerprint: LayoutFingerprint | None = None
+    curve: CurveServerConfig | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("default_lease_ttl_ms", "max_lease_ttl_ms", "min_lease_ttl_ms", "sibling_timeout_ms",
+                     "rpc_workers"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"SourceConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("progress_interval_ms", "idle_progress_interval_ms", "reap_interval_ms",
+                     "registry_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"SourceConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.sibling_retry_after_ms < 0 or self.pin_budget_blocks < 0:
+            raise ConfigError("SourceConfig.sibling_retry_after_ms and pin_budget_blocks must be >= 0")
+        if self.max_lease_ttl_ms > 3_600_000:
+            raise ConfigError("SourceConfig.max_lease_ttl_ms must be <= 3600000 (the protocol's limit)")
+        if self.min_lease_ttl_ms > self.max_lease_ttl_ms:
+            raise ConfigError(f"min_lease_ttl_ms {self.min_lease_ttl_ms} > max_lease_ttl_ms {self.max_lease_ttl_ms}")
+        if self.default_lease_ttl_ms > self.max_lease_ttl_ms:  # lowering the maximum lowers the default
+            object.__setattr__(self, "default_lease_ttl_ms", self.max_lease_ttl_ms)
+        if not self.bind.startswith("tcp://"):
+            raise ConfigError(f"SourceConfig.bind must be a tcp:// endpoint, got {self.bind!r}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"SourceConfig.metrics_port {self.metrics_port} is not a port")
+        if self.registry_endpoint is not None and self.fingerprint is None:
+            raise ConfigError("SourceConfig.registry_endpoint needs a fingerprint (LayoutFingerprint) to register")
+
+    def with_overrides(self, **changes: object) -> SourceConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **defaults: object) -> SourceConfig:
+        """Read ``REMOTE_G2_SOURCE*`` (see the module docstring) over ``defaults``.
+
+        A set but malformed variable is a :class:`ConfigError` naming it.
+        """
+        e = env if env is not None else os.environ
+        kw: dict[str, object] = dict(defaults)
+        if e.get(ENABLE_ENV, "").strip():
+            kw["enabled"] = env_flag(ENABLE_ENV, e)
+        if e.get("REMOTE_G2_REGISTRY"):
+            kw["registry_endpoint"] = e["REMOTE_G2_REGISTRY"]
+        for var, name in (("REMOTE_G2_SOURCE_BIND", "bind"), ("REMOTE_G2_SOURCE_ADVERTISE", "advertise"),
+                          ("REMOTE_G2_SOURCE_IPC_DIR", "ipc_dir")):
+            if e.get(var):
+                kw[name] = e[var]
+        for var, name in (("REMOTE_G2_SOURCE_DEFAULT_TTL_MS", "default_lease_ttl_ms"),
+                          ("REMOTE_G2_SOURCE_MAX_TTL_MS", "max_lease_ttl_ms"),
+                          ("REMOTE_G2_SOURCE_MIN_TTL_MS", "min_lease_ttl_ms"),
+                          ("REMOTE_G2_SOURCE_SIBLING_TIMEOUT_MS", "sibling_timeout_ms"),
+                          ("REMOTE_G2_SOURCE_RPC_WORKERS", "rpc_workers"),
+                          ("REMOTE_G2_SOURCE_METRICS_PORT", "metrics_port")):
+            value = _env_int(var, e)
+            if value is not None:
+                kw[name] = value
+        budget = _env_int("REMOTE_G2_SOURCE_PIN_BUDGET", e)
+        if budget is not None:
+            kw["pin_budget_blocks"] = budget
+        raw_fp = e.get("REMOTE_G2_SOURCE_FINGERPRINT", "").strip()
+        if raw_fp:
+            kw["fingerprint"] = _fingerprint_from_json(raw_fp)
+        secret = e.get("REMOTE_G2_SOURCE_CURVE_SECRET_KEY")
+        if secret:
+            kw["curve"] = CurveServerConfig.from_files(secret, e.get("REMOTE_G2_SOURCE_CURVE_ALLOWED") or None)
+        elif e.get("REMOTE_G2_SOURCE_CURVE_ALLOWED"):
+            raise ConfigError("REMOTE_G2_SOURCE_CURVE_ALLOWED needs REMOTE_G2_SOURCE_CURVE_SECRET_KEY")
+        return cls(**kw)  # type: ignore[arg-type]
+
+
+def _env_int(name: str, env: Mapping[str, str]) -> int | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+def _fingerprint_from_json(text: str) -> LayoutFingerprint:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"REMOTE_G2_SOURCE_FINGERPRINT is not JSON: {e}") from None
+    known = {f.name for f in fields(LayoutFingerprint)}
+    if not isinstance(data, dict) or set(data) - known:
+        raise ConfigError(f"REMOTE_G2_SOURCE_FINGERPRINT must be an object with fields {sorted(known)}")
+    try:
+        return LayoutFingerprint(**data)
+    except TypeError as e:
+        raise ConfigError(f"REMOTE_G2_SOURCE_FINGERPRINT: {e}") from None

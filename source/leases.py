@@ -1,0 +1,265 @@
+"""Leases: which pins a rank holds for which remote reader, and until when.
+
+Every rank of a source keeps its own :class:`LeaseTable`: rank 0 for the
+blocks it pinned itself, each sibling for its own. A lease is a list of
+block ids pinned once each (in the order of the hashes asked) and a
+deadline on this process's monotonic clock. Whatever ends a lease —
+release, trim, expiry, shutdown — drops exactly the pins it recorded, so a
+lost ``release`` costs pins only until the deadline and never leaks them.
+
+Pins are dropped outside the table's lock: once a lease (or its tail) has
+left the table nobody else can reach those pins, and the pool's own calls
+are atomic. Tails are unpinned tail first, so the head of a prefix becomes
+the most recently used block and is evicted last.
+
+Rank 0 also charges a :class:`PinBudget`: a resolve reserves up to one
+block per asked hash before pinning (atomically, so concurrent resolves
+never overshoot), gives back what it did not pin, and the table gives back
+the rest as leases shrink or end.
+
+Released lease ids are remembered for a while (tombstones) so that a
+``sibling_pin`` arriving after rank 0 gave up on it and released the lease
+is refused instead of pinning blocks nobody will release.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from remote_g2.adapters.secondary_pool import SecondaryPool
+from remote_g2.errors import SourceError
+
+__all__ = ["Lease", "LeaseTable", "PinBudget"]
+
+log = logging.getLogger("remote_g2.source.leases")
+
+#: How many released lease ids a table remembers (each costs ~100 bytes).
+MAX_TOMBSTONES = 65_536
+
+
+class PinBudget:
+    """How many blocks remote leases may hold pinned on one rank; thread-safe."""
+
+    def __init__(self, limit: int, on_change: Callable[[int], None] | None = None) -> None:
+        if limit < 1:
+            raise ValueError(f"pin budget must be >= 1 block, got {limit}")
+        self.limit = limit
+        self._used = 0
+        self._lock = threading.Lock()
+        self._on_change = on_change
+
+    @property
+    def available(self) -> int:
+        with self._lock:
+            return self.limit - self._used
+
+    def reserve(self, wanted: int) -> int:
+        """Take up to ``wanted`` blocks of the budget; return how many were granted (maybe 0)."""
+        with self._lock:
+            granted = max(0, min(wanted, self.limit - self._used))
+            self._used += granted
+            left = self.limit - self._used
+        if granted and self._on_change is not None:
+            self._on_change(left)
+        return granted
+
+    def give_back(self, n: int) -> None:
+        """Return ``n`` blocks taken by :meth:`reserve`."""
+        if n <= 0:
+            return
+        with self._lock:
+            if n > self._used:  # a bookkeeping bug; never let the budget grow past its limit
+                log.error("pin budget: giving back %d blocks but only %d are in use", n, self._used)
+                n = self._used
+            self._used -= n
+            left = self.limit - self._used
+        if self._on_change is not None:
+            self._on_change(left)
+
+
+@dataclass(slots=True)
+class Lease:
+    """One lease as a rank holds it: its pinned blocks and its deadline (``time.monotonic()``)."""
+
+    lease_id: int
+    block_ids: list[int]
+    deadline: float
+
+
+class LeaseTable:
+    """The pins one rank holds per lease, with expiry; every method is thread-safe.
+
+    ``budget`` (rank 0) is credited whenever pins leave the table.
+    ``on_change(open_leases, pinned_blocks)`` is called after every change
+    (for gauges), outside the lock.
+    """
+
+    def __init__(self, pool: SecondaryPool, *, budget: PinBudget | None = None,
+                 tombstone_ttl_s: float = 120.0,
+                 on_change: Callable[[int, int], None] | None = None) -> None:
+        self._pool = pool
+        self._budget = budget
+        self._leases: dict[int, Lease] = {}
+        self._deadlines: list[tuple[float, int]] = []  # heap; stale entries skipped when popped
+        self._tombstones: OrderedDict[int, float] = OrderedDict()  # lease id -> forget after
+        self._tombstone_ttl = tombstone_ttl_s
+        self._pinned = 0
+        self._lock = threading.Lock()
+        self._on_change = on_change
+
+    # -- reading -----------------------------------------------------------------------
+
+    @property
+    def open_leases(self) -> int:
+        return len(self._leases)
+
+    @property
+    def pinned_blocks(self) -> int:
+        """Block pins this table holds (a block pinned by two leases counts twice)."""
+        return self._pinned
+
+    def get(self, lease_id: int) -> Lease | None:
+        """A copy of the lease, or None."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            return None if lease is None else Lease(lease.lease_id, list(lease.block_ids), lease.deadline)
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of an open lease (maybe a stale, earlier one), or None."""
+        with self._lock:
+            return self._deadlines[0][0] if self._deadlines else None
+
+    # -- changing ----------------------------------------------------------------------
+
+    def pin(self, lease_id: int, hashes: Sequence[bytes], deadline: float) -> list[int]:
+        """Find-and-pin ``hashes`` on the pool under ``lease_id`` until ``deadline``.
+
+        Returns the pinned block ids (the longest present prefix). Nothing is
+        recorded when nothing was pinned. :class:`SourceError` when the lease
+        id is open already or was released recently (its pins are dropped).
+        """
+        with self._lock:
+            self._check_new(lease_id)
+        ids = list(self._pool.find_and_pin(hashes))
+        if not ids:
+            return ids
+        with self._lock:
+            try:
+                self._check_new(lease_id)
+            except SourceError:
+                refused = True
+            else:
+                refused = False
+                self._leases[lease_id] = Lease(lease_id, list(ids), deadline)  # the caller keeps its own list
+                heapq.heappush(self._deadlines, (deadline, lease_id))
+                self._pinned += len(ids)
+        if refused:
+            self._unpin(ids, lease_id, credit=False)  # never recorded, so never charged
+            raise SourceError(f"lease {lease_id} was released or is already open on this rank")
+        self._changed()
+        return ids
+
+    def trim(self, lease_id: int, keep: int) -> bool:
+        """Keep the first ``keep`` blocks of the lease and unpin the rest; False if unknown.
+
+        ``keep == 0`` ends the lease (as :meth:`release` does).
+        """
+        if keep <= 0:
+            return self.release(lease_id)
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                return False
+            tail = lease.block_ids[keep:]
+            del lease.block_ids[keep:]
+            self._pinned -= len(tail)
+        if tail:
+            self._unpin(tail, lease_id)
+            self._changed()
+        return True
+
+    def release(self, lease_id: int) -> bool:
+        """End the lease and drop its pins; False if it was unknown (idempotent)."""
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+            self._tombstone(lease_id)
+            if lease is None:
+                return False
+            self._pinned -= len(lease.block_ids)
+        self._unpin(lease.block_ids, lease_id)
+        self._changed()
+        return True
+
+    def renew(self, lease_id: int, deadline: float) -> bool:
+        """Move the lease's deadline to ``deadline``; False if it is gone or already expired."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.deadline <= time.monotonic():
+                return False
+            lease.deadline = deadline
+            heapq.heappush(self._deadlines, (deadline, lease_id))
+            return True
+
+    def reap(self, now: float | None = None) -> list[Lease]:
+        """End every lease whose deadline passed; return them (their pins already dropped)."""
+        now = time.monotonic() if now is None else now
+        expired: list[Lease] = []
+        with self._lock:
+            while self._deadlines and self._deadlines[0][0] <= now:
+                deadline, lease_id = heapq.heappop(self._deadlines)
+                lease = self._leases.get(lease_id)
+                if lease is None or lease.deadline != deadline:
+                    continue  # released, or renewed (a later heap entry stands for it)
+                del self._leases[lease_id]
+                self._tombstone(lease_id)
+                self._pinned -= len(lease.block_ids)
+                expired.append(lease)
+            while self._tombstones and next(iter(self._tombstones.values())) <= now:
+                self._tombstones.popitem(last=False)
+        for lease in expired:
+            self._unpin(lease.block_ids, lease.lease_id)
+        if expired:
+            self._changed()
+        return expired
+
+    def release_all(self) -> int:
+        """End every lease (shutdown); return how many there were."""
+        with self._lock:
+            leases = list(self._leases.values())
+            self._leases.clear()
+            self._deadlines.clear()
+            self._pinned = 0
+        for lease in leases:
+            self._unpin(lease.block_ids, lease.lease_id)
+        self._changed()
+        return len(leases)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _check_new(self, lease_id: int) -> None:
+        if lease_id in self._leases or lease_id in self._tombstones:
+            raise SourceError(f"lease {lease_id} was released or is already open on this rank")
+
+    def _tombstone(self, lease_id: int) -> None:
+        self._tombstones[lease_id] = time.monotonic() + self._tombstone_ttl
+        self._tombstones.move_to_end(lease_id)
+        while len(self._tombstones) > MAX_TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+    def _unpin(self, block_ids: list[int], lease_id: int, *, credit: bool = True) -> None:
+        try:
+            self._pool.unpin_blocks_by_id(block_ids[::-1])
+        except Exception:  # a pool that lost our pins is a bug elsewhere; never let it kill a reaper
+            log.exception("lease %d: unpinning %d blocks failed", lease_id, len(block_ids))
+        if credit and self._budget is not None:
+            self._budget.give_back(len(block_ids))
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change(len(self._leases), self._pinned)

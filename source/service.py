@@ -1,0 +1,505 @@
+"""The source service: one per TP rank of a worker that shares its G2 pool.
+
+Start-up (every rank, :func:`start_source_service`):
+
+1. create the rank's NIXL agent ``remote-g2-source-{worker_id}-tp{rank}`` and
+   register the pool's memory;
+2. ranks > 0 bind their sibling IPC socket and start serving it;
+3. one MPI allgather over the TP group of ``(agent name, agent metadata,
+   pool base, pool bytes, layout, sibling endpoint)`` — the only MPI call;
+4. rank 0 serves ``resolve`` / ``release`` / ``renew`` / ``get_metadata`` on
+   TCP and, with a registry configured, registers the worker and streams the
+   pool's stored/removed events (heartbeat load = open leases).
+
+Resolve on rank 0 (no lock is held across the fan-out, so concurrent
+resolves proceed in parallel):
+
+* reserve up to one budget block per asked hash (atomically; none left →
+  ``over_budget``) and cut the hash list to what was granted;
+* send ``sibling_pin`` to every sibling at once while pinning locally;
+* any sibling error or timeout → drop the lease everywhere (siblings that
+  pinned get ``sibling_release``; the others' own lease tables expire it)
+  and answer ``ERR SourceError`` naming the rank;
+* ``matched`` = the shortest prefix any rank pinned; longer ones are trimmed
+  (``sibling_trim``, local unpin of the tail) before the reply; 0 → ``miss``
+  with every pin dropped.
+
+Every rank reaps its own expired leases from a bounded sleep loop, so a
+reader that dies never leaks pins.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from remote_g2.adapters.secondary_pool import SecondaryPool
+from remote_g2.config import env_flag
+from remote_g2.errors import ConfigError, SourceError, TransportError
+from remote_g2.messages import (
+    GetMetadata,
+    RankBlocks,
+    RankInfo,
+    Release,
+    ReleaseReply,
+    Renew,
+    RenewReply,
+    Resolve,
+    ResolveReply,
+    SiblingPin,
+    SiblingPinReply,
+    SiblingRelease,
+    SiblingRenew,
+    SiblingTrim,
+    SourceMetadataReply,
+)
+from remote_g2.rpc_server import CallContext, RpcServer
+
+from .config import ENABLE_ENV, SourceConfig, default_ipc_dir
+from .leases import LeaseTable, PinBudget
+from .metrics import SourceMetrics
+from .rank_agent import RankAgent, agent_name_for
+from .siblings import (
+    SiblingLinks,
+    claim_ipc_path,
+    ipc_endpoint,
+    prepare_ipc_dir,
+    release_ipc_path,
+    sibling_handlers,
+)
+from .tp_group import RankRecord, TpGroup, exchange, resolve_tp_group
+
+__all__ = ["SourceService", "start_source_service", "maybe_start_source_service"]
+
+log = logging.getLogger("remote_g2.source")
+
+
+def maybe_start_source_service(
+    pool: SecondaryPool,
+    *,
+    worker_id: str,
+    tp_rank: int | None = None,
+    tp_size: int | None = None,
+    config: SourceConfig | None = None,
+    comm: Any = None,
+) -> SourceService | None:
+    """Start this rank's source service when enabled; otherwise do nothing and return None.
+
+    Enabled by ``config.enabled`` or ``REMOTE_G2_SOURCE=1`` (``config=None``
+    reads every setting from the environment, see :class:`SourceConfig`).
+    Call it on every rank of the worker: start-up has one collective over the
+    TP group (``comm``; default: MPI world split into groups of ``tp_size``
+    consecutive ranks, itself collective over MPI world). It returns once
+    this rank serves; rank 0 has announced the worker to the registry by
+    then (asynchronously: registration is retried in the background).
+
+    Raises :class:`ConfigError` for bad settings and :class:`SourceError`
+    when start-up failed on any rank (every rank raises).
+    """
+    if config is None:
+        config = SourceConfig.from_env()
+    elif not config.enabled and os.environ.get(ENABLE_ENV, "").strip() and env_flag(ENABLE_ENV):
+        config = replace(config, enabled=True)
+    if not config.enabled:
+        log.debug("source service disabled (set %s=1 or SourceConfig.enabled)", ENABLE_ENV)
+        return None
+    return start_source_service(pool, worker_id=worker_id, tp_rank=tp_rank, tp_size=tp_size, config=config,
+                                comm=comm)
+
+
+def start_source_service(
+    pool: SecondaryPool,
+    *,
+    worker_id: str,
+    tp_rank: int | None = None,
+    tp_size: int | None = None,
+    config: SourceConfig | None = None,
+    comm: Any = None,
+) -> SourceService:
+    """Start this rank's source service unconditionally (see :func:`maybe_start_source_service`)."""
+    if not worker_id or len(worker_id) > 128:
+        raise ConfigError(f"worker_id must be 1..128 characters, got {worker_id!r}")
+    config = config or SourceConfig(enabled=True)
+    group = resolve_tp_group(tp_rank, tp_size, comm)
+    service = SourceService(pool, worker_id=worker_id, group=group, config=config)
+    try:
+        service._start()
+    except BaseException:
+        service.shutdown()
+        raise
+    return service
+
+
+class SourceService:
+    """One rank's part of a worker's source; built by :func:`start_source_service`.
+
+    ``endpoint`` is rank 0's bound TCP endpoint (what targets call), or a
+    sibling's IPC endpoint. :meth:`shutdown` is idempotent and also runs at
+    interpreter exit.
+    """
+
+    def __init__(self, pool: SecondaryPool, *, worker_id: str, group: TpGroup, config: SourceConfig) -> None:
+        self.pool = pool
+        self.worker_id = worker_id
+        self.group = group
+        self.rank = group.rank
+        self.tp_size = group.size
+        self.config = config
+        self.epoch = 0
+        self.endpoint: str | None = None
+        self.metrics = SourceMetrics(self.rank)
+        layout = pool.layout
+        budget_blocks = config.pin_budget_blocks or max(1, layout.num_blocks // 2)
+        self.budget: PinBudget | None = None
+        if self.rank == 0:
+            self.budget = PinBudget(budget_blocks, on_change=self.metrics.budget_available.set)
+            self.metrics.budget_available.set(budget_blocks)
+        self.leases = LeaseTable(pool, budget=self.budget, tombstone_ttl_s=config.max_lease_ttl_ms / 1000 * 2,
+                                 on_change=self.metrics.lease_table_changed)
+        self.records: list[RankRecord] = []
+        self._agent: RankAgent | None = None
+        self._server: RpcServer | None = None
+        self._links: SiblingLinks | None = None
+        self._publisher: Any = None
+        self._registry_client: Any = None
+        self._rank_infos: list[RankInfo] = []
+        self._rank_infos_bare: list[RankInfo] = []
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+        self._shutdown_lock = threading.Lock()
+        self._closed = False
+        self._started_at = time.monotonic()
+
+    # -- start-up --------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        cfg = self.config
+        record: RankRecord | None = None
+        error: str | None = None
+        try:
+            record = self._start_local()
+        except Exception as e:  # tell the other ranks instead of leaving them in the allgather
+            log.exception("source rank %d failed to start", self.rank)
+            error = f"{type(e).__name__}: {e}"
+        self.records = exchange(self.group, record, error)
+        self._reaper = threading.Thread(target=self._reap_loop, name=f"source-reaper-tp{self.rank}", daemon=True)
+        self._reaper.start()
+        if self.rank == 0:
+            self._start_rank0()
+        if cfg.metrics_port is not None:
+            self.metrics.serve_http(cfg.metrics_port + self.rank if cfg.metrics_port else 0, cfg.metrics_addr)
+        _live_services.add(self)
+        log.info("source %s rank %d/%d serving on %s", self.worker_id, self.rank, self.tp_size, self.endpoint)
+
+    def _start_local(self) -> RankRecord:
+        """Agent, registered memory and (rank > 0) the sibling socket; this rank's record."""
+        cfg = self.config
+        regions = self.pool.regions()
+        layout = self.pool.layout
+        if not regions:
+            raise SourceError("the pool has no memory regions")
+        if regions[0].nbytes < layout.num_blocks * layout.block_bytes:
+            raise SourceError(f"pool region 0 is {regions[0].nbytes} bytes, the layout needs "
+                              f"{layout.num_blocks} x {layout.block_bytes}")
+        self._agent = RankAgent(agent_name_for(self.worker_id, self.rank), regions,
+                                busy=lambda: self.leases.open_leases > 0,
+                                busy_interval_s=cfg.progress_interval_ms / 1000,
+                                idle_interval_s=cfg.idle_progress_interval_ms / 1000)
+        self._agent.start_progress()
+        sibling_endpoint = None
+        if self.rank > 0:
+            directory = prepare_ipc_dir(cfg.ipc_dir or default_ipc_dir())
+            sibling_endpoint = ipc_endpoint(directory, self.worker_id, self.rank)
+            claim_ipc_path(sibling_endpoint)
+            self._server = RpcServer(sibling_endpoint,
+                                     sibling_handlers(self.leases, max_ttl_ms=cfg.max_lease_ttl_ms,
+                                                      on_release=self.metrics.leases_released.inc),
+                                     name=f"source-{self.worker_id}-tp{self.rank}", workers=cfg.rpc_workers,
+                                     on_call=self.metrics.observe_call)
+            self.endpoint = self._server.start()
+        return RankRecord(self.rank, self._agent.name, self._agent.metadata, regions[0].base, regions[0].nbytes,
+                          layout, sibling_endpoint)
+
+    def _start_rank0(self) -> None:
+        cfg = self.config
+        self.epoch = time.time_ns()
+        self._rank_infos = [RankInfo(r.rank, r.agent_name, r.agent_metadata, r.pool_base, r.pool_bytes, r.layout)
+                            for r in self.records]
+        self._rank_infos_bare = [replace(info, agent_metadata=None) for info in self._rank_infos]
+        siblings = {r.rank: r.sibling_endpoint for r in self.records[1:] if r.sibling_endpoint}
+        self._links = SiblingLinks(siblings, timeout_ms=cfg.sibling_timeout_ms,
+                                   retry_after_s=cfg.sibling_retry_after_ms / 1000,
+                                   on_failure=self._sibling_failed)
+        self._server = RpcServer(cfg.bind, {
+            "resolve": self._resolve,
+            "release": self._release,
+            "renew": self._renew,
+            "get_metadata": self._get_metadata,
+        }, name=f"source-{self.worker_id}", workers=cfg.rpc_workers, curve=cfg.curve,
+            on_call=self.metrics.observe_call)
+        self.endpoint = self._server.start()
+        if cfg.registry_endpoint:
+            self._start_publisher(cfg.advertise or self.endpoint)
+
+    def _start_publisher(self, endpoint: str) -> None:
+        from remote_g2.registry import RegistryClient, SourcePublisher
+
+        fingerprint = self.config.fingerprint
+        assert fingerprint is not None  # SourceConfig checks it
+        if fingerprint.tp_size != self.tp_size:
+            log.warning("fingerprint says tp_size=%d, the TP group has %d ranks: announcing %d",
+                        fingerprint.tp_size, self.tp_size, self.tp_size)
+            fingerprint = replace(fingerprint, tp_size=self.tp_size)
+        self._registry_client = RegistryClient(self.config.registry_endpoint, timeout_s=self.config.registry_timeout_s)
+        self._publisher = SourcePublisher(self._registry_client, worker_id=self.worker_id, endpoint=endpoint,
+                                          fingerprint=fingerprint, snapshot=self.pool.block_hashes,
+                                          load=lambda: self.leases.open_leases)
+        # Listener first: the registration's snapshot covers whatever happened before it.
+        self.pool.add_listener(self._pool_event)
+        self._publisher.start()
+
+    def _pool_event(self, kind: str, hashes: Sequence[bytes]) -> None:
+        publisher = self._publisher
+        if publisher is None:  # shut down: the pool keeps calling us, we ignore it
+            return
+        if kind == "stored":
+            publisher.stored(hashes)
+        elif kind == "removed":
+            publisher.removed(hashes)
+        elif kind == "cleared":
+            publisher.cleared()
+
+    # -- rank 0 handlers ---------------------------------------------------------------------
+
+    def _get_metadata(self, req: GetMetadata, ctx: CallContext) -> SourceMetadataReply:
+        return SourceMetadataReply(self.worker_id, self.epoch, self.tp_size, list(self._rank_infos))
+
+    def _resolve(self, req: Resolve, ctx: CallContext) -> ResolveReply:
+        t0 = time.perf_counter()
+        try:
+            reply = self._resolve_pins(req)
+        except Exception:
+            self.metrics.resolve_outcome("error", time.perf_counter() - t0)
+            raise
+        self.metrics.resolve_outcome(reply.reason, time.perf_counter() - t0, reply.matched)
+        return reply
+
+    def _resolve_pins(self, req: Resolve) -> ResolveReply:
+        assert self.budget is not None and self._links is not None
+        links = self._links
+        ttl_ms = self._ttl(req.ttl_ms)
+        deadline = time.monotonic() + ttl_ms / 1000.0  # siblings start their clocks later: they outlive us
+        down = links.down()
+        if down:
+            raise SourceError(f"TP rank{'s' if len(down) > 1 else ''} {', '.join(map(str, down))} of "
+                              f"{self.worker_id} failed recently; failing fast for "
+                              f"{self.config.sibling_retry_after_ms} ms before trying again")
+        granted = self.budget.reserve(len(req.hashes))
+        if granted == 0:
+            return ResolveReply("over_budget", 0, 0, self.epoch, 0)
+        hashes = req.hashes if granted == len(req.hashes) else req.hashes[:granted]
+        # Random, not sequential: a reader that mixes up its ids must not be able to release
+        # (and so expose to overwriting) another reader's blocks. A clash is refused by the tables.
+        lease_id = secrets.randbits(62) + 1
+        pending = links.begin(lambda r: SiblingPin(lease_id, hashes, ttl_ms), fail_fast=True)
+        try:
+            local = self.leases.pin(lease_id, hashes, deadline)
+        except BaseException:
+            self.budget.give_back(granted)
+            self._undo(lease_id, pending.wait())
+            raise
+        self.budget.give_back(granted - len(local))
+        answers = pending.wait()
+        failed = {r: a for r, a in answers.items() if isinstance(a, BaseException)}
+        if failed:
+            self._undo(lease_id, answers)
+            raise SourceError("resolve failed, lease undone on every rank: "
+                              + "; ".join(f"TP rank {r}: {type(e).__name__}: {e}" for r, e in sorted(failed.items())))
+        per_rank: dict[int, list[int]] = {0: local}
+        per_rank.update({r: list(a.block_ids) for r, a in answers.items()})
+        matched = min(len(ids) for ids in per_rank.values())
+        if matched == 0:
+            self._undo(lease_id, answers)
+            return ResolveReply("miss", 0, 0, self.epoch, 0)
+        longer = [r for r, ids in answers.items() if len(ids.block_ids) > matched]
+        if len(local) > matched:
+            self.leases.trim(lease_id, matched)
+        if longer:
+            trims = links.call_all(lambda r: SiblingTrim(lease_id, matched), longer)
+            failed = {r: a for r, a in trims.items() if isinstance(a, BaseException) or not a.known}
+            if failed:
+                self._undo(lease_id, answers)
+                raise SourceError("resolve failed while trimming, lease undone on every rank: "
+                                  + "; ".join(f"TP rank {r}: {a}" for r, a in sorted(failed.items())))
+        expires_in_ms = int((deadline - time.monotonic()) * 1000)
+        if expires_in_ms <= 0 or self.leases.get(lease_id) is None:
+            # It expired (or was released by a reader that guessed its id) while we worked.
+            self._undo(lease_id, answers)
+            raise SourceError(f"lease expired before the resolve finished (ttl {ttl_ms} ms); ask for a longer ttl")
+        known = set(req.known_agents)
+        metadata = [bare if info.agent_name in known else info
+                    for info, bare in zip(self._rank_infos, self._rank_infos_bare)]
+        return ResolveReply("ok", lease_id, matched, self.epoch, expires_in_ms,
+                            [RankBlocks(r, ids[:matched]) for r, ids in sorted(per_rank.items())], metadata)
+
+    def _undo(self, lease_id: int, answers: dict[int, Any]) -> None:
+        """Drop a lease everywhere: locally, and on every sibling that holds (or may hold) pins for it.
+
+        Siblings that answered are released synchronously (fast, and the ERR
+        reply then means "nothing is pinned"); those that did not answer may
+        still pin late, so they get a release in the background (their
+        tombstone refuses a pin that arrives after it, and their own expiry
+        covers the rest).
+        """
+        assert self._links is not None
+        self.leases.release(lease_id)
+        answered = [r for r, a in answers.items() if not isinstance(a, BaseException)
+                    and not (isinstance(a, SiblingPinReply) and not a.block_ids)]
+        unsure = [r for r, a in answers.items() if isinstance(a, TransportError)]
+        if answered:
+            self._links.call_all(lambda r: SiblingRelease(lease_id), answered)
+        if unsure:
+            self._links.begin(lambda r: SiblingRelease(lease_id), unsure)  # not waited for
+
+    def _release(self, req: Release, ctx: CallContext) -> ReleaseReply:
+        """Unpin locally, tell every sibling, answer: the siblings' acks are not waited for.
+
+        Each sibling drops its pins when the message arrives (a fraction of a
+        millisecond later); one that cannot be reached drops them at the
+        lease's expiry. Waiting would add a sibling round trip to every
+        release for a guarantee no reader needs: the reader is done with the
+        blocks once it releases them.
+        """
+        if not self.leases.release(req.lease_id):
+            return ReleaseReply(False)
+        self.metrics.leases_released.inc()
+        assert self._links is not None
+        if self._links.ranks:
+            self._links.begin(lambda r: SiblingRelease(req.lease_id))
+        return ReleaseReply(True)
+
+    def _ttl(self, asked_ms: int) -> int:
+        """The TTL a lease gets: the asked one, clamped to ``[min_lease_ttl_ms, max_lease_ttl_ms]``."""
+        return max(self.config.min_lease_ttl_ms, min(asked_ms, self.config.max_lease_ttl_ms))
+
+    def _renew(self, req: Renew, ctx: CallContext) -> RenewReply:
+        ttl_ms = self._ttl(req.ttl_ms)
+        deadline = time.monotonic() + ttl_ms / 1000.0
+        if not self.leases.renew(req.lease_id, deadline):
+            return RenewReply(False, 0)
+        assert self._links is not None
+        if self._links.ranks:
+            answers = self._links.call_all(lambda r: SiblingRenew(req.lease_id, ttl_ms))
+            lost = {r: a for r, a in answers.items() if isinstance(a, BaseException) or not a.known}
+            if lost:
+                # A rank whose copy is gone (or may be) cannot vouch for its blocks: end the lease.
+                log.warning("lease %d: renew failed on TP rank(s) %s; releasing it", req.lease_id, sorted(lost))
+                self._undo(req.lease_id, answers)
+                return RenewReply(False, 0)
+        return RenewReply(True, max(0, int((deadline - time.monotonic()) * 1000)))
+
+    def _sibling_failed(self, rank: int, call: str, error: Exception) -> None:
+        self.metrics.sibling_failures.labels(str(rank), call).inc()
+        log.warning("source %s: %s on TP rank %d failed: %s", self.worker_id, call, rank, error)
+
+    # -- every rank ----------------------------------------------------------------------------
+
+    def _reap_loop(self) -> None:
+        interval = self.config.reap_interval_ms / 1000.0
+        while not self._stop.is_set():
+            try:
+                expired = self.leases.reap()
+                if expired:
+                    self.metrics.leases_expired.inc(len(expired))
+                    log.info("source %s rank %d: %d lease(s) expired without release (%d blocks)",
+                             self.worker_id, self.rank, len(expired), sum(len(x.block_ids) for x in expired))
+            except Exception:
+                log.exception("source %s rank %d: lease reaper failed", self.worker_id, self.rank)
+            nxt = self.leases.next_deadline()
+            wait = interval if nxt is None else min(interval, max(0.001, nxt - time.monotonic()))
+            self._stop.wait(wait)
+
+    def stats(self) -> dict[str, Any]:
+        """This rank's numbers (leases, pins, budget, NIXL agent); for logs, tests and benchmarks."""
+        return {
+            "worker_id": self.worker_id,
+            "rank": self.rank,
+            "tp_size": self.tp_size,
+            "endpoint": self.endpoint,
+            "epoch": self.epoch,
+            "leases_open": self.leases.open_leases,
+            "blocks_pinned": self.leases.pinned_blocks,
+            "budget_available": None if self.budget is None else self.budget.available,
+            "leases_expired": int(self.metrics.value("remote_g2_source_leases_expired_total")),
+            "leases_released": int(self.metrics.value("remote_g2_source_leases_released_total")),
+            "uptime_s": time.monotonic() - self._started_at,
+        }
+
+    def shutdown(self) -> None:
+        """Stop serving and drop everything, in order; idempotent.
+
+        Rank 0 first tells the registry its blocks are gone (best effort), then
+        every rank stops its server, drops every lease's pins, stops the reaper
+        and tears down NIXL (progress thread, memory, agent). The pool itself
+        is the engine's and stays as it is (minus our pins).
+        """
+        with self._shutdown_lock:
+            if self._closed:
+                return
+            self._closed = True
+        _live_services.discard(self)
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            try:
+                publisher.cleared()
+                publisher.close(flush_timeout_s=1.0)
+            except Exception:
+                log.exception("source %s: closing the registry publisher failed", self.worker_id)
+        if self._registry_client is not None:
+            try:
+                self._registry_client.close()
+            except Exception:
+                pass
+        if self._server is not None:
+            self._server.close()
+            if self.rank > 0 and self.endpoint and self.endpoint.startswith("ipc://"):
+                release_ipc_path(self.endpoint)
+        if self._links is not None:
+            self._links.close()
+        self._stop.set()
+        if self._reaper is not None:
+            self._reaper.join(5)
+        dropped = self.leases.release_all()
+        if dropped:
+            log.info("source %s rank %d: dropped %d open lease(s) at shutdown", self.worker_id, self.rank, dropped)
+        if self._agent is not None:
+            self._agent.close()
+        self.metrics.close()
+        log.info("source %s rank %d stopped", self.worker_id, self.rank)
+
+    def __enter__(self) -> SourceService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+_live_services: weakref.WeakSet[SourceService] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
+    # NIXL tends to crash at interpreter exit when agents die late and in no order.
+    for service in list(_live_services):
+        try:
+            service.shutdown()
+        except Exception:
+            log.exception("source shutdown at exit failed")

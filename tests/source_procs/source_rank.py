@@ -1,0 +1,191 @@
+"""One TP rank of a synthetic source worker, for tests and benchmarks.
+
+Run every rank with ``mpiexec -n TP python tests/source_procs/source_rank.py --dir D ...``.
+Each rank fills a HostPool with hashes ``hash_of(0..N-1)`` (bytes from
+``pattern.block_bytes_for(rank, hash)``), starts the source service through
+``maybe_start_source_service`` and then, until ``D/stop`` appears or
+``--lifetime-s`` passes (never blocking in MPI):
+
+* rank 0 writes ``D/endpoint.json`` (``{"endpoint", "epoch", "pid"}``) once it serves;
+* every rank rewrites ``D/state-{rank}.json`` every 50 ms: pid, the pool's
+  total pin count and the service's stats;
+* a file ``D/cmd-{rank}.json`` (``[{"op": "store"|"remove", "hashes": [i, ...]}]``)
+  is applied and renamed to ``.done``;
+* ``--file-comm RANK:SIZE`` starts a rank without mpiexec (see :class:`FileComm`);
+* a file ``D/delay-pin-{rank}`` makes this rank's find_and_pin sleep that many
+  seconds first (to kill or freeze a rank in the middle of a resolve).
+
+On the way out every rank shuts the service down, then writes ``D/done-{rank}``
+(so a NIXL crash at interpreter exit, after that, is recognisable as such).
+
+With ``--tp-size`` the world is split into TP groups (attention DP): group
+``g`` is worker ``WORKER_ID-gg`` and its files are named ``endpoint-gg.json``,
+``state-gg-{rank}.json`` and so on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from source_procs.pattern import block_bytes_for, hash_of, make_layout  # noqa: E402
+
+from remote_g2.adapters.host_pool import HostPool  # noqa: E402
+from remote_g2.messages import LayoutFingerprint  # noqa: E402
+from remote_g2.source import SourceConfig, maybe_start_source_service  # noqa: E402
+
+
+class FileComm:
+    """A stand-in TP communicator for ranks started without mpiexec (``--file-comm RANK:SIZE``).
+
+    Implements the part of ``mpi4py.MPI.Comm`` the source service uses
+    (``Get_rank``, ``Get_size``, ``allgather``) with files in a directory, so
+    a test can SIGKILL one rank without a launcher tearing the others down.
+    """
+
+    def __init__(self, directory: Path, rank: int, size: int, timeout_s: float = 60.0) -> None:
+        self.dir, self.rank, self.size, self.timeout_s = directory, rank, size, timeout_s
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def Get_rank(self) -> int:  # noqa: N802 (mpi4py's spelling)
+        return self.rank
+
+    def Get_size(self) -> int:  # noqa: N802
+        return self.size
+
+    def allgather(self, obj: object) -> list[object]:
+        import pickle
+
+        tmp = self.dir / f"allgather-{self.rank}.tmp"
+        tmp.write_bytes(pickle.dumps(obj))
+        os.replace(tmp, self.dir / f"allgather-{self.rank}.pkl")
+        deadline = time.monotonic() + self.timeout_s
+        paths = [self.dir / f"allgather-{r}.pkl" for r in range(self.size)]
+        while not all(p.exists() for p in paths):
+            if time.monotonic() > deadline:
+                raise TimeoutError("file allgather timed out")
+            time.sleep(0.02)
+        return [pickle.loads(p.read_bytes()) for p in paths]
+
+
+class DelayablePool(HostPool):
+    """A HostPool whose find_and_pin can be told (by a file) to take its time."""
+
+    def __init__(self, *args, delay_file: Path, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._delay_file = delay_file
+
+    def find_and_pin(self, hashes):
+        try:
+            delay = float(self._delay_file.read_text() or "0")
+        except (OSError, ValueError):
+            delay = 0.0
+        if delay > 0:
+            time.sleep(delay)
+        return super().find_and_pin(hashes)
+
+
+def write_json(path: Path, data: object) -> None:
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir", required=True, type=Path)
+    p.add_argument("--worker-id", required=True)
+    p.add_argument("--num-blocks", type=int, default=64)
+    p.add_argument("--hashes", type=int, default=32, help="store hash_of(0..N-1) on every rank")
+    p.add_argument("--missing", default="", help="RANK:I,J;... hash indices NOT stored on that rank")
+    p.add_argument("--max-ttl-ms", type=int, default=60_000)
+    p.add_argument("--budget", type=int, default=0)
+    p.add_argument("--sibling-timeout-ms", type=int, default=1000)
+    p.add_argument("--sibling-retry-after-ms", type=int, default=1000)
+    p.add_argument("--rpc-workers", type=int, default=4)
+    p.add_argument("--registry", default=None)
+    p.add_argument("--ipc-dir", type=Path, default=None, help="default: DIR/ipc")
+    p.add_argument("--metrics-port", type=int, default=None)
+    p.add_argument("--lifetime-s", type=float, default=120.0)
+    p.add_argument("--tp-size", type=int, default=None,
+                   help="split MPI world into TP groups of this size (attention DP); each group is worker "
+                        "WORKER_ID-gG and its files carry -gG after their stem")
+    p.add_argument("--file-comm", default=None, metavar="RANK:SIZE",
+                   help="run without MPI: exchange start-up records through files in DIR/comm")
+    p.add_argument("--log-level", default="WARNING")
+    args = p.parse_args()
+
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s [pid {os.getpid()}] %(name)s: %(message)s")
+    comm = None
+    if args.file_comm:
+        r, n = (int(x) for x in args.file_comm.split(":"))
+        comm = FileComm(args.dir / "comm", r, n)
+        world_rank, world_size = r, n
+    else:
+        from mpi4py import MPI
+
+        world_rank, world_size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    tp = args.tp_size or world_size
+    rank = world_rank % tp  # the TP rank the service will find (groups are consecutive world ranks)
+    tag = "" if args.tp_size is None else f"-g{world_rank // tp}"
+    worker_id = args.worker_id + tag
+    d: Path = args.dir
+    missing: dict[int, set[int]] = {}
+    for part in filter(None, args.missing.split(";")):
+        r, idx = part.split(":")
+        missing[int(r)] = {int(i) for i in idx.split(",") if i}
+
+    layout = make_layout(args.num_blocks)
+    pool = DelayablePool(layout, delay_file=d / f"delay-pin{tag}-{rank}")
+    keep = [i for i in range(args.hashes) if i not in missing.get(rank, set())]
+    hashes = [hash_of(i) for i in keep]
+    pool.store(hashes, [block_bytes_for(rank, h, layout.block_bytes) for h in hashes])
+
+    fingerprint = LayoutFingerprint(model_id="synthetic", dtype="bf16", tokens_per_block=layout.tokens_per_block,
+                                    kv_layout="HND", num_layers=layout.num_layers,
+                                    num_kv_heads=layout.num_kv_heads * tp, head_dim=layout.head_dim, tp_size=tp)
+    config = SourceConfig(enabled=True, ipc_dir=str(args.ipc_dir or d / "ipc"), max_lease_ttl_ms=args.max_ttl_ms,
+                          default_lease_ttl_ms=min(10_000, args.max_ttl_ms), pin_budget_blocks=args.budget,
+                          sibling_timeout_ms=args.sibling_timeout_ms,
+                          sibling_retry_after_ms=args.sibling_retry_after_ms, rpc_workers=args.rpc_workers,
+                          registry_endpoint=args.registry, fingerprint=fingerprint, metrics_port=args.metrics_port)
+    service = maybe_start_source_service(pool, worker_id=worker_id, config=config, tp_size=args.tp_size,
+                                         comm=comm)
+    assert service is not None and service.rank == rank and service.tp_size == tp
+    if rank == 0:
+        write_json(d / f"endpoint{tag}.json", {"endpoint": service.endpoint, "epoch": service.epoch, "pid": os.getpid(),
+                                         "tp_size": tp})
+
+    deadline = time.monotonic() + args.lifetime_s
+    cmd = d / f"cmd{tag}-{rank}.json"
+    state = d / f"state{tag}-{rank}.json"
+    try:
+        while not (d / "stop").exists() and time.monotonic() < deadline:
+            if cmd.exists():
+                for op in json.loads(cmd.read_text()):
+                    hs = [hash_of(i) for i in op["hashes"]]
+                    if op["op"] == "store":
+                        pool.store(hs, [block_bytes_for(rank, h, layout.block_bytes) for h in hs])
+                    elif op["op"] == "remove":
+                        pool.remove(hs)
+                os.replace(cmd, cmd.with_suffix(".done"))
+            st = pool.stats()
+            write_json(state, {"pid": os.getpid(), "rank": rank, "total_pins": st["total_pins"],
+                               "pinned_blocks": st["pinned_blocks"], "service": service.stats(), "t": time.time()})
+            time.sleep(0.05)
+    finally:
+        service.shutdown()
+        st = pool.stats()
+        write_json(d / f"done{tag}-{rank}", {"total_pins": st["total_pins"]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
