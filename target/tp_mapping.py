@@ -1,0 +1,502 @@
+"""Which bytes each target rank reads, from which source rank, to where.
+
+Pure computation, no I/O: given what a source's ``resolve`` returned (per-rank
+block ids) and its per-rank :class:`~remote_g2.messages.RankInfo`, and the
+target's own layout, pool address and destination block ids, :func:`plan_reads`
+returns one target rank's :class:`ReadPlan`: for every source rank it reads
+from, the exact ``(remote address, local address, nbytes)`` extents, coalesced.
+The transfer adapter only executes these lists, one READ per (request, source
+rank).
+
+How target rank ``r`` maps onto the source (``h_s`` / ``h_t`` are kv heads per
+rank on the source / target; the block layout is documented on
+:class:`~remote_g2.messages.BlockLayout`)::
+
+    same TP               source rank r, whole blocks
+    target TP > source    k = tgt/src; source rank r // k, its heads
+      ("split_heads")     [(r % k) * h_t, (r % k + 1) * h_t) -> the whole target slab;
+                          one extent per (block, layer, k-or-v)
+    source TP > target    k = src/tgt; source ranks r*k + j for j < k, each whole
+      ("gather_heads")    slab -> target heads [j * h_s, (j + 1) * h_s) of that slab
+    MLA (replicated KV)   one source rank, (r + mla_offset) % source_tp, whole blocks
+
+A head slice is contiguous only in a head-major slab, so heterogeneous TP needs
+``HND`` on both sides (a side with one head per rank is head-major whatever its
+``order`` says). With MLA, the target reads from one source rank, but the
+lease still pins every source rank and is released once, by the client.
+
+Extents are coalesced exactly: two extents merge only when both the remote and
+the local ranges are adjacent (so consecutive block ids on both sides make one
+descriptor, whatever order the hashes listed them in). Block padding
+(``block_bytes`` beyond the slabs) is never read, so padded pools do not merge
+across blocks.
+
+Validation comes before any address is computed: :func:`check_fingerprints`
+(what a lookup knows: both fingerprints) and :func:`check_compatible` (the
+source's per-rank layout, known after ``get_metadata``/``resolve``) return the
+reason a pairing cannot be served, or ``None``; :func:`plan_reads` raises
+:class:`ValueError` with such a reason, also for bad block ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import numpy as np
+
+from remote_g2.messages import BlockLayout, LayoutFingerprint, RankBlocks, RankInfo
+
+__all__ = [
+    "PlanMode",
+    "ReadExtent",
+    "SourceReads",
+    "ReadPlan",
+    "HeadSlice",
+    "plan_mode",
+    "head_slices",
+    "source_ranks_for",
+    "check_fingerprints",
+    "check_compatible",
+    "plan_reads",
+]
+
+PlanMode = Literal["same_tp", "split_heads", "gather_heads", "mla"]
+
+_ADDR_LIMIT = 1 << 64  # descriptors are u64 (address, length) pairs
+
+
+# --------------------------------------------------------------------------
+# The plan
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ReadExtent:
+    """One contiguous READ: ``nbytes`` from ``remote_addr`` on ``source_rank`` to ``local_addr``."""
+
+    source_rank: int
+    remote_addr: int
+    local_addr: int
+    nbytes: int
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+@dataclass(frozen=True, eq=False)
+class SourceReads:
+    """Every extent one target rank reads from one source rank: one READ per request.
+
+    The three arrays are ``uint64``, read-only, equally long, sorted by
+    ``remote_addr``; row ``i`` is one descriptor.
+    """
+
+    source_rank: int
+    agent_name: str
+    remote_addr: np.ndarray
+    local_addr: np.ndarray
+    nbytes: np.ndarray
+
+    @property
+    def num_descriptors(self) -> int:
+        return int(self.nbytes.shape[0])
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum(dtype=np.uint64))
+
+    def remote_descs(self, dev_id: int = 0) -> np.ndarray:
+        """An ``(N, 3)`` ``uint64`` array of ``(address, nbytes, dev_id)``: NIXL's descriptor-list form."""
+        return _descs(self.remote_addr, self.nbytes, dev_id)
+
+    def local_descs(self, dev_id: int = 0) -> np.ndarray:
+        """The local side of :meth:`remote_descs`, row for row."""
+        return _descs(self.local_addr, self.nbytes, dev_id)
+
+    def extents(self) -> list[ReadExtent]:
+        """The descriptors as objects (for tests and logs; the arrays are the fast path)."""
+        r = self.source_rank
+        return [ReadExtent(r, a, b, n) for a, b, n in
+                zip(self.remote_addr.tolist(), self.local_addr.tolist(), self.nbytes.tolist())]
+
+
+def _descs(addr: np.ndarray, nbytes: np.ndarray, dev_id: int) -> np.ndarray:
+    out = np.empty((addr.shape[0], 3), dtype=np.uint64)
+    out[:, 0] = addr
+    out[:, 1] = nbytes
+    out[:, 2] = dev_id
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class ReadPlan:
+    """What one target rank reads for one request, grouped by source rank.
+
+    ``reads`` holds one :class:`SourceReads` per source rank this target rank
+    reads from (ascending rank), none when there is nothing to read.
+    """
+
+    target_rank: int
+    mode: PlanMode
+    num_blocks: int
+    reads: tuple[SourceReads, ...]
+
+    @property
+    def source_ranks(self) -> tuple[int, ...]:
+        return tuple(r.source_rank for r in self.reads)
+
+    @property
+    def num_descriptors(self) -> int:
+        return sum(r.num_descriptors for r in self.reads)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.total_bytes for r in self.reads)
+
+    def for_source(self, source_rank: int) -> SourceReads | None:
+        """The reads from ``source_rank``, or None when this target rank reads nothing there."""
+        for r in self.reads:
+            if r.source_rank == source_rank:
+                return r
+        return None
+
+    def extents(self) -> list[ReadExtent]:
+        """Every descriptor as an object, grouped by source rank."""
+        return [e for r in self.reads for e in r.extents()]
+
+
+# --------------------------------------------------------------------------
+# The rank mapping
+# --------------------------------------------------------------------------
+
+
+class HeadSlice(NamedTuple):
+    """Source heads ``[source_lo, source_hi)`` of ``source_rank`` land at target heads from ``target_lo``."""
+
+    source_rank: int
+    source_lo: int
+    source_hi: int
+    target_lo: int
+
+
+def plan_mode(source_tp: int, target_tp: int, *, is_mla: bool) -> PlanMode:
+    """How a target rank maps onto source ranks (no validation beyond the ordering of sizes)."""
+    if is_mla:
+        return "mla"
+    if source_tp == target_tp:
+        return "same_tp"
+    return "split_heads" if target_tp > source_tp else "gather_heads"
+
+
+def head_slices(target_rank: int, *, source_tp: int, target_tp: int, source_heads: int, target_heads: int,
+                is_mla: bool, mla_offset: int = 0) -> tuple[HeadSlice, ...]:
+    """Which source rank's heads fill which heads of ``target_rank``'s slabs.
+
+    ``source_heads`` / ``target_heads`` are kv heads per rank. The sizes must
+    already be compatible (see :func:`check_compatible`); this only maps.
+    """
+    mode = plan_mode(source_tp, target_tp, is_mla=is_mla)
+    if mode == "mla":
+        return (HeadSlice((target_rank + mla_offset) % source_tp, 0, source_heads, 0),)
+    if mode == "same_tp":
+        return (HeadSlice(target_rank, 0, source_heads, 0),)
+    if mode == "split_heads":
+        k = target_tp // source_tp
+        lo = (target_rank % k) * target_heads
+        return (HeadSlice(target_rank // k, lo, lo + target_heads, 0),)
+    k = source_tp // target_tp
+    return tuple(HeadSlice(target_rank * k + j, 0, source_heads, j * source_heads) for j in range(k))
+
+
+def source_ranks_for(target_rank: int, *, source_tp: int, target_tp: int, is_mla: bool,
+                     mla_offset: int = 0) -> tuple[int, ...]:
+    """The source ranks ``target_rank`` reads from (whose agent metadata it needs), ascending."""
+    mode = plan_mode(source_tp, target_tp, is_mla=is_mla)
+    if mode == "mla":
+        return ((target_rank + mla_offset) % source_tp,)
+    if mode == "same_tp":
+        return (target_rank,)
+    if mode == "split_heads":
+        return (target_rank // (target_tp // source_tp),)
+    k = source_tp // target_tp
+    return tuple(range(target_rank * k, target_rank * k + k))
+
+
+# --------------------------------------------------------------------------
+# Compatibility
+# --------------------------------------------------------------------------
+
+
+class _Shape(NamedTuple):
+    """What must line up between two sides, per rank."""
+
+    num_layers: int
+    kv: int | None  # a fingerprint does not say
+    heads: int  # kv heads per rank
+    tokens_per_block: int
+    head_dim: int
+    dtype: int | str  # dtype_bytes from a layout, the dtype name from a fingerprint
+    order: str
+
+    @property
+    def head_major(self) -> bool:
+        return self.order == "HND" or self.heads == 1
+
+
+def _layout_shape(layout: BlockLayout) -> _Shape:
+    return _Shape(layout.num_layers, layout.kv, layout.num_kv_heads, layout.tokens_per_block, layout.head_dim,
+                  layout.dtype_bytes, layout.order)
+
+
+def _check_tp(source_tp: int, target_tp: int) -> str | None:
+    for side, tp in (("source", source_tp), ("target", target_tp)):
+        if not isinstance(tp, (int, np.integer)) or tp < 1:
+            return f"{side} TP size must be a positive integer, got {tp!r}"
+    return None
+
+
+def _check_shapes(src: _Shape, source_tp: int, tgt: _Shape, target_tp: int, *, is_mla: bool) -> str | None:
+    for name in ("num_layers", "kv", "tokens_per_block", "head_dim", "dtype"):
+        a, b = getattr(src, name), getattr(tgt, name)
+        if a != b:
+            label = "dtype_bytes" if name == "dtype" and isinstance(a, int) else name
+            return f"{label} differs: source {a}, target {b}"
+    if is_mla:
+        # Every rank holds the whole (replicated) latent cache.
+        if src.heads != tgt.heads:
+            return f"MLA kv heads per rank differ: source {src.heads}, target {tgt.heads}"
+        return _check_same_order(src, tgt)
+    if source_tp == target_tp:
+        if src.heads != tgt.heads:
+            return f"kv heads per rank differ at equal TP {source_tp}: source {src.heads}, target {tgt.heads}"
+        return _check_same_order(src, tgt)
+    hi, lo = max(source_tp, target_tp), min(source_tp, target_tp)
+    if hi % lo:
+        return f"TP ratio {source_tp}:{target_tp} (source:target) is not an integer either way"
+    if src.heads * source_tp != tgt.heads * target_tp:
+        return (f"total kv heads differ: source {src.heads} per rank x TP {source_tp} = {src.heads * source_tp}, "
+                f"target {tgt.heads} per rank x TP {target_tp} = {tgt.heads * target_tp}")
+    for side, s in (("source", src), ("target", tgt)):
+        if not s.head_major:
+            return (f"heterogeneous TP ({source_tp} -> {target_tp}) needs a head-major (HND) layout on both sides; "
+                    f"the {side} is {s.order} with {s.heads} kv heads per rank")
+    return None
+
+
+def _check_same_order(src: _Shape, tgt: _Shape) -> str | None:
+    if src.order != tgt.order and not (src.heads == 1 and tgt.heads == 1):
+        return f"layout order differs: source {src.order}, target {tgt.order}"
+    return None
+
+
+def check_fingerprints(source: LayoutFingerprint, target: LayoutFingerprint) -> str | None:
+    """Why a target with fingerprint ``target`` cannot read from ``source``, or None when it can.
+
+    What lookup time knows: the registry matched ``compat_key`` (every field
+    but ``tp_size``), so a caller holding only the best holder's ``tp_size``
+    can pass ``dataclasses.replace(own_fingerprint, tp_size=holder.tp_size)``.
+    This also rejects what the registry cannot see: a TP pairing the layout
+    cannot serve (heads that do not split over a TP size, a non-integer ratio,
+    heterogeneous TP without a head-major layout).
+    """
+    reason = _check_tp(source.tp_size, target.tp_size)
+    if reason:
+        return reason
+    if source.model_id != target.model_id:
+        return f"model differs: source {source.model_id!r}, target {target.model_id!r}"
+    if source.is_mla != target.is_mla:
+        return f"MLA differs: source is_mla={source.is_mla}, target is_mla={target.is_mla}"
+    if source.kv_layout != target.kv_layout:
+        return f"kv layout differs: source {source.kv_layout}, target {target.kv_layout}"
+    if source.num_kv_heads != target.num_kv_heads:
+        return f"num_kv_heads differs: source {source.num_kv_heads}, target {target.num_kv_heads}"
+    shapes = []
+    for side, fp in (("source", source), ("target", target)):
+        if source.is_mla:
+            heads = fp.num_kv_heads
+        elif fp.num_kv_heads % fp.tp_size:
+            return (f"{side}: {fp.num_kv_heads} kv heads do not split evenly over TP {fp.tp_size} "
+                    f"(replicated kv heads are not supported)")
+        else:
+            heads = fp.num_kv_heads // fp.tp_size
+        shapes.append(_Shape(fp.num_layers, None, heads, fp.tokens_per_block, fp.head_dim, fp.dtype,
+                             fp.kv_layout.upper()))
+    return _check_shapes(shapes[0], source.tp_size, shapes[1], target.tp_size, is_mla=source.is_mla)
+
+
+def check_compatible(source_layout: BlockLayout, source_tp: int, target_layout: BlockLayout, target_tp: int, *,
+                     is_mla: bool) -> str | None:
+    """Why a target rank with ``target_layout`` cannot read a source rank's ``source_layout``, or None.
+
+    Layouts are per rank (``num_kv_heads`` per rank); ``is_mla`` is both
+    sides' ``LayoutFingerprint.is_mla``. Checks each layout holds its slabs,
+    that the geometry matches (layers, k/v, tokens per block, head dim, dtype
+    size), and that the TP pairing can be served (see the module docstring).
+    """
+    reason = _check_tp(source_tp, target_tp)
+    if reason:
+        return reason
+    for side, layout in (("source", source_layout), ("target", target_layout)):
+        reason = _check_layout(side, layout)
+        if reason:
+            return reason
+    return _check_shapes(_layout_shape(source_layout), source_tp, _layout_shape(target_layout), target_tp,
+                         is_mla=is_mla)
+
+
+def _check_layout(side: str, layout: BlockLayout) -> str | None:
+    payload = layout.num_layers * layout.kv * layout.slab_bytes
+    if payload > layout.block_bytes:
+        return (f"{side} layout: {layout.num_layers} layers x {layout.kv} x slab {layout.slab_bytes} B = "
+                f"{payload} B do not fit a block of {layout.block_bytes} B")
+    if layout.order not in ("HND", "NHD"):
+        return f"{side} layout: unknown order {layout.order!r}"
+    return None
+
+
+# --------------------------------------------------------------------------
+# Planning
+# --------------------------------------------------------------------------
+
+
+def _by_rank(kind: str, items: Iterable, tp: int) -> list:
+    out: list = [None] * tp
+    for item in items:
+        r = item.rank
+        if not isinstance(r, (int, np.integer)) or not 0 <= r < tp:
+            raise ValueError(f"{kind}: rank {r!r} outside the source's TP size {tp}")
+        if out[r] is not None:
+            raise ValueError(f"{kind}: rank {r} listed twice")
+        out[r] = item
+    missing = [r for r, item in enumerate(out) if item is None]
+    if missing:
+        raise ValueError(f"{kind}: no entry for source rank(s) {missing}")
+    return out
+
+
+def _ids(what: str, ids: Sequence[int], num_blocks: int) -> np.ndarray:
+    count = len(ids)
+    if count == 0:
+        return np.empty(0, dtype=np.uint64)
+    a = np.asarray(ids)
+    if a.ndim != 1 or a.dtype.kind not in "iu":
+        raise ValueError(f"{what}: block ids must be integers")
+    if a.min() < 0 or a.max() >= num_blocks:
+        bad = next(int(x) for x in a.tolist() if not 0 <= x < num_blocks)
+        raise ValueError(f"{what}: block id {bad} outside 0..{num_blocks - 1}")
+    a = a.astype(np.uint64)
+    if np.unique(a).shape[0] != count:
+        s = np.sort(a)
+        dup = int(s[1:][s[1:] == s[:-1]][0])
+        raise ValueError(f"{what}: block id {dup} listed twice")
+    return a
+
+
+def plan_reads(*, source_tp: int, source_ranks: Sequence[RankInfo], source_blocks: Sequence[RankBlocks],
+               target_layout: BlockLayout, target_base: int, dst_block_ids: Sequence[int], target_tp: int,
+               target_rank: int, is_mla: bool = False, mla_offset: int = 0) -> ReadPlan:
+    """The reads ``target_rank`` issues to load the matched blocks into ``dst_block_ids``.
+
+    ``source_ranks`` / ``source_blocks``: one entry per source rank (any
+    order; matched by ``.rank``), as ``get_metadata``/``resolve`` returned
+    them; ``source_blocks[r].block_ids[i]`` holds the i-th matched hash.
+    ``target_layout`` is this rank's layout (kv heads per rank), its pool
+    starting at address ``target_base``; ``dst_block_ids[i]`` receives the
+    i-th matched hash (the same ids on every target rank). ``is_mla`` is both
+    sides' ``LayoutFingerprint.is_mla``; ``mla_offset`` rotates which source
+    rank an MLA target rank reads from (e.g. a hash of the target worker id,
+    so that TP=1 targets do not all read source rank 0).
+
+    Raises :class:`ValueError` with the reason when the layouts or TP sizes are
+    incompatible (:func:`check_compatible`) or a block id or list is wrong;
+    nothing is planned then.
+    """
+    reason = _check_tp(source_tp, target_tp)
+    if reason:
+        raise ValueError(reason)
+    if not isinstance(target_rank, (int, np.integer)) or not 0 <= target_rank < target_tp:
+        raise ValueError(f"target rank {target_rank!r} outside TP size {target_tp}")
+    infos: list[RankInfo] = _by_rank("source rank info", source_ranks, source_tp)
+    blocks: list[RankBlocks] = _by_rank("source blocks", source_blocks, source_tp)
+
+    first = infos[0].layout
+    reason = check_compatible(first, source_tp, target_layout, target_tp, is_mla=is_mla)
+    if reason:
+        raise ValueError(reason)
+    for info in infos:
+        if _layout_shape(info.layout) != _layout_shape(first):
+            raise ValueError(f"source ranks disagree on the block layout: rank {info.rank} has {info.layout}, "
+                             f"rank 0 has {first}")
+        reason = _check_layout(f"source rank {info.rank}", info.layout)
+        if reason:
+            raise ValueError(reason)
+        if info.layout.num_blocks * info.layout.block_bytes > info.pool_bytes:
+            raise ValueError(f"source rank {info.rank}: {info.layout.num_blocks} blocks of "
+                             f"{info.layout.block_bytes} B exceed its pool of {info.pool_bytes} B")
+        if info.pool_base + info.pool_bytes > _ADDR_LIMIT:
+            raise ValueError(f"source rank {info.rank}: pool region ends past the 64-bit address space")
+    if not isinstance(target_base, int) or target_base < 0 or \
+            target_base + target_layout.num_blocks * target_layout.block_bytes > _ADDR_LIMIT:
+        raise ValueError(f"target pool at {target_base!r} does not fit the 64-bit address space")
+
+    count = len(dst_block_ids)
+    for b in blocks:
+        if len(b.block_ids) != count:
+            raise ValueError(f"source rank {b.rank}: {len(b.block_ids)} block ids for {count} destination blocks")
+    dst = _ids("destination", dst_block_ids, target_layout.num_blocks)
+    src_ids = [_ids(f"source rank {r}", blocks[r].block_ids, infos[r].layout.num_blocks) for r in range(source_tp)]
+
+    mode = plan_mode(source_tp, target_tp, is_mla=is_mla)
+    slices = head_slices(target_rank, source_tp=source_tp, target_tp=target_tp, source_heads=first.num_kv_heads,
+                         target_heads=target_layout.num_kv_heads, is_mla=is_mla, mla_offset=mla_offset)
+    reads = []
+    if count:
+        for sl in slices:
+            info = infos[sl.source_rank]
+            remote, local, nbytes = _slice_extents(sl, info, src_ids[sl.source_rank], target_layout, target_base,
+                                                   dst)
+            remote, local, nbytes = _coalesce(remote, local, nbytes)
+            reads.append(SourceReads(sl.source_rank, info.agent_name, _frozen(remote), _frozen(local),
+                                     _frozen(nbytes)))
+    reads.sort(key=lambda r: r.source_rank)
+    return ReadPlan(target_rank=target_rank, mode=mode, num_blocks=count, reads=tuple(reads))
+
+
+def _slice_extents(sl: HeadSlice, info: RankInfo, src_ids: np.ndarray, tgt: BlockLayout, target_base: int,
+                   dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Uncoalesced extents of one head slice for every matched block, block-major then slab."""
+    src = info.layout
+    u = np.uint64
+    src_start = u(info.pool_base) + src_ids * u(src.block_bytes)
+    dst_start = u(target_base) + dst * u(tgt.block_bytes)
+    nheads = sl.source_hi - sl.source_lo
+    whole = sl.source_lo == 0 and nheads == src.num_kv_heads == tgt.num_kv_heads
+    slabs = src.num_layers * src.kv
+    if whole:
+        # Both slab runs are contiguous inside a block: one extent per block.
+        size = slabs * src.slab_bytes
+        return src_start, dst_start, np.full(src_start.shape[0], size, dtype=u)
+    per_head = src.tokens_per_block * src.head_dim * src.dtype_bytes
+    s = np.arange(slabs, dtype=u)
+    src_off = s * u(src.slab_bytes) + u(sl.source_lo * per_head)
+    dst_off = s * u(tgt.slab_bytes) + u(sl.target_lo * per_head)
+    remote = (src_start[:, None] + src_off[None, :]).ravel()
+    local = (dst_start[:, None] + dst_off[None, :]).ravel()
+    return remote, local, np.full(remote.shape[0], nheads * per_head, dtype=u)
+
+
+def _coalesce(remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sort by remote address and merge each extent into the previous one when both sides are adjacent."""
+    if remote.shape[0] <= 1:
+        return remote, local, nbytes
+    order = np.argsort(remote, kind="stable")
+    remote, local, nbytes = remote[order], local[order], nbytes[order]
+    joins = (remote[:-1] + nbytes[:-1] == remote[1:]) & (local[:-1] + nbytes[:-1] == local[1:])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    if starts.shape[0] == remote.shape[0]:
+        return remote, local, nbytes
+    return remote[starts], local[starts], np.add.reduceat(nbytes, starts)
