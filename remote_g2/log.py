@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from remote_g2.errors import ConfigError
 
@@ -16,6 +17,21 @@ __all__ = ["configure_logging", "LOG_LEVEL_ENV"]
 
 LOG_LEVEL_ENV = "REMOTE_G2_LOG_LEVEL"
 _FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is *now* (tests and embedders swap it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
 
 
 def configure_logging(level: str | None = None) -> int:
@@ -31,7 +47,7 @@ def configure_logging(level: str | None = None) -> int:
     logger = logging.getLogger("remote_g2")
     logger.setLevel(numeric)
     if not any(getattr(h, "_remote_g2", False) for h in logger.handlers):
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter(_FORMAT))
         handler._remote_g2 = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
