@@ -37,6 +37,7 @@ bench: venv redis
 	@mkdir -p bench/results
 	$(VPY) bench/bench_pool_index.py --json bench/results/pool_index.json
 	$(VPY) bench/bench_registry.py --json bench/results/registry.json
+	$(VPY) bench/bench_source.py --json bench/results/source.json
 
 clean:
 	rm -rf build $(VENV) .pytest_cache bench/results
