@@ -11,8 +11,7 @@ Public names (imported lazily so a client does not pull in redis or prometheus):
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from remote_g2.lazy_exports import lazy_getattr
 
 _EXPORTS = {
     "RegistryClient": ".client",
@@ -25,9 +24,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module, __name__), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

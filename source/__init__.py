@@ -25,8 +25,7 @@ MPI and prometheus load when a service starts).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from remote_g2.lazy_exports import lazy_getattr
 
 _EXPORTS = {
     "maybe_start_source_service": ".service",
@@ -40,9 +39,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module, __name__), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
