@@ -686,9 +686,13 @@ def _net_effect(events: Iterable[BlockEvent]) -> tuple[list[bytes], list[bytes],
     return [h for h, p in state.items() if p], [h for h, p in state.items() if not p], touched
 
 
+_LEN_PREFIX = [n.to_bytes(4, "big") for n in range(33)]  # every hash length, precomputed
+
+
 def _pack(items: Sequence[bytes]) -> bytes:
     """Length-prefixed (4-byte big-endian) concatenation: many values as one script argument."""
-    return b"".join([len(x).to_bytes(4, "big") + x for x in items])
+    return b"".join([b for x in items
+                     for b in ((_LEN_PREFIX[len(x)] if len(x) <= 32 else len(x).to_bytes(4, "big")), x)])
 
 
 def _chunks(items: Sequence[bytes], size: int = 4096) -> Iterable[Sequence[bytes]]:

@@ -87,6 +87,17 @@ def _sized(kind: type, limits: Limits | None, default_max: int) -> Decoder:
         return value
 
     check.leaf = True  # type: ignore[attr-defined]  # returns its input unchanged
+
+    def all_ok(values: list[Any]) -> bool:
+        """Whether every item passes, checked with C-level loops (no call per item)."""
+        if not values:
+            return True
+        if set(map(type, values)) != {kind}:
+            return False
+        lengths = list(map(len, values))
+        return lo <= min(lengths) and max(lengths) <= hi
+
+    check.all_ok = all_ok  # type: ignore[attr-defined]
     return check
 
 
@@ -155,18 +166,19 @@ def _compile(tp: Any, limits: Limits | None = None) -> Decoder:
         hi = limits.max_len if limits and limits.max_len is not None else DEFAULT_MAX_ITEMS
         expected = f"list of {lo}..{hi} items"
 
-        leaf = getattr(item, "leaf", False)
+        all_ok = getattr(item, "all_ok", None)
 
         def check_list(value: Any, path: str) -> Any:
             if type(value) is not list or not lo <= len(value) <= hi:
                 _fail(path, expected, value)
-            # Hot path (a lookup carries up to 64 Ki hashes): no per-item path
-            # string; on failure, walk again to name the offending index.
+            # Hot path (a lookup carries up to 64 Ki hashes): sized leaves are
+            # checked in bulk, others without a per-item path string; on
+            # failure, walk again to name the offending index.
             try:
-                if leaf:
-                    for v in value:
-                        item(v, path)
-                    return value
+                if all_ok is not None:
+                    if all_ok(value):
+                        return value
+                    raise ProtocolError(path)
                 return [item(v, path) for v in value]
             except ProtocolError:
                 for i, v in enumerate(value):
