@@ -7,9 +7,9 @@ it over HTTP on ``--metrics-port``.
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from remote_g2.metric_children import LabelledChildren
 
 __all__ = ["RegistryMetrics"]
 
@@ -45,31 +45,17 @@ class RegistryMetrics:
         self.block_entries = Gauge("remote_g2_registry_block_entries", "(hash, worker) entries stored", registry=r)
         self.swept = Counter("remote_g2_registry_swept_incarnations", "Dead or superseded incarnations swept",
                              registry=r)
-        self._request_children: dict[tuple[str, str], Any] = {}
-        self._latency_children: dict[str, Any] = {}
-        self._reason_children: dict[str, Any] = {}
+        self._request_children = LabelledChildren(self.requests)
+        self._latency_children = LabelledChildren(self.request_latency)
+        self.lookup_reason = LabelledChildren(self.lookup_reasons)  # lookup_reason(reason).inc()
 
     def observe_call(self, type_: str, seconds: float, outcome: str) -> None:
         """RPC observer hook (see :class:`remote_g2.rpc_server.RpcServer`); on every request's path."""
-        key = (type_, outcome)
-        counter = self._request_children.get(key)
-        if counter is None:  # .labels() costs microseconds: resolve each child once
-            counter = self._request_children[key] = self.requests.labels(type_, outcome)
-        counter.inc()
+        self._request_children(type_, outcome).inc()
         if outcome == "bad_request":
             self.errors.labels("bad_request").inc()
         elif type_ != "?":
-            hist = self._latency_children.get(type_)
-            if hist is None:
-                hist = self._latency_children[type_] = self.request_latency.labels(type_)
-            hist.observe(seconds)
-
-    def lookup_reason(self, reason: str) -> Counter:
-        """The ``lookup_reasons`` child for ``reason`` (cached)."""
-        child = self._reason_children.get(reason)
-        if child is None:
-            child = self._reason_children[reason] = self.lookup_reasons.labels(reason)
-        return child
+            self._latency_children(type_).observe(seconds)
 
     def serve_http(self, port: int, addr: str = "127.0.0.1") -> None:
         """Expose ``/metrics`` on ``addr:port`` from a daemon thread."""

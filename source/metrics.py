@@ -11,6 +11,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from remote_g2.metric_children import LabelledChildren
+
 __all__ = ["SourceMetrics", "RESOLVE_OUTCOMES"]
 
 RESOLVE_OUTCOMES = ("ok", "miss", "over_budget", "error")
@@ -46,7 +48,7 @@ class SourceMetrics:
         self.requests = Counter("remote_g2_source_requests", "Requests by message type and outcome",
                                 ["type", "outcome"], registry=r)
         self._outcome = {o: self.resolves.labels(o) for o in RESOLVE_OUTCOMES}
-        self._request_children: dict[tuple[str, str], Any] = {}
+        self._request_children = LabelledChildren(self.requests)
         self._http: Any = None
 
     def resolve_outcome(self, outcome: str, seconds: float, matched: int = 0) -> None:
@@ -62,11 +64,7 @@ class SourceMetrics:
 
     def observe_call(self, type_: str, seconds: float, outcome: str) -> None:
         """RPC observer hook (see :class:`remote_g2.rpc_server.RpcServer`)."""
-        key = (type_, outcome)
-        child = self._request_children.get(key)
-        if child is None:  # .labels() costs microseconds: resolve each child once
-            child = self._request_children[key] = self.requests.labels(type_, outcome)
-        child.inc()
+        self._request_children(type_, outcome).inc()
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """One sample's current value (0 when absent); for tests and ``stats``."""
