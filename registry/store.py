@@ -90,6 +90,7 @@ from remote_g2.messages import (
     EventsReply,
     Heartbeat,
     HeartbeatReply,
+    Lookup,
     LookupReply,
     RegisterWorker,
     RegisterWorkerReply,
@@ -140,6 +141,16 @@ class RegistryStore(ABC):
         want_all_holders: bool = False,
         tie_breaker: int = 0,
     ) -> LookupReply: ...
+
+    def lookup_many(self, requests: Sequence[Lookup], tie_breakers: Sequence[int]) -> list[LookupReply]:
+        """Answer several lookups, in order; each as :meth:`lookup` would.
+
+        The server hands over every lookup that queued up together; a store
+        that can answer them in one backend round trip overrides this.
+        """
+        return [self.lookup(r.hashes, compat_key=r.compat_key, requester=r.requester,
+                            want_all_holders=r.want_all_holders, tie_breaker=t)
+                for r, t in zip(requests, tie_breakers, strict=True)]
 
     # -- admin -------------------------------------------------------------------------
 

@@ -49,17 +49,20 @@ import hashlib
 import json
 import re
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, cast
 from urllib.parse import urlsplit
 
+import hiredis
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.connection import Connection
 from redis.crc import key_slot
-from redis.exceptions import ClusterError, NoScriptError, RedisClusterException, RedisError
+from redis.exceptions import ClusterError, NoScriptError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
@@ -74,6 +77,7 @@ from remote_g2.messages import (
     HeartbeatReply,
     Holder,
     LayoutFingerprint,
+    Lookup,
     LookupReply,
     RegisterWorker,
     RegisterWorkerReply,
@@ -109,18 +113,91 @@ def _script_sources() -> dict[str, str]:
 
 
 class _Scripts:
-    """EVALSHA by name; on NOSCRIPT (new server, failover, SCRIPT FLUSH) load the script there and retry."""
+    """EVALSHA by name; on NOSCRIPT (new server, failover, SCRIPT FLUSH) load the script there and retry.
+
+    Every script call is on the hot path (a lookup is one EVALSHA), so it skips
+    redis-py's per-command machinery: the command is packed in C by hiredis and
+    sent on a connection taken from a plain per-node free list (list pop and
+    append are atomic; no pool bookkeeping, no condition variable). A socket
+    that died with a restarted server costs one immediate retry on a fresh
+    connection, as the pooled commands' ``Retry`` does.
+    """
 
     def __init__(self) -> None:
         self._src = _script_sources()
         self._sha = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in self._src.items()}
+        self._idle: weakref.WeakKeyDictionary[redis.Redis, list[Connection]] = weakref.WeakKeyDictionary()
+        self._made: list[Connection] = []  # every connection made, for close()
+        self._lock = threading.Lock()
 
     def run(self, client: redis.Redis, name: str, key: bytes, args: Sequence[Any]) -> Any:
+        return self.run_many(client, name, key, [args])[0]
+
+    def run_many(self, client: redis.Redis, name: str, key: bytes, arg_lists: Sequence[Sequence[Any]]) -> list[Any]:
+        """Run the script once per argument list, pipelined: one write, then every reply in order.
+
+        An error reply raises (after every reply was read, so the connection
+        stays in step); NOSCRIPT loads the script and reruns those calls.
+        """
+        sha = self._sha[name]
+        packed = [hiredis.pack_command(("EVALSHA", sha, 1, key, *args)) for args in arg_lists]
+        idle, conn = self._checkout(client)
         try:
-            return client.evalsha(self._sha[name], 1, key, *args)
-        except NoScriptError:
-            client.script_load(self._src[name])
-            return client.evalsha(self._sha[name], 1, key, *args)
+            replies = self._round_trip(conn, packed)
+            redo = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+            if redo:
+                client.script_load(self._src[name])
+                for i, r in zip(redo, self._round_trip(conn, [packed[i] for i in redo])):
+                    replies[i] = r
+        finally:
+            # Safe to reuse even after an error: redis-py disconnects a connection
+            # whose stream it could not finish, and the next send reconnects.
+            idle.append(conn)
+        for r in replies:
+            if isinstance(r, ResponseError):
+                raise r
+        return replies
+
+    def _checkout(self, client: redis.Redis) -> tuple[list[Connection], Connection]:
+        idle = self._idle.get(client)
+        if idle is None:
+            with self._lock:
+                idle = self._idle.setdefault(client, [])
+        try:
+            return idle, idle.pop()
+        except IndexError:
+            pool = client.connection_pool
+            conn = pool.connection_class(**pool.connection_kwargs)
+            with self._lock:
+                self._made.append(conn)
+            return idle, conn
+
+    @classmethod
+    def _round_trip(cls, conn: Connection, packed: list[bytes]) -> list[Any]:
+        """Send the packed commands in one write and read as many replies (errors as values)."""
+        try:
+            return cls._send_and_read(conn, packed)
+        except RedisConnectionError:
+            conn.disconnect()
+        return cls._send_and_read(conn, packed)
+
+    @staticmethod
+    def _send_and_read(conn: Connection, packed: list[bytes]) -> list[Any]:
+        conn.send_packed_command([b"".join(packed)] if len(packed) > 1 else packed, check_health=False)
+        replies: list[Any] = []
+        for _ in packed:
+            try:
+                replies.append(conn.read_response())
+            except ResponseError as e:  # a whole reply was read; the stream is still in step
+                replies.append(e)
+        return replies
+
+    def close(self) -> None:
+        """Disconnect every connection made (a later call reconnects)."""
+        with self._lock:
+            made = list(self._made)
+        for conn in made:
+            conn.disconnect()
 
 
 class _Keys:
@@ -398,6 +475,7 @@ class _RedisBase(RegistryStore):
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
                 self._pool = None
+        self._scripts.close()
         self._nodes.close()
 
 
@@ -485,22 +563,25 @@ class _LookupCommands(_RedisBase):
                     payload[i] = b",".join(m)
             if kinds[0] == ord("m") and not payload[0]:
                 return LookupReply("no_candidate", 0)  # nobody, live or dead, holds the first block
-        reply = self._run_lookup(meta_client, payload, bytes(kinds), requester, compat_key, want_all_holders)
-        if reply[0] != b"ok":
-            return LookupReply(reply[0].decode(), 0)
-        _, matched, tied, holders = reply
-        tied = sorted((Holder(w.decode(), e.decode(), int(tp), matched) for w, e, tp in tied),
-                      key=lambda x: x.worker_id)
-        everyone = sorted((Holder(w.decode(), e.decode(), int(tp), m) for w, e, tp, m in holders),
-                          key=lambda x: (-x.matched, x.worker_id))
-        return LookupReply("ok", matched, tied[tie_breaker % len(tied)], everyone)
+        reply = self._scripts.run(meta_client, "lookup", self._keys.lease,
+                                  self._lookup_args(payload, bytes(kinds), requester, compat_key, want_all_holders))
+        return _lookup_reply(reply, tie_breaker)
 
-    def _run_lookup(self, client: redis.Redis, payload: Sequence[bytes], kinds: bytes, requester: str | None,
-                    compat_key: str | None, want_all_holders: bool) -> Any:
-        return self._scripts.run(client, "lookup", self._keys.lease,
-                                 [*self._keys.header, requester or "", compat_key or "",
-                                  b"1" if want_all_holders else b"0",
-                                  b"inc" if self._nodes.all_keys_local else b"pos", kinds, _pack(payload)])
+    @_command()
+    def lookup_many(self, requests: Sequence[Lookup], tie_breakers: Sequence[int]) -> list[LookupReply]:
+        if not self._nodes.all_keys_local:
+            return super().lookup_many(requests, tie_breakers)
+        # One node: every lookup is one EVALSHA, so the batch is one pipelined round trip.
+        _, client = self._nodes.node(self._keys.lease)
+        replies = self._scripts.run_many(client, "lookup", self._keys.lease, [
+            self._lookup_args(r.hashes, b"k" * len(r.hashes), r.requester, r.compat_key, r.want_all_holders)
+            for r in requests])
+        return [_lookup_reply(raw, t) for raw, t in zip(replies, tie_breakers, strict=True)]
+
+    def _lookup_args(self, payload: Sequence[bytes], kinds: bytes, requester: str | None,
+                     compat_key: str | None, want_all_holders: bool) -> list[Any]:
+        return [*self._keys.header, requester or "", compat_key or "", b"1" if want_all_holders else b"0",
+                b"inc" if self._nodes.all_keys_local else b"pos", kinds, *payload]
 
     def raw_lookup(self, client: redis.Redis, hashes: Sequence[bytes]) -> Any:
         """One EVALSHA of the lookup script on ``client``, reply left raw (single node only).
@@ -509,7 +590,8 @@ class _LookupCommands(_RedisBase):
         this class's Python around it. Returns ``[b"ok", matched, tied, holders]``
         or ``[reason]``.
         """
-        return self._run_lookup(client, hashes, b"k" * len(hashes), None, None, False)
+        return self._scripts.run(client, "lookup", self._keys.lease,
+                                 self._lookup_args(hashes, b"k" * len(hashes), None, None, False))
 
     @_command()
     def who_has(self, hashes: Sequence[bytes], *, include_dead: bool = False) -> list[list[str]]:
@@ -662,6 +744,18 @@ def _fp_json(fp: LayoutFingerprint) -> str:
     return json.dumps(dataclasses.asdict(fp), sort_keys=True, separators=(",", ":"))
 
 
+def _lookup_reply(reply: Any, tie_breaker: int) -> LookupReply:
+    """A lookup script's reply as a :class:`LookupReply` (see ``lua/lookup.lua``)."""
+    if reply[0] != b"ok":
+        return LookupReply(reply[0].decode(), 0)
+    _, matched, tied, holders = reply
+    tied = sorted((Holder(w.decode(), e.decode(), int(tp), matched) for w, e, tp in tied),
+                  key=lambda x: x.worker_id)
+    everyone = sorted((Holder(w.decode(), e.decode(), int(tp), m) for w, e, tp, m in holders),
+                      key=lambda x: (-x.matched, x.worker_id))
+    return LookupReply("ok", matched, tied[tie_breaker % len(tied)], everyone)
+
+
 def _events_reply(status: bytes, value: bytes, seq: int) -> EventsReply:
     """Reply from a script's {status, value}: value is `applied` when ok, the last applied seq when not."""
     if status == b"ok":
@@ -684,15 +778,6 @@ def _net_effect(events: Iterable[BlockEvent]) -> tuple[list[bytes], list[bytes],
             state[h] = present
         touched += len(ev.hashes)
     return [h for h, p in state.items() if p], [h for h, p in state.items() if not p], touched
-
-
-_LEN_PREFIX = [n.to_bytes(4, "big") for n in range(33)]  # every hash length, precomputed
-
-
-def _pack(items: Sequence[bytes]) -> bytes:
-    """Length-prefixed (4-byte big-endian) concatenation: many values as one script argument."""
-    return b"".join([b for x in items
-                     for b in ((_LEN_PREFIX[len(x)] if len(x) <= 32 else len(x).to_bytes(4, "big")), x)])
 
 
 def _chunks(items: Sequence[bytes], size: int = 4096) -> Iterable[Sequence[bytes]]:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from remote_g2.errors import StaleEpoch
-from remote_g2.messages import BlockEvent, Events, Heartbeat, LayoutFingerprint, RegisterWorker, Resync
+from remote_g2.messages import BlockEvent, Events, Heartbeat, LayoutFingerprint, Lookup, RegisterWorker, Resync
 
 FP = LayoutFingerprint(model_id="m", dtype="bf16", tokens_per_block=16, kv_layout="HND",
                        num_layers=4, num_kv_heads=8, head_dim=64, tp_size=2)
@@ -122,6 +122,27 @@ def test_lookup_longest_prefix_wins_and_reports_all_holders(store):
     register(store, "w4")
     stored(store, "w4", 1, CHAIN[1:15])
     assert store.lookup(CHAIN[:10]).best.worker_id == "w2"
+
+
+def test_lookup_many_answers_each_as_lookup_would(store):
+    """The batched path (one pipelined round trip on single-node Redis) gives lookup's answers, in order."""
+    register(store, "w1")
+    register(store, "w2", fingerprint=fp(dtype="fp8"))
+    stored(store, "w1", 1, CHAIN[:6])
+    stored(store, "w2", 1, CHAIN[:9])
+    requests = [
+        Lookup(CHAIN[:10]),
+        Lookup([h(999)]),
+        Lookup(CHAIN[:10], requester="w1", want_all_holders=True),
+        Lookup(CHAIN[:4], compat_key=FP.compat_key()),
+        Lookup(CHAIN[2:5]),
+    ]
+    one_by_one = [store.lookup(r.hashes, compat_key=r.compat_key, requester=r.requester,
+                               want_all_holders=r.want_all_holders, tie_breaker=i) for i, r in enumerate(requests)]
+    assert store.lookup_many(requests, list(range(len(requests)))) == one_by_one
+    assert [r.reason for r in one_by_one] == ["ok", "no_candidate", "incompatible_layout", "ok", "ok"]
+    assert [r.matched for r in one_by_one] == [9, 0, 0, 4, 3]
+    assert one_by_one[3].best.worker_id == "w1"  # the compat key leaves out w2's layout
 
 
 def test_lookup_ties_break_on_load_then_tie_breaker(store):

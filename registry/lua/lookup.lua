@@ -1,12 +1,10 @@
 #!lua flags=allow-cross-slot-keys,no-writes
 --!include _lib.lua
 -- lookup, run on the node that holds the meta slot. KEYS[1] = lease.
--- ARGV[4..9] = requester ('' none), compat key ('' none), want all holders ('1'/'0'),
--- walk, kinds, payload. payload: one entry per asked hash, each a 4-byte
--- big-endian length then the bytes (one argument instead of one per hash: the
--- client packs it ~10x faster). kinds: one char per asked hash, 'k' = its block
--- set is on this node and the entry is the hash, 'm' = another node's block
--- set, already read, and the entry is its members joined by ','.
+-- ARGV[4..8] = requester ('' none), compat key ('' none), want all holders ('1'/'0'),
+-- walk, kinds; ARGV[9..] = one entry per asked hash. kinds: one char per asked
+-- hash, 'k' = its block set is on this node and the entry is the hash, 'm' =
+-- another node's block set, already read, and the entry is its members joined by ','.
 -- walk 'inc' (single node: every key is here, all kinds 'k'): each candidate's
 -- prefix is read from its own wb set, one SMISMEMBER over many hashes per
 -- candidate; walk 'pos' (Cluster: wb sets live elsewhere): one SMISMEMBER of
@@ -18,13 +16,8 @@
 -- tp, matched} of every candidate when asked for.
 local requester, compat, want_all, by_inc, kinds = ARGV[4], ARGV[5], ARGV[6] == '1', ARGV[7] == 'inc', ARGV[8]
 local n = #kinds
-local P, blob, pos = {}, ARGV[9], 1
-for i = 1, n do
-  local b1, b2, b3, b4 = blob:byte(pos, pos + 3)
-  local len = ((b1 * 256 + b2) * 256 + b3) * 256 + b4
-  P[i] = blob:sub(pos + 4, pos + 3 + len)
-  pos = pos + 4 + len
-end
+local P = {}
+for i = 1, n do P[i] = ARGV[8 + i] end
 
 local function members(i)
   if kinds:sub(i, i) == 'k' then return redis.call('SMEMBERS', BP .. P[i]) end
