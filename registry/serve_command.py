@@ -25,7 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-addr", default="127.0.0.1", help="address for /metrics (default 127.0.0.1)")
     p.add_argument("--curve-secret-key", default=None, help="CURVE server key file (NAME.key_secret)")
     p.add_argument("--curve-allowed-clients", default=None, help="directory of client public keys to admit")
-    p.add_argument("--workers", type=int, default=4, help="request worker threads (default 4)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="serving threads: 1 (default) serves straight off the socket and batches queued lookups "
+                        "into one Redis round trip; N>1 puts a pool of N threads behind a ZMQ proxy")
     p.add_argument("--vllm-kv-events", default=None,
                    help="subscribe to vLLM KV-event publishers: ENDPOINT=WORKER_ID[,ENDPOINT=WORKER_ID...]")
     p.add_argument("--vllm-all-media", action="store_true",

@@ -63,7 +63,7 @@ class RegistryServer:
         store: RegistryStore,
         *,
         bind: str = DEFAULT_BIND,
-        workers: int = 4,
+        workers: int = 1,
         curve: CurveServerConfig | None = None,
         metrics: RegistryMetrics | None = None,
         sweep_interval_s: float = 1.0,
@@ -84,7 +84,6 @@ class RegistryServer:
             "heartbeat": self._heartbeat,
             "events": self._events_batch,
             "resync": self._resync,
-            "lookup": self._lookup,
             "who_has": self._who_has,
             "worker_info": self._worker_info,
             "list_workers": self._list_workers,
@@ -92,7 +91,8 @@ class RegistryServer:
             "drain_worker": self._drain_worker,
         }
         self._rpc = RpcServer(bind, {k: self._guard(v) for k, v in handlers.items()}, name="registry",
-                              workers=workers, curve=curve, on_call=self.metrics.observe_call)
+                              workers=workers, curve=curve, on_call=self.metrics.observe_call,
+                              batch_handlers={"lookup": self._guard(self._lookups_batch)})
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -146,10 +146,11 @@ class RegistryServer:
 
     # -- handlers -----------------------------------------------------------------------
 
-    def _guard(self, handler: Callable[[Any, CallContext], Any]) -> Callable[[Any, CallContext], Any]:
-        def guarded(req: Any, ctx: CallContext) -> Any:
+    def _guard(self, handler: Callable[..., Any]) -> Callable[..., Any]:
+        """Count a store outage (the error itself still answers ERR StoreUnavailable)."""
+        def guarded(*args: Any) -> Any:
             try:
-                return handler(req, ctx)
+                return handler(*args)
             except StoreUnavailable:
                 self.metrics.errors.labels("store_unavailable").inc()
                 raise
@@ -180,21 +181,24 @@ class RegistryServer:
             self.metrics.events_ingested.labels("resync").inc(len(req.hashes))
         return reply
 
-    def _lookup(self, req: Lookup, ctx: CallContext) -> LookupReply:
+    def _lookups_batch(self, calls: list[tuple[Lookup, CallContext]]) -> list[LookupReply]:
+        """Every lookup that queued up together, answered by the store in one go."""
         t0 = time.perf_counter()
-        reply = self.store.lookup(req.hashes, compat_key=req.compat_key, requester=req.requester,
-                                  want_all_holders=req.want_all_holders, tie_breaker=next(self._rr))
-        self.metrics.lookup_latency.observe(time.perf_counter() - t0)
-        self.metrics.lookups.inc()
-        self.metrics.lookup_reason(reply.reason).inc()
-        hit = reply.reason == "ok"
-        if hit:
-            self.metrics.lookup_hits.inc()
-            self.metrics.matched_blocks.inc(reply.matched)
+        replies = self.store.lookup_many([req for req, _ in calls], [next(self._rr) for _ in calls])
+        per_lookup = (time.perf_counter() - t0) / len(calls)
+        hits = 0
+        for reply in replies:
+            self.metrics.lookup_latency.observe(per_lookup)
+            self.metrics.lookup_reason(reply.reason).inc()
+            if reply.reason == "ok":
+                hits += 1
+                self.metrics.matched_blocks.inc(reply.matched)
+        self.metrics.lookups.inc(len(replies))
+        self.metrics.lookup_hits.inc(hits)
         with self._counter_lock:
-            self._lookups += 1
-            self._hits += hit
-        return reply
+            self._lookups += len(replies)
+            self._hits += hits
+        return replies
 
     def _who_has(self, req: WhoHas, ctx: CallContext) -> WhoHasReply:
         return WhoHasReply(self.store.who_has(req.hashes, include_dead=req.include_dead))

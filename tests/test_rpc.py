@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import msgpack
 import pytest
@@ -18,7 +19,7 @@ from remote_g2.errors import (
     SourceError,
     UnknownMessage,
 )
-from remote_g2.messages import Pong
+from remote_g2.messages import Ping, Pong
 from remote_g2.rpc_client import RpcClient
 from remote_g2.rpc_server import RpcServer
 from remote_g2.wire import encode_request
@@ -278,3 +279,67 @@ def test_request_encoding_rejects_unregistered_types():
 
     with pytest.raises(UnknownMessage):
         encode_request(1, NotAMessage())
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_queued_requests_reach_a_batch_handler_together(serve, workers):
+    """Requests that queue while the handler is busy are handed over as one batch."""
+    entered, release = threading.Event(), threading.Event()
+    batches = []
+
+    def pings(calls):
+        batches.append(len(calls))
+        if len(batches) == 1:
+            entered.set()
+            release.wait(10)
+        return [Pong(server=f"b{len(batches)}", version="x", uptime_s=float(ctx.msg_id)) for _, ctx in calls]
+
+    ep = serve({}, batch_handlers={"ping": pings}, workers=workers)
+    first = threading.Thread(target=lambda: serve.client(ep, timeout_ms=10_000).ping())
+    first.start()
+    assert entered.wait(10)
+    # Four more calls on one socket while the first batch is held: they queue up.
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(ep)
+    try:
+        for i in range(4):
+            sock.send(encode_request(100 + i, Ping()))
+        time.sleep(0.3)  # let them reach the server's queue
+        release.set()
+        replies = []
+        for _ in range(4):
+            assert sock.poll(5000)
+            replies.append(msgpack.unpackb(sock.recv(), raw=False))
+    finally:
+        sock.close()
+    first.join(10)
+    assert sorted(r[0]["re"] for r in replies) == [100, 101, 102, 103]  # every call answered, by its own id
+    assert all(r[1] == "OK" for r in replies)
+    if workers == 1:  # direct mode: one thread drained all four at once
+        assert batches == [1, 4]
+    else:  # the proxy spreads them over the threads; every call still answered once
+        assert batches[0] == 1 and sum(batches[1:]) == 4
+
+
+def test_a_failing_batch_handler_answers_every_call_err(serve):
+    def broken(calls):
+        raise SourceError("backend is gone")
+
+    def short(calls):
+        return []  # answers none of them: a bug, reported per call as InternalError
+
+    ep = serve({}, batch_handlers={"ping": broken}, workers=1)
+    with pytest.raises(SourceError, match="backend is gone"):
+        serve.client(ep).ping()
+    ep2 = serve({}, batch_handlers={"ping": short}, workers=1)
+    with pytest.raises(RemoteError) as info:
+        serve.client(ep2).ping()
+    assert info.value.name == "InternalError" and "answered 0 of 1" in str(info.value)
+    with pytest.raises(SourceError):  # both servers keep serving after a failed batch
+        serve.client(ep).ping()
+
+
+def test_a_type_cannot_have_both_a_handler_and_a_batch_handler():
+    with pytest.raises(ConfigError, match="both"):
+        RpcServer("tcp://127.0.0.1:0", {"ping": lambda r, c: None}, batch_handlers={"ping": lambda calls: []})
