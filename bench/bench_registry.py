@@ -8,10 +8,13 @@ Phases
                (``events`` batches of --batch hashes) until --blocks (hash, worker)
                entries exist. Reports block events/s.
   2. latency   one client, sequential 128-hash prefix lookups through the server:
-               p50 / p99 client-observed. Same for the raw Lua script (baseline).
+               p50 / p99 client-observed; the raw Lua script (baseline), a ping
+               through the server and a no-op EVALSHA (floors), interleaved in
+               --rounds blocks so all four see the same machine noise.
   3. throughput --clients processes for --seconds each way: lookups through the
                server, and the same lookups as raw EVALSHA of the store's own Lua
-               script straight to Redis (the ceiling). Reports the ratio.
+               script straight to Redis (the ceiling), alternated --tput-rounds
+               times. Reports the ratio.
 
 Targets (issue 3): p50 <= 0.5 ms, p99 <= 2 ms; throughput >= 50 % of the raw
 ceiling; ingest >= 200 k block events/s.
@@ -168,18 +171,29 @@ def throughput(kind: str, target: str, chains: int, clients: int, seconds: float
     return sum(counts) / seconds
 
 
-def latency(call: Any, chains: int, n: int, check: Any) -> dict[str, float]:
+def latency(calls: dict[str, tuple[Any, Any]], chains: int, n: int, rounds: int) -> dict[str, dict[str, float]]:
+    """p50/p99 of each call, ``n`` sequential calls each, interleaved in ``rounds`` blocks.
+
+    ``calls`` maps a name to ``(call(hashes), check(reply))``. Interleaving puts
+    every call under the same machine noise (this VM's wake-up latency drifts
+    from minute to minute), so the rows compare side by side.
+    """
     rng = random.Random(1)
-    samples = []
-    for _ in range(50):  # warm-up: connections, script cache
-        call(chain(rng.randrange(chains)))
-    for _ in range(n):
-        c = chain(rng.randrange(chains))
-        t0 = time.perf_counter()
-        reply = call(c)
-        samples.append(time.perf_counter() - t0)
-        check(reply)
-    return _percentiles(samples)
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for call, _ in calls.values():
+        for _ in range(50):  # warm-up: connections, script cache
+            call(chain(rng.randrange(chains)))
+    per_round = max(1, n // rounds)
+    for _ in range(rounds):
+        for name, (call, check) in calls.items():
+            out = samples[name]
+            for _ in range(per_round):
+                c = chain(rng.randrange(chains))
+                t0 = time.perf_counter()
+                reply = call(c)
+                out.append(time.perf_counter() - t0)
+                check(reply)
+    return {name: _percentiles(s) for name, s in samples.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lookups", type=int, default=3000, help="sequential lookups for the latency phase")
     ap.add_argument("--clients", type=int, default=4, help="client processes for the throughput phase")
     ap.add_argument("--seconds", type=float, default=5.0, help="duration of each throughput run")
-    ap.add_argument("--server-workers", type=int, default=4, help="registry handler threads (serve --workers)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="interleaved rounds of the latency phase (server, raw, ping, no-op in turn)")
+    ap.add_argument("--tput-rounds", type=int, default=2, help="alternations of the two throughput runs")
+    ap.add_argument("--server-workers", type=int, default=1, help="registry serving threads (serve --workers; 1 = direct)")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args(argv)
 
@@ -209,16 +226,19 @@ def main(argv: list[str] | None = None) -> int:
             def raw_ok(reply: Any) -> None:
                 assert reply[0] == b"ok" and int(reply[1]) == CHAIN_LEN, reply[:2]
 
-            with RegistryClient(endpoint, timeout_s=10) as client:
-                lat_server = latency(client.lookup, chains, args.lookups, full_match)
-                lat_ping = latency(lambda _: client.ping(), chains, args.lookups, lambda r: None)
             raw = RawLookup(redis_url)
-            lat_raw = latency(raw, chains, args.lookups, raw_ok)
             noop = raw.client.script_load("return 1")
-            lat_noop = latency(lambda _: raw.client.evalsha(noop, 0), chains, args.lookups, lambda r: None)
+            with RegistryClient(endpoint, timeout_s=10) as client:
+                lat = latency({"server": (client.lookup, full_match), "raw": (raw, raw_ok),
+                               "ping": (lambda _: client.ping(), lambda r: None),
+                               "noop": (lambda _: raw.client.evalsha(noop, 0), lambda r: None)},
+                              chains, args.lookups, args.rounds)
+            lat_server, lat_raw, lat_ping, lat_noop = lat["server"], lat["raw"], lat["ping"], lat["noop"]
             print("  latency done; throughput runs...", file=sys.stderr)
-            tput_server = throughput("server", endpoint, chains, args.clients, args.seconds)
-            tput_raw = throughput("raw", redis_url, chains, args.clients, args.seconds)
+            tput_server = tput_raw = 0.0
+            for _ in range(args.tput_rounds):  # alternated, for the same reason as the latency rounds
+                tput_server += throughput("server", endpoint, chains, args.clients, args.seconds) / args.tput_rounds
+                tput_raw += throughput("raw", redis_url, chains, args.clients, args.seconds) / args.tput_rounds
         finally:
             reg_proc.send_signal(signal.SIGTERM)
             reg_proc.wait(10)
