@@ -575,3 +575,51 @@ class SiblingRenew:
 
     lease_id: Annotated[int, Limits(ge=1)]
     ttl_ms: _Ttl
+
+
+# --------------------------------------------------------------------------
+# Target ranks: the leader (rank 0) → rank r > 0, and back, over the worker's IPC sockets
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TargetAck:
+    """The message was taken (``accepted``) or refused, with ``detail`` saying why."""
+
+    accepted: bool
+    detail: _Text = ""
+
+
+@message("target_load", reply=TargetAck)
+@dataclass(frozen=True, slots=True)
+class TargetLoad:
+    """Read this rank's share of a resolved lease into ``dst_block_ids`` within ``timeout_ms``.
+
+    ``load_id`` is the leader's id for the request. ``metadata`` lists every
+    source rank; ``agent_metadata`` rides along only the first time the leader
+    sends a (source worker, epoch), and ranks keep it.
+    """
+
+    load_id: Annotated[int, Limits(ge=1)]
+    source_worker: _WorkerId
+    source_epoch: _Epoch
+    source_tp: Annotated[int, Limits(ge=1, le=4096)]
+    is_mla: bool
+    mla_offset: _Count
+    ranks: Annotated[list[RankBlocks], Limits(max_len=4096)]
+    metadata: Annotated[list[RankInfo], Limits(max_len=4096)]
+    dst_block_ids: _Ids
+    timeout_ms: _Ttl
+
+
+@message("target_done", reply=TargetAck)
+@dataclass(frozen=True, slots=True)
+class TargetDone:
+    """A rank finished its share of load ``load_id``: every byte landed (``ok``) or not (``error``)."""
+
+    load_id: Annotated[int, Limits(ge=1)]
+    rank: _Rank
+    ok: bool
+    error: _Text = ""
+    nbytes: _Count = 0
+    descriptors: _Count = 0

@@ -1,0 +1,94 @@
+"""Settings of the target client, from code or from ``REMOTE_G2_TARGET*`` variables.
+
+======================================  ==========================================  ===================
+variable                                field                                       default
+======================================  ==========================================  ===================
+``REMOTE_G2_TARGET``                    ``enabled``                                 off
+``REMOTE_G2_REGISTRY``                  ``registry_endpoint``                       unset (no lookups)
+``REMOTE_G2_TARGET_TRANSFER``           ``transfer`` (adapter name)                 ``nixl``
+``REMOTE_G2_TARGET_IPC_DIR``            ``ipc_dir`` (private, mode 0700)            the source's default
+``REMOTE_G2_TARGET_LEASE_TTL_MS``       ``lease_ttl_ms``                            10000
+``REMOTE_G2_TARGET_RPC_TIMEOUT_MS``     ``rpc_timeout_ms`` (lookup, resolve, ...)   2000
+``REMOTE_G2_TARGET_TIMEOUT_MS``         ``transfer_timeout_ms`` (whole load)        10000
+``REMOTE_G2_TARGET_FINGERPRINT``        ``fingerprint`` (JSON of LayoutFingerprint) unset
+======================================  ==========================================  ===================
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from remote_g2.config import env_flag
+from remote_g2.errors import ConfigError
+from remote_g2.messages import LayoutFingerprint
+from remote_g2.source.config import default_ipc_dir
+
+__all__ = ["TargetConfig", "ENABLE_ENV"]
+
+ENABLE_ENV = "REMOTE_G2_TARGET"
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """How one worker's target client runs; every rank of the worker gets the same one.
+
+    * ``registry_endpoint`` — where :meth:`~remote_g2.target.TargetClient.lookup` asks.
+    * ``fingerprint`` — this worker's layout; lookups only return compatible
+      sources, and a TP ratio the layout cannot serve is refused at lookup time.
+    * ``lease_ttl_ms`` — asked of the source at resolve; renewed when a load
+      outlives half of it.
+    * ``transfer_timeout_ms`` — a load not finished on every rank by then fails
+      (its blocks are invalid; the engine recomputes them).
+    """
+
+    enabled: bool = False
+    registry_endpoint: str | None = None
+    transfer: str = "nixl"
+    ipc_dir: str | None = None
+    lease_ttl_ms: int = 10_000
+    rpc_timeout_ms: int = 2_000
+    transfer_timeout_ms: int = 10_000
+    fingerprint: LayoutFingerprint | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("lease_ttl_ms", "rpc_timeout_ms", "transfer_timeout_ms"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"TargetConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def ipc_directory(self) -> str:
+        return self.ipc_dir or default_ipc_dir()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> TargetConfig:
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {"enabled": env_flag(ENABLE_ENV, env)}
+        for var, name in (("REMOTE_G2_REGISTRY", "registry_endpoint"), ("REMOTE_G2_TARGET_TRANSFER", "transfer"),
+                          ("REMOTE_G2_TARGET_IPC_DIR", "ipc_dir")):
+            if env.get(var):
+                values[name] = env[var]
+        for var, name in (("REMOTE_G2_TARGET_LEASE_TTL_MS", "lease_ttl_ms"),
+                          ("REMOTE_G2_TARGET_RPC_TIMEOUT_MS", "rpc_timeout_ms"),
+                          ("REMOTE_G2_TARGET_TIMEOUT_MS", "transfer_timeout_ms")):
+            if env.get(var):
+                try:
+                    values[name] = int(env[var])
+                except ValueError:
+                    raise ConfigError(f"{var} must be an integer, got {env[var]!r}") from None
+        if env.get("REMOTE_G2_TARGET_FINGERPRINT"):
+            try:
+                values["fingerprint"] = LayoutFingerprint(**json.loads(env["REMOTE_G2_TARGET_FINGERPRINT"]))
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"REMOTE_G2_TARGET_FINGERPRINT is not a LayoutFingerprint JSON: {e}") from None
+        return cls(**values)  # type: ignore[arg-type]
+
+    def with_env_enable(self) -> TargetConfig:
+        """This config, enabled when ``REMOTE_G2_TARGET=1`` is set."""
+        if not self.enabled and os.environ.get(ENABLE_ENV, "").strip() and env_flag(ENABLE_ENV):
+            return replace(self, enabled=True)
+        return self
+
+

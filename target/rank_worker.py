@@ -1,0 +1,174 @@
+"""One target rank's data path: plan this rank's share of a load, issue its READs, watch them.
+
+A :class:`RankWorker` owns the rank's transfer adapter and is the only thread
+that touches it (NIXL agents are not thread-safe in their default mode). Loads
+arrive by :meth:`RankWorker.submit` (the leader calls it for its own share;
+other ranks get theirs over IPC as ``target_load``); outcomes leave through
+``report(TargetDone)``.
+
+Per load: plan with :func:`~remote_g2.target.tp_mapping.plan_reads` (this
+rank's layout and pool address), load any source agent not yet known for
+that source epoch (metadata is cached per agent name; a new epoch drops the
+old agents first), start one READ per source rank, then poll every in-flight
+READ without blocking, sleeping a fraction of a millisecond between rounds.
+A load past its deadline has its READs released (NIXL aborts what still
+runs) and is reported failed. Nothing is reported ``ok`` unless every READ of
+the load said ``done``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from remote_g2.adapters.transfer import TransferAdapter
+from remote_g2.messages import BlockLayout, RankInfo, TargetDone, TargetLoad
+
+from .tp_mapping import plan_reads
+
+__all__ = ["RankWorker"]
+
+log = logging.getLogger("remote_g2.target")
+
+_POLL_S = 0.0002  # between polling rounds while READs are in flight
+
+
+@dataclass
+class _Inflight:
+    load: TargetLoad
+    deadline: float
+    handles: list[Any] = field(default_factory=list)
+    nbytes: int = 0
+    descriptors: int = 0
+
+
+class RankWorker:
+    """Execute this rank's READs for every load it is given; report each load's outcome once."""
+
+    def __init__(self, *, rank: int, tp_size: int, layout: BlockLayout, pool_base: int,
+                 transfer: TransferAdapter, report: Callable[[TargetDone], None]) -> None:
+        self.rank = rank
+        self.tp_size = tp_size
+        self.layout = layout
+        self.pool_base = pool_base
+        self._transfer = transfer
+        self._report = report
+        self._inbox: queue.SimpleQueue[TargetLoad | None] = queue.SimpleQueue()
+        self._inflight: dict[int, _Inflight] = {}
+        # source worker -> (epoch, {source rank: RankInfo}); agents loaded into the adapter
+        self._sources: dict[str, tuple[int, dict[int, RankInfo]]] = {}
+        self._loaded: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"remote-g2-target-tp{rank}", daemon=True)
+        self._thread.start()
+
+    def submit(self, load: TargetLoad) -> None:
+        """Queue a load (any thread)."""
+        self._inbox.put(load)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread, release every READ still held, close the adapter."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join(timeout_s)
+
+    # -- the worker thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._take_new(block=not self._inflight)
+                self._poll_inflight()
+                if self._inflight:
+                    time.sleep(_POLL_S)
+        except Exception:  # pragma: no cover - a bug; every load still gets an answer below
+            log.exception("target rank %d: worker thread failed", self.rank)
+        finally:
+            for key in list(self._inflight):
+                self._finish(key, "the target client shut down")
+            self._transfer.close()
+
+    def _take_new(self, *, block: bool) -> None:
+        while True:
+            try:
+                load = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if load is None:
+                return
+            block = False
+            self._start(load)
+
+    def _start(self, load: TargetLoad) -> None:
+        flight = _Inflight(load, time.monotonic() + load.timeout_ms / 1000.0)
+        self._inflight[load.load_id] = flight
+        try:
+            infos = self._source_ranks(load)
+            plan = plan_reads(source_tp=load.source_tp, source_ranks=infos, source_blocks=load.ranks,
+                              target_layout=self.layout, target_base=self.pool_base,
+                              dst_block_ids=load.dst_block_ids, target_tp=self.tp_size, target_rank=self.rank,
+                              is_mla=load.is_mla, mla_offset=load.mla_offset)
+            for reads in plan.reads:
+                info = infos[reads.source_rank]
+                if info.agent_name not in self._loaded:
+                    if info.agent_metadata is None:
+                        raise RuntimeError(f"no metadata for source agent {info.agent_name}")
+                    self._transfer.add_peer(info.agent_name, info.agent_metadata)
+                    self._loaded.add(info.agent_name)
+                flight.handles.append(self._transfer.start_read(info.agent_name, reads.local_addr,
+                                                                reads.remote_addr, reads.nbytes))
+                flight.nbytes += reads.total_bytes
+                flight.descriptors += reads.num_descriptors
+        except Exception as e:
+            self._finish(load.load_id, f"{type(e).__name__}: {e}")
+
+    def _source_ranks(self, load: TargetLoad) -> list[RankInfo]:
+        """Every source rank's info, by rank, with agent metadata remembered across loads of one epoch."""
+        known = self._sources.get(load.source_worker)
+        if known is None or known[0] != load.source_epoch:
+            if known is not None:  # the source restarted: its old agents are gone
+                for info in known[1].values():
+                    if info.agent_name in self._loaded:
+                        self._transfer.remove_peer(info.agent_name)
+                        self._loaded.discard(info.agent_name)
+            known = (load.source_epoch, {})
+            self._sources[load.source_worker] = known
+        ranks = known[1]
+        for info in load.metadata:
+            if info.agent_metadata is not None or info.rank not in ranks:
+                ranks[info.rank] = info
+        missing = [r for r in range(load.source_tp) if r not in ranks]
+        if missing:
+            raise RuntimeError(f"source {load.source_worker}: no rank info for source rank(s) {missing}")
+        return [ranks[r] for r in range(load.source_tp)]
+
+    def _poll_inflight(self) -> None:
+        now = time.monotonic()
+        for key, flight in list(self._inflight.items()):
+            states = [self._transfer.poll(h) for h in flight.handles]
+            if "error" in states:
+                self._finish(key, "READ failed (transfer state ERR)")
+            elif all(s == "done" for s in states):
+                self._finish(key, None)
+            elif now > flight.deadline:
+                self._finish(key, f"READ not finished within {flight.load.timeout_ms} ms")
+
+    def _finish(self, key: int, error: str | None) -> None:
+        flight = self._inflight.pop(key)
+        for h in flight.handles:
+            self._transfer.release(h)
+        if error:
+            log.warning("target rank %d: load %d from %s failed: %s", self.rank, key, flight.load.source_worker,
+                        error)
+        try:
+            self._report(TargetDone(key, self.rank, error is None, (error or "")[:4000], flight.nbytes,
+                                    flight.descriptors))
+        except Exception as e:  # the leader times the load out on its own
+            log.warning("target rank %d: could not report load %d: %s", self.rank, key, e)
