@@ -132,3 +132,5 @@ def _known(kind: str) -> str:
 # Later parts add their "engine" and "transfer" entries here, and only here.
 
 register_adapter("pool", "host", "remote_g2.adapters.host_pool", "HostPool")
+register_adapter("transfer", "nixl", "remote_g2.adapters.nixl_transfer", "NixlTransfer")
+register_adapter("transfer", "memcpy", "remote_g2.adapters.memcpy_transfer", "MemcpyTransfer")
