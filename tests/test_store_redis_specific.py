@@ -171,7 +171,6 @@ def test_scripts_are_loaded_once_and_reloaded_after_script_flush(backend: tuple[
 def test_sweep_deletes_every_key_of_retired_incarnations(backend: tuple[str, list[redis.Redis]]) -> None:
     _, nodes = backend
     store = make(backend, lease_ttl_ms=1_500, sweep_grace_ms=0)
-    t0 = time.monotonic()
     register(store, "w1", epoch=1)
     events(store, "w1", 1, stored(CHAIN[:100]))
     register(store, "w1", epoch=2)  # supersedes epoch 1
@@ -179,14 +178,17 @@ def test_sweep_deletes_every_key_of_retired_incarnations(backend: tuple[str, lis
     register(store, "w2")
     events(store, "w2", 1, stored(CHAIN[:50]), BlockEvent("cleared"), stored(CHAIN[110:115]))
     register(store, "w3")  # will lapse
+    t3 = time.monotonic()  # w3's lease runs out by t3 + 1.5 s, whatever the set-up cost on a busy machine
+    assert store.heartbeat(Heartbeat("w1", 2)).status == "ok"  # and w1, w2 stay live past t3 + 0.8 s
+    assert store.heartbeat(Heartbeat("w2", 1)).status == "ok"
     events(store, "w3", 1, stored(CHAIN[:40]))
     register(store, "w4")  # drained
     events(store, "w4", 1, stored(CHAIN[60:90]))
     assert store.drain_worker("w4").removed_blocks == 30
-    time.sleep(max(0.0, 0.8 - (time.monotonic() - t0)))
-    assert store.heartbeat(Heartbeat("w1", 2)).status == "ok"
+    time.sleep(max(0.0, 0.8 - (time.monotonic() - t3)))
+    assert store.heartbeat(Heartbeat("w1", 2)).status == "ok"  # live until >= t3 + 2.3 s
     assert store.heartbeat(Heartbeat("w2", 1)).status == "ok"
-    time.sleep(max(0.0, 1.6 - (time.monotonic() - t0)))
+    time.sleep(max(0.0, 1.6 - (time.monotonic() - t3)))
     assert store.counts() == (2, 3, 100 + 10 + 50 + 5 + 40 + 30)  # w3 dead but not yet swept
 
     removed = 0
