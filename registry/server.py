@@ -46,7 +46,7 @@ from remote_g2.messages import (
 from remote_g2.rpc_server import CallContext, RpcServer
 
 from .metrics import RegistryMetrics
-from .store import RegistryStore
+from .store import PendingLookups, RegistryStore
 
 __all__ = ["RegistryServer", "DEFAULT_BIND"]
 
@@ -181,14 +181,23 @@ class RegistryServer:
             self.metrics.events_ingested.labels("resync").inc(len(req.hashes))
         return reply
 
-    def _lookups_batch(self, calls: list[tuple[Lookup, CallContext]]) -> list[LookupReply]:
-        """Every lookup that queued up together, answered by the store in one go."""
-        t0 = time.perf_counter()
-        replies = self.store.lookup_many([req for req, _ in calls], [next(self._rr) for _ in calls])
-        per_lookup = (time.perf_counter() - t0) / len(calls)
+    def _lookups_batch(self, calls: list[tuple[Lookup, CallContext]]) -> list[LookupReply] | _CountedLookups:
+        """Every lookup that queued up together, handed to the store in one go.
+
+        A Redis store answers later (the batch is on the wire): the RPC layer
+        keeps serving meanwhile and collects the answers through ``result()``.
+        """
+        started = self.store.start_lookups([req for req, _ in calls], [next(self._rr) for _ in calls])
+        if isinstance(started, list):
+            self._count_lookups(started, calls)
+            return started
+        return _CountedLookups(self, started, calls)
+
+    def _count_lookups(self, replies: list[LookupReply], calls: list[tuple[Lookup, CallContext]]) -> None:
+        now = time.perf_counter()
         hits = 0
-        for reply in replies:
-            self.metrics.lookup_latency.observe(per_lookup)
+        for reply, (_, ctx) in zip(replies, calls):
+            self.metrics.lookup_latency.observe(now - ctx.received_at)
             self.metrics.lookup_reason(reply.reason).inc()
             if reply.reason == "ok":
                 hits += 1
@@ -198,7 +207,6 @@ class RegistryServer:
         with self._counter_lock:
             self._lookups += len(replies)
             self._hits += hits
-        return replies
 
     def _who_has(self, req: WhoHas, ctx: CallContext) -> WhoHasReply:
         return WhoHasReply(self.store.who_has(req.hashes, include_dead=req.include_dead))
@@ -220,3 +228,22 @@ class RegistryServer:
         reply = self.store.drain_worker(req.worker_id)
         log.info("worker %s drained by admin (%d blocks)", req.worker_id, reply.removed_blocks)
         return reply
+
+
+class _CountedLookups:
+    """A store's pending lookups; counts them in the server's metrics once they are read."""
+
+    def __init__(self, server: RegistryServer, pending: PendingLookups, calls: list[tuple[Lookup, CallContext]]):
+        self._server, self._pending, self._calls = server, pending, calls
+
+    def fileno(self) -> int:
+        return self._pending.fileno()
+
+    def result(self) -> list[LookupReply]:
+        try:
+            replies = self._pending.result()
+        except StoreUnavailable:
+            self._server.metrics.errors.labels("store_unavailable").inc()
+            raise
+        self._server._count_lookups(replies, self._calls)
+        return replies

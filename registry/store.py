@@ -83,6 +83,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Protocol
 
 from remote_g2.messages import (
     DrainWorkerReply,
@@ -99,9 +100,17 @@ from remote_g2.messages import (
     WorkerRecord,
 )
 
-__all__ = ["RegistryStore", "DEFAULT_LEASE_TTL_MS"]
+__all__ = ["PendingLookups", "RegistryStore", "DEFAULT_LEASE_TTL_MS"]
 
 DEFAULT_LEASE_TTL_MS = 10_000
+
+
+class PendingLookups(Protocol):
+    """Lookups sent to a backend whose answers have not been read yet (see :meth:`RegistryStore.start_lookups`)."""
+
+    def fileno(self) -> int: ...
+
+    def result(self) -> list[LookupReply]: ...
 
 
 class RegistryStore(ABC):
@@ -141,6 +150,18 @@ class RegistryStore(ABC):
         want_all_holders: bool = False,
         tie_breaker: int = 0,
     ) -> LookupReply: ...
+
+    def start_lookups(self, requests: Sequence[Lookup],
+                      tie_breakers: Sequence[int]) -> PendingLookups | list[LookupReply]:
+        """:meth:`lookup_many`, but a store that talks to a backend may return before the answers.
+
+        Then it returns a :class:`PendingLookups`: the requests are on the
+        wire, ``fileno()`` becomes readable when answers arrive and
+        ``result()`` reads them (raising what :meth:`lookup_many` would). The
+        server keeps reading new requests meanwhile, so the backend and the
+        server work at the same time. The default answers at once.
+        """
+        return self.lookup_many(requests, tie_breakers)
 
     def lookup_many(self, requests: Sequence[Lookup], tie_breakers: Sequence[int]) -> list[LookupReply]:
         """Answer several lookups, in order; each as :meth:`lookup` would.

@@ -86,7 +86,7 @@ from remote_g2.messages import (
     WorkerRecord,
 )
 
-from .store import DEFAULT_LEASE_TTL_MS, RegistryStore
+from .store import DEFAULT_LEASE_TTL_MS, PendingLookups, RegistryStore
 
 __all__ = ["RedisStore", "RedisClusterStore", "DEFAULT_KEY_PREFIX"]
 
@@ -139,24 +139,29 @@ class _Scripts:
         An error reply raises (after every reply was read, so the connection
         stays in step); NOSCRIPT loads the script and reruns those calls.
         """
+        return self.start_many(client, name, key, arg_lists).result()
+
+    def start_many(self, client: redis.Redis, name: str, key: bytes,
+                   arg_lists: Sequence[Sequence[Any]]) -> _PendingScripts:
+        """Send the calls now (one write) and return at once; ``.result()`` reads the replies.
+
+        The connection stays checked out until ``result()`` returns, so any
+        number of these can be on the wire at once, each on its own socket
+        (``fileno()``, for a poller to wait on).
+        """
         sha = self._sha[name]
         packed = [hiredis.pack_command(("EVALSHA", sha, 1, key, *args)) for args in arg_lists]
         idle, conn = self._checkout(client)
         try:
-            replies = self._round_trip(conn, packed)
-            redo = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
-            if redo:
-                client.script_load(self._src[name])
-                for i, r in zip(redo, self._round_trip(conn, [packed[i] for i in redo])):
-                    replies[i] = r
-        finally:
-            # Safe to reuse even after an error: redis-py disconnects a connection
-            # whose stream it could not finish, and the next send reconnects.
+            try:
+                self._send(conn, packed)
+            except RedisConnectionError:  # a socket that died with a restarted server
+                conn.disconnect()
+                self._send(conn, packed)
+        except BaseException:
             idle.append(conn)
-        for r in replies:
-            if isinstance(r, ResponseError):
-                raise r
-        return replies
+            raise
+        return _PendingScripts(self, client, name, idle, conn, packed)
 
     def _checkout(self, client: redis.Redis) -> tuple[list[Connection], Connection]:
         idle = self._idle.get(client)
@@ -176,16 +181,21 @@ class _Scripts:
     def _round_trip(cls, conn: Connection, packed: list[bytes]) -> list[Any]:
         """Send the packed commands in one write and read as many replies (errors as values)."""
         try:
-            return cls._send_and_read(conn, packed)
+            cls._send(conn, packed)
+            return cls._read(conn, len(packed))
         except RedisConnectionError:
             conn.disconnect()
-        return cls._send_and_read(conn, packed)
+        cls._send(conn, packed)
+        return cls._read(conn, len(packed))
 
     @staticmethod
-    def _send_and_read(conn: Connection, packed: list[bytes]) -> list[Any]:
+    def _send(conn: Connection, packed: list[bytes]) -> None:
         conn.send_packed_command([b"".join(packed)] if len(packed) > 1 else packed, check_health=False)
+
+    @staticmethod
+    def _read(conn: Connection, n: int) -> list[Any]:
         replies: list[Any] = []
-        for _ in packed:
+        for _ in range(n):
             try:
                 replies.append(conn.read_response())
             except ResponseError as e:  # a whole reply was read; the stream is still in step
@@ -198,6 +208,41 @@ class _Scripts:
             made = list(self._made)
         for conn in made:
             conn.disconnect()
+
+
+class _PendingScripts:
+    """Script calls on the wire (see :meth:`_Scripts.start_many`); ``result()`` once, from one thread."""
+
+    def __init__(self, scripts: _Scripts, client: redis.Redis, name: str, idle: list[Connection],
+                 conn: Connection, packed: list[bytes]) -> None:
+        self._scripts, self._client, self._name = scripts, client, name
+        self._idle, self._conn, self._packed = idle, conn, packed
+
+    def fileno(self) -> int:
+        sock = self._conn._sock
+        return sock.fileno() if sock is not None else -1
+
+    def result(self) -> list[Any]:
+        conn, packed = self._conn, self._packed
+        try:
+            try:
+                replies = _Scripts._read(conn, len(packed))
+            except RedisConnectionError:  # the server went away mid-call; the calls are resent once
+                conn.disconnect()
+                replies = _Scripts._round_trip(conn, packed)
+            redo = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+            if redo:
+                self._client.script_load(self._scripts._src[self._name])
+                for i, r in zip(redo, _Scripts._round_trip(conn, [packed[i] for i in redo])):
+                    replies[i] = r
+        finally:
+            # Safe to reuse even after an error: redis-py disconnects a connection
+            # whose stream it could not finish, and the next send reconnects.
+            self._idle.append(conn)
+        for r in replies:
+            if isinstance(r, ResponseError):
+                raise r
+        return replies
 
 
 class _Keys:
@@ -361,10 +406,14 @@ def _command(retry: bool = True) -> Callable[[Callable[P, R]], Callable[P, R]]:
                     return store._nodes.retrying(lambda: method(*args, **kwargs))
                 return method(*args, **kwargs)
             except _ERRORS as e:
-                what = "unreachable" if isinstance(e, _UNREACHABLE) else "failed"
-                raise StoreUnavailable(f"redis at {store._nodes.address} {what}: {type(e).__name__}: {e}") from e
+                raise _unavailable(store, e) from e
         return call
     return wrap
+
+
+def _unavailable(store: _RedisBase, e: Exception) -> StoreUnavailable:
+    what = "unreachable" if isinstance(e, _UNREACHABLE) else "failed"
+    return StoreUnavailable(f"redis at {store._nodes.address} {what}: {type(e).__name__}: {e}")
 
 
 # -- the store, by concern ------------------------------------------------------------------------
@@ -569,14 +618,23 @@ class _LookupCommands(_RedisBase):
 
     @_command()
     def lookup_many(self, requests: Sequence[Lookup], tie_breakers: Sequence[int]) -> list[LookupReply]:
+        started = self.start_lookups(requests, tie_breakers)
+        return started if isinstance(started, list) else started.result()
+
+    def start_lookups(self, requests: Sequence[Lookup],
+                      tie_breakers: Sequence[int]) -> PendingLookups | list[LookupReply]:
         if not self._nodes.all_keys_local:
             return super().lookup_many(requests, tie_breakers)
-        # One node: every lookup is one EVALSHA, so the batch is one pipelined round trip.
+        # One node: every lookup is one EVALSHA, so the batch is one pipelined write; the
+        # replies are read when the caller's poller sees them arrive.
         _, client = self._nodes.node(self._keys.lease)
-        replies = self._scripts.run_many(client, "lookup", self._keys.lease, [
-            self._lookup_args(r.hashes, b"k" * len(r.hashes), r.requester, r.compat_key, r.want_all_holders)
-            for r in requests])
-        return [_lookup_reply(raw, t) for raw, t in zip(replies, tie_breakers, strict=True)]
+        try:
+            pending = self._scripts.start_many(client, "lookup", self._keys.lease, [
+                self._lookup_args(r.hashes, b"k" * len(r.hashes), r.requester, r.compat_key, r.want_all_holders)
+                for r in requests])
+        except _ERRORS as e:
+            raise _unavailable(self, e) from e
+        return _PendingLookups(self, pending, list(tie_breakers))
 
     def _lookup_args(self, payload: Sequence[bytes], kinds: bytes, requester: str | None,
                      compat_key: str | None, want_all_holders: bool) -> list[Any]:
@@ -742,6 +800,23 @@ _KIND = {"stored": b"s", "removed": b"r", "cleared": b"c"}
 def _fp_json(fp: LayoutFingerprint) -> str:
     """Canonical text of a fingerprint: equal fingerprints give equal strings (compared inside Lua)."""
     return json.dumps(dataclasses.asdict(fp), sort_keys=True, separators=(",", ":"))
+
+
+class _PendingLookups:
+    """Lookups on the wire to one Redis; ``result()`` reads and parses their replies."""
+
+    def __init__(self, store: _RedisBase, pending: _PendingScripts, tie_breakers: list[int]) -> None:
+        self._store, self._pending, self._tie_breakers = store, pending, tie_breakers
+
+    def fileno(self) -> int:
+        return self._pending.fileno()
+
+    def result(self) -> list[LookupReply]:
+        try:
+            replies = self._pending.result()
+        except _ERRORS as e:
+            raise _unavailable(self._store, e) from e
+        return [_lookup_reply(raw, t) for raw, t in zip(replies, self._tie_breakers, strict=True)]
 
 
 def _lookup_reply(reply: Any, tie_breaker: int) -> LookupReply:

@@ -18,8 +18,11 @@ by routing id, in any order.
 Batching: a serving thread takes every request already queued (up to
 ``max_batch``) in one go. Requests of a type with a *batch handler* are handed
 over together, so a store can answer them with one backend round trip (the
-registry pipelines lookups to Redis); a lone request is a batch of one. Under
-load this is where throughput comes from; at low load it costs nothing.
+registry pipelines lookups to Redis); a lone request is a batch of one. A
+batch handler may also answer with a :class:`Deferred` — the batch is on the
+wire to its backend — and the thread goes on reading and sending more while
+the backend works, then answers the batch when its socket turns readable.
+Under load this is where throughput comes from; at low load it costs nothing.
 
 Overload is backpressure, not loss: queues are bounded by the ZMQ high-water
 mark (``queue_depth``); past it the server stops reading and the clients'
@@ -42,7 +45,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -58,7 +61,7 @@ from remote_g2.wire import (
     encode_ok,
 )
 
-__all__ = ["RpcServer", "CallContext", "Handler", "BatchHandler", "normalize_bind_endpoint"]
+__all__ = ["RpcServer", "CallContext", "Handler", "BatchHandler", "Deferred", "normalize_bind_endpoint"]
 
 log = logging.getLogger("remote_g2.rpc")
 
@@ -76,8 +79,19 @@ class CallContext:
 
 
 Handler = Callable[[Any, CallContext], Any]
-#: ``batch_handler([(request, ctx), ...]) -> [reply, ...]`` (same order); raising answers every call ERR.
-BatchHandler = Callable[[list[tuple[Any, CallContext]]], list[Any]]
+
+
+class Deferred(Protocol):
+    """Answers still on their way from a backend: ``fileno()`` turns readable when they arrive."""
+
+    def fileno(self) -> int: ...
+
+    def result(self) -> list[Any]: ...
+
+
+#: ``batch_handler([(request, ctx), ...]) -> [reply, ...]`` (same order), or a :class:`Deferred`
+#: of that list; raising (now, or from ``result()``) answers every call ERR.
+BatchHandler = Callable[[list[tuple[Any, CallContext]]], "list[Any] | Deferred"]
 #: ``on_call(message_type, seconds, outcome)``; outcome is ``ok``, ``error`` or ``bad_request``.
 CallObserver = Callable[[str, float, str], None]
 
@@ -266,30 +280,54 @@ class RpcServer:
             sock.connect(self._backend_addr)
         else:
             sock = own
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        waiting: dict[int, tuple[Deferred, MessageSpec, list[tuple[Any, CallContext]]]] = {}
         try:
             while not self._stopping.is_set():
                 # The timeout only bounds how long close() waits for this thread.
-                if not sock.poll(100, zmq.POLLIN):
-                    continue
-                batch = [sock.recv_multipart()]
-                while len(batch) < self._max_batch:  # everything already queued, in one go
-                    try:
-                        batch.append(sock.recv_multipart(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
-                for peer, reply in self._dispatch(batch):
-                    try:
-                        sock.send_multipart([peer, reply], zmq.NOBLOCK)
-                    except zmq.Again:
-                        log.warning("%s: dropped a reply (the reply queue is full)", self.name)
-                    except zmq.ZMQError as e:  # direct mode: the client's connection is gone
-                        log.debug("%s: reply not sent: %s", self.name, e)
+                ready = dict(poller.poll(100))
+                if sock in ready:
+                    batch = [sock.recv_multipart()]
+                    while len(batch) < self._max_batch:  # everything already queued, in one go
+                        try:
+                            batch.append(sock.recv_multipart(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+                    replies, deferred = self._dispatch(batch)
+                    self._send_all(sock, replies)
+                    for d in deferred:
+                        fd = d[0].fileno()
+                        if fd < 0 or fd in waiting:  # no socket to wait on: read it now
+                            self._send_all(sock, self._settle(*d))
+                        else:
+                            waiting[fd] = d
+                            poller.register(fd, zmq.POLLIN)
+                for fd in [fd for fd in ready if isinstance(fd, int) and fd in waiting]:
+                    poller.unregister(fd)
+                    self._send_all(sock, self._settle(*waiting.pop(fd)))
+            for d in waiting.values():  # closing: answer what is still on the wire
+                self._send_all(sock, self._settle(*d))
         finally:
             sock.close(0)
 
-    def _dispatch(self, batch: list[list[bytes]]) -> list[tuple[bytes, bytes]]:
-        """Validate and answer a batch of requests; returns ``(peer, reply frame)`` for every one."""
+    def _send_all(self, sock: zmq.Socket, replies: list[tuple[bytes, bytes]]) -> None:
+        for peer, reply in replies:
+            try:
+                sock.send_multipart([peer, reply], zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("%s: dropped a reply (the reply queue is full)", self.name)
+            except zmq.ZMQError as e:  # direct mode: the client's connection is gone
+                log.debug("%s: reply not sent: %s", self.name, e)
+
+    def _dispatch(self, batch: list[list[bytes]]) -> tuple[list[tuple[bytes, bytes]], list[Any]]:
+        """Validate and answer a batch of requests.
+
+        Returns ``(peer, reply frame)`` for every request answered now, and
+        ``(deferred, spec, calls)`` for every batch a handler answered later.
+        """
         out: list[tuple[bytes, bytes]] = []
+        later: list[Any] = []
         grouped: dict[str, list[tuple[Any, CallContext]]] = {}
         for frames in batch:
             call = self._decode(frames)
@@ -302,8 +340,32 @@ class RpcServer:
             else:
                 out.append((ctx.peer, self._invoke(self._handlers[spec.name], spec, request, ctx)))
         for name, calls in grouped.items():
-            out.extend(self._invoke_batch(self._batch_handlers[name], MESSAGES[name], calls))
-        return out
+            spec = MESSAGES[name]
+            try:
+                replies = self._batch_handlers[name](calls)
+            except Exception as e:
+                out.extend((ctx.peer, self._answer_error(spec, ctx, e)) for _, ctx in calls)
+                continue
+            if isinstance(replies, list):
+                out.extend(self._answer_batch(spec, calls, replies))
+            else:
+                later.append((replies, spec, calls))
+        return out, later
+
+    def _settle(self, deferred: Deferred, spec: MessageSpec,
+                calls: list[tuple[Any, CallContext]]) -> list[tuple[bytes, bytes]]:
+        try:
+            replies = deferred.result()
+        except Exception as e:
+            return [(ctx.peer, self._answer_error(spec, ctx, e)) for _, ctx in calls]
+        return self._answer_batch(spec, calls, replies)
+
+    def _answer_batch(self, spec: MessageSpec, calls: list[tuple[Any, CallContext]],
+                      replies: list[Any]) -> list[tuple[bytes, bytes]]:
+        if len(replies) != len(calls):
+            e = TypeError(f"batch handler for {spec.name} answered {len(replies)} of {len(calls)} calls")
+            return [(ctx.peer, self._answer_error(spec, ctx, e)) for _, ctx in calls]
+        return [(ctx.peer, self._answer(spec, ctx, reply)) for (_, ctx), reply in zip(calls, replies)]
 
     def _decode(self, frames: list[bytes]) -> bytes | tuple[MessageSpec, Any, CallContext]:
         """The validated call, or the ERR frame that answers a bad one."""
@@ -333,16 +395,6 @@ class RpcServer:
         except Exception as e:
             return self._answer_error(spec, ctx, e)
         return self._answer(spec, ctx, reply)
-
-    def _invoke_batch(self, handler: BatchHandler, spec: MessageSpec,
-                      calls: list[tuple[Any, CallContext]]) -> list[tuple[bytes, bytes]]:
-        try:
-            replies = handler(calls)
-            if len(replies) != len(calls):
-                raise TypeError(f"batch handler for {spec.name} answered {len(replies)} of {len(calls)} calls")
-        except Exception as e:
-            return [(ctx.peer, self._answer_error(spec, ctx, e)) for _, ctx in calls]
-        return [(ctx.peer, self._answer(spec, ctx, reply)) for (_, ctx), reply in zip(calls, replies)]
 
     def _answer(self, spec: MessageSpec, ctx: CallContext, reply: Any) -> bytes:
         if not isinstance(reply, spec.reply):

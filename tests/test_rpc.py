@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -19,7 +20,7 @@ from remote_g2.errors import (
     SourceError,
     UnknownMessage,
 )
-from remote_g2.messages import Ping, Pong
+from remote_g2.messages import Ping, Pong, Stats
 from remote_g2.rpc_client import RpcClient
 from remote_g2.rpc_server import RpcServer
 from remote_g2.wire import encode_request
@@ -343,3 +344,54 @@ def test_a_failing_batch_handler_answers_every_call_err(serve):
 def test_a_type_cannot_have_both_a_handler_and_a_batch_handler():
     with pytest.raises(ConfigError, match="both"):
         RpcServer("tcp://127.0.0.1:0", {"ping": lambda r, c: None}, batch_handlers={"ping": lambda calls: []})
+
+
+def test_a_deferred_batch_does_not_hold_up_other_requests(serve):
+    """A batch handler may answer later (its backend's socket turns readable); the thread keeps serving."""
+
+    backend, far_end = socket.socketpair()
+    calls_seen = []
+
+    class Later:
+        def fileno(self):
+            return backend.fileno()
+
+        def result(self):
+            backend.recv(1)
+            return [Pong(server="later", version="x", uptime_s=0.0) for _ in calls_seen[-1]]
+
+    def pings(calls):
+        calls_seen.append(calls)
+        return Later()
+
+    def broken_later(calls):
+        class Fails(Later):
+            def result(self):
+                backend.recv(1)
+                raise SourceError("backend said no")
+        return Fails()
+
+    try:
+        ep = serve({}, batch_handlers={"ping": pings}, workers=1)
+        slow = serve.client(ep, timeout_ms=5000)
+        result = []
+        t = threading.Thread(target=lambda: result.append(slow.ping()))
+        t.start()
+        deadline = time.monotonic() + 5
+        while not calls_seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # The ping is parked on the backend; an unknown-to-this-server request is still answered at once.
+        with pytest.raises(UnknownMessage):
+            serve.client(ep, timeout_ms=2000).call(Stats())
+        assert t.is_alive() and not result
+        far_end.send(b"x")  # the backend answers
+        t.join(5)
+        assert [p.server for p in result] == ["later"]
+
+        ep2 = serve({}, batch_handlers={"ping": broken_later}, workers=1)
+        far_end.send(b"x")
+        with pytest.raises(SourceError, match="backend said no"):
+            serve.client(ep2, timeout_ms=5000).ping()
+    finally:
+        backend.close()
+        far_end.close()
