@@ -7,6 +7,11 @@ look up, load into destination blocks 5.. with their own NIXL agents, and
 check every byte of every destination block against the source ranks'
 patterns mapped through the TP head slices; blocks outside the load must stay
 untouched. Afterwards the source's pin counts are back to zero.
+
+The MLA tests run the source with ``--mla`` (one latent kv head per rank, the
+same bytes on every rank) and the target with ``--mla``; each target rank
+reads whole blocks from one source rank while the lease pins every source
+rank and is released once. Failure paths are in ``test_target_failures.py``.
 """
 
 from __future__ import annotations
@@ -16,12 +21,14 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from source_procs.harness import MPIEXEC, SourceWorker, have_mpiexec
+from source_procs.pattern import make_layout
 
 from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer
 
@@ -43,9 +50,10 @@ def registry() -> Iterator[str]:
         server.close()
 
 
-def _source(tmp_path: Path, registry: str, source_tp: int, name: str) -> SourceWorker:
+def _source(tmp_path: Path, registry: str, source_tp: int, name: str, extra: list[str] | None = None
+            ) -> SourceWorker:
     worker = SourceWorker(tmp_path / f"src-{name}", f"src-{name}-{os.getpid()}", np=source_tp,
-                          args=["--registry", registry])
+                          args=["--registry", registry, *(extra or [])])
     with RegistryClient(registry) as reg:
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
@@ -58,13 +66,14 @@ def _source(tmp_path: Path, registry: str, source_tp: int, name: str) -> SourceW
 
 
 def _run_target(tmp_path: Path, registry: str, *, tp: int, source_tp: int, hashes: int = 16,
-                timeout_ms: int = 5000, wait_s: float = 30.0) -> tuple[dict, list[dict]]:
+                timeout_ms: int = 5000, wait_s: float = 30.0, extra: list[str] | None = None
+                ) -> tuple[dict, list[dict]]:
     d = tmp_path / f"tgt-{tp}"
     d.mkdir()
     ipc = tempfile.mkdtemp(prefix="rg2t-")  # pytest's tmp paths are too long for a unix socket path
     cmd = [str(MPIEXEC), "-n", str(tp), sys.executable, str(TARGET_SCRIPT), "--dir", str(d), "--registry", registry,
            "--hashes", str(hashes), "--source-tp", str(source_tp), "--total-heads", str(2 * source_tp),
-           "--timeout-ms", str(timeout_ms), "--wait-s", str(wait_s), "--ipc-dir", ipc]
+           "--timeout-ms", str(timeout_ms), "--wait-s", str(wait_s), "--ipc-dir", ipc, *(extra or [])]
     env = {**os.environ, "UCX_LOG_LEVEL": "fatal"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=wait_s + 60, env=env,
                           cwd=Path(__file__).resolve().parents[1])
@@ -94,6 +103,48 @@ def test_load_is_byte_exact_on_every_rank_and_pins_return_to_zero(tmp_path: Path
             assert v["untouched_written"] == [], (r, v)
         for r in range(source_tp):
             source.wait_pins(r, 0)
+    finally:
+        report = source.stop()
+    assert all(d["total_pins"] == 0 for d in report["done"].values()), report
+
+
+@pytest.mark.parametrize(("source_tp", "target_tp"), [(2, 1), (2, 2)])
+def test_mla_load_reads_replicated_blocks_pins_every_source_rank_and_releases_once(
+        tmp_path: Path, registry: str, source_tp: int, target_tp: int) -> None:
+    source = _source(tmp_path, registry, source_tp, f"mla{source_tp}to{target_tp}", extra=["--mla"])
+    try:
+        # The READs wait 1.5 s before they are posted (test-only adapter): time to see every source rank pinned.
+        d = tmp_path / f"tgt-{target_tp}"
+        pinned: dict[int, int] = {}
+
+        def watch() -> None:
+            deadline = time.monotonic() + 40
+            while not (d / "reading-0").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            for r in range(source_tp):
+                try:
+                    pinned[r] = source.wait_pins(r, 16, timeout_s=3.0)["total_pins"]
+                except AssertionError:
+                    pinned[r] = -1
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        leader, verify = _run_target(tmp_path, registry, tp=target_tp, source_tp=source_tp,
+                                     extra=["--mla", "--delay-read-s", "1.5"])
+        watcher.join(10)
+        assert leader["match"] == {"matched": 16, "reason": "ok", "worker_id": source.worker_id}
+        assert leader["done"] == ["req-1"] and leader["failed"] == [] and leader["invalid"] == []
+        assert leader["stats"]["bytes"] == 16 * make_layout(num_kv_heads=1).block_bytes * target_tp  # whole blocks
+        for r, v in enumerate(verify):
+            assert v["checked"] == 16 and v["mismatches"] == [], (r, v)
+            assert v["untouched_written"] == [], (r, v)
+        # every source rank held the lease's 16 pins while the READs were open ...
+        assert pinned == {r: 16 for r in range(source_tp)}, pinned
+        # ... and every rank dropped them on the one release (not by expiry: the lease TTL is 10 s)
+        states = [source.wait_pins(r, 0) for r in range(source_tp)]
+        assert states[0]["service"]["leases_released"] == 1, states[0]
+        assert all(st["service"]["leases_expired"] == 0 and st["service"]["leases_open"] == 0 for st in states), \
+            states
     finally:
         report = source.stop()
     assert all(d["total_pins"] == 0 for d in report["done"].values()), report

@@ -13,7 +13,11 @@ Each rank fills a HostPool with hashes ``hash_of(0..N-1)`` (bytes from
   is applied and renamed to ``.done``;
 * ``--file-comm RANK:SIZE`` starts a rank without mpiexec (see :class:`FileComm`);
 * a file ``D/delay-pin-{rank}`` makes this rank's find_and_pin sleep that many
-  seconds first (to kill or freeze a rank in the middle of a resolve).
+  seconds first (to kill or freeze a rank in the middle of a resolve);
+* ``--mla`` makes the worker an MLA one: the fingerprint says ``is_mla=True``
+  with one (latent) kv head, every rank's layout has one kv head, and every
+  rank holds the SAME bytes, ``block_bytes_for(0, hash)`` (MLA KV is
+  replicated across TP ranks).
 
 On the way out every rank shuts the service down, then writes ``D/done-{rank}``
 (so a NIXL crash at interpreter exit, after that, is recognisable as such).
@@ -119,6 +123,8 @@ def main() -> int:
                         "WORKER_ID-gG and its files carry -gG after their stem")
     p.add_argument("--file-comm", default=None, metavar="RANK:SIZE",
                    help="run without MPI: exchange start-up records through files in DIR/comm")
+    p.add_argument("--mla", action="store_true",
+                   help="MLA worker: 1 kv head per rank, is_mla fingerprint, rank 0's bytes on every rank")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args()
 
@@ -142,15 +148,17 @@ def main() -> int:
         r, idx = part.split(":")
         missing[int(r)] = {int(i) for i in idx.split(",") if i}
 
-    layout = make_layout(args.num_blocks)
+    layout = make_layout(args.num_blocks, num_kv_heads=1) if args.mla else make_layout(args.num_blocks)
+    fill_rank = 0 if args.mla else rank  # whose pattern this rank's blocks hold (MLA: replicated)
     pool = DelayablePool(layout, delay_file=d / f"delay-pin{tag}-{rank}")
     keep = [i for i in range(args.hashes) if i not in missing.get(rank, set())]
     hashes = [hash_of(i) for i in keep]
-    pool.store(hashes, [block_bytes_for(rank, h, layout.block_bytes) for h in hashes])
+    pool.store(hashes, [block_bytes_for(fill_rank, h, layout.block_bytes) for h in hashes])
 
     fingerprint = LayoutFingerprint(model_id="synthetic", dtype="bf16", tokens_per_block=layout.tokens_per_block,
                                     kv_layout="HND", num_layers=layout.num_layers,
-                                    num_kv_heads=layout.num_kv_heads * tp, head_dim=layout.head_dim, tp_size=tp)
+                                    num_kv_heads=layout.num_kv_heads if args.mla else layout.num_kv_heads * tp,
+                                    head_dim=layout.head_dim, tp_size=tp, is_mla=args.mla)
     config = SourceConfig(enabled=True, ipc_dir=str(args.ipc_dir or d / "ipc"), max_lease_ttl_ms=args.max_ttl_ms,
                           default_lease_ttl_ms=min(10_000, args.max_ttl_ms), pin_budget_blocks=args.budget,
                           sibling_timeout_ms=args.sibling_timeout_ms,
@@ -172,7 +180,7 @@ def main() -> int:
                 for op in json.loads(cmd.read_text()):
                     hs = [hash_of(i) for i in op["hashes"]]
                     if op["op"] == "store":
-                        pool.store(hs, [block_bytes_for(rank, h, layout.block_bytes) for h in hs])
+                        pool.store(hs, [block_bytes_for(fill_rank, h, layout.block_bytes) for h in hs])
                     elif op["op"] == "remove":
                         pool.remove(hs)
                 os.replace(cmd, cmd.with_suffix(".done"))

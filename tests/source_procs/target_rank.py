@@ -10,12 +10,40 @@ each loaded destination block with what the source ranks hold
 (:func:`expected_block`, using the TP mapping's head slices) and writes
 ``D/verify-{rank}.json``. Ranks > 0 wait for ``leader.json`` on the file
 system, never in MPI (MPICH spins a core while it waits).
+
+Every rank writes ``D/pid-{rank}`` first (so a test can freeze or kill it).
+The leader's ``leader.json`` also holds ``log``: every WARNING the target
+client logged on that rank (a failed load names its reason there); each
+``verify-{rank}.json`` holds the rank's own ``log`` and ``dst_written`` (the
+destination blocks with any non-zero byte).
+
+Options for the failure tests:
+
+* ``--mla``: both sides are MLA (``is_mla``, one latent kv head per rank,
+  replicated: every source rank holds ``block_bytes_for(0, hash)``; the source
+  runs ``source_rank.py --mla``);
+* ``--hash-offset K``: ask for ``hash_of(K..K+N-1)`` (no one holds K >= 32);
+* ``--force-load``: call ``start_load`` with every hash even when the lookup
+  matched nothing (the client then fails the request itself);
+* ``--lease-ttl-ms`` / ``--rpc-timeout-ms``: the TargetConfig fields;
+* ``--delay-read-s S``: fault injection for this test script only. The
+  transfer adapter becomes :class:`DelayedNixlTransfer` (registered here as
+  ``nixl-delayed-read``): the real NIXL adapter, except that each
+  ``start_read`` first writes ``D/reading-{rank}`` and sleeps ``S`` seconds —
+  a stand-in for a slow fabric, which opens a window between resolve and READ
+  in which a test can kill the source or freeze the leader;
+* ``--linger-s S``: once the outcome is known, every rank records which
+  destination blocks hold bytes (``dst_written_at_outcome``), waits ``S``
+  seconds with its client still up, and only then verifies (so a READ that
+  lands after the engine heard the outcome shows in ``dst_written``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 import time
 import traceback
@@ -26,6 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 from source_procs.pattern import block_bytes_for, hash_of, make_layout  # noqa: E402
 
+from remote_g2.adapters.nixl_transfer import NixlTransfer  # noqa: E402
+from remote_g2.adapters.registry import register_adapter  # noqa: E402
 from remote_g2.adapters.secondary_pool import MemoryRegion  # noqa: E402
 from remote_g2.messages import BlockLayout, LayoutFingerprint  # noqa: E402
 from remote_g2.target import TargetConfig, start_target_client  # noqa: E402
@@ -50,9 +80,39 @@ class DestPool:
         return self.buf[b * bb:(b + 1) * bb]
 
 
+class DelayedNixlTransfer(NixlTransfer):
+    """The ``nixl`` adapter with a sleep before every READ is posted (``--delay-read-s``; see the module doc)."""
+
+    delay_s = 0.0
+    marker: Path | None = None
+
+    def start_read(self, agent_name, local_addr, remote_addr, nbytes):  # type: ignore[override]
+        marker = type(self).marker
+        if marker is not None and not marker.exists():
+            marker.write_text(str(time.time()))
+        time.sleep(type(self).delay_s)
+        return super().start_read(agent_name, local_addr, remote_addr, nbytes)
+
+
+class LogLines(logging.Handler):
+    """Keeps the formatted WARNING+ records of the target client (the failure reasons)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.lines.append(record.getMessage()[:2000])
+        except Exception:  # pragma: no cover
+            pass
+
+
 def expected_block(block_hash: bytes, *, rank: int, tp: int, source_tp: int, total_heads: int, is_mla: bool,
                    mla_offset: int) -> np.ndarray:
     """What target rank ``rank``'s copy of the block must hold, built from the source ranks' patterns."""
+    if is_mla:  # every source rank holds rank 0's bytes, one latent head, whole blocks on both sides
+        return block_bytes_for(0, block_hash, make_layout(num_kv_heads=1).block_bytes)
     src = make_layout(num_kv_heads=total_heads // source_tp)
     dst = make_layout(num_kv_heads=total_heads // tp)
     out = np.zeros(dst.block_bytes, dtype=np.uint8)
@@ -80,6 +140,12 @@ def main() -> int:
     p.add_argument("--timeout-ms", type=int, default=5000)
     p.add_argument("--wait-s", type=float, default=30.0)
     p.add_argument("--ipc-dir", required=True)
+    p.add_argument("--hash-offset", type=int, default=0)
+    p.add_argument("--force-load", action="store_true")
+    p.add_argument("--lease-ttl-ms", type=int, default=10_000)
+    p.add_argument("--rpc-timeout-ms", type=int, default=2000)
+    p.add_argument("--delay-read-s", type=float, default=0.0)
+    p.add_argument("--linger-s", type=float, default=0.0)
     args = p.parse_args()
 
     from mpi4py import MPI
@@ -87,26 +153,39 @@ def main() -> int:
     comm = MPI.COMM_WORLD
     rank, tp = comm.Get_rank(), comm.Get_size()
     d = args.dir
-    layout = make_layout(num_blocks=64, num_kv_heads=args.total_heads // tp)
+    (d / f"pid-{rank}").write_text(str(os.getpid()))
+    logs = LogLines()
+    logging.getLogger("remote_g2.target").addHandler(logs)
+    heads_per_rank = 1 if args.mla else args.total_heads // tp
+    layout = make_layout(num_blocks=64, num_kv_heads=heads_per_rank)
     pool = DestPool(layout)
     fp = LayoutFingerprint(model_id="synthetic", dtype="bf16", tokens_per_block=layout.tokens_per_block,
-                           kv_layout="HND", num_layers=layout.num_layers, num_kv_heads=args.total_heads,
+                           kv_layout="HND", num_layers=layout.num_layers,
+                           num_kv_heads=1 if args.mla else args.total_heads,
                            head_dim=layout.head_dim, tp_size=tp, is_mla=args.mla)
-    config = TargetConfig(enabled=True, registry_endpoint=args.registry, transfer="nixl", ipc_dir=args.ipc_dir,
-                          transfer_timeout_ms=args.timeout_ms, rpc_timeout_ms=2000, fingerprint=fp)
+    transfer = "nixl"
+    if args.delay_read_s > 0:
+        DelayedNixlTransfer.delay_s = args.delay_read_s
+        DelayedNixlTransfer.marker = d / f"reading-{rank}"
+        register_adapter("transfer", "nixl-delayed-read", __name__, "DelayedNixlTransfer")
+        transfer = "nixl-delayed-read"
+    config = TargetConfig(enabled=True, registry_endpoint=args.registry, transfer=transfer, ipc_dir=args.ipc_dir,
+                          transfer_timeout_ms=args.timeout_ms, rpc_timeout_ms=args.rpc_timeout_ms,
+                          lease_ttl_ms=args.lease_ttl_ms, fingerprint=fp)
     client = start_target_client(pool, worker_id="target-w", config=config, comm=comm)
-    hashes = [hash_of(i) for i in range(args.hashes)]
+    hashes = [hash_of(args.hash_offset + i) for i in range(args.hashes)]
     try:
         if rank == 0:
             out: dict = {}
             try:
                 m = client.lookup(hashes)
                 out["match"] = {"matched": m.matched, "reason": m.reason, "worker_id": m.worker_id}
-                dst = list(range(args.dst_start, args.dst_start + m.matched))
+                n = len(hashes) if args.force_load and not m.matched else m.matched
+                dst = list(range(args.dst_start, args.dst_start + n))
                 out["dst"] = dst
                 t0 = time.monotonic()
-                if m.matched:
-                    client.start_load("req-1", hashes[:m.matched], dst)
+                if n:
+                    client.start_load("req-1", hashes[:n], dst)
                     done: set[str] = set()
                     failed: set[str] = set()
                     invalid: set[int] = set()
@@ -120,17 +199,22 @@ def main() -> int:
                                seconds=time.monotonic() - t0, stats=client.stats)
             except Exception:
                 out["error"] = traceback.format_exc()
-            (d / "leader.json").write_text(json.dumps(out))
+            out["log"] = list(logs.lines)
+            (d / "leader.json.tmp").write_text(json.dumps(out))
+            os.replace(d / "leader.json.tmp", d / "leader.json")
         else:
             deadline = time.monotonic() + args.wait_s + 30
             while not (d / "leader.json").exists() and time.monotonic() < deadline:
                 time.sleep(0.01)
         leader = json.loads((d / "leader.json").read_text())
+        at_outcome = [b for b in leader.get("dst", []) if pool.block(b).any()]
+        if args.linger_s > 0:
+            time.sleep(args.linger_s)
         mismatches, checked = [], 0
         invalid = set(leader.get("invalid", []))
         if leader.get("done"):
             import zlib
-            mla_offset = zlib.crc32(b"target-w") % args.source_tp
+            mla_offset = zlib.crc32(b"target-w") % args.source_tp  # what the client uses
             for i, b in enumerate(leader["dst"]):
                 if b in invalid:
                     continue
@@ -141,8 +225,12 @@ def main() -> int:
                     mismatches.append(b)
         untouched = [b for b in range(layout.num_blocks) if b not in leader.get("dst", [])
                      and pool.block(b).any()]
+        dst_written = [b for b in leader.get("dst", []) if pool.block(b).any()]
         (d / f"verify-{rank}.json").write_text(json.dumps({"checked": checked, "mismatches": mismatches,
-                                                           "untouched_written": untouched}))
+                                                           "untouched_written": untouched,
+                                                           "dst_written": dst_written,
+                                                           "dst_written_at_outcome": at_outcome,
+                                                           "log": list(logs.lines)}))
     finally:
         client.shutdown()
         (d / f"done-{rank}").write_text("ok")
