@@ -38,6 +38,7 @@ bench: venv redis
 	$(VPY) bench/bench_pool_index.py --json bench/results/pool_index.json
 	$(VPY) bench/bench_registry.py --json bench/results/registry.json
 	$(VPY) bench/bench_source.py --json bench/results/source.json
+	$(VPY) bench/bench_transfer.py --json bench/results/transfer.json
 
 clean:
 	rm -rf build $(VENV) .pytest_cache bench/results

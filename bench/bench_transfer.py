@@ -1,0 +1,379 @@
+"""End-to-end remote fetch vs a raw NIXL READ of the same descriptors vs memcpy, TP=2 -> 2 (issue 5, "Measured").
+
+Everything real, on this machine: a registry (memory store) in this process;
+a source worker ``mpiexec -n 2 bench/transfer_procs/source_rank.py`` whose
+ranks each hold a HostPool of ``--mib / 2`` MiB in blocks of ``B`` KiB (known
+bytes; stored in a random order, so each block is one READ descriptor; with
+``--source-layout contiguous`` everything coalesces to one per rank), and
+a target worker ``mpiexec -n 2 bench/transfer_procs/target_rank.py`` with the
+real target client (NIXL over UCX; on one host UCX copies with ``cma``).
+
+Per block size, target rank 0 times R requests end to end — ``lookup`` (registry
+RPC) -> ``start_load`` (resolve RPC to the source, IPC fan-out to rank 1, each
+rank plans and issues its own READ) -> ``get_finished`` polled every
+``--poll-us`` until done (after both ranks reported and the lease was
+released) — every request moving ``--mib`` MiB into the same destination blocks.
+Interleaved with them (order alternating each round, so noise hits all):
+
+* ``raw``: each target rank re-issues, from a second bare NIXL agent of its
+  own, exactly the descriptors its client READ used, both ranks starting at
+  one shared instant; the time is until the slower rank's READ is done;
+* ``memcpy``: each rank copies the same number of bytes with numpy, same start.
+
+The first request and the raw warm-up are checked byte for byte on every rank
+(and excluded from the medians, with the first request's time reported); so is
+the last request (its destination zeroed first). A wrong byte aborts the bench.
+The same is then done with 1-block requests (the per-request fixed cost).
+Every rank timestamps the client's steps (RPCs, READ posts, hand-offs); the
+medians of those phases are the breakdown table.
+
+    python bench/bench_transfer.py [--blocks-kib 64,1024] [--mib 64] [--reps 20] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+PROCS = HERE / "transfer_procs"
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+TP = 2
+TARGET_RATIO = 0.70
+
+sys.path.insert(0, str(HERE))
+
+from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer  # noqa: E402
+
+
+class BenchError(Exception):
+    pass
+
+
+class Proc:
+    """A child (mpiexec and its ranks) in its own session, output to ``log``; stopped by its process group."""
+
+    def __init__(self, cmd: list[str], log: Path) -> None:
+        self.log_path = log
+        self._log = open(log, "wb")
+        env = {**os.environ, "UCX_LOG_LEVEL": os.environ.get("UCX_LOG_LEVEL", "fatal")}
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     cwd=REPO, env=env)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait(self, timeout_s: float) -> int | None:
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+        if not self._log.closed:
+            self._log.close()
+
+    def tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+
+def _wait_file(path: Path, proc: Proc, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if not proc.alive() or time.monotonic() > deadline:
+            raise BenchError(f"{what} (rc={proc.proc.poll()}):\n{proc.tail()}")
+        time.sleep(0.05)
+
+
+def run_config(kib: int, args: argparse.Namespace, registry: str, tmp: Path) -> dict[str, Any]:
+    per_rank = (args.mib << 20) // TP
+    n = per_rank // (kib * 1024)
+    src_dir, tgt_dir = tmp / f"src-{kib}", tmp / f"tgt-{kib}"
+    src_dir.mkdir()
+    tgt_dir.mkdir()
+    ipc = tempfile.mkdtemp(prefix="rg2b-")  # short: unix socket paths are limited to 107 bytes
+    worker = f"bench-src-{kib}k-{os.getpid()}"
+    py = sys.executable
+    src = Proc([str(MPIEXEC), "-n", str(TP), py, str(PROCS / "source_rank.py"), "--dir", str(src_dir),
+                "--worker-id", worker, "--block-kib", str(kib), "--hashes", str(n), "--layout", args.source_layout,
+                "--registry", registry, "--ipc-dir", ipc], src_dir / "mpiexec.log")
+    tgt: Proc | None = None
+    try:
+        _wait_file(src_dir / "endpoint.json", src, 90, "the source worker did not start")
+        with RegistryClient(registry) as reg:
+            deadline = time.monotonic() + 30
+            while (rec := reg.worker_info(worker)) is None or rec.blocks != n:
+                if time.monotonic() > deadline:
+                    raise BenchError(f"the registry never showed the source's {n} blocks (last: {rec})")
+                time.sleep(0.05)
+        tgt = Proc([str(MPIEXEC), "-n", str(TP), py, str(PROCS / "target_rank.py"), "--dir", str(tgt_dir),
+                    "--registry", registry, "--worker-id", f"bench-tgt-{kib}k-{os.getpid()}", "--block-kib", str(kib),
+                    "--hashes", str(n), "--reps", str(args.reps), "--poll-us", str(args.poll_us),
+                    "--ipc-dir", ipc], tgt_dir / "mpiexec.log")
+        rc = tgt.wait(args.timeout_s)
+        if rc is None:
+            raise BenchError(f"the target worker did not finish in {args.timeout_s} s:\n{tgt.tail()}")
+        if not (tgt_dir / "result.json").exists():  # results are written before NIXL is torn down
+            raise BenchError(f"the target wrote no result (rc={rc}):\n{tgt.tail()}")
+        result = json.loads((tgt_dir / "result.json").read_text())
+        if "error" in result:
+            raise BenchError(f"{kib} KiB: {result['error']}\n{result.get('traceback', '')}\n{tgt.tail()}")
+        events = []
+        for r in range(TP):
+            path = tgt_dir / f"events-{r}.json"
+            if not path.exists():
+                raise BenchError(f"target rank {r} wrote no events (rc={rc}):\n{tgt.tail()}")
+            events.append(json.loads(path.read_text()))
+        result["target_rc"] = rc
+        result["loadavg_after"] = os.getloadavg()
+        result["pins_after"] = _source_pins_back_to_zero(src_dir, src)
+    finally:
+        if tgt is not None:
+            tgt.kill()
+        (src_dir / "stop").touch()
+        if src.wait(20) is None:
+            print(f"warning: the {kib} KiB source did not stop in 20 s; killed", file=sys.stderr)
+        src.kill()
+        shutil.rmtree(ipc, ignore_errors=True)
+    result["breakdown"], result["breakdown_rows"] = {}, {}
+    for kind in ("full", "one"):
+        result["breakdown"][kind], result["breakdown_rows"][kind] = breakdown(result[kind], events)
+    return result
+
+
+def _source_pins_back_to_zero(src_dir: Path, src: Proc) -> list[int]:
+    """Every source rank's pin count, once a state written after now shows zero (10 s at most)."""
+    t_call = time.time()
+    deadline = time.monotonic() + 10
+    pins: list[int] = [-1] * TP
+    while time.monotonic() < deadline:
+        for r in range(TP):
+            try:
+                st = json.loads((src_dir / f"state-{r}.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if st["t"] >= t_call:
+                pins[r] = st["total_pins"]
+        if all(p == 0 for p in pins):
+            return pins
+        time.sleep(0.05)
+    raise BenchError(f"source pins did not return to zero: {pins}\n{src.tail()}")
+
+
+# -- analysis -------------------------------------------------------------------------------------
+
+def _med(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def breakdown(series: dict[str, Any], events: list[list[list[Any]]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Each timed request of ``series`` cut into phases (seconds) from every rank's timestamps, and their medians.
+
+    The critical path (they add up to the end-to-end time): ``lookup`` (registry
+    RPC), ``handoff`` (start_load until the coordinator picks it up), ``resolve``
+    (until the resolve RPC returned), ``reads`` (until the leader has heard from
+    the last rank: fan-out, both ranks' READs, reports), ``release`` (release RPC
+    and bookkeeping), ``notice`` (until the polling loop saw it). The rest are
+    details inside ``reads``.
+    """
+    rows: list[dict[str, float]] = []
+    for req in series["e2e"]:
+        t0, t1 = req["t0"], req["t_end"]
+
+        def inside(rank: int, what: str) -> list[list[Any]]:
+            return [e for e in events[rank] if e[0] == what and t0 <= e[1] <= t1]
+
+        try:
+            begin = inside(0, "begin")[0]
+            resolve = inside(0, "rpc:Resolve")[0]
+            fanout = inside(0, "rpc:TargetLoad")
+            release = inside(0, "rpc:Release")[0]
+            complete = inside(0, "complete")[0]
+            done = inside(0, "rank_done")
+            reads = [inside(r, "start_read")[0] for r in range(TP)]
+            submits = [inside(r, "submit")[0] for r in range(TP)]
+            reports = inside(1, "rpc:TargetDone")
+        except IndexError:
+            continue  # a timestamp fell outside the window; skip this request
+        last_done = max(e[1] for e in done)
+        row = {
+            "e2e": t1 - t0,
+            "lookup": req["t_lookup"] - t0,
+            "handoff": begin[1] - req["t_lookup"],
+            "resolve": resolve[2] - begin[1],
+            "reads": last_done - resolve[2],
+            "release": complete[2] - last_done,
+            "notice": t1 - complete[2],
+            # details
+            "resolve_rpc": resolve[2] - resolve[1],
+            "release_rpc": release[2] - release[1],
+            "fanout_rpc": (fanout[0][2] - fanout[0][1]) if fanout else None,
+            "rank0_wake": reads[0][1] - submits[0][1],
+            "rank0_read": reads[0][2] - reads[0][1],
+            "rank1_handed": submits[1][1] - resolve[2],
+            "rank1_wake": reads[1][1] - submits[1][1],
+            "rank1_read": reads[1][2] - reads[1][1],
+            "rank1_report_rpc": (reports[0][2] - reports[0][1]) if reports else None,
+            "read_span": max(r[2] for r in reads) - min(r[1] for r in reads),
+            "reads_overlap": min(r[2] for r in reads) - max(r[1] for r in reads),
+            "after_reads": last_done - max(r[2] for r in reads),
+        }
+        row["outside_reads"] = row["e2e"] - row["read_span"]
+        rows.append(row)
+    if not rows:
+        return {"requests": 0}, rows
+    keys = rows[0].keys()
+    return {"requests": len(rows), **{k: _med([r[k] for r in rows]) for k in keys}}, rows
+
+
+def summarize(kib: int, res: dict[str, Any]) -> dict[str, Any]:
+    full, one = res["full"], res["one"]
+    nbytes = full["bytes"]
+    e2e = [r["s"] for r in full["e2e"]]
+    raw = [r["s"] for r in full["raw"]]
+    mem = [r["s"] for r in full["memcpy"]]
+    e2e_s, raw_s, mem_s = statistics.median(e2e), statistics.median(raw), statistics.median(mem)
+    ratio = raw_s / e2e_s
+    one_e2e = [r["s"] for r in one["e2e"]]
+    one_raw = [r["s"] for r in one["raw"]]
+    return {
+        "block_kib": kib,
+        "blocks_per_rank": full["blocks"],
+        "descriptors_per_rank": full["raw"][0]["descriptors"],
+        "bytes_per_request": nbytes,
+        "e2e_s": e2e_s, "e2e_gb_per_s": nbytes / e2e_s / 1e9,
+        "raw_s": raw_s, "raw_gb_per_s": nbytes / raw_s / 1e9,
+        "memcpy_s": mem_s, "memcpy_gb_per_s": nbytes / mem_s / 1e9,
+        "ratio_e2e_over_raw": ratio, "ratio_paired_median": statistics.median(b / a for a, b in zip(e2e, raw)),
+        "target_ratio": TARGET_RATIO, "target_met": ratio >= TARGET_RATIO,
+        "fixed_cost_s": statistics.median(a - b for a, b in zip(e2e, raw)),
+        "outside_reads_s": res["breakdown"]["full"].get("outside_reads"),
+        "first_request_s": full["warmup_e2e"]["s"],
+        "one_block_e2e_s": statistics.median(one_e2e),
+        "one_block_raw_s": statistics.median(one_raw),
+        "one_block_fixed_s": statistics.median(a - b for a, b in zip(one_e2e, one_raw)),
+        "runs": {"e2e_s": e2e, "raw_s": raw, "memcpy_s": mem, "raw_rank_s": [r["rank_s"] for r in full["raw"]],
+                 "raw_start_late_s": [r.get("start_late_s") for r in full["raw"]],
+                 "memcpy_rank_s": [r["rank_s"] for r in full["memcpy"]], "one_e2e_s": one_e2e,
+                 "one_raw_s": one_raw},
+        "client_stats": res.get("client_stats"),
+        "loadavg_after": res.get("loadavg_after"),
+        "pins_after": res.get("pins_after"),
+        "breakdown_ms": {k: {p: (None if v is None else (v * 1e3 if p != "requests" else v))
+                             for p, v in b.items()} for k, b in res["breakdown"].items()},
+        "breakdown_rows_ms": {k: [{p: None if v is None else v * 1e3 for p, v in row.items()} for row in rows]
+                              for k, rows in res["breakdown_rows"].items()},
+    }
+
+
+def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(f"TP={TP}->{TP}, {args.mib} MiB per request ({args.mib // TP} MiB per rank), median of {args.reps}; "
+          f"source blocks {args.source_layout}; NIXL {_nixl_version()} UCX; {os.cpu_count()} CPUs, "
+          f"load avg {os.getloadavg()[0]:.2f}")
+    hdr = (f"{'block':>6} {'desc/rk':>7} {'e2e ms':>7} {'e2e GB/s':>8} {'raw ms':>7} {'raw GB/s':>8} "
+           f"{'memcpy':>7} {'e2e/raw':>7} {'paired':>6} {'>=0.70':>6} {'fixed ms':>8} {'1st ms':>7} {'1blk e2e':>8} "
+           f"{'1blk raw':>8}")
+    print(hdr)
+    for r in rows:
+        print(f"{str(r['block_kib']) + 'K':>6} {max(r['descriptors_per_rank']):>7} {r['e2e_s'] * 1e3:>7.2f} "
+              f"{r['e2e_gb_per_s']:>8.2f} {r['raw_s'] * 1e3:>7.2f} {r['raw_gb_per_s']:>8.2f} "
+              f"{r['memcpy_gb_per_s']:>7.2f} {r['ratio_e2e_over_raw']:>7.2f} {r['ratio_paired_median']:>6.2f} "
+              f"{'yes' if r['target_met'] else 'NO':>6} {r['fixed_cost_s'] * 1e3:>8.2f} "
+              f"{r['first_request_s'] * 1e3:>7.1f} {r['one_block_e2e_s'] * 1e3:>8.2f} "
+              f"{r['one_block_raw_s'] * 1e3:>8.3f}")
+    print("  e2e/raw: ratio of the medians (the target); paired: median of the per-round ratios; memcpy: GB/s;\n"
+          "  fixed: median of (e2e - raw) per round; 1st: the first request (connects, loads metadata);\n"
+          "  1blk: a 1-block request, ms")
+    phases = ["lookup", "handoff", "resolve", "reads", "release", "notice"]
+    details = ["resolve_rpc", "release_rpc", "fanout_rpc", "rank0_wake", "rank0_read", "rank1_handed",
+               "rank1_wake", "rank1_read", "rank1_report_rpc", "reads_overlap", "after_reads", "outside_reads"]
+    print("\nwhere a request's time goes (median ms; the first six add up to e2e):")
+    print(f"{'':>12}" + "".join(f"{str(r['block_kib']) + 'K ' + k:>12}" for r in rows for k in ("full", "1-blk")))
+    for p in ["e2e", *phases, *details]:
+        cells = []
+        for r in rows:
+            for k in ("full", "one"):
+                v = r["breakdown_ms"][k].get(p)
+                cells.append(f"{'-' if v is None else f'{v:.3f}':>12}")
+        print(f"{p:>12}" + "".join(cells))
+
+
+def _nixl_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nixl")
+    except PackageNotFoundError:
+        return "?"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--blocks-kib", default="64,1024", help="block sizes per rank-slice, KiB, comma-separated")
+    p.add_argument("--mib", type=int, default=64, help="bytes per request over both ranks, MiB (at most 512)")
+    p.add_argument("--reps", type=int, default=20, help="timed requests per size (median; at most 100)")
+    p.add_argument("--source-layout", choices=("scattered", "contiguous"), default="scattered",
+                   help="scattered: one descriptor per block; contiguous: one per rank (everything coalesces)")
+    p.add_argument("--poll-us", type=float, default=200.0, help="get_finished polling interval (µs)")
+    p.add_argument("--timeout-s", type=float, default=150.0, help="per block size, for the target worker")
+    p.add_argument("--json", type=Path, help="also write the results here (parent directories are created)")
+    args = p.parse_args()
+    kibs = [int(x) for x in args.blocks_kib.split(",") if x.strip()]
+    if not 0 < args.mib <= 512 or not 0 < args.reps <= 100 or not kibs:
+        p.error("need 0 < --mib <= 512, 0 < --reps <= 100 and at least one block size")
+    for k in kibs:
+        if k <= 0 or k % 4 or ((args.mib << 20) // TP) % (k * 1024):
+            p.error(f"block size {k} KiB must be a multiple of 4 KiB dividing {args.mib // TP} MiB")
+    if not MPIEXEC.exists():
+        p.error(f"{MPIEXEC} not found (pip install mpich)")
+
+    server = RegistryServer(MemoryStore(lease_ttl_ms=30_000), bind="tcp://127.0.0.1:0")
+    registry = server.start()
+    results: dict[int, dict[str, Any]] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="rg2-bench-transfer-") as tmp:
+            for kib in kibs:
+                t = time.monotonic()
+                results[kib] = run_config(kib, args, registry, Path(tmp))
+                print(f"[{kib} KiB blocks: {time.monotonic() - t:.1f} s]", file=sys.stderr, flush=True)
+    except BenchError as e:
+        print(f"bench_transfer: FAILED: {e}", file=sys.stderr)
+        return 1
+    finally:
+        server.close()
+    rows = [summarize(k, results[k]) for k in kibs]
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "benchmark": "transfer", "tp": TP, "mib": args.mib, "reps": args.reps,
+            "source_layout": args.source_layout, "poll_us": args.poll_us, "nixl": _nixl_version(),
+            "cpus": os.cpu_count(), "machine": platform.machine(), "loadavg": os.getloadavg(),
+            "target_ratio": TARGET_RATIO, "rows": rows}, indent=2))
+    print_tables(rows, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

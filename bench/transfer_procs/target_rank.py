@@ -1,0 +1,387 @@
+"""One TP rank of the transfer benchmark's target worker (``mpiexec -n TP python target_rank.py ...``).
+
+Every rank starts a target client (transfer adapter: the real NIXL one with
+timestamps, :class:`~transfer_procs.common.RecordingNixl`) over a destination
+pool of ``--hashes`` blocks, plus a second, bare NIXL agent of its own for the
+raw baseline, registered on the same destination memory.
+
+Rank 0 drives the run and the other ranks follow commands it writes as files
+(``DIR/cmd-{seq}.json``; each rank answers ``DIR/ack-{seq}-{rank}.json``):
+nobody waits in MPI after start-up. Commands: ``zero`` / ``check`` the first
+``n`` destination blocks (byte-exact against ``rank_stream``; a wrong byte
+aborts), ``raw`` (re-issue, with the bare agent, exactly the descriptors the
+client's READ of that many bytes used, starting at the shared instant ``t0``),
+``memcpy`` (numpy copy of the same bytes at ``t0``), ``stop``.
+
+Rank 0's sequence: a warm-up request (checked), a raw warm-up (zeroed, then
+checked) and memcpy; then ``--reps`` rounds of {e2e request, raw READ, memcpy}
+with the order alternating (the last e2e request zeroed first and checked);
+then the same for 1-block requests. Each e2e request is
+``lookup -> start_load -> get_finished`` polled every ``--poll-us`` into the
+same destination blocks ``0..n-1`` (reused by every request).
+
+Results (``DIR/result.json``, rank 0) and every rank's timestamps
+(``DIR/events-{rank}.json``) are written before NIXL is torn down; then
+``DIR/done-{rank}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+from transfer_procs import common  # noqa: E402
+from transfer_procs.common import (  # noqa: E402
+    EVENTS,
+    RecordingNixl,
+    fingerprint_for,
+    hash_of,
+    make_layout,
+    rank_stream,
+    read_json,
+    record,
+    write_json,
+)
+
+from remote_g2.adapters.nixl_transfer import NixlTransfer  # noqa: E402
+from remote_g2.adapters.secondary_pool import MemoryRegion  # noqa: E402
+from remote_g2.messages import BlockLayout  # noqa: E402
+from remote_g2.target import TargetConfig, start_target_client  # noqa: E402
+
+CMD_TIMEOUT_S = 60.0
+RAW_TIMEOUT_S = 30.0
+
+
+class Abort(Exception):
+    """The run cannot go on (a wrong byte, a failed request, a rank that stopped answering)."""
+
+
+class DestPool:
+    """The rank's destination memory: a zeroed page-aligned buffer of ``num_blocks`` blocks."""
+
+    def __init__(self, layout: BlockLayout) -> None:
+        self._layout = layout
+        n = layout.num_blocks * layout.block_bytes
+        raw = np.zeros(n + 4096, dtype=np.uint8)
+        off = (-raw.ctypes.data) % 4096
+        self._raw = raw
+        self.buf = raw[off:off + n]
+
+    def layout(self) -> BlockLayout:
+        return self._layout
+
+    def regions(self) -> list[MemoryRegion]:
+        return [MemoryRegion(self.buf.ctypes.data, self.buf.nbytes)]
+
+
+def instrument_rpc() -> None:
+    """Timestamp every RPC this process makes (registry lookup, resolve, release, fan-out, reports)."""
+    from remote_g2.rpc_client import RpcClient
+
+    orig = RpcClient.call
+
+    def call(self: Any, request: Any, *, timeout_ms: float | None = None) -> Any:
+        t0 = time.monotonic()
+        try:
+            return orig(self, request, timeout_ms=timeout_ms)
+        finally:
+            record("rpc:" + type(request).__name__, t0, time.monotonic())
+
+    RpcClient.call = call  # type: ignore[method-assign]
+
+
+def instrument_client(client: Any) -> None:
+    """Timestamp the client's internal steps by wrapping instance attributes (nothing in target/ changes)."""
+    worker = client._worker
+    submit = worker.submit
+
+    def timed_submit(load: Any) -> None:
+        record("submit", time.monotonic(), None, load.load_id)
+        submit(load)
+
+    worker.submit = timed_submit
+    if client.rank != 0:
+        return
+    for name in ("_begin", "_complete"):
+        orig = getattr(client, name)
+
+        def wrapped(*a: Any, _orig: Any = orig, _name: str = name) -> Any:
+            t0 = time.monotonic()
+            try:
+                return _orig(*a)
+            finally:
+                record(_name.lstrip("_"), t0, time.monotonic())
+
+        setattr(client, name, wrapped)
+    rank_done = client._rank_done
+
+    def timed_rank_done(done: Any) -> None:
+        record("rank_done", time.monotonic(), None, [done.rank, done.load_id, done.ok])
+        rank_done(done)
+
+    client._rank_done = timed_rank_done
+
+
+def wait_until(t: float) -> None:
+    """Sleep until ~2 ms before ``t``, then spin (so every rank starts within microseconds of ``t``)."""
+    while True:
+        left = t - time.monotonic()
+        if left <= 0:
+            return
+        if left > 0.002:
+            time.sleep(left - 0.002)
+
+
+class Rank:
+    def __init__(self, args: argparse.Namespace, rank: int, tp: int, pool: DestPool, client: Any,
+                 raw: NixlTransfer) -> None:
+        self.args, self.rank, self.tp, self.pool, self.client, self.raw = args, rank, tp, pool, client, raw
+        self.bb = pool.layout().block_bytes
+        self.expected = rank_stream(rank, args.block_kib, args.hashes * self.bb)  # same TP: source rank == ours
+        self.scratch = np.zeros_like(self.expected)
+
+    def execute(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        op = cmd["op"]
+        if op == "zero":
+            self.pool.buf[:cmd["n"] * self.bb] = 0
+            return {}
+        if op == "check":
+            n = cmd["n"]
+            got = self.pool.buf[:n * self.bb].reshape(n, self.bb)
+            want = self.expected[:n * self.bb].reshape(n, self.bb)
+            bad = np.flatnonzero((got != want).any(axis=1))
+            return {"bytes_ok": bad.size == 0, "bad_blocks": bad[:10].tolist(), "num_bad": int(bad.size)}
+        if op == "raw":
+            return self.raw_read(cmd["nbytes"], cmd["t0"])
+        if op == "memcpy":
+            n = cmd["nbytes"]
+            wait_until(cmd["t0"])
+            t_start = time.monotonic()
+            np.copyto(self.scratch[:n], self.expected[:n])
+            return {"t_start": t_start, "t_end": time.monotonic()}
+        if op == "stop":
+            return {}
+        raise Abort(f"unknown command {op!r}")
+
+    def raw_read(self, nbytes: int, t0: float) -> dict[str, Any]:
+        rec = RecordingNixl.instances[0]
+        if nbytes not in rec.reads:
+            raise Abort(f"rank {self.rank}: the client never read {nbytes} bytes; nothing to replay")
+        peer, local, remote, sizes = rec.reads[nbytes]
+        if not self.raw.has_peer(peer):
+            self.raw.add_peer(peer, rec.peer_metadata[peer])
+        wait_until(t0)
+        t_start = time.monotonic()
+        h = self.raw.start_read(peer, local, remote, sizes)
+        t_post = time.monotonic()
+        try:
+            while (state := self.raw.poll(h)) == "pending":
+                if time.monotonic() - t_start > RAW_TIMEOUT_S:
+                    raise Abort(f"rank {self.rank}: raw READ not done in {RAW_TIMEOUT_S} s")
+                time.sleep(0.0002)
+            t_end = time.monotonic()
+        finally:
+            self.raw.release(h)
+        if state != "done":
+            raise Abort(f"rank {self.rank}: raw READ ended in {state}")
+        return {"t_start": t_start, "t_post": t_post, "t_end": t_end, "descriptors": len(sizes)}
+
+
+def follow(r: Rank, d: Path, deadline: float) -> None:
+    """Ranks > 0: run rank 0's commands until ``stop`` (files only; sleeps between looks)."""
+    seq = 0
+    while True:
+        path = d / f"cmd-{seq}.json"
+        while not path.exists():
+            if (d / "abort").exists() or time.monotonic() > deadline:
+                return
+            time.sleep(0.002)
+        cmd = read_json(path)
+        try:
+            out = {"ok": True, **r.execute(cmd)}
+        except Exception as e:
+            out = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        write_json(d / f"ack-{seq}-{r.rank}.json", out)
+        if cmd["op"] == "stop":
+            return
+        seq += 1
+
+
+class Driver:
+    """Rank 0: the sequence of requests and commands; everything it measures goes to ``result``."""
+
+    def __init__(self, r: Rank, d: Path) -> None:
+        self.r, self.d, self.seq, self.req = r, d, 0, 0
+        self.kib = r.args.block_kib
+        self.poll_s = r.args.poll_us / 1e6
+
+    def broadcast(self, cmd: dict[str, Any]) -> list[dict[str, Any]]:
+        """Run ``cmd`` on every rank (this one included); every rank's answer, by rank."""
+        write_json(self.d / f"cmd-{self.seq}.json", cmd)
+        try:
+            mine = {"ok": True, **self.r.execute(cmd)}
+        except Abort as e:
+            mine = {"ok": False, "error": str(e)}
+        out = [mine]
+        deadline = time.monotonic() + CMD_TIMEOUT_S
+        for rank in range(1, self.r.tp):
+            path = self.d / f"ack-{self.seq}-{rank}.json"
+            while not path.exists():
+                if time.monotonic() > deadline:
+                    raise Abort(f"rank {rank} did not answer {cmd['op']} in {CMD_TIMEOUT_S} s")
+                time.sleep(0.001)
+            out.append(read_json(path))
+        self.seq += 1
+        bad = [f"rank {i}: {a.get('error') or a}" for i, a in enumerate(out) if not a.get("ok", True)]
+        if bad:
+            raise Abort(f"{cmd['op']} failed: " + "; ".join(bad))
+        return out
+
+    def e2e(self, n: int, kind: str, rep: int) -> dict[str, Any]:
+        client = self.r.client
+        hashes = [hash_of(self.kib, i) for i in range(n)]
+        self.req += 1
+        req = f"req-{self.req}"
+        t0 = time.monotonic()
+        m = client.lookup(hashes)
+        t_lookup = time.monotonic()
+        if m.matched != n:
+            raise Abort(f"lookup of {n} hashes matched {m.matched} ({m.reason})")
+        client.start_load(req, hashes, list(range(n)))
+        t_started = time.monotonic()
+        while True:
+            done, failed = client.get_finished()
+            if req in done:
+                break
+            if req in failed:
+                bad = sorted(client.invalid_block_ids())[:8]
+                raise Abort(f"{req} failed (see the rank logs); invalid blocks {bad}")
+            if time.monotonic() - t0 > 30:
+                raise Abort(f"{req} did not finish in 30 s")
+            time.sleep(self.poll_s)
+        t_end = time.monotonic()
+        invalid = client.invalid_block_ids()
+        if invalid:
+            raise Abort(f"{req} done but blocks {sorted(invalid)[:8]} are invalid")
+        record("e2e", t0, t_end, [kind, rep])
+        return {"t0": t0, "t_lookup": t_lookup, "t_started": t_started, "t_end": t_end, "s": t_end - t0}
+
+    def synced(self, op: str, nbytes: int) -> dict[str, Any]:
+        t0 = time.monotonic() + 0.02
+        acks = self.broadcast({"op": op, "nbytes": nbytes, "t0": t0})
+        return {"t0": t0, "s": max(a["t_end"] for a in acks) - t0,
+                "rank_s": [a["t_end"] - a["t_start"] for a in acks],
+                "start_late_s": [a["t_start"] - t0 for a in acks],
+                "post_s": [a["t_post"] - a["t_start"] for a in acks if "t_post" in a],
+                "descriptors": [a["descriptors"] for a in acks if "descriptors" in a]}
+
+    def check(self, n: int, what: str) -> None:
+        acks = self.broadcast({"op": "check", "n": n})
+        bad = {rank: a for rank, a in enumerate(acks) if not a["bytes_ok"]}
+        if bad:
+            raise Abort(f"WRONG BYTES after {what}: " + "; ".join(
+                f"rank {rank}: {a['num_bad']} bad block(s), first {a['bad_blocks']}" for rank, a in bad.items()))
+
+    def series(self, n: int, kind: str, reps: int, with_memcpy: bool) -> dict[str, Any]:
+        bb = self.r.bb
+        per_rank = n * bb
+        out: dict[str, Any] = {"blocks": n, "bytes": per_rank * self.r.tp, "e2e": [], "raw": [], "memcpy": []}
+        # warm-up: the first request of this size (checked), the raw agent's first READ (zeroed, checked)
+        self.broadcast({"op": "zero", "n": n})
+        out["warmup_e2e"] = self.e2e(n, kind, -1)
+        self.check(n, f"the first {kind} request")
+        self.broadcast({"op": "zero", "n": n})
+        out["warmup_raw"] = self.synced("raw", per_rank)
+        self.check(n, f"the first raw {kind} READ")
+        if with_memcpy:
+            self.synced("memcpy", per_rank)
+        for rep in range(reps):
+            last = rep == reps - 1
+            steps = ["e2e", "raw", "memcpy"] if rep % 2 == 0 else ["raw", "memcpy", "e2e"]
+            for step in steps:
+                if step == "e2e":
+                    if last:
+                        self.broadcast({"op": "zero", "n": n})
+                    out["e2e"].append(self.e2e(n, kind, rep))
+                    if last:
+                        self.check(n, f"the last {kind} request")
+                elif step == "raw":
+                    out["raw"].append(self.synced("raw", per_rank))
+                elif with_memcpy:
+                    out["memcpy"].append(self.synced("memcpy", per_rank))
+        return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir", required=True, type=Path)
+    p.add_argument("--registry", required=True)
+    p.add_argument("--worker-id", required=True)
+    p.add_argument("--block-kib", type=int, required=True)
+    p.add_argument("--hashes", type=int, required=True)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--poll-us", type=float, default=200.0, help="get_finished polling interval of the bench loop")
+    p.add_argument("--ipc-dir", required=True)
+    p.add_argument("--lifetime-s", type=float, default=240.0)
+    args = p.parse_args()
+    logging.basicConfig(level="WARNING", format=f"%(asctime)s %(levelname)s [pid {os.getpid()}] %(name)s: %(message)s")
+
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, tp = comm.Get_rank(), comm.Get_size()
+    d: Path = args.dir
+    deadline = time.monotonic() + args.lifetime_s
+    layout = make_layout(args.block_kib, args.hashes)
+    pool = DestPool(layout)
+    instrument_rpc()
+    config = TargetConfig(enabled=True, registry_endpoint=args.registry, transfer="transfer_procs.common:RecordingNixl",
+                          ipc_dir=args.ipc_dir, transfer_timeout_ms=20_000, rpc_timeout_ms=5_000,
+                          fingerprint=fingerprint_for(layout, tp))
+    client = start_target_client(pool, worker_id=args.worker_id, config=config, comm=comm)
+    instrument_client(client)
+    raw = NixlTransfer(f"bench-raw-{args.worker_id}-tp{rank}")
+    try:
+        raw.register_local(pool.regions())
+        r = Rank(args, rank, tp, pool, client, raw)
+        if rank == 0:
+            drv = Driver(r, d)
+            result: dict[str, Any] = {"tp": tp, "block_kib": args.block_kib, "hashes": args.hashes,
+                                      "reps": args.reps, "poll_us": args.poll_us}
+            try:
+                result["full"] = drv.series(args.hashes, "full", args.reps, with_memcpy=True)
+                result["one"] = drv.series(1, "one", args.reps, with_memcpy=False)
+                result["client_stats"] = dict(client.stats)
+            except Exception as e:
+                result["error"] = f"{type(e).__name__}: {e}"
+                if not isinstance(e, Abort):
+                    result["traceback"] = traceback.format_exc()
+                (d / "abort").touch()
+            write_json(d / "result.json", result)
+            if "error" not in result:
+                try:
+                    drv.broadcast({"op": "stop"})
+                except Abort:
+                    pass
+        else:
+            follow(r, d, deadline)
+        common._events_on.clear()
+        write_json(d / f"events-{rank}.json", [list(e) for e in EVENTS])
+    finally:
+        client.shutdown()
+        raw.close()
+        (d / f"done-{rank}").write_text("ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
