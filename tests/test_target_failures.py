@@ -43,7 +43,7 @@ from pathlib import Path
 import pytest
 from source_procs.harness import MPIEXEC, SourceWorker, have_mpiexec
 
-from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer
+from remote_g2.registry import MemoryStore, RegistryServer
 
 pytestmark = [
     pytest.mark.mpi,
@@ -76,15 +76,12 @@ def _start_source(directory: Path, registry: str, name: str) -> SourceWorker:
     worker = SourceWorker(directory, f"{name}-{os.getpid()}", np=2,
                           args=["--registry", registry, "--sibling-timeout-ms", "500",
                                 "--sibling-retry-after-ms", "300"])
-    with RegistryClient(registry) as reg:
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            rec = reg.worker_info(worker.worker_id)
-            if rec is not None and rec.blocks == 32:
-                return worker
-            time.sleep(0.05)
-    worker.kill()
-    raise AssertionError("the source never showed its 32 blocks in the registry")
+    try:
+        worker.wait_registered(registry, 32)
+    except BaseException:
+        worker.kill()
+        raise
+    return worker
 
 
 @pytest.fixture(scope="module")

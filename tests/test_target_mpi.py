@@ -30,7 +30,7 @@ import pytest
 from source_procs.harness import MPIEXEC, SourceWorker, have_mpiexec
 from source_procs.pattern import make_layout
 
-from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer
+from remote_g2.registry import MemoryStore, RegistryServer
 
 pytestmark = [
     pytest.mark.mpi,
@@ -54,15 +54,12 @@ def _source(tmp_path: Path, registry: str, source_tp: int, name: str, extra: lis
             ) -> SourceWorker:
     worker = SourceWorker(tmp_path / f"src-{name}", f"src-{name}-{os.getpid()}", np=source_tp,
                           args=["--registry", registry, *(extra or [])])
-    with RegistryClient(registry) as reg:
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            rec = reg.worker_info(worker.worker_id)
-            if rec is not None and rec.blocks == 32:
-                return worker
-            time.sleep(0.05)
-    worker.stop()
-    raise AssertionError("the source never showed its 32 blocks in the registry")
+    try:
+        worker.wait_registered(registry, 32)
+    except BaseException:
+        worker.stop()
+        raise
+    return worker
 
 
 def _run_target(tmp_path: Path, registry: str, *, tp: int, source_tp: int, hashes: int = 16,

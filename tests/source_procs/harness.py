@@ -113,6 +113,19 @@ class SourceWorker:
         raise AssertionError(f"rank {rank}{tag}: {what or 'condition'} not reached within {timeout_s} s; "
                              f"last state {last}\n{self.log()}")
 
+    def wait_registered(self, registry: str, blocks: int, timeout_s: float = 15.0) -> None:
+        """Wait until ``registry`` lists this worker with ``blocks`` blocks (rank 0 publishes them)."""
+        from remote_g2.registry import RegistryClient
+
+        with RegistryClient(registry) as reg:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                rec = reg.worker_info(self.worker_id)
+                if rec is not None and rec.blocks == blocks:
+                    return
+                time.sleep(0.05)
+        raise AssertionError(f"the source never showed its {blocks} blocks in the registry\n{self.log()}")
+
     def wait_pins(self, rank: int, pins: int, **kw: Any) -> dict[str, Any]:
         """Wait until ``rank``'s pool holds exactly ``pins`` pins."""
         return self.wait_state(rank, lambda s: s["total_pins"] == pins, what=f"total_pins == {pins}", **kw)
