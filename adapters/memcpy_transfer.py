@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -101,7 +102,7 @@ class MemcpyTransfer:
         self._peers.discard(agent_name)
 
     def start_read(self, agent_name: str, local_addr: np.ndarray, remote_addr: np.ndarray,
-                   nbytes: np.ndarray) -> _Copy:
+                   nbytes: np.ndarray, *, not_after: float | None = None) -> _Copy:
         """Copy every extent now; :class:`TransferError` (and nothing written) if any lies outside registered memory."""
         self._check_open()
         if agent_name not in self._peers:
@@ -121,6 +122,9 @@ class MemcpyTransfer:
                 raise TransferError(f"READ of {len(size)} descriptor(s) from {agent_name}: {len(bad)} {side} "
                                     f"extent(s) outside registered memory, first #{k} "
                                     f"({int(addr[k]):#x}, {int(size[k])} bytes)")
+        if not_after is not None and time.monotonic() > not_after:
+            raise TransferError(f"READ of {len(size)} descriptor(s) from {agent_name} not started: its deadline "
+                                f"passed {(time.monotonic() - not_after) * 1e3:.1f} ms ago")
         for dst, src, n in zip(local.tolist(), remote.tolist(), size.tolist()):
             ctypes.memmove(dst, src, n)
         return _Copy(agent_name, len(size))

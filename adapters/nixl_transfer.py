@@ -115,8 +115,9 @@ class NixlTransfer:
         self._forget(agent_name)
 
     def start_read(self, agent_name: str, local_addr: np.ndarray, remote_addr: np.ndarray,
-                   nbytes: np.ndarray) -> _Read:
-        """Post one READ of every extent; :class:`TransferError` if the peer is unknown or NIXL refuses it."""
+                   nbytes: np.ndarray, *, not_after: float | None = None) -> _Read:
+        """Post one READ of every extent; :class:`TransferError` if the peer is unknown, NIXL refuses it, or
+        ``not_after`` (monotonic) passed before the post."""
         agent = self._live_agent()
         if agent_name not in self._peers:
             raise TransferError(f"no metadata loaded for agent {agent_name!r}")
@@ -139,6 +140,12 @@ class NixlTransfer:
             raise TransferError(f"{what} could not be prepared: {e}") from e
         read = _Read(xfer, agent_name, n)
         self._live.add(read)
+        if not_after is not None and time.monotonic() > not_after:
+            # Checked after the (possibly slow) preparation, right before bytes start to move: the
+            # caller may already have given these destination blocks up.
+            self.release(read)
+            raise TransferError(f"{what} not posted: its deadline passed "
+                                f"{(time.monotonic() - not_after) * 1e3:.1f} ms ago")
         try:
             state, why = agent.transfer(xfer), "NIXL answered ERR"
         except Exception as e:

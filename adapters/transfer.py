@@ -10,7 +10,7 @@ Life of an adapter::
     t = load_adapter("transfer", "nixl")(f"remote-g2-target-{worker}-tp{rank}")
     t.register_local([MemoryRegion(base, nbytes)])      # the rank's destination pool, once
     t.add_peer(agent_name, agent_metadata)               # once per source agent (again after its epoch changed)
-    h = t.start_read(agent_name, local, remote, nbytes)  # one READ per (request, source rank)
+    h = t.start_read(agent_name, local, remote, nbytes, not_after=deadline)  # one per (request, source rank)
     while (s := t.poll(h)) == "pending": ...             # never blocks
     t.release(h)                                         # after done or error; aborts one still running
     t.close()
@@ -61,8 +61,13 @@ class TransferAdapter(Protocol):
         ...
 
     def start_read(self, agent_name: str, local_addr: np.ndarray, remote_addr: np.ndarray,
-                   nbytes: np.ndarray) -> TransferHandle:
-        """Start one READ of every extent; raises :class:`~remote_g2.errors.TransferError` if it cannot start."""
+                   nbytes: np.ndarray, *, not_after: float | None = None) -> TransferHandle:
+        """Start one READ of every extent; raises :class:`~remote_g2.errors.TransferError` if it cannot start.
+
+        ``not_after`` is a ``time.monotonic()`` instant: an adapter checks it as
+        the last thing before bytes start to move, and raises instead of
+        starting later than that (the caller may have given the destination up).
+        """
         ...
 
     def poll(self, handle: TransferHandle) -> TransferState:

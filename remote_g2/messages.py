@@ -597,7 +597,10 @@ class TargetLoad:
 
     ``load_id`` is the leader's id for the request. ``metadata`` lists every
     source rank; ``agent_metadata`` rides along only the first time the leader
-    sends a (source worker, epoch), and ranks keep it.
+    sends a (source worker, epoch), and ranks keep it. ``deadline_ns`` is the
+    leader's ``time.monotonic_ns()`` after which no READ may start; a rank that
+    shares the leader's clock (same host boot) uses it as is, any other rank
+    counts ``timeout_ms`` from when the message reached it.
     """
 
     load_id: Annotated[int, Limits(ge=1)]
@@ -610,6 +613,7 @@ class TargetLoad:
     metadata: Annotated[list[RankInfo], Limits(max_len=4096)]
     dst_block_ids: _Ids
     timeout_ms: _Ttl
+    deadline_ns: _Count = 0
 
 
 @message("target_done", reply=TargetAck)

@@ -27,9 +27,20 @@ from remote_g2.errors import RemoteError, RpcClosed, RpcTimeout, error_class_for
 from remote_g2.messages import ErrorReply, Ping, Pong, spec_for_request
 from remote_g2.wire import DEFAULT_MAX_FRAME_BYTES, ERR, decode_frame, decode_reply_body, encode_request
 
-__all__ = ["RpcClient", "DEFAULT_TIMEOUT_MS"]
+__all__ = ["RpcClient", "DEFAULT_TIMEOUT_MS", "error_from_reply"]
 
 DEFAULT_TIMEOUT_MS = 5000.0
+
+
+def error_from_reply(err: ErrorReply, endpoint: str) -> Exception:
+    """The exception an ``ERR`` reply from ``endpoint`` stands for: its class by name, else RemoteError."""
+    cls = error_class_for(err.name)
+    if cls is None or cls is RemoteError:
+        return RemoteError(err.message, name=err.name, remote=endpoint)
+    try:
+        return cls(err.message, remote=endpoint)
+    except TypeError:  # a subclass with a different constructor
+        return RemoteError(err.message, name=err.name, remote=endpoint)
 
 
 class RpcClient:
@@ -82,22 +93,13 @@ class RpcClient:
                     continue
                 body = decode_reply_body(frame, spec)
                 if isinstance(body, ErrorReply):
-                    raise self._error(body)
+                    raise error_from_reply(body, self.endpoint)
                 return body
 
     def ping(self, *, timeout_ms: float | None = None) -> Pong:
         """Ask the server who it is; a cheap liveness check."""
         reply: Pong = self.call(Ping(), timeout_ms=timeout_ms)
         return reply
-
-    def _error(self, err: ErrorReply) -> Exception:
-        cls = error_class_for(err.name)
-        if cls is None or cls is RemoteError:
-            return RemoteError(err.message, name=err.name, remote=self.endpoint)
-        try:
-            return cls(err.message, remote=self.endpoint)
-        except TypeError:  # a subclass with a different constructor
-            return RemoteError(err.message, name=err.name, remote=self.endpoint)
 
     def close(self) -> None:
         """Close the socket; idempotent. Later calls raise :class:`RpcClosed`."""

@@ -327,20 +327,10 @@ class PendingCalls:
             except ProtocolError as e:
                 self._finish(rank, e)
                 return
-            self._finish(rank, _error(body, self._links.endpoints[rank]) if isinstance(body, ErrorReply) else body)
+            self._finish(rank, error_from_reply(body, self._links.endpoints[rank]) if isinstance(body, ErrorReply) else body)
             return
 
     def _finish(self, rank: int, outcome: Any) -> None:
         request, _, _ = self._open.pop(rank)
         self._done[rank] = outcome
         self._links._settled(rank, type(request).WIRE_NAME, outcome)
-
-
-def _error(err: ErrorReply, endpoint: str) -> Exception:
-    cls = error_class_for(err.name)
-    if cls is None or cls is RemoteError:
-        return RemoteError(err.message, name=err.name, remote=endpoint)
-    try:
-        return cls(err.message, remote=endpoint)
-    except TypeError:  # a subclass with a different constructor
-        return RemoteError(err.message, name=err.name, remote=endpoint)

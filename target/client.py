@@ -10,15 +10,24 @@ scheduler talks to; every rank must create its client)::
     bad = client.invalid_block_ids()           # destination blocks to recompute (drained on read)
     client.shutdown()                          # every rank
 
-How a load runs. The leader's coordinator thread resolves a lease on the
-source (``resolve``: every source rank pins the prefix), then sends every
-target rank its ``target_load`` over the worker's private IPC sockets (its own
-share goes straight to its :class:`~.rank_worker.RankWorker`). Each rank plans
-and issues its own READs and answers ``target_done``. The leader waits for
-**every** rank — so no rank still writes into a destination block when the
-engine hears the outcome — then releases the lease. A release that finds the
-lease already gone (it expired on the source) fails the load: the pins may
-have lapsed mid-READ, so the bytes are not trusted.
+How a load runs. The leader's coordinator is one thread running an event loop
+(:class:`~remote_g2.rpc_mux.RpcMux`): no step of one load blocks another, so
+many loads — to many sources — are in flight at once. For each load it
+resolves a lease on the source (``resolve``: every source rank pins the
+prefix), sends every other target rank its ``target_load`` over the worker's
+private IPC sockets *first*, without waiting for their acks, then hands its
+own share to its :class:`~.rank_worker.RankWorker`. Each rank plans and
+issues its own READs and answers ``target_done``. The leader waits for
+**every** rank, so no rank still writes into a destination block when the
+engine hears the outcome.
+
+Then the lease. When every rank finished before the lease could have expired
+on the source (its expiry, counted conservatively from when the resolve was
+*sent*), the pins held for the whole READ, so the load is reported done at
+once and the release goes out without being waited for. Otherwise the
+release's answer decides: a lease already gone fails the load, because the
+pins may have lapsed mid-READ. Leases are renewed when a load outlives half
+its TTL, and released after success and after failure.
 
 Outcomes: a request is *done* when every rank read every byte of the prefix
 the source pinned; destination blocks past that prefix (the source held
@@ -27,15 +36,20 @@ A request is *failed* — and all its destination blocks are invalid — when
 lookup or resolve found nothing, the source answered ERR or did not answer
 within ``rpc_timeout_ms``, any rank's READ ended in error or outlived
 ``transfer_timeout_ms``, a rank never answered, or the lease was lost.
-Nothing waits past ``transfer_timeout_ms`` plus one RPC timeout. Leases are
-renewed when a load outlives half its TTL, and released after success and
-after failure.
+
+Time bounds: each RPC step before the READs (lookup when the scheduler's
+answer is not cached, resolve, metadata) is bounded by ``rpc_timeout_ms``; the
+READs by ``transfer_timeout_ms`` from the moment the leader hands them out —
+the ranks' deadline, after which no rank posts a READ (see
+:mod:`.rank_worker`). The leader reports a rank that never answered one
+``rpc_timeout_ms`` after that deadline.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -47,18 +61,22 @@ from typing import Any
 
 from remote_g2.adapters.registry import load_adapter
 from remote_g2.adapters.secondary_pool import SecondaryPool
-from remote_g2.errors import ConfigError, RemoteG2Error, TransferError
+from remote_g2.errors import ConfigError, RemoteG2Error, RpcTimeout, TransferError
 from remote_g2.messages import (
     GetMetadata,
+    Lookup,
+    LookupReply,
     RankInfo,
     Release,
     Renew,
     Resolve,
+    ResolveReply,
     TargetAck,
     TargetDone,
     TargetLoad,
 )
 from remote_g2.rpc_client import RpcClient
+from remote_g2.rpc_mux import RpcMux
 from remote_g2.rpc_server import CallContext, RpcServer
 from remote_g2.source.siblings import claim_ipc_path, prepare_ipc_dir, release_ipc_path
 from remote_g2.source.tp_group import TpGroup, resolve_tp_group
@@ -124,15 +142,28 @@ class _Load:
 
     load_id: int
     request_id: str
+    hashes: list[bytes]
     dst: list[int]
+    match: TargetMatch | None = None
     lease_id: int = 0
-    source: RpcClient | None = None
+    lease_expires: float = 0.0      # monotonic; conservative (counted from the resolve's send time)
     waiting: set[int] = field(default_factory=set)
     errors: list[str] = field(default_factory=list)
     invalid_tail: list[int] = field(default_factory=list)
-    deadline: float = 0.0
+    deadline: float = 0.0           # the ranks': no READ starts after it
+    report_by: float = 0.0          # the leader's: ranks still silent then are given up
     renew_at: float = 0.0
+    renewing: bool = False
     started: float = field(default_factory=time.monotonic)
+
+
+def _boot_id() -> str:
+    """Identifies this host's monotonic clock (it is shared by every process of one boot)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return f"pid-{os.getpid()}"  # unknown: no other process is assumed to share it
 
 
 class TargetClient:
@@ -150,12 +181,12 @@ class TargetClient:
         self._closed = False
         self._leader: RpcClient | None = None  # rank > 0: reports go to the leader through it
         # leader only
-        self._ranks: dict[int, RpcClient] = {}
-        self._registry: Any = None
-        self._sources: dict[str, RpcClient] = {}
+        self._registry: Any = None            # RegistryClient for the scheduler's synchronous lookups
+        self._mux: RpcMux | None = None       # owned by the coordinator thread
         self._source_infos: dict[str, tuple[int, dict[int, RankInfo], set[str]]] = {}  # wid -> epoch, infos, sent
         self._lookups: OrderedDict[tuple[bytes, ...], TargetMatch] = OrderedDict()
         self._events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = -1, -1
         self._loads: dict[int, _Load] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -171,15 +202,13 @@ class TargetClient:
     def _start(self) -> None:
         error: str | None = None
         endpoint = ""
+        clock = _boot_id()
         try:
             layout = self._pool.layout()
             regions = self._pool.regions()
             transfer = load_adapter("transfer", self.config.transfer)(
                 f"remote-g2-target-{self.worker_id}-tp{self.rank}")
             transfer.register_local(regions)
-            report = self._on_local_done if self.rank == 0 else self._report_to_leader
-            self._worker = RankWorker(rank=self.rank, tp_size=self.tp_size, layout=layout,
-                                      pool_base=regions[0].base, transfer=transfer, report=report)
             directory = prepare_ipc_dir(self.config.ipc_directory)
             endpoint = f"ipc://{directory}/target-{self.worker_id}_tp{self.rank}.sock"
             claim_ipc_path(endpoint)
@@ -188,19 +217,26 @@ class TargetClient:
             self._server.start()
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
-        gathered = [{"endpoint": endpoint, "error": error}] if self._group.comm is None else \
-            self._group.comm.allgather({"endpoint": endpoint, "error": error})
+        mine = {"endpoint": endpoint, "error": error, "clock": clock}
+        gathered = [mine] if self._group.comm is None else self._group.comm.allgather(mine)
         failed = [f"rank {i}: {g['error']}" for i, g in enumerate(gathered) if g["error"]]
         if failed:
             raise TransferError("target client start-up failed on TP rank(s): " + "; ".join(failed))
         self._endpoints = [g["endpoint"] for g in gathered]
+        report = self._on_local_done if self.rank == 0 else self._report_to_leader
+        self._worker = RankWorker(rank=self.rank, tp_size=self.tp_size, layout=layout, pool_base=regions[0].base,
+                                  transfer=transfer, report=report,
+                                  shares_leader_clock=gathered[0]["clock"] == clock)
         if self.rank == 0:
             timeout = float(self.config.rpc_timeout_ms)
-            self._ranks = {r: RpcClient(ep, timeout_ms=timeout) for r, ep in enumerate(self._endpoints) if r}
             if self.config.registry_endpoint:
                 from remote_g2.registry import RegistryClient
 
                 self._registry = RegistryClient(self.config.registry_endpoint, timeout_s=timeout / 1000.0)
+            self._mux = RpcMux(timeout_ms=timeout)
+            self._wake_r, self._wake_w = os.pipe()
+            os.set_blocking(self._wake_r, False)
+            os.set_blocking(self._wake_w, False)
             self._coordinator = threading.Thread(target=self._coordinate, name=f"remote-g2-target-{self.worker_id}",
                                                  daemon=True)
             self._coordinator.start()
@@ -213,26 +249,20 @@ class TargetClient:
 
         Synchronous (one registry round trip); answers ``no_registry`` without
         one and never raises for a registry that is down (``registry_error``).
+        The answer is remembered, so a :meth:`start_load` of the matched
+        prefix goes straight to the resolve.
         """
         self._leader_only("lookup")
         if not block_hashes:
             return TargetMatch(0, "no_candidate")
         if self._registry is None:
             return TargetMatch(0, "no_registry")
-        fp = self.config.fingerprint
         try:
-            reply = self._registry.lookup(list(block_hashes), requester=self.worker_id,
-                                          compat_key=fp.compat_key() if fp else None)
+            reply = self._registry.lookup(list(block_hashes), requester=self.worker_id, compat_key=self._compat_key())
         except RemoteG2Error as e:
             log.warning("lookup failed: %s", e)
             return TargetMatch(0, "registry_error")
-        if reply.reason != "ok" or reply.best is None:
-            match = TargetMatch(0, reply.reason)
-        else:
-            best = reply.best
-            reason = check_fingerprints(replace(fp, tp_size=best.tp_size), fp) if fp else None
-            match = (TargetMatch(0, f"incompatible_layout: {reason}", best.worker_id, best.endpoint, best.tp_size)
-                     if reason else TargetMatch(reply.matched, "ok", best.worker_id, best.endpoint, best.tp_size))
+        match = self._match_from(reply)
         with self._lock:
             self._lookups[tuple(block_hashes[:match.matched])] = match
             while len(self._lookups) > _LOOKUP_CACHE:
@@ -249,7 +279,7 @@ class TargetClient:
         if len(block_hashes) != len(dst_block_ids) or not block_hashes:
             raise ValueError(f"start_load({request_id!r}): {len(block_hashes)} hashes for "
                              f"{len(dst_block_ids)} destination blocks")
-        self._events.put(("start", (request_id, list(block_hashes), [int(b) for b in dst_block_ids])))
+        self._post("start", (request_id, list(block_hashes), [int(b) for b in dst_block_ids]))
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """Request ids whose load finished since the last call: ``(done, failed)``. Never blocks."""
@@ -271,23 +301,40 @@ class TargetClient:
         self._closed = True
         self._stop.set()
         if self._coordinator is not None:
-            self._events.put(("stop", None))
+            self._post("stop", None)
             self._coordinator.join(10)
         if self._worker is not None:
             self._worker.close()
         if self._server is not None:
             self._server.close()
             release_ipc_path(self._endpoints[self.rank] if self._endpoints else "")
-        for c in [*self._ranks.values(), *self._sources.values(), *([self._leader] if self._leader else [])]:
-            c.close()
+        if self._leader is not None:
+            self._leader.close()
         if self._registry is not None:
             self._registry.close()
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
 
     def _leader_only(self, what: str) -> None:
         if self.rank != 0:
             raise ConfigError(f"{what} is called on target rank 0 (the leader), not rank {self.rank}")
         if self._closed:
             raise ConfigError(f"{what}: the target client is shut down")
+
+    def _compat_key(self) -> str | None:
+        fp = self.config.fingerprint
+        return fp.compat_key() if fp else None
+
+    def _match_from(self, reply: LookupReply) -> TargetMatch:
+        if reply.reason != "ok" or reply.best is None:
+            return TargetMatch(0, reply.reason)
+        best, fp = reply.best, self.config.fingerprint
+        reason = check_fingerprints(replace(fp, tp_size=best.tp_size), fp) if fp else None
+        if reason:
+            return TargetMatch(0, f"incompatible_layout: {reason}", best.worker_id, best.endpoint, best.tp_size)
+        return TargetMatch(reply.matched, "ok", best.worker_id, best.endpoint, best.tp_size)
 
     # -- rank > 0 ----------------------------------------------------------------------------
 
@@ -303,89 +350,138 @@ class TargetClient:
             self._leader = RpcClient(self._endpoints[0], timeout_ms=float(self.config.rpc_timeout_ms))
         self._leader.call(done)
 
-    # -- the leader's coordinator ----------------------------------------------------------------
+    # -- the leader's coordinator: an event loop; every method below runs on its thread --------------
+
+    def _post(self, kind: str, item: Any) -> None:
+        """Hand the coordinator an event (any thread) and wake it."""
+        self._events.put((kind, item))
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):  # the pipe is full (it is awake anyway) or closed
+            pass
 
     def _target_done(self, req: TargetDone, ctx: CallContext) -> TargetAck:
-        self._events.put(("done", req))
+        self._post("done", req)
         return TargetAck(True)
 
     def _on_local_done(self, done: TargetDone) -> None:
-        self._events.put(("done", done))
+        self._post("done", done)
 
     def _coordinate(self) -> None:
-        while True:
+        mux = self._mux
+        assert mux is not None
+        stopping = False
+        mux.watch(self._wake_r, lambda: None)  # the events are taken below, after every wake-up
+        while not stopping:
             try:
-                kind, item = self._events.get(timeout=0.05)
-            except queue.Empty:
-                kind, item = "tick", None
-            try:
-                if kind == "stop":
-                    break
-                if kind == "start":
-                    self._begin(*item)
-                elif kind == "done":
-                    self._rank_done(item)
+                mux.run_once(self._until_next_clock_ms())
+                stopping = self._take_events()
                 self._check_clocks()
             except Exception:  # pragma: no cover - a bug must not stop every later load
-                log.exception("target coordinator: handling %s failed", kind)
+                log.exception("target coordinator: an event loop step failed")
         for load in list(self._loads.values()):
             self._fail(load, "the target client shut down")
+        deadline = time.monotonic() + min(1.0, self.config.rpc_timeout_ms / 1000.0)
+        while mux.pending() and time.monotonic() < deadline:  # let the releases go out and be answered
+            mux.run_once(20)
+        mux.close()
+
+    def _take_events(self) -> bool:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                kind, item = self._events.get_nowait()
+            except queue.Empty:
+                return False
+            if kind == "stop":
+                return True
+            if kind == "start":
+                self._begin(*item)
+            elif kind == "done":
+                self._rank_done(item)
+
+    def _until_next_clock_ms(self) -> float:
+        clocks = [t for load in self._loads.values() for t in (load.report_by, load.renew_at) if t]
+        if not clocks:
+            return 100.0
+        return max(0.0, min(100.0, (min(clocks) - time.monotonic()) * 1000.0 + 0.5))
 
     def _begin(self, request_id: str, hashes: list[bytes], dst: list[int]) -> None:
-        load = _Load(next(self._ids), request_id, dst)
+        load = _Load(next(self._ids), request_id, hashes, dst)
+        self._loads[load.load_id] = load
         self.stats["loads"] += 1
         with self._lock:
             match = self._lookups.pop(tuple(hashes), None)
-        if match is None:
-            match = self.lookup(hashes)
-        if match.reason != "ok" or match.endpoint is None or match.worker_id is None:
-            self._finish(load, f"lookup: {match.reason}", ok=False)
+        if match is not None:
+            self._resolve(load, match)
+        elif self.config.registry_endpoint is None:
+            self._fail(load, "lookup: no_registry")
+        else:
+            assert self._mux is not None
+            self._mux.call(self.config.registry_endpoint,
+                           Lookup(hashes, self.worker_id, self._compat_key(), False),
+                           lambda reply: self._looked_up(load, reply))
+
+    def _looked_up(self, load: _Load, reply: Any) -> None:
+        if load.load_id not in self._loads:
             return
-        n = min(match.matched, len(hashes))
-        load.source = self._source_client(match.endpoint)
-        epoch_infos = self._source_infos.get(match.worker_id)
-        known = sorted(epoch_infos[2]) if epoch_infos else []
-        try:
-            reply = load.source.call(Resolve(hashes[:n], self.config.lease_ttl_ms, self.worker_id, known))
-        except RemoteG2Error as e:
-            self._finish(load, f"resolve on {match.worker_id}: {type(e).__name__}: {e}", ok=False)
+        if isinstance(reply, Exception):
+            self._fail(load, f"lookup: registry_error: {type(reply).__name__}: {reply}")
+        else:
+            self._resolve(load, self._match_from(reply))
+
+    def _resolve(self, load: _Load, match: TargetMatch) -> None:
+        if match.reason != "ok" or match.endpoint is None or match.worker_id is None:
+            self._fail(load, f"lookup: {match.reason}")
+            return
+        load.match = match
+        n = min(match.matched, len(load.hashes))
+        entry = self._source_infos.get(match.worker_id)
+        known = sorted(entry[2]) if entry else []
+        sent = time.monotonic()
+        assert self._mux is not None
+        self._mux.call(match.endpoint, Resolve(load.hashes[:n], self.config.lease_ttl_ms, self.worker_id, known),
+                       lambda reply: self._resolved(load, reply, sent))
+
+    def _resolved(self, load: _Load, reply: Any, sent: float) -> None:
+        assert load.match is not None
+        wid = load.match.worker_id
+        if isinstance(reply, Exception):
+            self._fail(load, f"resolve on {wid}: {type(reply).__name__}: {reply}")
             return
         load.lease_id = reply.lease_id
+        if load.load_id not in self._loads:  # given up meanwhile (shut down): hand the lease back
+            self._send_release(load)
+            return
         if reply.reason != "ok" or reply.matched == 0:
-            self._finish(load, f"resolve on {match.worker_id}: {reply.reason}", ok=False)
+            self._fail(load, f"resolve on {wid}: {reply.reason}")
             return
-        try:
-            infos, first_time = self._source_ranks(load.source, match.worker_id, reply.epoch, reply.metadata)
-        except RemoteG2Error as e:
-            self._finish(load, f"get_metadata on {match.worker_id}: {e}", ok=False)
-            return
+        load.lease_expires = sent + reply.expires_in_ms / 1000.0
+        load.renew_at = sent + reply.expires_in_ms / 2000.0
         m = reply.matched
-        load.invalid_tail = dst[m:]
-        load.dst = dst[:m]
-        now = time.monotonic()
-        load.deadline = now + (self.config.transfer_timeout_ms + self.config.rpc_timeout_ms) / 1000.0
-        load.renew_at = now + reply.expires_in_ms / 2000.0
-        load.waiting = set(range(self.tp_size))
-        self._loads[load.load_id] = load
-        mla_offset = zlib.crc32(self.worker_id.encode()) % max(1, len(infos))
-        is_mla = bool(self.config.fingerprint and self.config.fingerprint.is_mla)
-        msg = TargetLoad(load.load_id, match.worker_id, reply.epoch, len(infos), is_mla, mla_offset, reply.ranks,
-                         [info if info.agent_name in first_time else replace(info, agent_metadata=None)
-                          for info in infos], load.dst, self.config.transfer_timeout_ms)
-        assert self._worker is not None
-        self._worker.submit(msg)
-        for r, rank_client in self._ranks.items():
-            try:
-                ack = rank_client.call(msg)
-                if not ack.accepted:
-                    raise TransferError(ack.detail)
-            except RemoteG2Error as e:
-                load.waiting.discard(r)
-                load.errors.append(f"rank {r}: target_load refused: {e}")
+        load.invalid_tail, load.dst = load.dst[m:], load.dst[:m]
+        infos, missing = self._source_ranks(wid, reply.epoch, reply.metadata)
+        if not missing:
+            self._dispatch(load, reply, infos)
+            return
+        assert self._mux is not None and load.match.endpoint is not None
 
-    def _source_ranks(self, source: RpcClient, worker: str, epoch: int,
-                      metadata: list[RankInfo]) -> tuple[list[RankInfo], set[str]]:
-        """Every source rank's info for this epoch, and the agents whose metadata goes out for the first time."""
+        def on_metadata(full: Any) -> None:
+            if load.load_id not in self._loads:
+                return
+            if isinstance(full, Exception):
+                self._fail(load, f"get_metadata on {wid}: {type(full).__name__}: {full}")
+                return
+            self._dispatch(load, reply, self._source_ranks(wid, reply.epoch, full.ranks)[0])
+
+        self._mux.call(load.match.endpoint, GetMetadata(), on_metadata)
+
+    def _source_ranks(self, worker: str, epoch: int, metadata: list[RankInfo]) -> tuple[dict[int, RankInfo], bool]:
+        """Every known source rank's info for this epoch; True when an agent's metadata is still missing."""
         entry = self._source_infos.get(worker)
         if entry is None or entry[0] != epoch:
             entry = (epoch, {}, set())
@@ -394,19 +490,39 @@ class TargetClient:
         for info in metadata:
             if info.agent_metadata is not None or info.rank not in infos:
                 infos[info.rank] = info
-        if any(info.agent_metadata is None and info.agent_name not in sent for info in infos.values()) or not infos:
-            full = source.call(GetMetadata())
-            for info in full.ranks:
-                infos[info.rank] = info
+        missing = not infos or any(i.agent_metadata is None and i.agent_name not in sent for i in infos.values())
+        return infos, missing
+
+    def _dispatch(self, load: _Load, reply: ResolveReply, infos: dict[int, RankInfo]) -> None:
+        """Hand every rank its share: the other ranks first (no waiting for acks), then this rank's worker."""
+        assert load.match is not None and load.match.worker_id is not None and self._mux is not None
+        sent = self._source_infos[load.match.worker_id][2]
         first_time = {info.agent_name for info in infos.values() if info.agent_name not in sent}
         sent.update(first_time)
-        return [infos[r] for r in sorted(infos)], first_time
+        now = time.monotonic_ns()
+        load.deadline = (now + self.config.transfer_timeout_ms * 1_000_000) / 1e9
+        load.report_by = load.deadline + self.config.rpc_timeout_ms / 1000.0
+        load.waiting = set(range(self.tp_size))
+        mla_offset = zlib.crc32(self.worker_id.encode()) % max(1, len(infos))
+        is_mla = bool(self.config.fingerprint and self.config.fingerprint.is_mla)
+        msg = TargetLoad(load.load_id, load.match.worker_id, reply.epoch, len(infos), is_mla, mla_offset,
+                         reply.ranks, [info if info.agent_name in first_time else replace(info, agent_metadata=None)
+                                       for _, info in sorted(infos.items())],
+                         load.dst, self.config.transfer_timeout_ms, now + self.config.transfer_timeout_ms * 1_000_000)
+        for r in range(1, self.tp_size):
+            self._mux.call(self._endpoints[r], msg, lambda ack, r=r: self._acked(load, r, ack))
+        assert self._worker is not None
+        self._worker.submit(msg)
 
-    def _source_client(self, endpoint: str) -> RpcClient:
-        c = self._sources.get(endpoint)
-        if c is None:
-            c = self._sources[endpoint] = RpcClient(endpoint, timeout_ms=float(self.config.rpc_timeout_ms))
-        return c
+    def _acked(self, load: _Load, rank: int, ack: Any) -> None:
+        if isinstance(ack, RpcTimeout):
+            # The rank may have the load and be reading: only its own deadline (and report_by) ends it.
+            log.warning("target rank %d did not acknowledge load %d in time; waiting for its report", rank,
+                        load.load_id)
+            return
+        if isinstance(ack, Exception) or not ack.accepted:
+            why = f"{type(ack).__name__}: {ack}" if isinstance(ack, Exception) else ack.detail
+            self._rank_done(TargetDone(load.load_id, rank, False, f"target_load refused: {why}"[:4000]))
 
     def _rank_done(self, done: TargetDone) -> None:
         load = self._loads.get(done.load_id)
@@ -422,48 +538,75 @@ class TargetClient:
             self._complete(load)
 
     def _complete(self, load: _Load) -> None:
-        """Every rank answered: release the lease, then report."""
-        self._loads.pop(load.load_id, None)
-        released = self._release(load)
+        """Every rank answered (or was given up on): report, and hand the lease back."""
         if load.errors:
-            self._finish(load, "; ".join(load.errors), ok=False, released=True)
-        elif not released:
-            self._finish(load, "the lease expired on the source before the load finished", ok=False,
-                         released=True)
+            self._fail(load, "; ".join(load.errors))
+        elif time.monotonic() < load.lease_expires:
+            # Every READ ended while the pins certainly held: the bytes are good whatever the release says.
+            self._succeed(load)
+            self._send_release(load)
         else:
-            self._finish(load, None, ok=True, released=True)
+            self._loads.pop(load.load_id, None)
+            assert self._mux is not None and load.match is not None and load.match.endpoint is not None
+
+            def on_release(reply: Any) -> None:
+                if isinstance(reply, Exception) or not reply.released:
+                    self._report(load, "the lease expired on the source before the load finished", ok=False)
+                else:
+                    self._report(load, None, ok=True)
+
+            self._mux.call(load.match.endpoint, Release(load.lease_id), on_release)
 
     def _check_clocks(self) -> None:
         now = time.monotonic()
         for load in list(self._loads.values()):
-            if now > load.deadline:
+            if load.report_by and now > load.report_by:
                 load.errors.append(f"rank(s) {sorted(load.waiting)} did not answer in time")
                 load.waiting.clear()
                 self._complete(load)
-            elif now > load.renew_at and load.source is not None:
-                load.renew_at = now + self.config.lease_ttl_ms / 2000.0
-                try:
-                    if not load.source.call(Renew(load.lease_id, self.config.lease_ttl_ms)).renewed:
-                        load.errors.append("the source dropped the lease before the load finished")
-                except RemoteG2Error as e:
-                    log.warning("renewing lease %d: %s", load.lease_id, e)
+            elif load.renew_at and now > load.renew_at and not load.renewing:
+                self._renew(load)
 
-    def _release(self, load: _Load) -> bool:
-        if not load.lease_id or load.source is None:
-            return False
-        try:
-            return bool(load.source.call(Release(load.lease_id)).released)
-        except RemoteG2Error as e:
-            log.warning("releasing lease %d: %s", load.lease_id, e)
-            return False
+    def _renew(self, load: _Load) -> None:
+        assert self._mux is not None and load.match is not None and load.match.endpoint is not None
+        load.renewing = True
+        sent = time.monotonic()
+
+        def on_renewed(reply: Any) -> None:
+            load.renewing = False
+            if isinstance(reply, Exception):
+                log.warning("renewing lease %d of %s: %s", load.lease_id, load.request_id, reply)
+                load.renew_at = time.monotonic() + self.config.rpc_timeout_ms / 1000.0  # try again
+            elif not reply.renewed:
+                load.errors.append("the source dropped the lease before the load finished")
+                load.renew_at = 0.0
+            else:
+                load.lease_expires = sent + reply.expires_in_ms / 1000.0
+                load.renew_at = sent + reply.expires_in_ms / 2000.0
+
+        self._mux.call(load.match.endpoint, Renew(load.lease_id, self.config.lease_ttl_ms), on_renewed)
+
+    def _send_release(self, load: _Load) -> None:
+        """Release the lease without waiting for the outcome (the source's expiry covers a lost release)."""
+        if not load.lease_id or load.match is None or load.match.endpoint is None or self._mux is None:
+            return
+
+        def on_release(reply: Any) -> None:
+            if isinstance(reply, Exception):
+                log.warning("releasing lease %d on %s: %s", load.lease_id, load.match.worker_id, reply)
+
+        self._mux.call(load.match.endpoint, Release(load.lease_id), on_release)
+
+    def _succeed(self, load: _Load) -> None:
+        self._loads.pop(load.load_id, None)
+        self._report(load, None, ok=True)
 
     def _fail(self, load: _Load, why: str) -> None:
         self._loads.pop(load.load_id, None)
-        self._finish(load, why, ok=False)
+        self._send_release(load)
+        self._report(load, why, ok=False)
 
-    def _finish(self, load: _Load, error: str | None, *, ok: bool, released: bool = False) -> None:
-        if not released and load.lease_id:
-            self._release(load)
+    def _report(self, load: _Load, error: str | None, *, ok: bool) -> None:
         with self._lock:
             if ok:
                 self._done.add(load.request_id)

@@ -14,6 +14,12 @@ READ without blocking, sleeping a fraction of a millisecond between rounds.
 A load past its deadline has its READs released (NIXL aborts what still
 runs) and is reported failed. Nothing is reported ``ok`` unless every READ of
 the load said ``done``.
+
+The deadline is the leader's (``TargetLoad.deadline_ns``) when this rank
+shares the leader's monotonic clock, else ``timeout_ms`` from the message's
+arrival. No READ is posted after it — the adapter checks it right before
+bytes move — because by then the leader may have reported the request failed
+and the engine may be recomputing into the same destination blocks.
 """
 
 from __future__ import annotations
@@ -51,14 +57,16 @@ class RankWorker:
     """Execute this rank's READs for every load it is given; report each load's outcome once."""
 
     def __init__(self, *, rank: int, tp_size: int, layout: BlockLayout, pool_base: int,
-                 transfer: TransferAdapter, report: Callable[[TargetDone], None]) -> None:
+                 transfer: TransferAdapter, report: Callable[[TargetDone], None],
+                 shares_leader_clock: bool = True) -> None:
         self.rank = rank
+        self.shares_leader_clock = shares_leader_clock
         self.tp_size = tp_size
         self.layout = layout
         self.pool_base = pool_base
         self._transfer = transfer
         self._report = report
-        self._inbox: queue.SimpleQueue[TargetLoad | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[TargetLoad, float] | None] = queue.SimpleQueue()
         self._inflight: dict[int, _Inflight] = {}
         # source worker -> (epoch, {source rank: RankInfo}); agents loaded into the adapter
         self._sources: dict[str, tuple[int, dict[int, RankInfo]]] = {}
@@ -68,8 +76,8 @@ class RankWorker:
         self._thread.start()
 
     def submit(self, load: TargetLoad) -> None:
-        """Queue a load (any thread)."""
-        self._inbox.put(load)
+        """Queue a load (any thread); its clock starts now unless the leader's deadline applies."""
+        self._inbox.put((load, time.monotonic()))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the thread, release every READ still held, close the adapter."""
@@ -98,17 +106,25 @@ class RankWorker:
     def _take_new(self, *, block: bool) -> None:
         while True:
             try:
-                load = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+                item = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if load is None:
+            if item is None:
                 return
             block = False
-            self._start(load)
+            self._start(*item)
 
-    def _start(self, load: TargetLoad) -> None:
-        flight = _Inflight(load, time.monotonic() + load.timeout_ms / 1000.0)
+    def _deadline(self, load: TargetLoad, received: float) -> float:
+        if self.shares_leader_clock and load.deadline_ns:
+            return load.deadline_ns / 1e9
+        return received + load.timeout_ms / 1000.0
+
+    def _start(self, load: TargetLoad, received: float) -> None:
+        flight = _Inflight(load, self._deadline(load, received))
         self._inflight[load.load_id] = flight
+        if time.monotonic() > flight.deadline:
+            self._finish(load.load_id, "the load's deadline passed before this rank could start it")
+            return
         try:
             infos = self._source_ranks(load)
             plan = plan_reads(source_tp=load.source_tp, source_ranks=infos, source_blocks=load.ranks,
@@ -123,7 +139,8 @@ class RankWorker:
                     self._transfer.add_peer(info.agent_name, info.agent_metadata)
                     self._loaded.add(info.agent_name)
                 flight.handles.append(self._transfer.start_read(info.agent_name, reads.local_addr,
-                                                                reads.remote_addr, reads.nbytes))
+                                                                reads.remote_addr, reads.nbytes,
+                                                                not_after=flight.deadline))
                 flight.nbytes += reads.total_bytes
                 flight.descriptors += reads.num_descriptors
         except Exception as e:

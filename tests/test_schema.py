@@ -123,3 +123,23 @@ def test_arbitrary_maps_decode_or_raise_protocol_error_only(raw):
     else:
         assert isinstance(obj, Outer)
         assert decode(encode(obj)) == obj
+
+
+@dataclass(frozen=True)
+class Ids:
+    ids: Annotated[list[Annotated[int, Limits(ge=0, le=1000)]], Limits(max_len=4096)]
+
+
+@pytest.mark.parametrize("bad, index", [
+    ([1, 2, True], 2),          # a bool is not an id
+    ([0, 1001, 3], 1),          # above the bound
+    ([5, -1], 1),               # below it
+    ([1, 2.0], 1),              # a float
+    ([1, 1 << 70], 1),          # a huge int
+    ([0, "3"], 1),
+])
+def test_bulk_checked_int_lists_still_name_the_bad_item(bad, index):
+    decode = decoder_for(Ids)
+    assert decode({"ids": list(range(1000))}).ids == list(range(1000))
+    with pytest.raises(ProtocolError, match=rf"ids\[{index}\]"):
+        decode({"ids": bad})

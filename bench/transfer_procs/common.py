@@ -106,9 +106,9 @@ class RecordingNixl(NixlTransfer):
         record("add_peer", t0, time.monotonic(), agent_name)
         self.peer_metadata[agent_name] = metadata
 
-    def start_read(self, agent_name, local_addr, remote_addr, nbytes):  # type: ignore[no-untyped-def]
+    def start_read(self, agent_name, local_addr, remote_addr, nbytes, **kw):  # type: ignore[no-untyped-def]
         t0 = time.monotonic()
-        h = super().start_read(agent_name, local_addr, remote_addr, nbytes)
+        h = super().start_read(agent_name, local_addr, remote_addr, nbytes, **kw)
         t1 = time.monotonic()
         total = int(np.asarray(nbytes, dtype=np.uint64).sum())
         record("start_read", t0, t1, [len(nbytes), total, h.state])

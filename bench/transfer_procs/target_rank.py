@@ -84,8 +84,14 @@ class DestPool:
 
 
 def instrument_rpc() -> None:
-    """Timestamp every RPC this process makes (registry lookup, resolve, release, fan-out, reports)."""
+    """Timestamp every RPC this process makes (registry lookup, resolve, release, fan-out, reports).
+
+    Blocking calls (``RpcClient.call``) from send to return; calls through the
+    leader's event loop (``RpcMux.call``) from send to the moment their
+    callback runs.
+    """
     from remote_g2.rpc_client import RpcClient
+    from remote_g2.rpc_mux import RpcMux
 
     orig = RpcClient.call
 
@@ -97,6 +103,18 @@ def instrument_rpc() -> None:
             record("rpc:" + type(request).__name__, t0, time.monotonic())
 
     RpcClient.call = call  # type: ignore[method-assign]
+    orig_mux = RpcMux.call
+
+    def mux_call(self: Any, endpoint: str, request: Any, callback: Any, *, timeout_ms: float | None = None) -> None:
+        t0 = time.monotonic()
+
+        def timed(outcome: Any) -> None:
+            record("rpc:" + type(request).__name__, t0, time.monotonic())
+            callback(outcome)
+
+        orig_mux(self, endpoint, request, timed, timeout_ms=timeout_ms)
+
+    RpcMux.call = mux_call  # type: ignore[method-assign]
 
 
 def instrument_client(client: Any) -> None:

@@ -86,12 +86,12 @@ class DelayedNixlTransfer(NixlTransfer):
     delay_s = 0.0
     marker: Path | None = None
 
-    def start_read(self, agent_name, local_addr, remote_addr, nbytes):  # type: ignore[override]
+    def start_read(self, agent_name, local_addr, remote_addr, nbytes, **kw):  # type: ignore[override]
         marker = type(self).marker
         if marker is not None and not marker.exists():
             marker.write_text(str(time.time()))
         time.sleep(type(self).delay_s)
-        return super().start_read(agent_name, local_addr, remote_addr, nbytes)
+        return super().start_read(agent_name, local_addr, remote_addr, nbytes, **kw)
 
 
 class LogLines(logging.Handler):
