@@ -77,7 +77,9 @@ class SourceConfig:
     * ``sibling_timeout_ms`` — how long rank 0 waits for a sibling's answer.
     * ``sibling_retry_after_ms`` — after a sibling failed, resolves fail fast
       for this long instead of waiting for it again.
-    * ``rpc_workers`` — handler threads of rank 0's server (and of each sibling's).
+    * ``rpc_workers`` — handler threads of rank 0's server. A sibling's server
+      is always direct (one thread, no proxy hop): its handlers only touch the
+      local pool and never wait on anything remote.
     * ``metrics_port`` — serve Prometheus ``/metrics`` on ``metrics_addr``,
       port ``metrics_port + tp_rank``; None: not served over HTTP.
     * ``progress_interval_ms`` / ``idle_progress_interval_ms`` — how often each

@@ -222,7 +222,7 @@ class SourceService:
             self._server = RpcServer(sibling_endpoint,
                                      sibling_handlers(self.leases, max_ttl_ms=cfg.max_lease_ttl_ms,
                                                       on_release=self.metrics.leases_released.inc),
-                                     name=f"source-{self.worker_id}-tp{self.rank}", workers=cfg.rpc_workers,
+                                     name=f"source-{self.worker_id}-tp{self.rank}", workers=1,
                                      on_call=self.metrics.observe_call)
             self.endpoint = self._server.start()
         return RankRecord(self.rank, self._agent.name, self._agent.metadata, regions[0].base, regions[0].nbytes,

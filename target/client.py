@@ -54,7 +54,7 @@ import queue
 import threading
 import time
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -75,14 +75,13 @@ from remote_g2.messages import (
     TargetDone,
     TargetLoad,
 )
-from remote_g2.rpc_client import RpcClient
 from remote_g2.rpc_mux import RpcMux
 from remote_g2.rpc_server import CallContext, RpcServer
 from remote_g2.source.siblings import claim_ipc_path, prepare_ipc_dir, release_ipc_path
 from remote_g2.source.tp_group import TpGroup, resolve_tp_group
 
 from .config import TargetConfig
-from .rank_worker import RankWorker
+from .rank_worker import POLL_S, RankWorker
 from .tp_mapping import check_fingerprints
 
 __all__ = ["TargetClient", "TargetMatch", "maybe_start_target_client", "start_target_client"]
@@ -179,7 +178,8 @@ class TargetClient:
         self._server: RpcServer | None = None
         self._endpoints: list[str] = []
         self._closed = False
-        self._leader: RpcClient | None = None  # rank > 0: reports go to the leader through it
+        self._loop: threading.Thread | None = None  # rank > 0: serves target_load, drives the worker
+        self._queued: deque[tuple[TargetLoad, float]] = deque()  # rank > 0: loads taken, not yet started
         # leader only
         self._registry: Any = None            # RegistryClient for the scheduler's synchronous lookups
         self._mux: RpcMux | None = None       # owned by the coordinator thread
@@ -193,7 +193,6 @@ class TargetClient:
         self._done: set[str] = set()
         self._failed: set[str] = set()
         self._invalid: set[int] = set()
-        self._coordinator: threading.Thread | None = None
         self._stop = threading.Event()
         self.stats = {"loads": 0, "done": 0, "failed": 0, "bytes": 0, "descriptors": 0}
 
@@ -213,7 +212,8 @@ class TargetClient:
             endpoint = f"ipc://{directory}/target-{self.worker_id}_tp{self.rank}.sock"
             claim_ipc_path(endpoint)
             handlers = ({"target_done": self._target_done} if self.rank == 0 else {"target_load": self._target_load})
-            self._server = RpcServer(endpoint, handlers, name=f"target-{self.worker_id}-tp{self.rank}", workers=1)
+            # Driven: the rank's own loop (below) serves the socket, no thread hop on the way in.
+            self._server = RpcServer(endpoint, handlers, name=f"target-{self.worker_id}-tp{self.rank}", workers=0)
             self._server.start()
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
@@ -223,23 +223,25 @@ class TargetClient:
         if failed:
             raise TransferError("target client start-up failed on TP rank(s): " + "; ".join(failed))
         self._endpoints = [g["endpoint"] for g in gathered]
-        report = self._on_local_done if self.rank == 0 else self._report_to_leader
+        timeout = float(self.config.rpc_timeout_ms)
+        self._mux = RpcMux(timeout_ms=timeout)
+        report = self._rank_done if self.rank == 0 else self._report_to_leader
         self._worker = RankWorker(rank=self.rank, tp_size=self.tp_size, layout=layout, pool_base=regions[0].base,
                                   transfer=transfer, report=report,
                                   shares_leader_clock=gathered[0]["clock"] == clock)
         if self.rank == 0:
-            timeout = float(self.config.rpc_timeout_ms)
             if self.config.registry_endpoint:
                 from remote_g2.registry import RegistryClient
 
                 self._registry = RegistryClient(self.config.registry_endpoint, timeout_s=timeout / 1000.0)
-            self._mux = RpcMux(timeout_ms=timeout)
             self._wake_r, self._wake_w = os.pipe()
             os.set_blocking(self._wake_r, False)
             os.set_blocking(self._wake_w, False)
-            self._coordinator = threading.Thread(target=self._coordinate, name=f"remote-g2-target-{self.worker_id}",
-                                                 daemon=True)
-            self._coordinator.start()
+            target, name = self._coordinate, f"remote-g2-target-{self.worker_id}"
+        else:
+            target, name = self._serve_rank, f"remote-g2-target-{self.worker_id}-tp{self.rank}"
+        self._loop = threading.Thread(target=target, name=name, daemon=True)
+        self._loop.start()
         log.info("target client %s rank %d/%d up (%s)", self.worker_id, self.rank, self.tp_size, self.config.transfer)
 
     # -- engine-facing (leader) --------------------------------------------------------------
@@ -300,16 +302,18 @@ class TargetClient:
             return
         self._closed = True
         self._stop.set()
-        if self._coordinator is not None:
-            self._post("stop", None)
-            self._coordinator.join(10)
-        if self._worker is not None:
-            self._worker.close()
+        if self._loop is not None:
+            if self.rank == 0:
+                self._post("stop", None)
+            self._loop.join(10)
+        else:  # start-up failed before the loop owned them
+            if self._worker is not None:
+                self._worker.close()
+            if self._mux is not None:
+                self._mux.close()
         if self._server is not None:
             self._server.close()
             release_ipc_path(self._endpoints[self.rank] if self._endpoints else "")
-        if self._leader is not None:
-            self._leader.close()
         if self._registry is not None:
             self._registry.close()
         for fd in (self._wake_r, self._wake_w):
@@ -338,17 +342,49 @@ class TargetClient:
 
     # -- rank > 0 ----------------------------------------------------------------------------
 
+    def _serve_rank(self) -> None:
+        """Rank > 0's loop: take ``target_load`` off the IPC socket, start it, poll the READs, report."""
+        mux, server, worker = self._mux, self._server, self._worker
+        assert mux is not None and server is not None and worker is not None
+        mux.watch(server.socket, server.serve_ready)
+        try:
+            while not self._stop.is_set():
+                mux.run_once(0 if worker.busy else 100)  # acks go out before the READs start
+                while self._queued:
+                    worker.start(*self._queued.popleft())
+                if worker.busy:
+                    worker.poll()
+                    if worker.busy:
+                        time.sleep(POLL_S)
+        except Exception:  # pragma: no cover - a bug; the leader times the loads out
+            log.exception("target rank %d: serving loop failed", self.rank)
+        finally:
+            for load, _ in self._queued:
+                self._report_to_leader(TargetDone(load.load_id, self.rank, False, "the target client shut down"))
+            self._queued.clear()
+            worker.close()
+            deadline = time.monotonic() + 0.5
+            while mux.pending() and time.monotonic() < deadline:  # let the last reports out
+                mux.run_once(20)
+            mux.close()
+
     def _target_load(self, req: TargetLoad, ctx: CallContext) -> TargetAck:
-        if self._closed or self._worker is None:
+        # On this rank's loop thread (a driven server): queued, started right after the ack is sent.
+        if self._closed:
             return TargetAck(False, "shutting down")
-        self._worker.submit(req)
+        self._queued.append((req, time.monotonic()))
         return TargetAck(True)
 
     def _report_to_leader(self, done: TargetDone) -> None:
-        # Called only from this rank's worker thread, so one client (socket) serves every report.
-        if self._leader is None:
-            self._leader = RpcClient(self._endpoints[0], timeout_ms=float(self.config.rpc_timeout_ms))
-        self._leader.call(done)
+        # On this rank's loop thread; one-way in effect: a lost report is timed out by the leader.
+        assert self._mux is not None
+
+        def on_ack(ack: Any) -> None:
+            if isinstance(ack, Exception) or not ack.accepted:
+                log.warning("target rank %d: the leader did not take the report of load %d: %s", self.rank,
+                            done.load_id, ack if isinstance(ack, Exception) else ack.detail)
+
+        self._mux.call(self._endpoints[0], done, on_ack)
 
     # -- the leader's coordinator: an event loop; every method below runs on its thread --------------
 
@@ -361,24 +397,29 @@ class TargetClient:
             pass
 
     def _target_done(self, req: TargetDone, ctx: CallContext) -> TargetAck:
-        self._post("done", req)
-        return TargetAck(True)
-
-    def _on_local_done(self, done: TargetDone) -> None:
-        self._post("done", done)
+        # On the coordinator's thread (a driven server).
+        tracked = req.load_id in self._loads
+        self._rank_done(req)
+        return TargetAck(tracked, "" if tracked else "no such load (already failed or timed out)")
 
     def _coordinate(self) -> None:
-        mux = self._mux
-        assert mux is not None
+        mux, server, worker = self._mux, self._server, self._worker
+        assert mux is not None and server is not None and worker is not None
         stopping = False
         mux.watch(self._wake_r, lambda: None)  # the events are taken below, after every wake-up
+        mux.watch(server.socket, server.serve_ready)
         while not stopping:
             try:
-                mux.run_once(self._until_next_clock_ms())
+                mux.run_once(0 if worker.busy else self._until_next_clock_ms())
                 stopping = self._take_events()
+                if worker.busy:
+                    worker.poll()
+                    if worker.busy:
+                        time.sleep(POLL_S)
                 self._check_clocks()
             except Exception:  # pragma: no cover - a bug must not stop every later load
                 log.exception("target coordinator: an event loop step failed")
+        worker.close()
         for load in list(self._loads.values()):
             self._fail(load, "the target client shut down")
         deadline = time.monotonic() + min(1.0, self.config.rpc_timeout_ms / 1000.0)
@@ -401,8 +442,6 @@ class TargetClient:
                 return True
             if kind == "start":
                 self._begin(*item)
-            elif kind == "done":
-                self._rank_done(item)
 
     def _until_next_clock_ms(self) -> float:
         clocks = [t for load in self._loads.values() for t in (load.report_by, load.renew_at) if t]
@@ -512,7 +551,7 @@ class TargetClient:
         for r in range(1, self.tp_size):
             self._mux.call(self._endpoints[r], msg, lambda ack, r=r: self._acked(load, r, ack))
         assert self._worker is not None
-        self._worker.submit(msg)
+        self._worker.start(msg, time.monotonic())  # the others' shares are on the wire already
 
     def _acked(self, load: _Load, rank: int, ack: Any) -> None:
         if isinstance(ack, RpcTimeout):

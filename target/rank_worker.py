@@ -1,19 +1,21 @@
 """One target rank's data path: plan this rank's share of a load, issue its READs, watch them.
 
-A :class:`RankWorker` owns the rank's transfer adapter and is the only thread
-that touches it (NIXL agents are not thread-safe in their default mode). Loads
-arrive by :meth:`RankWorker.submit` (the leader calls it for its own share;
-other ranks get theirs over IPC as ``target_load``); outcomes leave through
-``report(TargetDone)``.
+A :class:`RankWorker` is a state machine driven by one thread — the thread
+that owns the rank's transfer adapter (NIXL agents are not thread-safe in
+their default mode) and the rank's IPC socket: the leader's coordinator loop
+on rank 0, a small serving loop on every other rank. Nothing is handed to
+another thread on the way from "this rank got its share" to "the READ is
+posted", and none back on the way to the report.
 
-Per load: plan with :func:`~remote_g2.target.tp_mapping.plan_reads` (this
-rank's layout and pool address), load any source agent not yet known for
-that source epoch (metadata is cached per agent name; a new epoch drops the
-old agents first), start one READ per source rank, then poll every in-flight
-READ without blocking, sleeping a fraction of a millisecond between rounds.
-A load past its deadline has its READs released (NIXL aborts what still
-runs) and is reported failed. Nothing is reported ``ok`` unless every READ of
-the load said ``done``.
+Per load (:meth:`RankWorker.start`): plan with
+:func:`~remote_g2.target.tp_mapping.plan_reads` (this rank's layout and pool
+address), load any source agent not yet known for that source epoch
+(metadata is cached per agent name; a new epoch drops the old agents first),
+start one READ per source rank. :meth:`RankWorker.poll` checks every
+in-flight READ without blocking. A load past its deadline has its READs
+released (NIXL aborts what still runs) and is reported failed. Nothing is
+reported ``ok`` unless every READ of the load said ``done``; every load is
+reported exactly once, through ``report(TargetDone)``.
 
 The deadline is the leader's (``TargetLoad.deadline_ns``) when this rank
 shares the leader's monotonic clock, else ``timeout_ms`` from the message's
@@ -25,8 +27,6 @@ and the engine may be recomputing into the same destination blocks.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,11 +37,11 @@ from remote_g2.messages import BlockLayout, RankInfo, TargetDone, TargetLoad
 
 from .tp_mapping import plan_reads
 
-__all__ = ["RankWorker"]
+__all__ = ["RankWorker", "POLL_S"]
 
 log = logging.getLogger("remote_g2.target")
 
-_POLL_S = 0.0002  # between polling rounds while READs are in flight
+POLL_S = 0.0002  # how long a driving loop sleeps between polls while READs are in flight
 
 
 @dataclass
@@ -66,60 +66,22 @@ class RankWorker:
         self.pool_base = pool_base
         self._transfer = transfer
         self._report = report
-        self._inbox: queue.SimpleQueue[tuple[TargetLoad, float] | None] = queue.SimpleQueue()
         self._inflight: dict[int, _Inflight] = {}
         # source worker -> (epoch, {source rank: RankInfo}); agents loaded into the adapter
         self._sources: dict[str, tuple[int, dict[int, RankInfo]]] = {}
         self._loaded: set[str] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"remote-g2-target-tp{rank}", daemon=True)
-        self._thread.start()
+        self._closed = False
 
-    def submit(self, load: TargetLoad) -> None:
-        """Queue a load (any thread); its clock starts now unless the leader's deadline applies."""
-        self._inbox.put((load, time.monotonic()))
+    @property
+    def busy(self) -> bool:
+        """Whether READs are in flight (the driving loop should :meth:`poll` soon)."""
+        return bool(self._inflight)
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread, release every READ still held, close the adapter."""
-        if self._stop.is_set():
+    def start(self, load: TargetLoad, received: float) -> None:
+        """Plan and post this rank's READs of ``load`` (``received``: when it reached this rank, monotonic)."""
+        if self._closed:
+            self._report_now(load, 0, 0, "the target client shut down")
             return
-        self._stop.set()
-        self._inbox.put(None)
-        self._thread.join(timeout_s)
-
-    # -- the worker thread -------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._take_new(block=not self._inflight)
-                self._poll_inflight()
-                if self._inflight:
-                    time.sleep(_POLL_S)
-        except Exception:  # pragma: no cover - a bug; every load still gets an answer below
-            log.exception("target rank %d: worker thread failed", self.rank)
-        finally:
-            for key in list(self._inflight):
-                self._finish(key, "the target client shut down")
-            self._transfer.close()
-
-    def _take_new(self, *, block: bool) -> None:
-        while True:
-            try:
-                item = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if item is None:
-                return
-            block = False
-            self._start(*item)
-
-    def _deadline(self, load: TargetLoad, received: float) -> float:
-        if self.shares_leader_clock and load.deadline_ns:
-            return load.deadline_ns / 1e9
-        return received + load.timeout_ms / 1000.0
-
-    def _start(self, load: TargetLoad, received: float) -> None:
         flight = _Inflight(load, self._deadline(load, received))
         self._inflight[load.load_id] = flight
         if time.monotonic() > flight.deadline:
@@ -146,6 +108,34 @@ class RankWorker:
         except Exception as e:
             self._finish(load.load_id, f"{type(e).__name__}: {e}")
 
+    def poll(self) -> None:
+        """Check every in-flight READ without blocking; report the loads that ended."""
+        now = time.monotonic()
+        for key, flight in list(self._inflight.items()):
+            states = [self._transfer.poll(h) for h in flight.handles]
+            if "error" in states:
+                self._finish(key, "READ failed (transfer state ERR)")
+            elif all(s == "done" for s in states):
+                self._finish(key, None)
+            elif now > flight.deadline:
+                self._finish(key, f"READ not finished within {flight.load.timeout_ms} ms")
+
+    def close(self) -> None:
+        """Fail every load still in flight (their READs released), then close the adapter. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for key in list(self._inflight):
+            self._finish(key, "the target client shut down")
+        self._transfer.close()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _deadline(self, load: TargetLoad, received: float) -> float:
+        if self.shares_leader_clock and load.deadline_ns:
+            return load.deadline_ns / 1e9
+        return received + load.timeout_ms / 1000.0
+
     def _source_ranks(self, load: TargetLoad) -> list[RankInfo]:
         """Every source rank's info, by rank, with agent metadata remembered across loads of one epoch."""
         known = self._sources.get(load.source_worker)
@@ -166,17 +156,6 @@ class RankWorker:
             raise RuntimeError(f"source {load.source_worker}: no rank info for source rank(s) {missing}")
         return [ranks[r] for r in range(load.source_tp)]
 
-    def _poll_inflight(self) -> None:
-        now = time.monotonic()
-        for key, flight in list(self._inflight.items()):
-            states = [self._transfer.poll(h) for h in flight.handles]
-            if "error" in states:
-                self._finish(key, "READ failed (transfer state ERR)")
-            elif all(s == "done" for s in states):
-                self._finish(key, None)
-            elif now > flight.deadline:
-                self._finish(key, f"READ not finished within {flight.load.timeout_ms} ms")
-
     def _finish(self, key: int, error: str | None) -> None:
         flight = self._inflight.pop(key)
         for h in flight.handles:
@@ -184,8 +163,11 @@ class RankWorker:
         if error:
             log.warning("target rank %d: load %d from %s failed: %s", self.rank, key, flight.load.source_worker,
                         error)
+        self._report_now(flight.load, flight.nbytes, flight.descriptors, error)
+
+    def _report_now(self, load: TargetLoad, nbytes: int, descriptors: int, error: str | None) -> None:
         try:
-            self._report(TargetDone(key, self.rank, error is None, (error or "")[:4000], flight.nbytes,
-                                    flight.descriptors))
+            self._report(TargetDone(load.load_id, self.rank, error is None, (error or "")[:4000], nbytes,
+                                    descriptors))
         except Exception as e:  # the leader times the load out on its own
-            log.warning("target rank %d: could not report load %d: %s", self.rank, key, e)
+            log.warning("target rank %d: could not report load %d: %s", self.rank, load.load_id, e)

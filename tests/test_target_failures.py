@@ -340,5 +340,7 @@ def test_a_read_posted_after_the_leader_gave_up_never_lands(tmp_path: Path, regi
         source.wait_pins(r, 0, timeout_s=10)
     # The READs reached the adapter 2.5 s late, past the ranks' deadline: it refused to post them.
     assert all(v["dst_written"] == [] for v in verify), verify
-    late = [line for v in verify for line in v["log"] if "not posted: its deadline passed" in line]
-    assert len(late) == 2, [v["log"] for v in verify]  # one refused READ per rank
+    lines = [line for v in verify for line in v["log"]]
+    for r in range(2):  # each rank's adapter refused its READ
+        assert any(line.startswith(f"target rank {r}: load") and "not posted: its deadline passed" in line
+                   for line in lines), lines

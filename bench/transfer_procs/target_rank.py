@@ -120,13 +120,13 @@ def instrument_rpc() -> None:
 def instrument_client(client: Any) -> None:
     """Timestamp the client's internal steps by wrapping instance attributes (nothing in target/ changes)."""
     worker = client._worker
-    submit = worker.submit
+    start = worker.start
 
-    def timed_submit(load: Any) -> None:
+    def timed_start(load: Any, received: float) -> None:
         record("submit", time.monotonic(), None, load.load_id)
-        submit(load)
+        start(load, received)
 
-    worker.submit = timed_submit
+    worker.start = timed_start
     if client.rank != 0:
         return
     for name in ("_begin", "_complete"):
@@ -147,6 +147,7 @@ def instrument_client(client: Any) -> None:
         rank_done(done)
 
     client._rank_done = timed_rank_done
+    worker._report = timed_rank_done  # rank 0's own share reports straight to the coordinator
 
 
 def wait_until(t: float) -> None:
