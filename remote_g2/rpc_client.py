@@ -25,7 +25,13 @@ import zmq
 from remote_g2.curve import CurveClientConfig
 from remote_g2.errors import RemoteError, RpcClosed, RpcTimeout, error_class_for
 from remote_g2.messages import ErrorReply, Ping, Pong, spec_for_request
-from remote_g2.wire import DEFAULT_MAX_FRAME_BYTES, ERR, decode_frame, decode_reply_body, encode_request
+from remote_g2.wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    ERR,
+    decode_frame,
+    decode_reply_body,
+    encode_request,
+)
 
 __all__ = ["RpcClient", "DEFAULT_TIMEOUT_MS", "error_from_reply"]
 

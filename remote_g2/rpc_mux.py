@@ -46,7 +46,13 @@ from remote_g2.curve import CurveClientConfig
 from remote_g2.errors import ProtocolError, RpcClosed, RpcTimeout, TransportError
 from remote_g2.messages import ErrorReply, spec_for_request
 from remote_g2.rpc_client import DEFAULT_TIMEOUT_MS, error_from_reply
-from remote_g2.wire import DEFAULT_MAX_FRAME_BYTES, ERR, decode_frame, decode_reply_body, encode_request
+from remote_g2.wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    ERR,
+    decode_frame,
+    decode_reply_body,
+    encode_request,
+)
 
 __all__ = ["RpcMux", "ReplyCallback"]
 

@@ -10,7 +10,7 @@ variable                                field                                   
 ``REMOTE_G2_SOURCE``                    ``enabled``                                  off
 ``REMOTE_G2_REGISTRY``                  ``registry_endpoint`` (unset: no publishing)  unset
 ``REMOTE_G2_SOURCE_BIND``               ``bind`` (rank 0's TCP endpoint)             ``tcp://127.0.0.1:0``
-``REMOTE_G2_SOURCE_IPC_DIR``            ``ipc_dir`` (private, mode 0700)             see :func:`default_ipc_dir`
+``REMOTE_G2_SOURCE_IPC_DIR``            ``ipc_dir`` (private, mode 0700)             see :func:`~remote_g2.ipc_paths.default_ipc_dir`
 ``REMOTE_G2_SOURCE_DEFAULT_TTL_MS``     ``default_lease_ttl_ms``                     10000
 ``REMOTE_G2_SOURCE_MAX_TTL_MS``         ``max_lease_ttl_ms``                         60000
 ``REMOTE_G2_SOURCE_MIN_TTL_MS``         ``min_lease_ttl_ms``                         100
@@ -28,27 +28,17 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
 
 from remote_g2.config import env_flag
 from remote_g2.curve import CurveServerConfig
 from remote_g2.errors import ConfigError
 from remote_g2.messages import LayoutFingerprint
 
-__all__ = ["SourceConfig", "default_ipc_dir", "ENABLE_ENV"]
+__all__ = ["SourceConfig", "ENABLE_ENV"]
 
 ENABLE_ENV = "REMOTE_G2_SOURCE"
-
-
-def default_ipc_dir() -> str:
-    """``$XDG_RUNTIME_DIR/remote-g2`` when set (already private), else ``/tmp/remote-g2-{uid}``."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and Path(runtime).is_dir():
-        return str(Path(runtime) / "remote-g2")
-    return str(Path(tempfile.gettempdir()) / f"remote-g2-{os.getuid()}")
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,13 @@ from typing import Any
 from remote_g2.adapters.secondary_pool import SecondaryPool
 from remote_g2.config import env_flag
 from remote_g2.errors import ConfigError, SourceError, TransportError
+from remote_g2.ipc_paths import (
+    claim_ipc_path,
+    default_ipc_dir,
+    ipc_endpoint,
+    prepare_ipc_dir,
+    release_ipc_path,
+)
 from remote_g2.messages import (
     GetMetadata,
     RankBlocks,
@@ -63,18 +70,11 @@ from remote_g2.messages import (
 )
 from remote_g2.rpc_server import CallContext, RpcServer
 
-from .config import ENABLE_ENV, SourceConfig, default_ipc_dir
+from .config import ENABLE_ENV, SourceConfig
 from .leases import LeaseTable, PinBudget
 from .metrics import SourceMetrics
 from .rank_agent import RankAgent, agent_name_for
-from .siblings import (
-    SiblingLinks,
-    claim_ipc_path,
-    ipc_endpoint,
-    prepare_ipc_dir,
-    release_ipc_path,
-    sibling_handlers,
-)
+from .siblings import SiblingLinks, sibling_handlers
 from .tp_group import RankRecord, TpGroup, exchange, resolve_tp_group
 
 __all__ = ["SourceService", "start_source_service", "maybe_start_source_service"]

@@ -18,30 +18,21 @@ so a dead rank costs one timeout, not one per resolve.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
-import os
-import re
-import socket
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import zmq
 
 from remote_g2.errors import (
-    ConfigError,
     ProtocolError,
-    RemoteError,
     RpcTimeout,
     SourceError,
     TransportError,
-    error_class_for,
 )
 from remote_g2.messages import (
     ErrorReply,
@@ -53,18 +44,16 @@ from remote_g2.messages import (
     SiblingTrim,
     spec_for_request,
 )
+from remote_g2.rpc_client import error_from_reply
 from remote_g2.rpc_server import CallContext, Handler
 from remote_g2.wire import ERR, decode_frame, decode_reply_body, encode_request
 
 from .leases import LeaseTable
 
-__all__ = ["SiblingLinks", "PendingCalls", "SiblingUnavailable", "sibling_handlers", "ipc_endpoint", "prepare_ipc_dir",
-           "claim_ipc_path", "release_ipc_path"]
+__all__ = ["SiblingLinks", "PendingCalls", "SiblingUnavailable", "sibling_handlers"]
 
 log = logging.getLogger("remote_g2.source.siblings")
 
-_SUN_PATH_MAX = 107  # sockaddr_un.sun_path, minus the terminating NUL
-_SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
 class SiblingUnavailable(Exception):
@@ -74,63 +63,6 @@ class SiblingUnavailable(Exception):
     ``ERR SourceError`` naming the rank), hence not part of the
     :mod:`remote_g2.errors` tree, whose names must stay unique.
     """
-
-
-def prepare_ipc_dir(path: str | os.PathLike[str]) -> Path:
-    """Create ``path`` with mode 0700 (parents too), or check that it is private and ours."""
-    d = Path(path)
-    try:
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = d.lstat()
-    except OSError as e:
-        raise ConfigError(f"source IPC directory {d}: {e}") from e
-    if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"source IPC directory {d} is not a directory")
-    if st.st_uid != os.getuid():
-        raise ConfigError(f"source IPC directory {d} belongs to uid {st.st_uid}, not to this user")
-    if st.st_mode & 0o077:
-        raise ConfigError(f"source IPC directory {d} is open to other users (mode {st.st_mode & 0o777:o}); "
-                          "use a private directory (mode 0700)")
-    return d
-
-
-def ipc_endpoint(directory: Path, worker_id: str, rank: int) -> str:
-    """``ipc://{dir}/{worker_id}_tp{rank}.sock``; unsafe characters in the id become ``_`` plus a digest."""
-    safe = _SAFE.sub("_", worker_id)
-    if safe != worker_id:  # keep two ids that sanitise alike apart
-        safe = f"{safe[:64]}-{hashlib.blake2b(worker_id.encode(), digest_size=4).hexdigest()}"
-    path = directory / f"{safe}_tp{rank}.sock"
-    if len(str(path)) > _SUN_PATH_MAX:
-        raise ConfigError(f"IPC socket path {path} is longer than {_SUN_PATH_MAX} bytes; "
-                          "use a shorter ipc_dir or worker id")
-    return f"ipc://{path}"
-
-
-def claim_ipc_path(endpoint: str) -> None:
-    """Refuse to bind over a socket someone still serves (ZMQ would silently take it over)."""
-    path = endpoint[len("ipc://"):]
-    if not os.path.exists(path):
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(0.5)
-    try:
-        probe.connect(path)
-    except OSError:  # nobody listens: a stale file from a crashed run
-        os.unlink(path)
-        return
-    finally:
-        probe.close()
-    raise ConfigError(f"{path} is served by another process: is a source with this worker id running already?")
-
-
-def release_ipc_path(endpoint: str) -> None:
-    """Remove our socket file after the server closed (libzmq leaves it behind)."""
-    path = endpoint[len("ipc://"):]
-    try:
-        if stat.S_ISSOCK(os.lstat(path).st_mode):
-            os.unlink(path)
-    except OSError:
-        pass
 
 
 def sibling_handlers(table: LeaseTable, *, max_ttl_ms: int,
@@ -327,7 +259,8 @@ class PendingCalls:
             except ProtocolError as e:
                 self._finish(rank, e)
                 return
-            self._finish(rank, error_from_reply(body, self._links.endpoints[rank]) if isinstance(body, ErrorReply) else body)
+            endpoint = self._links.endpoints[rank]
+            self._finish(rank, error_from_reply(body, endpoint) if isinstance(body, ErrorReply) else body)
             return
 
     def _finish(self, rank: int, outcome: Any) -> None:

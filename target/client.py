@@ -62,6 +62,7 @@ from typing import Any
 from remote_g2.adapters.registry import load_adapter
 from remote_g2.adapters.secondary_pool import SecondaryPool
 from remote_g2.errors import ConfigError, RemoteG2Error, RpcTimeout, TransferError
+from remote_g2.ipc_paths import claim_ipc_path, prepare_ipc_dir, release_ipc_path
 from remote_g2.messages import (
     GetMetadata,
     Lookup,
@@ -77,8 +78,7 @@ from remote_g2.messages import (
 )
 from remote_g2.rpc_mux import RpcMux
 from remote_g2.rpc_server import CallContext, RpcServer
-from remote_g2.source.siblings import claim_ipc_path, prepare_ipc_dir, release_ipc_path
-from remote_g2.source.tp_group import TpGroup, resolve_tp_group
+from remote_g2.tp_group import TpGroup, resolve_tp_group
 
 from .config import TargetConfig
 from .rank_worker import POLL_S, RankWorker

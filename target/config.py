@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 
 from remote_g2.config import env_flag
 from remote_g2.errors import ConfigError
+from remote_g2.ipc_paths import default_ipc_dir
 from remote_g2.messages import LayoutFingerprint
-from remote_g2.source.config import default_ipc_dir
 
 __all__ = ["TargetConfig", "ENABLE_ENV"]
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from remote_g2.adapters.transfer import TransferAdapter
+
 from remote_g2.messages import BlockLayout, RankInfo, TargetDone, TargetLoad
 
 from .tp_mapping import plan_reads

@@ -13,18 +13,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from source_procs.pattern import block_bytes_for, hash_of, make_layout
-
 from remote_g2.adapters.host_pool import HostPool
-from remote_g2.errors import ConfigError, SourceError
-from remote_g2.messages import GetMetadata, LayoutFingerprint, Release, Renew, Resolve
-from remote_g2.rpc_client import RpcClient
 from remote_g2.source import PinBudget, SourceConfig, maybe_start_source_service
 from remote_g2.source import service as service_mod
 from remote_g2.source.leases import LeaseTable
-from remote_g2.source.siblings import claim_ipc_path, ipc_endpoint, prepare_ipc_dir
 from remote_g2.source.tp_group import RankRecord, TpGroup, exchange
+from source_procs.pattern import block_bytes_for, hash_of, make_layout
+
+from remote_g2.errors import ConfigError, SourceError
+from remote_g2.ipc_paths import claim_ipc_path, ipc_endpoint, prepare_ipc_dir
+from remote_g2.messages import GetMetadata, LayoutFingerprint, Release, Renew, Resolve
+from remote_g2.rpc_client import RpcClient
 
 
 def _pool(n_hashes: int = 16, num_blocks: int = 32, rank: int = 0, skip: set[int] = frozenset()) -> HostPool:
@@ -460,10 +459,10 @@ def test_threaded_tp2_shutdown_drops_leases_and_is_idempotent(tp2: dict) -> None
 
 def test_tp1_service_without_mpi_serves_curve_only_clients(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import zmq
+    from remote_g2.source import start_source_service
 
     from remote_g2.curve import CurveClientConfig, CurveServerConfig, generate_keypair
     from remote_g2.errors import RpcTimeout
-    from remote_g2.source import start_source_service
 
     if not zmq.has("curve"):
         pytest.skip("libzmq without CURVE")
@@ -494,3 +493,26 @@ def test_tp_rank_that_disagrees_with_the_communicator_is_refused() -> None:
     with pytest.raises(ConfigError, match="do not match"):
         resolve_tp_group(0, 2, comm)
     assert resolve_tp_group(0, 1) == TpGroup(0, 1, None)
+
+
+def test_sibling_err_reply_arrives_as_its_error_class_naming_the_sibling(tmp_path: Path) -> None:
+    from remote_g2.messages import SiblingPin
+    from remote_g2.rpc_server import RpcServer
+    from remote_g2.source.siblings import SiblingLinks
+
+    def refuse(req: SiblingPin, ctx: object) -> object:
+        raise SourceError(f"lease {req.lease_id} refused here")
+
+    endpoint = f"ipc://{prepare_ipc_dir(tmp_path / 'ipc')}/sib_tp1.sock"
+    server = RpcServer(endpoint, {"sibling_pin": refuse}, name="sibling-1", workers=1)
+    server.start()
+    links = SiblingLinks({1: endpoint}, timeout_ms=2000, retry_after_s=1.0)
+    try:
+        answers = links.call_all(lambda r: SiblingPin(7, [b"\x01" * 8], 1000))
+        err = answers[1]
+        assert isinstance(err, SourceError) and "lease 7 refused here" in str(err), err
+        assert err.remote == endpoint
+        assert links.down() == []  # an answer, even ERR, means the sibling is alive
+    finally:
+        links.close()
+        server.close()
