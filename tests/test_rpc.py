@@ -395,3 +395,66 @@ def test_a_deferred_batch_does_not_hold_up_other_requests(serve):
     finally:
         backend.close()
         far_end.close()
+
+
+def test_driven_server_answers_only_on_its_owners_thread(tmp_path):
+    """workers=0: no thread of its own; the owner's loop polls ``socket`` and calls ``serve_ready``."""
+    seen_on: list[str] = []
+
+    def stats(req, ctx):
+        seen_on.append(threading.current_thread().name)
+        raise SourceError("driven handler ran")
+
+    server = RpcServer(f"ipc://{tmp_path}/driven.sock", {"stats": stats}, name="driven", workers=0)
+    ep = server.start()
+    replies: list[object] = []
+
+    def call() -> None:
+        with RpcClient(ep, timeout_ms=5000) as c:
+            replies.append(c.ping())
+            try:
+                c.call(Stats())
+            except SourceError as e:
+                replies.append(e)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    try:
+        time.sleep(0.2)
+        assert replies == []  # nobody served the socket yet: the ping waits
+        poller = zmq.Poller()
+        poller.register(server.socket, zmq.POLLIN)
+        served, deadline = 0, time.monotonic() + 5
+        while len(replies) < 2 and time.monotonic() < deadline:
+            if poller.poll(50):
+                served += server.serve_ready()
+        caller.join(5)
+        assert served == 2
+        assert isinstance(replies[0], Pong) and replies[0].server == "driven"
+        assert isinstance(replies[1], SourceError) and "driven handler ran" in str(replies[1])
+        assert seen_on == [threading.current_thread().name]
+        # a malformed frame gets its ERR from serve_ready too, and the server goes on
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(ep)
+        sock.send(b"\xc1 not msgpack")
+        deadline = time.monotonic() + 5
+        while not sock.poll(10) and time.monotonic() < deadline:
+            server.serve_ready()
+        assert msgpack.unpackb(sock.recv(), raw=False)[1] == "ERR"
+        sock.close()
+    finally:
+        caller.join(5)
+        server.close()
+
+
+def test_only_a_driven_server_exposes_its_socket(serve):
+    server = RpcServer("tcp://127.0.0.1:0", {}, name="threaded", workers=1)
+    server.start()
+    try:
+        with pytest.raises(ConfigError, match="only a driven server"):
+            server.socket  # noqa: B018
+    finally:
+        server.close()
+    with pytest.raises(ConfigError, match="workers must be >= 0"):
+        RpcServer("tcp://127.0.0.1:0", {}, workers=-1)
