@@ -36,6 +36,7 @@ import heapq
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -97,7 +98,7 @@ class RpcMux:
         self._watched: dict[Any, Callable[[], None]] = {}
         self._poller = zmq.Poller()
         self._clocks: list[tuple[float, int, str]] = []  # (deadline, msg id, endpoint): a min-heap
-        self._ready: list[tuple[ReplyCallback, Any]] = []  # outcomes known at call time, run by the loop
+        self._ready: deque[tuple[ReplyCallback, Any]] = deque()  # outcomes waiting for their callback
         self._closed = False
 
     # -- calls -----------------------------------------------------------------------------
@@ -127,7 +128,14 @@ class RpcMux:
 
     def next_deadline(self) -> float | None:
         """The monotonic time the earliest open call times out, if any."""
-        return self._clocks[0][0] if self._clocks else None
+        clocks = self._clocks
+        while clocks:  # drop entries of calls answered or dropped since (the heap keeps them lazily)
+            _, msg_id, endpoint = clocks[0]
+            peer = self._peers.get(endpoint)
+            if peer is not None and msg_id in peer.open:
+                return clocks[0][0]
+            heapq.heappop(clocks)
+        return None
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -169,6 +177,7 @@ class RpcMux:
         for peer in list(self._peers.values()):
             self._drop(peer, "the mux is closed")
         self._peers.clear()
+        self._clocks.clear()
         self._run_ready()
 
     # -- internals ------------------------------------------------------------------------------
@@ -241,10 +250,9 @@ class RpcMux:
                 call=name, endpoint=endpoint, timeout_ms=call.timeout_ms)))
 
     def _run_ready(self) -> None:
-        while self._ready:
-            ready, self._ready = self._ready, []
-            for callback, outcome in ready:
-                self._safely(callback, outcome)
+        while self._ready:  # one at a time, so pending() inside a callback counts the ones still to run
+            callback, outcome = self._ready.popleft()
+            self._safely(callback, outcome)
 
     @staticmethod
     def _safely(fn: Callable[..., None], *args: Any) -> None:
