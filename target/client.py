@@ -107,7 +107,7 @@ def maybe_start_target_client(pool: SecondaryPool, *, tp_rank: int | None = None
                               comm: Any = None) -> TargetClient | None:
     """This rank's target client when enabled (``config.enabled`` or ``REMOTE_G2_TARGET=1``), else None.
 
-    ``pool`` is the rank's destination memory (its ``layout()`` and
+    ``pool`` is the rank's destination memory (its ``layout`` property and
     ``regions()``; block ``b`` at ``regions()[0].base + b * block_bytes``).
     Collective over the TP group (``comm``; default MPI world split by
     ``tp_size``) at start-up, as the source service is: call it on every rank.
@@ -203,7 +203,7 @@ class TargetClient:
         endpoint = ""
         clock = _boot_id()
         try:
-            layout = self._pool.layout()
+            layout = self._pool.layout
             regions = self._pool.regions()
             transfer = load_adapter("transfer", self.config.transfer)(
                 f"remote-g2-target-{self.worker_id}-tp{self.rank}")

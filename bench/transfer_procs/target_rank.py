@@ -76,6 +76,7 @@ class DestPool:
         self._raw = raw
         self.buf = raw[off:off + n]
 
+    @property
     def layout(self) -> BlockLayout:
         return self._layout
 
@@ -164,7 +165,7 @@ class Rank:
     def __init__(self, args: argparse.Namespace, rank: int, tp: int, pool: DestPool, client: Any,
                  raw: NixlTransfer) -> None:
         self.args, self.rank, self.tp, self.pool, self.client, self.raw = args, rank, tp, pool, client, raw
-        self.bb = pool.layout().block_bytes
+        self.bb = pool.layout.block_bytes
         self.expected = rank_stream(rank, args.block_kib, args.hashes * self.bb)  # same TP: source rank == ours
         self.scratch = np.zeros_like(self.expected)
 

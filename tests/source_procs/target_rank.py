@@ -69,6 +69,7 @@ class DestPool:
         self._layout = layout
         self.buf = np.zeros(layout.num_blocks * layout.block_bytes, dtype=np.uint8)
 
+    @property
     def layout(self) -> BlockLayout:
         return self._layout
 
