@@ -57,11 +57,21 @@ class HostPool:
     ``layout.block_bytes`` cannot hold ``num_layers * kv`` slabs, or if
     ``num_blocks`` exceeds :data:`~remote_g2.pool_index.MAX_BLOCKS`.
 
+    ``reserved_blocks`` keeps the last that many blocks out of the cache
+    altogether: they are never stored into, evicted or found, but they lie in
+    :meth:`regions`, so an engine can hand them out itself — the reference
+    engine lands remote reads there (the same block ids on every TP rank)
+    before storing the bytes into the cache proper. :attr:`reserved_block_ids`
+    lists them.
+
     Every method is thread-safe; see the module docstring for what may run
     concurrently with what.
     """
 
-    def __init__(self, layout: BlockLayout, *, pin_memory: bool | None = None) -> None:
+    def __init__(self, layout: BlockLayout, *, pin_memory: bool | None = None, reserved_blocks: int = 0) -> None:
+        if not 0 <= reserved_blocks < layout.num_blocks:
+            raise ValueError(f"reserved_blocks={reserved_blocks} must be in 0..{layout.num_blocks - 1} "
+                             f"(the cache needs at least one block)")
         need = layout.num_layers * layout.kv * layout.slab_bytes
         if layout.block_bytes < need:
             raise ValueError(f"block_bytes {layout.block_bytes} < {need} "
@@ -79,8 +89,10 @@ class HostPool:
         self._array = self._tensor.numpy()
 
         self._lock = threading.Lock()  # guards the mapping: _free, _hash_of
-        # Popped from the end, so a new pool fills block 0 first.
-        self._free: list[int] = list(range(layout.num_blocks - 1, -1, -1))
+        # Popped from the end, so a new pool fills block 0 first; reserved blocks are never in it.
+        cached_blocks = layout.num_blocks - reserved_blocks
+        self._free: list[int] = list(range(cached_blocks - 1, -1, -1))
+        self.reserved_block_ids = range(cached_blocks, layout.num_blocks)
         self._hash_of: dict[int, bytes] = {}  # block id -> the hash it caches
 
         # Listener delivery (see _deliver). Never take _lock while holding _events_lock.

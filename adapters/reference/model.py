@@ -132,6 +132,7 @@ __all__ = [
     "Generation",
     "ModelConfig",
     "ReferenceModel",
+    "SequenceCache",
     "TpShard",
     "concat_kv",
     "shard_for",
@@ -262,6 +263,19 @@ class ChunkOutput(NamedTuple):
 
     logits: torch.Tensor
     kv: KV
+
+
+@dataclass
+class SequenceCache:
+    """One sequence's float64 working KV on this rank (see :meth:`ReferenceModel.begin_sequence`).
+
+    ``buffers[layer] = (K, V)``, each ``[local_kv_heads, capacity, head_dim]``;
+    positions ``< length`` are filled.
+    """
+
+    buffers: list[tuple[torch.Tensor, torch.Tensor]]
+    length: int
+    capacity: int
 
 
 class Generation(NamedTuple):
@@ -573,6 +587,38 @@ class ReferenceModel:
         ids = self._check_ids(token_ids, start_pos)
         self._check_past(past_kv, start_pos)
         outs = self._prefill_into(ids, start_pos, self._new_cache(start_pos + ids.numel(), past_kv), chunk_tokens)
+        kv = concat_kv([o.kv for o in outs])
+        assert kv is not None
+        return ChunkOutput(torch.cat([o.logits for o in outs]), kv)
+
+    def begin_sequence(self, capacity: int, past_kv: KV | None = None) -> SequenceCache:
+        """A working cache for one sequence of up to ``capacity`` tokens, holding ``past_kv`` first.
+
+        For an engine that runs a sequence over many steps (chunks of a
+        prefill, then one decode token a step): :meth:`extend` appends to it
+        in place, so the past is widened to float64 once, not once per step.
+        ``past_kv`` is this rank's KV of the first ``n`` positions, as
+        :meth:`forward_chunk` takes it (e.g. gathered from paged blocks).
+        """
+        n = 0 if past_kv is None else int(past_kv[0][0].shape[1])
+        self._check_past(past_kv, n)
+        if not n <= capacity <= self.config.max_positions:
+            raise ValueError(f"capacity {capacity} must be in {n}..{self.config.max_positions}")
+        return SequenceCache(self._new_cache(capacity, past_kv), n, capacity)
+
+    def extend(self, seq: SequenceCache, token_ids: Sequence[int] | torch.Tensor, *,
+               chunk_tokens: int = 16) -> ChunkOutput:
+        """Run ``token_ids`` at positions ``seq.length..`` and append their KV to ``seq``.
+
+        Chunks end on multiples of ``chunk_tokens`` (absolute positions), as
+        :meth:`prefill`; the result is bit-identical to any other chunking.
+        Collective when TP > 1.
+        """
+        ids = self._check_ids(token_ids, seq.length)
+        if seq.length + ids.numel() > seq.capacity:
+            raise ValueError(f"{ids.numel()} tokens at {seq.length} overflow the sequence's capacity {seq.capacity}")
+        outs = self._prefill_into(ids, seq.length, seq.buffers, chunk_tokens)
+        seq.length += ids.numel()
         kv = concat_kv([o.kv for o in outs])
         assert kv is not None
         return ChunkOutput(torch.cat([o.logits for o in outs]), kv)

@@ -1,0 +1,163 @@
+"""Start reference engine workers under ``mpiexec`` and talk to them: :class:`EngineProcess`, :class:`EngineClient`.
+
+Used by ``remote-g2 demo``, the end-to-end tests and ``bench/bench_e2e.py``.
+Each worker runs in its own session (mpiexec and its ranks share one process
+group), is asked to shut down over its API, and is killed by its process
+group only if it does not exit in time. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from remote_g2.errors import RemoteG2Error
+from remote_g2.rpc_client import RpcClient
+
+from .messages import (
+    CacheMode,
+    EngineEvict,
+    EngineResult,
+    EngineResults,
+    EngineShutdown,
+    EngineStats,
+    EngineStatsReply,
+    EngineSubmit,
+)
+
+__all__ = ["EngineClient", "EngineProcess", "mpiexec_path"]
+
+
+def mpiexec_path() -> str:
+    """The venv's ``mpiexec`` (the ``mpich`` wheel), else the one on PATH."""
+    local = Path(sys.executable).parent / "mpiexec"
+    return str(local) if local.exists() else "mpiexec"
+
+
+class EngineClient:
+    """A client of one engine's API (rank 0)."""
+
+    def __init__(self, endpoint: str, *, timeout_s: float = 10.0) -> None:
+        self.rpc = RpcClient(endpoint, timeout_ms=timeout_s * 1000)
+
+    def submit(self, request_id: str, prompt: list[int], max_new_tokens: int, *, cache: CacheMode = "all",
+               pause_after_lookup_ms: int = 0) -> None:
+        self.rpc.call(EngineSubmit(request_id, list(prompt), max_new_tokens, cache, pause_after_lookup_ms))
+
+    def wait(self, request_ids: list[str], *, timeout_s: float = 60.0, poll_s: float = 0.005) -> dict[str, EngineResult]:
+        """Block until every request finished (``TimeoutError`` naming the missing ones)."""
+        want, got = set(request_ids), {}
+        deadline = time.monotonic() + timeout_s
+        while want - got.keys():
+            for r in self.rpc.call(EngineResults(sorted(want - got.keys()))).results:
+                got[r.request_id] = r
+            if want - got.keys():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"requests {sorted(want - got.keys())} not finished within {timeout_s} s")
+                time.sleep(poll_s)
+        return got
+
+    def generate(self, request_id: str, prompt: list[int], max_new_tokens: int, *, cache: CacheMode = "all",
+                 timeout_s: float = 60.0) -> EngineResult:
+        self.submit(request_id, prompt, max_new_tokens, cache=cache)
+        return self.wait([request_id], timeout_s=timeout_s)[request_id]
+
+    def paused(self) -> list[str]:
+        """Requests held between their remote lookup and their load (the ``pause_after_lookup_ms`` knob)."""
+        return list(self.stats().paused)
+
+    def stats(self) -> EngineStatsReply:
+        return self.rpc.call(EngineStats())
+
+    def evict(self, hashes: list[bytes]) -> int:
+        return int(self.rpc.call(EngineEvict(list(hashes))).removed)
+
+    def shutdown(self) -> None:
+        self.rpc.call(EngineShutdown())
+
+    def close(self) -> None:
+        self.rpc.close()
+
+
+class EngineProcess:
+    """``mpiexec -n tp`` reference engine worker ``worker_id``; ``args`` go to the server module.
+
+    Ready when rank 0 wrote its ready file (``start_timeout_s``); ``client``
+    talks to it; :meth:`stop` shuts it down (API, then SIGTERM, then SIGKILL
+    of its process group) and returns mpiexec's exit code.
+    """
+
+    def __init__(self, worker_id: str, *, tp: int = 1, args: list[str] | None = None, log_dir: str | None = None,
+                 env: dict[str, str] | None = None, start_timeout_s: float = 90.0) -> None:
+        self.worker_id, self.tp = worker_id, tp
+        self._tmp = tempfile.mkdtemp(prefix="rg2e-")  # short: IPC socket paths live here
+        self.log_path = Path(log_dir or self._tmp) / f"engine-{worker_id}.log"
+        ready = Path(self._tmp) / "ready.json"
+        cmd = [mpiexec_path(), "-n", str(tp), sys.executable, "-m", "remote_g2.adapters.reference.server",
+               "--worker-id", worker_id, "--ready-file", str(ready), "--ipc-dir", os.path.join(self._tmp, "ipc"),
+               *(args or [])]
+        full_env = {**os.environ, "UCX_LOG_LEVEL": "fatal", "REMOTE_G2_LOG_LEVEL": "WARNING", **(env or {})}
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=full_env)
+        deadline = time.monotonic() + start_timeout_s
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                rc = self.proc.poll()
+                self.kill()
+                raise RuntimeError(f"engine {worker_id} (TP={tp}) did not start (rc={rc}):\n{self.log_tail()}")
+            time.sleep(0.02)
+        self.info: dict[str, Any] = json.loads(ready.read_text())
+        self.endpoint: str = self.info["endpoint"]
+        self.client = EngineClient(self.endpoint)
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 20.0) -> int:
+        """Shut down cleanly if possible; kill the process group otherwise. Returns the exit code."""
+        if self.proc.poll() is None:
+            try:
+                self.client.shutdown()
+            except RemoteG2Error:
+                pass
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    self.kill()
+        self.client.close()
+        self._log.close()
+        return int(self.proc.returncode if self.proc.returncode is not None else -9)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
