@@ -1,6 +1,6 @@
 # remote-g2 — every target does its own set-up on a fresh machine.
 #   make test   venv + package + test extras + redis-server, then pytest (what CI runs)
-#   make demo   the demo: a registry round trip (and, as later parts land, the full data path)
+#   make demo   remote-g2 demo: registry + source and target reference engines, remote KV reuse checked bit for bit
 #   make bench  benchmarks (tables on stdout, JSON under bench/results/)
 
 PYTHON ?= python3
@@ -31,7 +31,7 @@ test: venv redis
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 demo: venv
-	$(VPY) -m remote_g2.demo
+	$(VPY) -m remote_g2.cli demo
 
 bench: venv redis
 	@mkdir -p bench/results
