@@ -118,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
     registry_proc = None
     try:
         registry_proc, registry = _start_registry(args.redis_url)
-        _say(quiet, f"[1/5] registry serving on {registry} ({'redis ' + args.redis_url if args.redis_url else 'embedded store'}, pid {registry_proc.pid})")
+        store = f"redis {args.redis_url}" if args.redis_url else "embedded store"
+        _say(quiet, f"[1/5] registry serving on {registry} ({store}, pid {registry_proc.pid})")
         t0 = time.perf_counter()
         source = EngineProcess("demo-source", tp=args.source_tp, args=["--source", "--registry", registry, *model])
         started.append(source)

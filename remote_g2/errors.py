@@ -45,6 +45,8 @@ __all__ = [
     "TransferError",
     "PoolIndexError",
     "BlockPinnedError",
+    "EngineError",
+    "RequestRejected",
     "error_class_for",
 ]
 
@@ -157,6 +159,14 @@ class PoolIndexError(RemoteG2Error):
 
 class BlockPinnedError(PoolIndexError, ValueError):
     """The operation would change or free a block that is pinned."""
+
+
+class EngineError(RemoteG2Error):
+    """The reference engine (``remote_g2.adapters.reference``) failed a request or an operation."""
+
+
+class RequestRejected(EngineError, ValueError):
+    """The engine refused a request it can never run (bad token ids, duplicate id, too long, shutting down)."""
 
 
 def error_class_for(name: str) -> type[RemoteG2Error] | None:

@@ -26,11 +26,17 @@ from typing import Any
 
 import torch
 import zmq
-
-from remote_g2.errors import ProtocolError
-from remote_g2.ipc_paths import claim_ipc_path, default_ipc_dir, ipc_endpoint, prepare_ipc_dir, release_ipc_path
 from remote_g2.source import SourceConfig, maybe_start_source_service
 from remote_g2.target import TargetConfig, maybe_start_target_client
+
+from remote_g2.errors import ProtocolError
+from remote_g2.ipc_paths import (
+    claim_ipc_path,
+    default_ipc_dir,
+    ipc_endpoint,
+    prepare_ipc_dir,
+    release_ipc_path,
+)
 from remote_g2.tp_group import resolve_tp_group
 from remote_g2.wire import decode_frame, decode_request_body, encode_request
 
@@ -218,6 +224,9 @@ class Executor:
             return None
         if kind == "evict":
             return self.kv.g2.remove(op.hashes)
+        if kind == "gauges":
+            mine = torch.tensor([int(self.kv.g2.stats()["pinned_blocks"])], dtype=torch.int64)
+            return [int(x) for x in self.tp.allgather(mine).reshape(-1)]
         if kind == "finish":
             self._seqs.pop(op.request_id, None)
             return None
@@ -248,7 +257,10 @@ class Executor:
             if self._endpoint:
                 release_ipc_path(self._endpoint)
 
-    def stats(self) -> dict[str, int]:
-        """This rank's G2 gauges."""
-        return {"g2_cached": len(self.kv.g2), "g2_pinned": int(self.kv.g2.stats()["pinned_blocks"])}
+    def stats(self) -> dict[str, Any]:
+        """G2 gauges (leader; ``g2_pinned_per_rank`` asks every rank, a collective step)."""
+        op = StepOp("gauges")
+        self._broadcast([op])
+        return {"g2_cached": len(self.kv.g2), "g2_pinned": int(self.kv.g2.stats()["pinned_blocks"]),
+                "g2_pinned_per_rank": self._apply(op)}
 

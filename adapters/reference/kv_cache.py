@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
 from remote_g2.adapters.host_pool import HostPool
+
 from remote_g2.errors import ConfigError
 from remote_g2.messages import BlockLayout, LayoutFingerprint
 

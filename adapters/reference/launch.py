@@ -51,7 +51,8 @@ class EngineClient:
                pause_after_lookup_ms: int = 0) -> None:
         self.rpc.call(EngineSubmit(request_id, list(prompt), max_new_tokens, cache, pause_after_lookup_ms))
 
-    def wait(self, request_ids: list[str], *, timeout_s: float = 60.0, poll_s: float = 0.005) -> dict[str, EngineResult]:
+    def wait(self, request_ids: list[str], *, timeout_s: float = 60.0,
+             poll_s: float = 0.005) -> dict[str, EngineResult]:
         """Block until every request finished (``TimeoutError`` naming the missing ones)."""
         want, got = set(request_ids), {}
         deadline = time.monotonic() + timeout_s

@@ -121,7 +121,10 @@ class EngineResults:
 
 @dataclass(frozen=True, slots=True)
 class EngineStatsReply:
-    """The leader's view: sizes, cache contents, counters, whether the hooks run; ``paused``: ids held after lookup."""
+    """The leader's view: sizes, cache contents, counters, whether the hooks run; ``paused``: ids held after lookup.
+
+    ``g2_pinned`` is rank 0's count of pinned G2 blocks, ``g2_pinned_per_rank`` every rank's.
+    """
 
     worker_id: Annotated[str, Limits(max_len=128)]
     tp_size: _Count
@@ -134,6 +137,7 @@ class EngineStatsReply:
     g1_cached: _Count
     g2_cached: _Count
     g2_pinned: _Count
+    g2_pinned_per_rank: Annotated[list[_Count], Limits(max_len=4096)]
     remote_lookups: _Count
     blocks_remote: _Count
     blocks_remote_failed: _Count
@@ -167,7 +171,7 @@ class EngineShutdown:
     """Stop after the running requests fail; every rank shuts its hooks down and exits."""
 
 
-StepKind = Literal["forward", "onboard", "land", "store", "evict", "finish", "stop"]
+StepKind = Literal["forward", "onboard", "land", "store", "evict", "finish", "gauges", "stop"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +189,7 @@ class StepOp:
     * ``store`` — write-through: cache G1 ``blocks`` in G2 under ``hashes``.
     * ``evict`` — drop ``hashes`` from G2.
     * ``finish`` — drop ``request_id``'s working cache.
+    * ``gauges`` — every rank's G2 pin count, gathered to every rank (for stats).
     * ``stop`` — leave the step loop.
     """
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from remote_g2.errors import RequestRejected
 from remote_g2.hashing import chain_block_hashes
 
 from .kv_cache import G1BlockManager
@@ -105,19 +106,20 @@ class Scheduler:
     # -- intake ---------------------------------------------------------------------------
 
     def submit(self, sub: EngineSubmit, vocab_size: int, max_positions: int) -> None:
-        """Queue a request; ``ValueError`` (answered as ERR) for one the engine can never run."""
+        """Queue a request; :class:`RequestRejected` (answered as ``ERR``) for one the engine can never run."""
         if sub.request_id in self.running or sub.request_id in self.finished or \
                 any(r.sub.request_id == sub.request_id for r in self.waiting):
-            raise ValueError(f"request id {sub.request_id!r} is already in use")
+            raise RequestRejected(f"request id {sub.request_id!r} is already in use")
         if not sub.prompt:
-            raise ValueError("empty prompt")
+            raise RequestRejected("empty prompt")
         if max(sub.prompt) >= vocab_size:
-            raise ValueError(f"token ids must be < {vocab_size}")
+            raise RequestRejected(f"token ids must be < {vocab_size}")
         need = len(sub.prompt) + sub.max_new_tokens - 1
         if need > max_positions:
-            raise ValueError(f"prompt + max_new_tokens - 1 = {need} exceeds the model's {max_positions} positions")
-        if -(-need // self.tpb) > self.g1.num_blocks:
-            raise ValueError(f"request needs {-(-need // self.tpb)} G1 blocks, the engine has {self.g1.num_blocks}")
+            raise RequestRejected(f"prompt + max_new_tokens - 1 = {need} exceeds the model's {max_positions} positions")
+        blocks = -(-need // self.tpb)
+        if blocks > self.g1.num_blocks:
+            raise RequestRejected(f"request needs {blocks} G1 blocks, the engine has {self.g1.num_blocks}")
         hashes = chain_block_hashes(sub.prompt, self.tpb)
         self.waiting.append(Request(sub, hashes, (len(sub.prompt) - 1) // self.tpb, time.perf_counter()))
 

@@ -29,14 +29,16 @@ import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
+
 import torch
 import zmq
+from remote_g2.source import SourceConfig
+from remote_g2.target import TargetConfig
 
+from remote_g2.errors import RequestRejected
 from remote_g2.log import configure_logging
 from remote_g2.messages import LayoutFingerprint
 from remote_g2.rpc_server import CallContext, RpcServer
-from remote_g2.source import SourceConfig
-from remote_g2.target import TargetConfig
 from remote_g2.tp_group import resolve_tp_group
 
 from .executor import EngineConfig, Executor
@@ -103,7 +105,7 @@ class EngineServer:
 
     def _submit(self, req: EngineSubmit, ctx: CallContext) -> EngineAccepted:
         if self.stop.is_set():
-            raise ValueError("engine is shutting down")
+            raise RequestRejected("engine is shutting down")
         cfg = self.ex.config.model
         self.sched.submit(req, cfg.vocab_size, cfg.max_positions)
         return EngineAccepted(len(self.sched.waiting) + len(self.sched.running))
@@ -121,7 +123,8 @@ class EngineServer:
             source_enabled=ex.source is not None, target_enabled=ex.target is not None,
             source_endpoint=getattr(ex.source, "endpoint", "") or "", running=len(s.running) + len(s.waiting),
             finished=self.finished + len(s.finished), g1_cached=s.g1.cached(), g2_cached=g2["g2_cached"],
-            g2_pinned=g2["g2_pinned"], remote_lookups=s.remote_lookups, blocks_remote=s.blocks_remote,
+            g2_pinned=g2["g2_pinned"], g2_pinned_per_rank=g2["g2_pinned_per_rank"],
+            remote_lookups=s.remote_lookups, blocks_remote=s.blocks_remote,
             blocks_remote_failed=s.blocks_remote_failed, paused=s.paused())
 
     def _evict(self, req: EngineEvict, ctx: CallContext) -> EngineEvictReply:
@@ -133,7 +136,8 @@ class EngineServer:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m remote_g2.adapters.reference.server", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m remote_g2.adapters.reference.server",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--worker-id", required=True)
     p.add_argument("--bind", default="tcp://127.0.0.1:0", help="rank 0's API endpoint (tcp:// or ipc://)")
     p.add_argument("--ready-file", help="rank 0 writes its endpoints here (JSON) once serving")

@@ -1,0 +1,191 @@
+"""The reference engine end to end: real engines under ``mpiexec``, a real registry, real NIXL READs.
+
+Every case starts a source engine (source hook on) and a target engine
+(target hook on) as separate ``mpiexec`` jobs; the source serves a prompt,
+the target serves it with every cache off (the recompute baseline) and with
+remote reuse, and the test checks
+
+* every generated token and every logit (float32 bits) is identical across
+  the source's run, the target's recompute and the target's remote run;
+* every reusable prompt block came from the remote source;
+* every source rank's pins are back to zero, and the registry lists the
+  source's blocks.
+
+Plus: a source evicting blocks between the target's lookup and its load
+(the target recomputes exactly those, output still identical), a target
+with both hooks off (a plain engine: same bits as the in-process model), and
+bad input on the engine's API (``ERR``, the engine keeps serving).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+from remote_g2.adapters.reference import ModelConfig, ReferenceModel
+from remote_g2.adapters.reference.launch import EngineProcess, mpiexec_path
+from remote_g2.adapters.reference.messages import EngineStep
+from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer
+
+from remote_g2.errors import RequestRejected
+from remote_g2.hashing import chain_block_hashes
+from remote_g2.wire import decode_frame, encode_request
+
+pytestmark = [pytest.mark.mpi, pytest.mark.nixl, pytest.mark.slow,
+              pytest.mark.skipif(mpiexec_path() == "mpiexec", reason="mpiexec is not in the venv (pip install mpich)")]
+
+TPB = 16
+
+
+@pytest.fixture
+def registry() -> Iterator[str]:
+    server = RegistryServer(MemoryStore(lease_ttl_ms=5000), bind="tcp://127.0.0.1:0")
+    try:
+        yield server.start()
+    finally:
+        server.close()
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1024) for _ in range(n)]
+
+
+def _wait_registry_blocks(registry: str, worker_id: str, want: int, timeout_s: float = 10.0) -> int:
+    with RegistryClient(registry) as reg:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            held = {w.worker_id: w.blocks for w in reg.list_workers()}.get(worker_id, 0)
+            if held >= want or time.monotonic() > deadline:
+                return held
+            time.sleep(0.05)
+
+
+def _wait_pins_zero(engine: EngineProcess, timeout_s: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pins = list(engine.client.stats().g2_pinned_per_rank)
+        if not any(pins) or time.monotonic() > deadline:
+            return pins
+        time.sleep(0.05)
+
+
+def _same(a, b) -> bool:  # type: ignore[no-untyped-def]
+    return a.tokens == b.tokens and a.logits == b.logits
+
+
+def _engines(registry: str, source_tp: int, target_tp: int, mla: bool) -> tuple[EngineProcess, EngineProcess]:
+    model = ["--mla"] if mla else []
+    source = EngineProcess("src", tp=source_tp, args=["--source", "--registry", registry, *model])
+    try:
+        target = EngineProcess("tgt", tp=target_tp, args=["--target", "--registry", registry, *model])
+    except BaseException:
+        source.stop()
+        raise
+    return source, target
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
+@pytest.mark.parametrize(("source_tp", "target_tp"), [(1, 1), (2, 2), (1, 2), (2, 1), (2, 4)])
+def test_remote_reuse_is_bit_identical_to_recompute(registry: str, source_tp: int, target_tp: int, mla: bool) -> None:
+    prompt = _prompt(200, seed=source_tp * 10 + target_tp)
+    reusable = (len(prompt) - 1) // TPB
+    source, target = _engines(registry, source_tp, target_tp, mla)
+    try:
+        src = source.client.generate("p", prompt, 4, cache="local")
+        assert _wait_registry_blocks(registry, "src", len(prompt) // TPB) >= len(prompt) // TPB
+        base = target.client.generate("base", prompt, 4, cache="none")
+        remote = target.client.generate("remote", prompt, 4, cache="all")
+        assert remote.ok and base.ok and src.ok, (remote.error, base.error, src.error)
+        assert remote.remote_reason == "ok"
+        assert (remote.blocks_remote, remote.blocks_remote_failed, remote.blocks_computed) == \
+            (reusable, 0, len(prompt) // TPB - reusable)
+        assert base.blocks_remote == base.blocks_g1 == base.blocks_g2 == 0
+        assert len(remote.logits) == 4 * 1024 * 4
+        assert _same(remote, base) and _same(base, src)
+        assert _wait_pins_zero(source) == [0] * source_tp
+        # The loaded blocks are now in the target's own G2 (it could serve them in turn).
+        assert target.client.stats().g2_cached >= reusable
+    finally:
+        target.stop()
+        source.stop()
+
+
+def test_blocks_evicted_between_lookup_and_load_are_recomputed(registry: str) -> None:
+    prompt = _prompt(200, seed=99)
+    hashes = chain_block_hashes(prompt, TPB)
+    reusable = (len(prompt) - 1) // TPB
+    keep = 5
+    source, target = _engines(registry, 2, 2, mla=False)
+    try:
+        src = source.client.generate("p", prompt, 4, cache="local")
+        assert _wait_registry_blocks(registry, "src", len(hashes)) >= len(hashes)
+        base = target.client.generate("base", prompt, 4, cache="none")
+        # The target looks up (the registry promises every block), then holds the request for 20 s ...
+        target.client.submit("remote", prompt, 4, cache="all", pause_after_lookup_ms=20_000)
+        deadline = time.monotonic() + 15
+        while "remote" not in target.client.paused():
+            assert time.monotonic() < deadline, "the target never reached its lookup"
+            time.sleep(0.02)
+        # ... while the source evicts the tail of the prefix on every rank.
+        assert source.client.evict(hashes[keep:]) == len(hashes) - keep
+        remote = target.client.wait(["remote"], timeout_s=40)["remote"]
+        assert remote.ok, remote.error
+        assert remote.blocks_remote == keep
+        assert remote.blocks_computed == len(hashes) - keep
+        assert remote.blocks_remote + remote.blocks_computed == len(hashes) and reusable <= len(hashes)
+        assert _same(remote, base) and _same(base, src)
+        assert _wait_pins_zero(source) == [0, 0]
+    finally:
+        target.stop()
+        source.stop()
+
+
+def test_engine_with_hooks_off_is_a_plain_engine(registry: str) -> None:
+    prompt = _prompt(120, seed=5)
+    engine = EngineProcess("plain", tp=2)
+    try:
+        stats = engine.client.stats()
+        assert not stats.source_enabled and not stats.target_enabled and stats.source_endpoint == ""
+        first = engine.client.generate("a", prompt, 5, cache="all")
+        again = engine.client.generate("b", prompt, 5, cache="all")
+        stats = engine.client.stats()
+    finally:
+        engine.stop()
+    assert first.remote_reason == "target_disabled" and first.blocks_remote == 0
+    assert stats.remote_lookups == 0 and stats.blocks_remote == 0
+    assert again.blocks_g1 == (len(prompt) - 1) // TPB  # its own prefix cache still works
+    assert "NIXL" not in engine.log_tail(100_000)  # no agent was ever created
+    plain = ReferenceModel(ModelConfig()).generate_greedy(prompt, 5)
+    assert first.tokens == again.tokens == plain.tokens
+    assert first.logits == again.logits == plain.logits.numpy().astype("<f4").tobytes()
+
+
+def test_engine_api_answers_bad_input_with_err_and_keeps_serving() -> None:
+    engine = EngineProcess("api", tp=1)
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(engine.endpoint)
+        # Garbage, an envelope without an id, and a real message this endpoint does not serve.
+        for junk in (b"\xff\x00garbage", b"\x93\x80\xa4nope\x80", encode_request(7, EngineStep(1, []))):
+            sock.send(junk)
+            assert sock.poll(5000), f"no reply to {junk!r}"
+            reply = decode_frame(sock.recv())
+            assert reply.type == "ERR", reply
+        with pytest.raises(RequestRejected, match="token ids"):
+            engine.client.submit("bad-token", [1, 2, 5000], 2)
+        with pytest.raises(RequestRejected, match="positions"):
+            engine.client.submit("too-long", [1] * 4000, 200)
+        engine.client.submit("dup", [1, 2, 3], 1)
+        with pytest.raises(RequestRejected, match="already in use"):
+            engine.client.submit("dup", [1, 2, 3], 1)
+        ok = engine.client.generate("fine", [4, 5, 6, 7], 2)
+        assert ok.ok and len(ok.tokens) == 2
+    finally:
+        sock.close()
+        engine.stop()
