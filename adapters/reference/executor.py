@@ -211,15 +211,12 @@ class Executor:
             got = self.kv.onboard_g2(op.hashes, op.blocks)
             return int(self.tp.allgather(torch.tensor([got], dtype=torch.int64)).min())
         if kind == "land":
-            try:
-                self.kv.land(op.slots, op.blocks, op.hashes)
-            except Exception as e:  # G2 full of pinned blocks: the G1 copy is what this request needs
-                log.warning("rank %d: caching landed blocks in G2 failed: %s", self.rank, e)
+            self.kv.land(op.slots, op.blocks)
             return None
         if kind == "store":
             try:
                 self.kv.store_g2(op.hashes, op.blocks)
-            except Exception as e:
+            except Exception as e:  # G2 full of pinned blocks: G1 still has them, this request is fine
                 log.warning("rank %d: write-through to G2 failed: %s", self.rank, e)
             return None
         if kind == "evict":

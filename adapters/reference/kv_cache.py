@@ -209,19 +209,24 @@ class PagedKv:
         """
         found = self.g2.find_and_pin(list(hashes))
         try:
-            for src, dst in zip(found, g1_blocks):
-                self.g1[dst].copy_(self._g2_blocks[src])
+            self._copy_to_g1(found, g1_blocks[:len(found)])
         finally:
             if found:
                 self.g2.unpin_blocks_by_id(found)
         return len(found)
 
-    def land(self, slots: Sequence[int], g1_blocks: Sequence[int], hashes: Sequence[bytes]) -> None:
-        """Remote blocks read into landing ``slots``: copy them into G1, and cache them in G2 proper."""
-        for src, dst in zip(slots, g1_blocks):
-            self.g1[dst].copy_(self._g2_blocks[src])
-        if hashes:
-            self.g2.store(list(hashes), [self._g2_blocks[s] for s in slots[:len(hashes)]])
+    def land(self, slots: Sequence[int], g1_blocks: Sequence[int]) -> None:
+        """Remote blocks read into landing ``slots``: copy them into G1 (the slots are free again after).
+
+        Caching them in G2 proper is left to the write-through after the
+        request's first token, off the time-to-first-token path.
+        """
+        self._copy_to_g1(slots, g1_blocks)
+
+    def _copy_to_g1(self, g2_blocks: Sequence[int], g1_blocks: Sequence[int]) -> None:
+        if len(g2_blocks):
+            # One gather-scatter, not a copy per block.
+            self.g1[torch.as_tensor(list(g1_blocks))] = self._g2_blocks[torch.as_tensor(list(g2_blocks))]
 
     def landing_slot_ids(self) -> range:
         return self.g2.reserved_block_ids

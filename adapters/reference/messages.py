@@ -184,8 +184,9 @@ class StepOp:
       a working cache of ``capacity`` tokens) and write the new KV into G1.
     * ``onboard`` — copy the longest G2-cached prefix of ``hashes`` into G1
       ``blocks``; the ranks agree (allgather) on the shortest such prefix.
-    * ``land`` — remote blocks arrived in landing ``slots``: copy into G1
-      ``blocks``, and store the first ``len(hashes)`` into G2 under ``hashes``.
+    * ``land`` — remote blocks arrived in landing ``slots``: copy them into G1
+      ``blocks`` (``hashes`` names them, for logs; they reach G2 with the
+      request's write-through).
     * ``store`` — write-through: cache G1 ``blocks`` in G2 under ``hashes``.
     * ``evict`` — drop ``hashes`` from G2.
     * ``finish`` — drop ``request_id``'s working cache.

@@ -14,7 +14,8 @@ One request goes through::
   local prefix are looked up in the registry and loaded straight into G2
   landing slots (``start_load``); ``get_finished``/``invalid_block_ids`` are
   polled every step, never waited on. The loaded prefix is onboarded into G1
-  and stored in G2 (so this worker can share it in turn); whatever failed is
+  and, with the prompt's other new blocks, written through to G2 after the
+  first token (so this worker can share it in turn); whatever failed is
   recomputed. Landing slots of a failed load sit out ``quarantine_s`` before
   reuse: a READ the client gave up on could still be landing.
 * **Prefill** runs ``prefill_chunk`` tokens per step per request; the last
@@ -62,7 +63,6 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     logits: list[bytes] = field(default_factory=list)
     t_first: float = 0.0
-    from_cache: int = 0  # leading blocks onboarded/referenced/landed: not stored again
     blocks_g1: int = 0
     blocks_g2: int = 0
     blocks_remote: int = 0
@@ -167,7 +167,7 @@ class Scheduler:
                 return  # G1 is full: wait (arrival order) for running requests to finish
             self.waiting.popleft()
             req.blocks = hits + self.g1.allocate(need - len(hits))
-            req.blocks_g1 = req.from_cache = len(hits)
+            req.blocks_g1 = len(hits)
             self.running[sub.request_id] = req
             lo = len(hits)
             g2 = 0
@@ -190,7 +190,6 @@ class Scheduler:
     def _after_local(self, req: Request, local: int) -> None:
         """``local`` leading blocks are in G1: go remote for more, or straight to prefill."""
         req.computed = local * self.tpb
-        req.from_cache = local
         req.state = "prefill"
         if req.sub.cache != "all" or local >= req.reusable:
             return
@@ -258,7 +257,6 @@ class Scheduler:
                 self._quarantine.append((time.perf_counter() + self.quarantine_s, req.slots))
             req.slots = []
             req.computed = (lo + good) * self.tpb
-            req.from_cache = lo + good
             req.state = "prefill"
 
     # -- results of a step ----------------------------------------------------------------
@@ -280,9 +278,10 @@ class Scheduler:
                 full = len(req.prompt) // self.tpb
                 for i in range(full):
                     self.g1.commit(req.blocks[i], req.hashes[i])
-                if full > req.from_cache:
-                    later.append(StepOp("store", op.request_id, blocks=req.blocks[req.from_cache:full],
-                                        hashes=req.hashes[req.from_cache:full]))
+                # Write-through of every block G2 did not supply: landed remote blocks and computed ones.
+                lo = req.blocks_g1 + req.blocks_g2
+                if full > lo:
+                    later.append(StepOp("store", op.request_id, blocks=req.blocks[lo:full], hashes=req.hashes[lo:full]))
         if len(req.tokens) >= req.sub.max_new_tokens:
             later.append(self._finish(req, ""))
         return later
