@@ -189,3 +189,32 @@ def test_engine_api_answers_bad_input_with_err_and_keeps_serving() -> None:
     finally:
         sock.close()
         engine.stop()
+
+
+def test_source_killed_after_lookup_means_recompute_not_a_hang(registry: str) -> None:
+    prompt = _prompt(200, seed=123)
+    full = len(prompt) // TPB
+    source, target = _engines(registry, 2, 2, mla=False)
+    try:
+        src = source.client.generate("p", prompt, 4, cache="local")
+        assert _wait_registry_blocks(registry, "src", full) >= full
+        target.client.submit("remote", prompt, 4, cache="all", pause_after_lookup_ms=1500)
+        deadline = time.monotonic() + 15
+        while "remote" not in target.client.paused():
+            assert time.monotonic() < deadline, "the target never reached its lookup"
+            time.sleep(0.02)
+        source.kill()  # SIGKILL to mpiexec and both source ranks, while the target holds the registry's answer
+        t0 = time.monotonic()
+        remote = target.client.wait(["remote"], timeout_s=30)["remote"]
+        waited = time.monotonic() - t0
+        assert remote.ok, remote.error
+        assert remote.blocks_remote == 0 and remote.blocks_remote_failed == (len(prompt) - 1) // TPB
+        assert remote.blocks_computed == full
+        assert _same(remote, src)
+        assert waited < 15, f"the failed load took {waited:.1f} s to be noticed"
+        # The engine is unharmed: the next request (now served from its own G1) is right too.
+        again = target.client.generate("again", prompt, 4, cache="all")
+        assert _same(again, src) and again.blocks_g1 == (len(prompt) - 1) // TPB
+    finally:
+        target.stop()
+        source.stop()
