@@ -172,8 +172,13 @@ def run(args: argparse.Namespace) -> int:
             eng.stop()
         if registry_proc is not None:
             _stop(registry_proc)
+    left = [e.worker_id for e in started if e.leftover()]
+    for eng in started:
+        if eng.leftover():
+            eng.kill()
     summary["wall_s"] = round(time.perf_counter() - t_start, 1)
-    ok = identical and blocks > 0
+    summary["leftover_processes"] = left
+    ok = identical and blocks > 0 and not left
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -193,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"(the target's first load from this source, which fetched its metadata and connected: "
               f"{summary['first_contact_load_s'] * 1e3:.1f} ms for {summary['first_contact_blocks']} blocks)")
         print(f"every token and logit identical to the recompute run: {'yes' if identical else 'NO'}")
-        print(f"demo {'OK' if ok else 'FAILED'} in {summary['wall_s']} s; every process it started has exited")
+        gone = "every process it started has exited" if not left else f"had to kill leftover processes of {left}"
+        print(f"demo {'OK' if ok else 'FAILED'} in {summary['wall_s']} s; {gone}")
     return 0 if ok else 1
 
 

@@ -218,3 +218,29 @@ def test_source_killed_after_lookup_means_recompute_not_a_hang(registry: str) ->
     finally:
         target.stop()
         source.stop()
+
+
+def test_demo_command_reports_remote_reuse_and_identical_outputs_as_json() -> None:
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "remote_g2.cli", "demo", "--json", "--source-tp", "2", "--target-tp", "1",
+           "--prompts", "2", "--prefix-tokens", "256", "--suffix-tokens", "32", "--new-tokens", "3"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert (out["source_tp"], out["target_tp"]) == (2, 1)
+    assert out["outputs_identical"] is True and out["leftover_processes"] == []
+    # Prompt 0 reads its whole reusable prefix remotely; prompt 1 has the shared part locally by then
+    # and reads only its own reusable tail.
+    reusable, shared = (256 + 32 - 1) // TPB, 256 // TPB
+    assert [p["remote"] for p in out["per_prompt"]] == [reusable, reusable - shared]
+    assert [p["local"] for p in out["per_prompt"]] == [0, shared]
+    assert out["blocks_reused_remote"] == 2 * reusable - shared
+    assert out["bytes_read"] > 0 and out["read_gbps"] > 0
+    assert 0 < out["ttft_remote_s"] and 0 < out["ttft_recompute_s"]
+    assert out["registry_blocks_of_source"] >= (256 + 32) // TPB
+    assert took < 60, f"the demo took {took:.0f} s"

@@ -144,6 +144,16 @@ class EngineProcess:
         self._log.close()
         return int(self.proc.returncode if self.proc.returncode is not None else -9)
 
+    def leftover(self) -> bool:
+        """Whether any process of this worker (mpiexec or a rank: its process group) is still alive."""
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
     def kill(self) -> None:
         self._signal(signal.SIGKILL)
         try:
