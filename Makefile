@@ -39,6 +39,7 @@ bench: venv redis
 	$(VPY) bench/bench_registry.py --json bench/results/registry.json
 	$(VPY) bench/bench_source.py --json bench/results/source.json
 	$(VPY) bench/bench_transfer.py --json bench/results/transfer.json
+	$(VPY) bench/bench_e2e.py --json bench/results/e2e.json
 
 clean:
 	rm -rf build $(VENV) .pytest_cache bench/results
