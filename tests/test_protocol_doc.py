@@ -6,6 +6,9 @@ import dataclasses
 import re
 from pathlib import Path
 
+# The engine's messages join the table on import; without this they are checked only if another test imports them.
+import remote_g2.adapters.reference.messages  # noqa: F401
+
 from remote_g2.messages import MESSAGES
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"

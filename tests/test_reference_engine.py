@@ -77,11 +77,20 @@ def _same(a, b) -> bool:  # type: ignore[no-untyped-def]
     return a.tokens == b.tokens and a.logits == b.logits
 
 
-def _engines(registry: str, source_tp: int, target_tp: int, mla: bool) -> tuple[EngineProcess, EngineProcess]:
+def _engines(registry: str, source_tp: int, target_tp: int, mla: bool, *, via_env: bool = False
+             ) -> tuple[EngineProcess, EngineProcess]:
+    """A source and a target engine; ``via_env`` enables the hooks by REMOTE_G2_* variables instead of flags."""
     model = ["--mla"] if mla else []
-    source = EngineProcess("src", tp=source_tp, args=["--source", "--registry", registry, *model])
+    if via_env:
+        src_args, tgt_args = model, model
+        src_env = {"REMOTE_G2_SOURCE": "1", "REMOTE_G2_REGISTRY": registry}
+        tgt_env = {"REMOTE_G2_TARGET": "1", "REMOTE_G2_REGISTRY": registry}
+    else:
+        src_args, tgt_args = ["--source", "--registry", registry, *model], ["--target", "--registry", registry, *model]
+        src_env = tgt_env = {}
+    source = EngineProcess("src", tp=source_tp, args=src_args, env=src_env)
     try:
-        target = EngineProcess("tgt", tp=target_tp, args=["--target", "--registry", registry, *model])
+        target = EngineProcess("tgt", tp=target_tp, args=tgt_args, env=tgt_env)
     except BaseException:
         source.stop()
         raise
@@ -93,7 +102,7 @@ def _engines(registry: str, source_tp: int, target_tp: int, mla: bool) -> tuple[
 def test_remote_reuse_is_bit_identical_to_recompute(registry: str, source_tp: int, target_tp: int, mla: bool) -> None:
     prompt = _prompt(200, seed=source_tp * 10 + target_tp)
     reusable = (len(prompt) - 1) // TPB
-    source, target = _engines(registry, source_tp, target_tp, mla)
+    source, target = _engines(registry, source_tp, target_tp, mla, via_env=source_tp == target_tp == 1)
     try:
         src = source.client.generate("p", prompt, 4, cache="local")
         assert _wait_registry_blocks(registry, "src", len(prompt) // TPB) >= len(prompt) // TPB
@@ -244,3 +253,29 @@ def test_demo_command_reports_remote_reuse_and_identical_outputs_as_json() -> No
     assert 0 < out["ttft_remote_s"] and 0 < out["ttft_recompute_s"]
     assert out["registry_blocks_of_source"] >= (256 + 32) // TPB
     assert took < 60, f"the demo took {took:.0f} s"
+
+
+def test_concurrent_requests_interleave_loads_prefills_and_decodes(registry: str) -> None:
+    shared = _prompt(160, seed=7)
+    prompts = [shared + _prompt(40, seed=100 + i) for i in range(3)]
+    source, target = _engines(registry, 2, 2, mla=False)
+    try:
+        src = [source.client.generate(f"p{i}", p, 6, cache="local") for i, p in enumerate(prompts)]
+        want = len({h for p in prompts for h in chain_block_hashes(p, TPB)})
+        assert _wait_registry_blocks(registry, "src", want) >= want
+        # All at once: remote loads, a recompute and decodes share the engine's steps.
+        for i, p in enumerate(prompts):
+            target.client.submit(f"remote-{i}", p, 6, cache="all")
+        target.client.submit("recompute-0", prompts[0], 6, cache="none")
+        got = target.client.wait([f"remote-{i}" for i in range(3)] + ["recompute-0"], timeout_s=60)
+        for i in range(3):
+            r = got[f"remote-{i}"]
+            assert r.ok and _same(r, src[i]), i
+            assert r.blocks_remote + r.blocks_g1 + r.blocks_g2 == (len(prompts[i]) - 1) // TPB
+        assert _same(got["recompute-0"], src[0]) and got["recompute-0"].blocks_remote == 0
+        assert sum(got[f"remote-{i}"].blocks_remote for i in range(3)) >= (len(prompts[0]) - 1) // TPB
+        assert _wait_pins_zero(source) == [0, 0]
+        assert target.client.stats().running == 0
+    finally:
+        target.stop()
+        source.stop()
