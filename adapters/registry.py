@@ -134,3 +134,5 @@ def _known(kind: str) -> str:
 register_adapter("pool", "host", "remote_g2.adapters.host_pool", "HostPool")
 register_adapter("transfer", "nixl", "remote_g2.adapters.nixl_transfer", "NixlTransfer")
 register_adapter("transfer", "memcpy", "remote_g2.adapters.memcpy_transfer", "MemcpyTransfer")
+register_adapter("engine", "reference", "remote_g2.adapters.reference.executor", "Executor")
+register_adapter("engine", "vllm", "remote_g2.adapters.vllm", "RemoteG2Connector")

