@@ -137,6 +137,10 @@ class RemoteG2Connector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if not logging.getLogger("remote_g2").handlers:  # vLLM configures only its own loggers
+            from remote_g2.log import configure_logging
+
+            configure_logging()
         self.settings = ConnectorSettings.from_extra(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
         self.block_size = int(vllm_config.cache_config.block_size)
         tp = int(vllm_config.parallel_config.tensor_parallel_size)

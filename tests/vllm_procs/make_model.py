@@ -1,0 +1,35 @@
+"""Write a tiny random-weight Llama and a locally trained byte-level BPE tokenizer to a directory (no downloads).
+
+``python tests/vllm_procs/make_model.py DIR``. The weights are scaled up
+(``initializer_range``) so greedy choices are decided by clear margins, not
+by float noise that differs between batch shapes.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def make_model(out: Path, *, vocab: int = 512, seed: int = 0) -> Path:
+    import torch
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    corpus = [f"remote g2 shares kv cache block {i} between workers over nixl; prefix {i * 7 % 13}" for i in range(400)]
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(corpus, vocab_size=vocab, min_frequency=1, special_tokens=["<s>", "</s>", "<unk>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(out)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
+                         initializer_range=0.2, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+                         torch_dtype="float32")
+    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+if __name__ == "__main__":
+    print(make_model(Path(sys.argv[1])))
