@@ -136,3 +136,5 @@ register_adapter("transfer", "nixl", "remote_g2.adapters.nixl_transfer", "NixlTr
 register_adapter("transfer", "memcpy", "remote_g2.adapters.memcpy_transfer", "MemcpyTransfer")
 register_adapter("engine", "reference", "remote_g2.adapters.reference.executor", "Executor")
 register_adapter("engine", "vllm", "remote_g2.adapters.vllm", "RemoteG2Connector")
+register_adapter("engine", "trtllm", "remote_g2.adapters.trtllm.hooks", "start_remote_g2")
+register_adapter("pool", "trtllm", "remote_g2.adapters.trtllm.pool", "TrtllmSecondaryPool")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from remote_g2.adapters.host_pool import HostPool
 from remote_g2.adapters.vllm.kv_blocks import VllmKvLayout, layer_order
+
 from remote_g2.errors import ConfigError
 
 B, H, N, D = 6, 2, 32, 8

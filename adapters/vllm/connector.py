@@ -240,7 +240,8 @@ class RemoteG2Connector(KVConnectorBase_V1):
             state = self._reqs.get(new.req_id)
             if state is not None:
                 state.blocks = list(new.block_ids[0])
-                self._plan_save(meta, state, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
+                after = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
+                self._plan_save(meta, state, after)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._reqs.get(req_id)

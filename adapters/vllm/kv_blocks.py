@@ -72,8 +72,8 @@ class VllmKvLayout:
             shapes.add((tuple(view.shape), t.dtype))
             views.append(view)
         if len(kinds) != 1 or len(shapes) != 1:
-            raise ConfigError(f"KV cache layers differ in layout or shape ({sorted(kinds)}, {sorted(map(str, shapes))}): "
-                              "remote-g2 shares blocks of uniform attention layers only")
+            raise ConfigError(f"KV cache layers differ in layout or shape ({sorted(kinds)}, "
+                              f"{sorted(map(str, shapes))}): remote-g2 shares blocks of uniform attention layers only")
         (shape, dtype), = shapes
         return cls(names, views, kinds.pop(), shape[0], shape[2], shape[3], shape[4], dtype)
 
