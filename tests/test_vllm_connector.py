@@ -50,7 +50,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def registry() -> Iterator[str]:
-    server = RegistryServer(MemoryStore(lease_ttl_ms=10_000), bind="tcp://127.0.0.1:0")
+    # A long lease: the failure test needs the registry to keep naming a source it has just killed.
+    server = RegistryServer(MemoryStore(lease_ttl_ms=120_000), bind="tcp://127.0.0.1:0")
     try:
         yield server.start()
     finally:
@@ -60,6 +61,14 @@ def registry() -> Iterator[str]:
 def _env() -> dict[str, str]:
     return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "UCX_LOG_LEVEL": "fatal", "VLLM_LOGGING_LEVEL": "WARNING",
             "REMOTE_G2_LOG_LEVEL": os.environ.get("REMOTE_G2_LOG_LEVEL", "INFO"), "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _wait_published(registry: str, worker_id: str, want: int, inst: Instance) -> None:
+    with RegistryClient(registry) as reg:
+        deadline = time.monotonic() + 20
+        while {w.worker_id: w.blocks for w in reg.list_workers()}.get(worker_id, 0) < want:
+            assert time.monotonic() < deadline, f"{worker_id}'s blocks never reached the registry\n{inst.tail()}"
+            time.sleep(0.1)
 
 
 class Instance:
@@ -87,7 +96,15 @@ class Instance:
     def tail(self) -> str:
         return self.log.read_bytes()[-6000:].decode(errors="replace")
 
+    def kill(self) -> None:
+        """SIGKILL the instance's whole process group (its engine core and workers too)."""
+        os.killpg(self.proc.pid, 9)
+        self.proc.wait(10)
+        self._log.close()
+
     def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
         self.hold.touch()
         try:
             self.proc.wait(60)
@@ -109,12 +126,8 @@ def test_two_vllm_instances_share_prefix_kv_and_generate_identically(tmp_path: P
     a = Instance(tmp_path, "a", model_dir, prompts_file, registry)
     try:
         out_a = a.result()
-        want = len({tuple(p[:k]) for p in prompts for k in range(BLOCK, len(p) + 1, BLOCK)})
-        with RegistryClient(registry) as reg:
-            deadline = time.monotonic() + 20
-            while {w.worker_id: w.blocks for w in reg.list_workers()}.get("vllm-a", 0) < want:
-                assert time.monotonic() < deadline, f"A's blocks never reached the registry\n{a.tail()}"
-                time.sleep(0.1)
+        _wait_published(registry, "vllm-a", len({tuple(p[:k]) for p in prompts
+                                                 for k in range(BLOCK, len(p) + 1, BLOCK)}), a)
         b = Instance(tmp_path, "b", model_dir, prompts_file, registry)
         try:
             out_b = b.result()
@@ -137,3 +150,26 @@ def test_two_vllm_instances_share_prefix_kv_and_generate_identically(tmp_path: P
         assert out_b[i]["num_cached_tokens"] >= len(shared)
     assert [o["num_cached_tokens"] for o in out_c] == [0, len(shared), len(shared)]  # plain vLLM: local hits only
     assert [o["tokens"] for o in out_a] == [o["tokens"] for o in out_b] == [o["tokens"] for o in out_c]
+
+
+def test_a_dead_source_means_vllm_recomputes_and_still_generates_identically(tmp_path: Path, model_dir: Path,
+                                                                            registry: str) -> None:
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 500) for _ in range(300)]]
+    prompts_file = tmp_path / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    a = Instance(tmp_path, "a", model_dir, prompts_file, registry)
+    try:
+        out_a = a.result()
+        _wait_published(registry, "vllm-a", 300 // BLOCK, a)
+    finally:
+        a.kill()  # the registry still names A (its lease has not lapsed): B will try it and fail
+    b = Instance(tmp_path, "b", model_dir, prompts_file, registry)
+    try:
+        out_b = b.result()
+    finally:
+        b.stop()
+    log_b = b.log.read_text(errors="replace")
+    assert f"0 of {(300 - 1) // BLOCK} blocks loaded from a remote G2" in log_b, log_b[-4000:]
+    assert out_b[0]["num_cached_tokens"] == 0  # nothing counted as cached: it was all recomputed
+    assert out_b[0]["tokens"] == out_a[0]["tokens"]
