@@ -85,11 +85,15 @@ class PinBudget:
 
 @dataclass(slots=True)
 class Lease:
-    """One lease as a rank holds it: its pinned blocks and its deadline (``time.monotonic()``)."""
+    """One lease as a rank holds it: its pinned blocks, its deadline (``time.monotonic()``) and owner.
+
+    ``owner`` (rank 0 only) is the connection that resolved it; empty means anyone may end it.
+    """
 
     lease_id: int
     block_ids: list[int]
     deadline: float
+    owner: bytes = b""
 
 
 class LeaseTable:
@@ -128,7 +132,7 @@ class LeaseTable:
         """A copy of the lease, or None."""
         with self._lock:
             lease = self._leases.get(lease_id)
-            return None if lease is None else Lease(lease.lease_id, list(lease.block_ids), lease.deadline)
+            return None if lease is None else Lease(lease.lease_id, list(lease.block_ids), lease.deadline, lease.owner)
 
     def next_deadline(self) -> float | None:
         """The earliest deadline of an open lease (maybe a stale, earlier one), or None."""
@@ -137,8 +141,8 @@ class LeaseTable:
 
     # -- changing ----------------------------------------------------------------------
 
-    def pin(self, lease_id: int, hashes: Sequence[bytes], deadline: float) -> list[int]:
-        """Find-and-pin ``hashes`` on the pool under ``lease_id`` until ``deadline``.
+    def pin(self, lease_id: int, hashes: Sequence[bytes], deadline: float, owner: bytes = b"") -> list[int]:
+        """Find-and-pin ``hashes`` on the pool under ``lease_id`` until ``deadline``, for ``owner``.
 
         Returns the pinned block ids (the longest present prefix). Nothing is
         recorded when nothing was pinned. :class:`SourceError` when the lease
@@ -156,7 +160,7 @@ class LeaseTable:
                 refused = True
             else:
                 refused = False
-                self._leases[lease_id] = Lease(lease_id, list(ids), deadline)  # the caller keeps its own list
+                self._leases[lease_id] = Lease(lease_id, list(ids), deadline, owner)  # the caller keeps its own list
                 heapq.heappush(self._deadlines, (deadline, lease_id))
                 self._pinned += len(ids)
         if refused:
@@ -184,9 +188,15 @@ class LeaseTable:
             self._changed()
         return True
 
-    def release(self, lease_id: int) -> bool:
-        """End the lease and drop its pins; False if it was unknown (idempotent)."""
+    def release(self, lease_id: int, owner: bytes | None = None) -> bool:
+        """End the lease and drop its pins; False if it was unknown (idempotent).
+
+        With ``owner`` given, a lease owned by someone else is left alone (False).
+        """
         with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is not None and owner is not None and lease.owner and lease.owner != owner:
+                return False
             lease = self._leases.pop(lease_id, None)
             self._tombstone(lease_id)
             if lease is None:
@@ -196,11 +206,13 @@ class LeaseTable:
         self._changed()
         return True
 
-    def renew(self, lease_id: int, deadline: float) -> bool:
-        """Move the lease's deadline to ``deadline``; False if it is gone or already expired."""
+    def renew(self, lease_id: int, deadline: float, owner: bytes | None = None) -> bool:
+        """Move the lease's deadline to ``deadline``; False if it is gone, expired, or (``owner`` given) not theirs."""
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None or lease.deadline <= time.monotonic():
+                return False
+            if owner is not None and lease.owner and lease.owner != owner:
                 return False
             lease.deadline = deadline
             heapq.heappush(self._deadlines, (deadline, lease_id))

@@ -60,6 +60,8 @@ class RankAgent:
         try:
             if "UCX" not in self._agent.backends:
                 raise SourceError(f"NIXL agent {name}: the UCX backend is not available")
+            #: exactly what was registered with NIXL (the pool's regions, nothing else): (base, nbytes, type)
+            self.registered: list[tuple[int, int, str]] = [(r.base, r.nbytes, r.mem_type) for r in regions]
             by_type: dict[str, list[tuple[int, int, int, str]]] = {}
             for r in regions:
                 by_type.setdefault(r.mem_type, []).append((r.base, r.nbytes, r.device_id, ""))

@@ -285,14 +285,14 @@ class SourceService:
     def _resolve(self, req: Resolve, ctx: CallContext) -> ResolveReply:
         t0 = time.perf_counter()
         try:
-            reply = self._resolve_pins(req)
+            reply = self._resolve_pins(req, ctx.peer)
         except Exception:
             self.metrics.resolve_outcome("error", time.perf_counter() - t0)
             raise
         self.metrics.resolve_outcome(reply.reason, time.perf_counter() - t0, reply.matched)
         return reply
 
-    def _resolve_pins(self, req: Resolve) -> ResolveReply:
+    def _resolve_pins(self, req: Resolve, owner: bytes) -> ResolveReply:
         assert self.budget is not None and self._links is not None
         links = self._links
         ttl_ms = self._ttl(req.ttl_ms)
@@ -311,7 +311,7 @@ class SourceService:
         lease_id = secrets.randbits(62) + 1
         pending = links.begin(lambda r: SiblingPin(lease_id, hashes, ttl_ms), fail_fast=True)
         try:
-            local = self.leases.pin(lease_id, hashes, deadline)
+            local = self.leases.pin(lease_id, hashes, deadline, owner)
         except BaseException:
             self.budget.give_back(granted)
             self._undo(lease_id, pending.wait())
@@ -378,7 +378,9 @@ class SourceService:
         release for a guarantee no reader needs: the reader is done with the
         blocks once it releases them.
         """
-        if not self.leases.release(req.lease_id):
+        # Only the connection that resolved a lease may end it: a reader that knows (or guesses)
+        # another's lease id cannot expose that reader's blocks to eviction mid-READ.
+        if not self.leases.release(req.lease_id, owner=ctx.peer):
             return ReleaseReply(False)
         self.metrics.leases_released.inc()
         assert self._links is not None
@@ -393,7 +395,7 @@ class SourceService:
     def _renew(self, req: Renew, ctx: CallContext) -> RenewReply:
         ttl_ms = self._ttl(req.ttl_ms)
         deadline = time.monotonic() + ttl_ms / 1000.0
-        if not self.leases.renew(req.lease_id, deadline):
+        if not self.leases.renew(req.lease_id, deadline, owner=ctx.peer):
             return RenewReply(False, 0)
         assert self._links is not None
         if self._links.ranks:

@@ -107,10 +107,13 @@ def test_resolve_read_release_reads_exact_bytes_from_both_ranks(shared: SourceWo
     assert_no_pins(shared)
 
 
-def test_held_lease_pins_every_rank_until_released(shared: SourceWorker, client: RpcClient, tmp_path: Path) -> None:
-    [result] = run_readers(shared.endpoint, tmp_path, [{"hashes": 8, "start": 2, "no_release": True}])
-    assert result["ok"], result
-    lease = result["replies"][0]["lease_id"]
+def test_held_lease_pins_every_rank_until_its_owner_releases_it(shared: SourceWorker, client: RpcClient) -> None:
+    lease = client.call(Resolve([hash_of(2 + i) for i in range(8)], 30_000)).lease_id
+    shared.wait_pins(0, 8)
+    shared.wait_pins(1, 8)
+    with RpcClient(shared.endpoint, timeout_ms=5000) as other:  # another reader knowing the id cannot end it
+        assert other.call(Release(lease)).released is False
+        assert other.call(Renew(lease, 30_000)).renewed is False
     shared.wait_pins(0, 8)
     shared.wait_pins(1, 8)
     assert client.call(Release(lease)).released is True

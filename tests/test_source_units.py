@@ -399,29 +399,30 @@ def test_threaded_tp2_resolve_trims_both_ways_and_releases(tp2: dict) -> None:
 def test_threaded_tp2_budget_is_per_worker_and_atomic_under_concurrency(tp2: dict) -> None:
     services, pools = tp2["services"], tp2["pools"]
     endpoint = services[0].endpoint
-    leases: list[int] = []
+    leases: list[tuple[RpcClient, int]] = []
     reasons: list[str] = []
     lock = threading.Lock()
+    clients = [RpcClient(endpoint, timeout_ms=5000) for _ in range(4)]
 
-    def grab() -> None:
-        with RpcClient(endpoint, timeout_ms=5000) as c:
-            for _ in range(5):
-                r = c.call(Resolve(_hashes(0, 4), 5_000))
-                with lock:
-                    reasons.append(r.reason)
-                    if r.lease_id:
-                        leases.append(r.lease_id)
+    def grab(c: RpcClient) -> None:
+        for _ in range(5):
+            r = c.call(Resolve(_hashes(0, 4), 5_000))
+            with lock:
+                reasons.append(r.reason)
+                if r.lease_id:
+                    leases.append((c, r.lease_id))
 
-    threads = [threading.Thread(target=grab) for _ in range(4)]
+    threads = [threading.Thread(target=grab, args=(c,)) for c in clients]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
     assert reasons.count("ok") == 6 and reasons.count("over_budget") == 14  # budget 24 = 6 x 4 blocks
     assert _pins(pools) == [24, 24] and services[0].stats()["budget_available"] == 0
-    c = tp2["client"]
-    for lease in leases:
+    for c, lease in leases:  # a lease is released over the connection that resolved it
         assert c.call(Release(lease)).released
+    for c in clients:
+        c.close()
     assert _settled_pins(pools, [0, 0]) == [0, 0] and services[0].stats()["budget_available"] == 24
 
 
