@@ -101,6 +101,16 @@ class CurveClientConfig:
             return cls(server_public, public, secret)
         return cls(server_public)
 
+    @classmethod
+    def from_env(cls, server_key_var: str, env: dict[str, str] | None = None) -> CurveClientConfig | None:
+        """From ``$server_key_var`` (the server's public key file or Z85) and, for allow-lists,
+        ``$REMOTE_G2_CURVE_CLIENT_KEY`` (this client's secret key file); None when the first is unset."""
+        e = os.environ if env is None else env
+        key = (e.get(server_key_var) or "").strip()
+        if not key:
+            return None
+        return cls.for_server(key, (e.get("REMOTE_G2_CURVE_CLIENT_KEY") or "").strip() or None)
+
     def apply(self, socket: zmq.Socket) -> None:
         if self.public_key and self.secret_key:
             public, secret = self.public_key, self.secret_key

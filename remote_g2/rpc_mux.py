@@ -189,7 +189,7 @@ class RpcMux:
             sock.linger = 0
             sock.sndhwm = sock.rcvhwm = self._hwm
             sock.maxmsgsize = 4 * self._max_frame
-            if self._curve is not None:
+            if self._curve is not None and endpoint.startswith("tcp://"):  # IPC peers are private, never CURVE
                 self._curve.apply(sock)
             sock.connect(endpoint)
             peer = self._peers[endpoint] = _Peer(endpoint, sock)

@@ -21,6 +21,7 @@ variable                                field                                   
 ``REMOTE_G2_SOURCE_FINGERPRINT``        ``fingerprint`` (JSON of LayoutFingerprint)  unset
 ``REMOTE_G2_SOURCE_CURVE_SECRET_KEY``   ``curve`` (server key file)                  unset
 ``REMOTE_G2_SOURCE_CURVE_ALLOWED``      ``curve`` allow-list directory               unset
+``REMOTE_G2_CURVE_SERVER_KEY``          ``registry_curve`` (registry's public key)   unset (plain TCP)
 ======================================  ===========================================  ==========================
 """
 
@@ -32,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
 from remote_g2.config import env_flag
-from remote_g2.curve import CurveServerConfig
+from remote_g2.curve import CurveClientConfig, CurveServerConfig
 from remote_g2.errors import ConfigError
 from remote_g2.messages import LayoutFingerprint
 
@@ -80,6 +81,8 @@ class SourceConfig:
     * ``fingerprint`` — the layout announced to the registry (required with
       ``registry_endpoint``).
     * ``curve`` — CURVE keys for rank 0's TCP endpoint (IPC needs none).
+    * ``registry_curve`` — the registry's public key (and this client's keys)
+      when the registry's endpoint requires CURVE.
     """
 
     enabled: bool = False
@@ -102,6 +105,7 @@ class SourceConfig:
     registry_timeout_s: float = 5.0
     fingerprint: LayoutFingerprint | None = None
     curve: CurveServerConfig | None = None
+    registry_curve: CurveClientConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("default_lease_ttl_ms", "max_lease_ttl_ms", "min_lease_ttl_ms", "sibling_timeout_ms",
@@ -167,6 +171,9 @@ class SourceConfig:
             kw["curve"] = CurveServerConfig.from_files(secret, e.get("REMOTE_G2_SOURCE_CURVE_ALLOWED") or None)
         elif e.get("REMOTE_G2_SOURCE_CURVE_ALLOWED"):
             raise ConfigError("REMOTE_G2_SOURCE_CURVE_ALLOWED needs REMOTE_G2_SOURCE_CURVE_SECRET_KEY")
+        registry_curve = CurveClientConfig.from_env("REMOTE_G2_CURVE_SERVER_KEY", dict(e))
+        if registry_curve is not None:
+            kw["registry_curve"] = registry_curve
         return cls(**kw)  # type: ignore[arg-type]
 
 

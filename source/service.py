@@ -258,7 +258,8 @@ class SourceService:
             log.warning("fingerprint says tp_size=%d, the TP group has %d ranks: announcing %d",
                         fingerprint.tp_size, self.tp_size, self.tp_size)
             fingerprint = replace(fingerprint, tp_size=self.tp_size)
-        self._registry_client = RegistryClient(self.config.registry_endpoint, timeout_s=self.config.registry_timeout_s)
+        self._registry_client = RegistryClient(self.config.registry_endpoint, timeout_s=self.config.registry_timeout_s,
+                                               curve=self.config.registry_curve)
         self._publisher = SourcePublisher(self._registry_client, worker_id=self.worker_id, endpoint=endpoint,
                                           fingerprint=fingerprint, snapshot=self.pool.block_hashes,
                                           load=lambda: self.leases.open_leases)

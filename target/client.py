@@ -224,7 +224,7 @@ class TargetClient:
             raise TransferError("target client start-up failed on TP rank(s): " + "; ".join(failed))
         self._endpoints = [g["endpoint"] for g in gathered]
         timeout = float(self.config.rpc_timeout_ms)
-        self._mux = RpcMux(timeout_ms=timeout)
+        self._mux = RpcMux(timeout_ms=timeout, curve=self.config.source_curve)
         report = self._rank_done if self.rank == 0 else self._report_to_leader
         self._worker = RankWorker(rank=self.rank, tp_size=self.tp_size, layout=layout, pool_base=regions[0].base,
                                   transfer=transfer, report=report,
@@ -233,7 +233,8 @@ class TargetClient:
             if self.config.registry_endpoint:
                 from remote_g2.registry import RegistryClient
 
-                self._registry = RegistryClient(self.config.registry_endpoint, timeout_s=timeout / 1000.0)
+                self._registry = RegistryClient(self.config.registry_endpoint, timeout_s=timeout / 1000.0,
+                                                curve=self.config.registry_curve)
             self._wake_r, self._wake_w = os.pipe()
             os.set_blocking(self._wake_r, False)
             os.set_blocking(self._wake_w, False)

@@ -11,6 +11,9 @@ variable                                field                                   
 ``REMOTE_G2_TARGET_RPC_TIMEOUT_MS``     ``rpc_timeout_ms`` (lookup, resolve, ...)   2000
 ``REMOTE_G2_TARGET_TIMEOUT_MS``         ``transfer_timeout_ms`` (whole load)        10000
 ``REMOTE_G2_TARGET_FINGERPRINT``        ``fingerprint`` (JSON of LayoutFingerprint) unset
+``REMOTE_G2_CURVE_SERVER_KEY``          ``registry_curve`` (registry's public key)  unset (plain TCP)
+``REMOTE_G2_SOURCE_CURVE_SERVER_KEY``   ``source_curve`` (sources' public key)      unset (plain TCP)
+``REMOTE_G2_CURVE_CLIENT_KEY``          this client's key pair (for allow-lists)    generated per process
 ======================================  ==========================================  ===================
 """
 
@@ -22,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from remote_g2.config import env_flag
+from remote_g2.curve import CurveClientConfig
 from remote_g2.errors import ConfigError
 from remote_g2.ipc_paths import default_ipc_dir
 from remote_g2.messages import LayoutFingerprint
@@ -42,6 +46,8 @@ class TargetConfig:
       outlives half of it.
     * ``transfer_timeout_ms`` — a load not finished on every rank by then fails
       (its blocks are invalid; the engine recomputes them).
+    * ``registry_curve`` / ``source_curve`` — CURVE keys for talking to a
+      registry / sources whose TCP endpoints require them (docs/security.md).
     """
 
     enabled: bool = False
@@ -52,6 +58,8 @@ class TargetConfig:
     rpc_timeout_ms: int = 2_000
     transfer_timeout_ms: int = 10_000
     fingerprint: LayoutFingerprint | None = None
+    registry_curve: CurveClientConfig | None = None
+    source_curve: CurveClientConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("lease_ttl_ms", "rpc_timeout_ms", "transfer_timeout_ms"):
@@ -83,6 +91,8 @@ class TargetConfig:
                 values["fingerprint"] = LayoutFingerprint(**json.loads(env["REMOTE_G2_TARGET_FINGERPRINT"]))
             except (ValueError, TypeError) as e:
                 raise ConfigError(f"REMOTE_G2_TARGET_FINGERPRINT is not a LayoutFingerprint JSON: {e}") from None
+        values["registry_curve"] = CurveClientConfig.from_env("REMOTE_G2_CURVE_SERVER_KEY", dict(env))
+        values["source_curve"] = CurveClientConfig.from_env("REMOTE_G2_SOURCE_CURVE_SERVER_KEY", dict(env))
         return cls(**values)  # type: ignore[arg-type]
 
     def with_env_enable(self) -> TargetConfig:

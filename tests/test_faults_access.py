@@ -7,14 +7,17 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
-
 from remote_g2.adapters.host_pool import HostPool
+from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer
+from remote_g2.source import SourceConfig, start_source_service
+
+from remote_g2.curve import CurveClientConfig
 from remote_g2.messages import BlockLayout, Release, Renew, Resolve
 from remote_g2.rpc_client import RpcClient
-from remote_g2.source import SourceConfig, start_source_service
 
 pytestmark = [pytest.mark.nixl]
 
@@ -70,3 +73,62 @@ def test_nixl_sees_only_the_pool_and_descriptors_cover_pinned_blocks_inside_it(s
         assert [pool.lookup(h) for h in HASHES[3:12]] == list(blocks.block_ids)
         client.call(Release(reply.lease_id))
     assert pool.stats()["total_pins"] == 0
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_with_curve_keys_only_clients_holding_them_get_anything(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Registry and source TCP endpoints behind CURVE: a keyed target reuses remotely; others get nothing."""
+    import random
+
+    import zmq
+    from remote_g2.adapters.reference.launch import EngineProcess
+
+    from remote_g2.curve import CurveServerConfig, generate_keypair
+
+    if not zmq.has("curve"):
+        pytest.skip("libzmq without CURVE")
+    reg_pub, reg_secret = generate_keypair(tmp_path / "keys", "registry")
+    src_pub, src_secret = generate_keypair(tmp_path / "keys", "sources")
+    server = RegistryServer(MemoryStore(lease_ttl_ms=10_000), bind="tcp://127.0.0.1:0",
+                            curve=CurveServerConfig.from_files(reg_secret))
+    registry = server.start()
+    prompt = [random.Random(9).randrange(1024) for _ in range(200)]
+    reusable = (len(prompt) - 1) // 16
+    engines = []
+    try:
+        source = EngineProcess("src", tp=1, args=["--source", "--registry", registry],
+                               env={"REMOTE_G2_SOURCE_CURVE_SECRET_KEY": str(src_secret),
+                                    "REMOTE_G2_CURVE_SERVER_KEY": str(reg_pub)})
+        engines.append(source)
+        src = source.client.generate("p", prompt, 3, cache="local")
+        with RegistryClient(registry, curve=CurveClientConfig.for_server(str(reg_pub))) as reg:
+            deadline = time.monotonic() + 15
+            while {w.worker_id: w.blocks for w in reg.list_workers()}.get("src", 0) < len(prompt) // 16:
+                assert time.monotonic() < deadline, source.log_tail()
+                time.sleep(0.05)
+        keyed = EngineProcess("keyed", tp=1, args=["--target", "--registry", registry],
+                              env={"REMOTE_G2_CURVE_SERVER_KEY": str(reg_pub),
+                                   "REMOTE_G2_SOURCE_CURVE_SERVER_KEY": str(src_pub)})
+        engines.append(keyed)
+        r = keyed.client.generate("r", prompt, 3, cache="all")
+        assert r.blocks_remote == reusable and (r.tokens, r.logits) == (src.tokens, src.logits)
+        # No keys: the registry never answers it (lookups fail, it recomputes).
+        keyless = EngineProcess("keyless", tp=1, args=["--target", "--registry", registry,
+                                                       "--target-timeout-ms", "3000"],
+                                env={"REMOTE_G2_TARGET_RPC_TIMEOUT_MS": "500"})
+        engines.append(keyless)
+        r = keyless.client.generate("r", prompt, 3, cache="all")
+        assert r.blocks_remote == 0 and r.remote_reason == "registry_error"
+        assert (r.tokens, r.logits) == (src.tokens, src.logits)
+        # The registry's key but not the sources': the lookup works, the source never answers the resolve.
+        half = EngineProcess("half", tp=1, args=["--target", "--registry", registry, "--target-timeout-ms", "3000"],
+                             env={"REMOTE_G2_CURVE_SERVER_KEY": str(reg_pub), "REMOTE_G2_TARGET_RPC_TIMEOUT_MS": "500"})
+        engines.append(half)
+        r = half.client.generate("r", prompt, 3, cache="all")
+        assert r.remote_reason == "ok" and r.blocks_remote == 0 and r.blocks_remote_failed == reusable
+        assert (r.tokens, r.logits) == (src.tokens, src.logits)
+    finally:
+        for e in reversed(engines):
+            e.stop()
+        server.close()

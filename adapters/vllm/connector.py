@@ -205,7 +205,10 @@ class RemoteG2Connector(KVConnectorBase_V1):
         if self._registry is None:
             from remote_g2.registry import RegistryClient
 
-            self._registry = RegistryClient(self.settings.registry, timeout_s=2.0)
+            from remote_g2.curve import CurveClientConfig
+
+            self._registry = RegistryClient(self.settings.registry, timeout_s=2.0,
+                                            curve=CurveClientConfig.from_env("REMOTE_G2_CURVE_SERVER_KEY"))
         fp = self._scheduler_fingerprint()
         try:
             reply = self._registry.lookup(state.hashes[:reusable], requester=self.settings.worker_id,
