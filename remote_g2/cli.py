@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "admin": ("remote_g2.registry.admin_command", "query and manage the registry (workers, who-has, prefix, ...)"),
     "ping": ("remote_g2.commands.ping", "check that a remote-g2 server answers, and who it is"),
     "keygen": ("remote_g2.commands.keygen", "write a CURVE key pair for authenticated TCP endpoints"),
+    "bench": ("remote_g2.commands.bench", "run a benchmark (pool, registry, source, transfer, e2e, peers) with --json/--plot"),
     "demo": ("remote_g2.demo", "two reference engines on one box: remote KV reuse, checked bit for bit"),
 }
 

@@ -1,0 +1,241 @@
+"""remote-g2 against the systems a user would pick instead, side by side in one run.
+
+``python bench/bench_peers.py {registry,transfer,all} [--json out.json] [--plot out.png]``
+
+registry
+    1 M (hash, worker) entries over 8 workers (``bench_registry.py``'s data
+    set: chains of 128 hashes, two holders each), 128-hash prefix lookups:
+    remote-g2's server on its embedded store and on a real Redis, the raw
+    Redis Lua prefix walk (no server), and **Dynamo's RadixTree**
+    (``ai-dynamo-runtime``, in-process ``find_matches`` over the same chains).
+    Interleaved rounds, p50/p99 and single-client lookups/s. Goal: remote-g2's
+    lookup p50 within 3× of Dynamo's in-process tree, while being a shared
+    service every worker of a fleet reaches over the network.
+
+transfer
+    The same bytes (``--mib``, default 64 MiB) in blocks of 4 KiB, 64 KiB and
+    1 MiB: remote-g2's end-to-end fetch (lookup + resolve + per-rank NIXL READ
+    + release, TP=2 → 2), a raw NIXL READ of the same descriptors and a memcpy
+    (both from ``bench_transfer.py``, same run), and **Mooncake Store**'s TCP
+    ``batch_get_into`` (``peers/mooncake_store.py``: a real ``mooncake_master``
+    on loopback). Goals: remote-g2 ≥ 5× Mooncake's TCP batch get and ≥ 70 % of
+    raw NIXL.
+
+The peers are installed by ``make bench-peers``, never by the test suite.
+Ratios are what to read: this is a noisy 2-core VM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_registry as br  # noqa: E402
+
+
+def _start_memory_registry() -> tuple[subprocess.Popen[str], str]:
+    port = br.free_port()
+    exe = Path(sys.executable).parent / "remote-g2"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "remote_g2.cli"]
+    proc = subprocess.Popen(cmd + ["serve", "--bind", f"tcp://127.0.0.1:{port}", "--lease-ttl-s", "600"],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "REMOTE_G2_LOG_LEVEL": "WARNING"})
+    assert proc.stdout is not None
+    if "serving on" not in proc.stdout.readline():
+        proc.kill()
+        raise SystemExit("the registry (embedded store) did not start")
+    return proc, f"tcp://127.0.0.1:{port}"
+
+
+def _dynamo_tree(chains: int, workers: int) -> Any:
+    """Dynamo's RadixTree holding the same chains, same holders, as the registry."""
+    from dynamo.llm import RadixTree
+
+    tree = RadixTree()
+    event_id = 0
+    for c in range(chains):
+        ids = [int.from_bytes(h, "big") for h in br.chain(c)]
+        blocks = [{"block_hash": v, "tokens_hash": v} for v in ids]
+        for k in range(br.HOLDERS_PER_CHAIN):
+            event_id += 1
+            tree.apply_event((c + k) % workers, json.dumps(
+                {"event_id": event_id, "data": {"stored": {"parent_hash": None, "blocks": blocks}}}).encode())
+    return tree
+
+
+def registry(args: argparse.Namespace) -> dict[str, Any]:
+    from remote_g2.registry import RegistryClient
+
+    procs: list[subprocess.Popen[Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            redis_proc, redis_url = br.start_redis(tmp)
+            procs.append(redis_proc)
+            reg_redis, ep_redis = br.start_registry(redis_url, 1)
+            procs.append(reg_redis)
+            reg_mem, ep_mem = _start_memory_registry()
+            procs.append(reg_mem)
+            print(f"ingesting {args.blocks:,} entries into each registry...", file=sys.stderr)
+            ing_redis = br.ingest(ep_redis, args.blocks, args.workers, 4096)
+            ing_mem = br.ingest(ep_mem, args.blocks, args.workers, 4096)
+            chains = ing_redis["chains"]
+            t0 = time.perf_counter()
+            tree = _dynamo_tree(chains, args.workers)
+            dyn_build = time.perf_counter() - t0
+
+            def full(reply: Any) -> None:
+                assert reply.reason == "ok" and reply.matched == br.CHAIN_LEN, reply
+
+            def raw_ok(reply: Any) -> None:
+                assert reply[0] == b"ok" and int(reply[1]) == br.CHAIN_LEN, reply[:2]
+
+            def dyn_lookup(hashes: list[bytes]) -> Any:
+                return tree.find_matches([int.from_bytes(h, "big") for h in hashes])
+
+            def dyn_ok(reply: Any) -> None:
+                assert max(reply.scores.values()) == br.CHAIN_LEN, reply.scores
+
+            raw = br.RawLookup(redis_url)
+            with RegistryClient(ep_redis, timeout_s=10) as c_redis, RegistryClient(ep_mem, timeout_s=10) as c_mem:
+                lat = br.latency({"remote-g2 server, embedded store": (c_mem.lookup, full),
+                                  "remote-g2 server, Redis": (c_redis.lookup, full),
+                                  "raw Redis Lua prefix walk": (raw, raw_ok),
+                                  "Dynamo RadixTree, in-process": (dyn_lookup, dyn_ok)},
+                                 chains, args.lookups, args.rounds)
+        finally:
+            for p in reversed(procs):
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    dyn = lat["Dynamo RadixTree, in-process"]["p50_ms"]
+    rows = [{"system": name, "p50_ms": v["p50_ms"], "p99_ms": v["p99_ms"], "lookups_per_s": 1e3 / v["mean_ms"],
+             "p50_vs_dynamo": v["p50_ms"] / dyn} for name, v in lat.items()]
+    best = min(v["p50_ms"] for k, v in lat.items() if k.startswith("remote-g2"))
+    return {"bench": "peers.registry", "blocks": args.blocks, "workers": args.workers, "prefix": br.CHAIN_LEN,
+            "rows": rows, "ingest_events_per_s": {"redis": ing_redis["events_per_s"],
+                                                   "embedded": ing_mem["events_per_s"]},
+            "dynamo_build_s": dyn_build, "goal_p50_within_3x_of_dynamo": best <= 3 * dyn,
+            "best_remote_g2_p50_vs_dynamo": best / dyn}
+
+
+def transfer(args: argparse.Namespace) -> dict[str, Any]:
+    sizes = [int(s) for s in args.blocks_kib.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "transfer.json"
+        print(f"remote-g2 / raw NIXL / memcpy at {sizes} KiB (bench_transfer.py)...", file=sys.stderr)
+        subprocess.run([sys.executable, str(HERE / "bench_transfer.py"), "--blocks-kib", args.blocks_kib,
+                        "--mib", str(args.mib), "--reps", str(args.reps), "--json", str(out)], check=True,
+                       stdout=sys.stderr)
+        ours = json.loads(out.read_text())
+        mooncake = []
+        for kib in sizes:
+            print(f"Mooncake Store TCP batch get, {kib} KiB blocks...", file=sys.stderr)
+            mc_out = Path(tmp) / f"mc-{kib}.json"
+            subprocess.run([sys.executable, str(HERE / "peers" / "mooncake_store.py"), "--block-kib", str(kib),
+                            "--mib", str(args.mib), "--reps", str(args.reps), "--json", str(mc_out)], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            mooncake.append(json.loads(mc_out.read_text()))
+    rows = []
+    by_kib = {int(r["block_kib"]): r for r in ours["rows"]}
+    for kib, mc in zip(sizes, mooncake):
+        r = by_kib[kib]
+        rows.append({"block_kib": kib, "remote_g2_gbps": r["e2e_gb_per_s"], "raw_nixl_gbps": r["raw_gb_per_s"],
+                     "memcpy_gbps": r["memcpy_gb_per_s"], "mooncake_tcp_gbps": mc["gbps"],
+                     "remote_g2_vs_mooncake": r["e2e_gb_per_s"] / mc["gbps"],
+                     "remote_g2_vs_raw_nixl": r["ratio_e2e_over_raw"]})
+    return {"bench": "peers.transfer", "mib": args.mib, "rows": rows, "remote_g2_raw": ours}
+
+
+def _print_rows(title: str, rows: list[dict[str, Any]]) -> None:
+    print(f"\n{title}")
+    keys = list(rows[0])
+    cells = [[k for k in keys]] + [[f"{v:.3f}" if isinstance(v, float) else str(v) for v in r.values()] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(keys))]
+    for n, c in enumerate(cells):
+        print("  ".join(x.rjust(w) if n else x.ljust(w) for x, w in zip(c, widths)))
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def plot(results: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [k for k in ("registry", "transfer") if k in results]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
+    for ax, key in zip(axes[0], panels):
+        rows = results[key]["rows"]
+        if key == "registry":
+            names = [r["system"].replace(", ", "\n") for r in rows]
+            ax.bar(names, [r["p50_ms"] for r in rows], color=["#3a7", "#3a7", "#999", "#c63"])
+            ax.errorbar(names, [r["p50_ms"] for r in rows],
+                        yerr=[[0] * len(rows), [r["p99_ms"] - r["p50_ms"] for r in rows]], fmt="none", ecolor="k")
+            ax.set_ylabel("lookup latency, ms (bar p50, whisker p99)")
+            ax.set_title(f"128-hash prefix lookup over {results[key]['blocks']:,} entries")
+            ax.tick_params(axis="x", labelsize=8)
+        else:
+            import numpy as np
+
+            x = np.arange(len(rows))
+            series = [("remote_g2_gbps", "remote-g2 end to end", "#3a7"), ("raw_nixl_gbps", "raw NIXL READ", "#27a"),
+                      ("memcpy_gbps", "memcpy", "#999"), ("mooncake_tcp_gbps", "Mooncake Store TCP", "#c63")]
+            for i, (k, label, color) in enumerate(series):
+                ax.bar(x + (i - 1.5) * 0.2, [r[k] or 0 for r in rows], 0.2, label=label, color=color)
+            ax.set_xticks(x, [f"{r['block_kib']} KiB" for r in rows])
+            ax.set_ylabel("GB/s")
+            ax.set_title(f"fetch {results[key]['mib']} MiB, TP=2 → 2")
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=("registry", "transfer", "all"))
+    p.add_argument("--blocks", type=int, default=1_000_000)
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--lookups", type=int, default=2000)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--blocks-kib", default="4,64,1024")
+    p.add_argument("--mib", type=int, default=64)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--json")
+    p.add_argument("--plot")
+    a = p.parse_args(argv)
+    results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
+    if a.what in ("registry", "all"):
+        results["registry"] = registry(a)
+        _print_rows(f"registry lookups ({a.blocks:,} entries, {a.workers} workers, 128-hash prefixes)",
+                    results["registry"]["rows"])
+        print(f"goal: remote-g2 p50 within 3x of Dynamo's in-process tree: "
+              f"{results['registry']['best_remote_g2_p50_vs_dynamo']:.2f}x -> "
+              f"{'met' if results['registry']['goal_p50_within_3x_of_dynamo'] else 'NOT met'}")
+    if a.what in ("transfer", "all"):
+        results["transfer"] = transfer(a)
+        _print_rows(f"fetch of {a.mib} MiB (GB/s)", results["transfer"]["rows"])
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(results, indent=2, default=str))
+        print(f"wrote {a.json}")
+    if a.plot:
+        plot(results, a.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""``remote-g2 bench {pool,registry,source,transfer,e2e,peers} [--json F] [--plot F.png] [--args="..."]``.
+
+One front door to the benchmarks in the checkout's ``bench/`` directory:
+each runs in its own process and prints its table; ``--json`` keeps its
+results, ``--plot`` draws them (matplotlib, PNG). ``--args="..."`` is
+passed to the benchmark script (split like a shell would). The peers (Mooncake Store, Dynamo) come
+from ``make bench-peers``; the benchmarks never install anything.
+
+Needs a source checkout (``bench/`` is not part of the installed package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from remote_g2.errors import ConfigError
+
+SCRIPTS = {
+    "pool": ("bench_pool_index.py", []),
+    "registry": ("bench_registry.py", []),
+    "source": ("bench_source.py", []),
+    "transfer": ("bench_transfer.py", []),
+    "e2e": ("bench_e2e.py", []),
+    "peers": ("bench_peers.py", ["all"]),
+}
+
+
+def bench_dir() -> Path:
+    import remote_g2
+
+    d = Path(remote_g2.__file__).resolve().parent.parent / "bench"
+    if not (d / "bench_registry.py").exists():
+        raise ConfigError(f"no bench/ directory next to {Path(remote_g2.__file__).parent}: "
+                          "remote-g2 bench runs from a source checkout (git clone; make venv)")
+    return d
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("what", choices=sorted(SCRIPTS), help="which comparison to run")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--plot", default=None, help="draw the results into this PNG")
+    p.add_argument("--args", default="", help='arguments for the benchmark script, e.g. --args="--tokens 512"')
+
+
+def run(args: argparse.Namespace) -> int:
+    script, fixed = SCRIPTS[args.what]
+    extra = shlex.split(args.args)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(args.json) if args.json else Path(tmp) / "result.json"
+        cmd = [sys.executable, str(bench_dir() / script), *fixed, "--json", str(out), *extra]
+        rc = subprocess.call(cmd)
+        if not out.exists():
+            print(f"remote-g2 bench {args.what}: the benchmark wrote no results (exit {rc})", file=sys.stderr)
+            return rc or 1
+        results = json.loads(out.read_text())
+        if args.plot:
+            draw(args.what, results, args.plot)
+            print(f"wrote {args.plot}")
+    return rc
+
+
+def draw(what: str, results: dict[str, Any], path: str) -> None:
+    """One PNG per comparison: bars side by side, the goal drawn where there is one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if what == "peers":
+        sys.path.insert(0, str(bench_dir()))
+        import bench_peers
+
+        bench_peers.plot(results, path)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    if what == "pool":
+        rows = results["rows"]
+        labels = [f"{r['impl']}\n{r['threads']} thr" for r in rows]
+        ax.bar(labels, [r["ops_per_s"] for r in rows], color=["#3a7" if "py" not in r["impl"] else "#999" for r in rows])
+        ax.set_ylabel("find_and_pin + unpin per second")
+        ax.set_title(f"pool index, {results['config']['prefix']}-hash prefixes over {results['config']['blocks']:,} blocks")
+        ax.tick_params(axis="x", labelsize=7)
+    elif what == "registry":
+        names = ["server", "raw Lua", "ping", "no-op EVALSHA"]
+        keys = ["latency_server", "latency_raw_lua", "latency_ping_server", "latency_noop_evalsha"]
+        ax.bar(names, [results[k]["p50_ms"] for k in keys], color=["#3a7", "#999", "#bbb", "#bbb"])
+        ax.axhline(0.5, color="r", ls="--", lw=1, label="goal p50 0.5 ms")
+        ax.set_ylabel("ms (p50)")
+        ax.set_title(f"registry lookup, {results['blocks']:,} entries; throughput ratio "
+                     f"{results['throughput_ratio']:.2f} of raw Lua")
+        ax.legend()
+    elif what == "source":
+        lat = results["latency"]
+        names = ["round trip", "resolve", "release"]
+        ax.bar(names, [lat["round_trip_p50_ms"], lat["resolve_p50_ms"], lat["release_p50_ms"]], color="#3a7",
+               label="p50")
+        ax.bar(names, [lat["round_trip_p99_ms"] - lat["round_trip_p50_ms"], lat["resolve_p99_ms"] - lat["resolve_p50_ms"],
+                       lat["release_p99_ms"] - lat["release_p50_ms"]],
+               bottom=[lat["round_trip_p50_ms"], lat["resolve_p50_ms"], lat["release_p50_ms"]], color="#ad8",
+               label="to p99")
+        ax.axhline(2.0, color="r", ls="--", lw=1, label="goal p50 2 ms")
+        ax.set_ylabel("ms")
+        ax.set_title(f"source resolve/release, TP={results['tp']}, {results['hashes']} hashes; "
+                     f"{results['throughput']['resolves_per_s']:.0f} resolves/s")
+        ax.legend()
+    elif what == "transfer":
+        import numpy as np
+
+        rows = results["rows"]
+        x = np.arange(len(rows))
+        for i, (k, label, color) in enumerate([("e2e_gb_per_s", "remote-g2 end to end", "#3a7"),
+                                               ("raw_gb_per_s", "raw NIXL READ", "#27a")]):
+            ax.bar(x + (i - 0.5) * 0.35, [r[k] for r in rows], 0.35, label=label, color=color)
+        for xi, r in zip(x, rows):
+            ax.annotate(f"{r['ratio_e2e_over_raw']:.2f}", (xi - 0.17, r["e2e_gb_per_s"]), ha="center", va="bottom")
+        ax.set_xticks(x, [f"{r['block_kib']} KiB" for r in rows])
+        ax.set_ylabel("GB/s (label: e2e / raw)")
+        ax.set_title(f"fetch of {results['mib']} MiB, TP={results['tp']} → {results['tp']}")
+        ax.legend()
+    elif what == "e2e":
+        names = ["recompute", "remote hit", "local hit"]
+        vals = [results["ttft_recompute_s"], results["ttft_remote_s"], results["ttft_local_s"]]
+        ax.bar(names, [v * 1e3 for v in vals], color=["#999", "#3a7", "#27a"])
+        for i, v in enumerate(vals):
+            ax.annotate(f"{vals[0] / v:.1f}×", (i, v * 1e3), ha="center", va="bottom")
+        ax.set_yscale("log")
+        ax.set_ylabel("time to first token, ms (log)")
+        ax.set_title(f"{results['tokens']}-token prompt, TP {results['source_tp']} → {results['target_tp']}, "
+                     "outputs identical")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
