@@ -18,6 +18,17 @@ Each rank fills a HostPool with hashes ``hash_of(0..N-1)`` (bytes from
   with one (latent) kv head, every rank's layout has one kv head, and every
   rank holds the SAME bytes, ``block_bytes_for(0, hash)`` (MLA KV is
   replicated across TP ranks).
+* ``--churn-hashes M --churn-per-s R`` (off by default) runs a :class:`Churn`
+  thread on every rank: it keeps storing runs of ``--churn-batch`` hashes from
+  ``hash_of(0..M-1)`` (pattern bytes, as always) at R hashes per second, so a
+  pool smaller than M keeps evicting its least-recently-used unpinned blocks
+  while readers resolve. Every rank draws the same runs (``--churn-seed``), as
+  an engine stores the same blocks on every TP rank, but each at its own pace,
+  so ranks evict different blocks at times; ``--churn-rank-seeds`` makes each
+  rank draw its own runs, so their contents differ a lot (every resolve is
+  trimmed to what all ranks hold). Its counters go into the state and done
+  files as ``churn``; the pool's ``evictions`` and ``hits`` (blocks found by
+  find_and_pin, trimmed ones included) go there too.
 
 On the way out every rank shuts the service down, then writes ``D/done-{rank}``
 (so a NIXL crash at interpreter exit, after that, is recognisable as such).
@@ -33,7 +44,9 @@ import argparse
 import json
 import logging
 import os
+import random
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from source_procs.pattern import block_bytes_for, hash_of, make_layout  # noqa: E402
 
 from remote_g2.adapters.host_pool import HostPool  # noqa: E402
+from remote_g2.errors import PoolIndexError  # noqa: E402
 from remote_g2.messages import LayoutFingerprint  # noqa: E402
 from remote_g2.source import SourceConfig, maybe_start_source_service  # noqa: E402
 
@@ -96,6 +110,62 @@ class DelayablePool(HostPool):
         return super().find_and_pin(hashes)
 
 
+class Churn(threading.Thread):
+    """Stores runs of hashes from a key space larger than the pool, at a steady rate, until stopped.
+
+    Each run is ``batch`` consecutive hashes ``hash_of(j..j+batch-1)`` from a
+    random ``j``; the ones not cached take a free block or evict the
+    least-recently-used unpinned one (HostPool never evicts a pinned block).
+    A store refused because every block is pinned is counted as ``full`` and
+    skipped; any other exception is counted as an error (and logged), so a
+    soak can fail on it. Bounded: it stops at ``stop`` or ``deadline``
+    (monotonic), and after a stall it catches up by at most 100 ms of work.
+    """
+
+    TICK_S = 0.01
+
+    def __init__(self, pool: HostPool, fill_rank: int, *, key_space: int, per_s: float, batch: int, seed: int,
+                 stop: threading.Event, deadline: float) -> None:
+        super().__init__(name="churn", daemon=True)
+        if not 1 <= batch <= key_space:
+            raise ValueError(f"--churn-batch {batch} must be in 1..{key_space}")
+        self.pool, self.fill_rank = pool, fill_rank
+        self.key_space, self.per_s, self.batch = key_space, per_s, batch
+        self.rng = random.Random(seed)
+        self.stop, self.deadline = stop, deadline
+        self._bytes: dict[int, object] = {}  # key index -> its pattern bytes (the key space is small)
+        self.counts = {"stores": 0, "hashes": 0, "full": 0, "errors": 0, "last_error": ""}
+
+    def _data(self, i: int) -> object:
+        data = self._bytes.get(i)
+        if data is None:
+            data = self._bytes[i] = block_bytes_for(self.fill_rank, hash_of(i), self.pool.layout.block_bytes)
+        return data
+
+    def run(self) -> None:
+        owed = 0.0
+        last = time.monotonic()
+        while not self.stop.is_set() and last < self.deadline:
+            now = time.monotonic()
+            owed = min(owed + self.per_s * (now - last), max(self.batch, self.per_s * 0.1))
+            last = now
+            while owed >= self.batch and not self.stop.is_set():
+                owed -= self.batch
+                j = self.rng.randrange(self.key_space - self.batch + 1)
+                keys = range(j, j + self.batch)
+                try:
+                    self.pool.store([hash_of(i) for i in keys], [self._data(i) for i in keys])
+                    self.counts["stores"] += 1
+                    self.counts["hashes"] += self.batch
+                except PoolIndexError:
+                    self.counts["full"] += 1
+                except Exception as e:  # counted and reported, never silently dropped
+                    self.counts["errors"] += 1
+                    self.counts["last_error"] = f"{type(e).__name__}: {e}"
+                    logging.getLogger("churn").exception("churn store failed")
+            self.stop.wait(self.TICK_S)
+
+
 def write_json(path: Path, data: object) -> None:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(data))
@@ -125,6 +195,12 @@ def main() -> int:
                    help="run without MPI: exchange start-up records through files in DIR/comm")
     p.add_argument("--mla", action="store_true",
                    help="MLA worker: 1 kv head per rank, is_mla fingerprint, rank 0's bytes on every rank")
+    p.add_argument("--churn-hashes", type=int, default=0, metavar="M",
+                   help="eviction pressure: keep storing hashes from hash_of(0..M-1) (see --churn-per-s)")
+    p.add_argument("--churn-per-s", type=float, default=0.0, metavar="R", help="hashes stored per second by churn")
+    p.add_argument("--churn-batch", type=int, default=8, help="consecutive hashes per churn store")
+    p.add_argument("--churn-seed", type=int, default=1, help="the runs churn draws (the same on every rank)")
+    p.add_argument("--churn-rank-seeds", action="store_true", help="each rank draws its own runs (seed + rank)")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args()
 
@@ -172,6 +248,12 @@ def main() -> int:
                                          "tp_size": tp})
 
     deadline = time.monotonic() + args.lifetime_s
+    churn_stop = threading.Event()
+    churn = None
+    if args.churn_hashes > 0 and args.churn_per_s > 0:
+        churn = Churn(pool, fill_rank, key_space=args.churn_hashes, per_s=args.churn_per_s, batch=args.churn_batch,
+                      seed=args.churn_seed + (rank if args.churn_rank_seeds else 0), stop=churn_stop, deadline=deadline)
+        churn.start()
     cmd = d / f"cmd{tag}-{rank}.json"
     state = d / f"state{tag}-{rank}.json"
     try:
@@ -186,12 +268,19 @@ def main() -> int:
                 os.replace(cmd, cmd.with_suffix(".done"))
             st = pool.stats()
             write_json(state, {"pid": os.getpid(), "rank": rank, "total_pins": st["total_pins"],
-                               "pinned_blocks": st["pinned_blocks"], "service": service.stats(), "t": time.time()})
+                               "pinned_blocks": st["pinned_blocks"], "evictions": st["evictions"],
+                               "hits": st["hits"], "churn": None if churn is None else dict(churn.counts),
+                               "service": service.stats(), "t": time.time()})
             time.sleep(0.05)
     finally:
+        churn_stop.set()
+        if churn is not None:
+            churn.join(10)
         service.shutdown()
         st = pool.stats()
-        write_json(d / f"done{tag}-{rank}", {"total_pins": st["total_pins"]})
+        write_json(d / f"done{tag}-{rank}", {"total_pins": st["total_pins"], "evictions": st["evictions"],
+                                             "hits": st["hits"],
+                                             "churn": None if churn is None else dict(churn.counts)})
     return 0
 
 
