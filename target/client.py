@@ -81,6 +81,7 @@ from remote_g2.rpc_server import CallContext, RpcServer
 from remote_g2.tp_group import TpGroup, resolve_tp_group
 
 from .config import TargetConfig
+from .metrics import TargetMetrics
 from .rank_worker import POLL_S, RankWorker
 from .tp_mapping import check_fingerprints
 
@@ -195,6 +196,7 @@ class TargetClient:
         self._invalid: set[int] = set()
         self._stop = threading.Event()
         self.stats = {"loads": 0, "done": 0, "failed": 0, "bytes": 0, "descriptors": 0}
+        self.metrics = TargetMetrics()
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -230,6 +232,8 @@ class TargetClient:
                                   transfer=transfer, report=report,
                                   shares_leader_clock=gathered[0]["clock"] == clock)
         if self.rank == 0:
+            if self.config.metrics_port is not None:
+                self.metrics.serve_http(self.config.metrics_port, self.config.metrics_addr)
             if self.config.registry_endpoint:
                 from remote_g2.registry import RegistryClient
 
@@ -264,8 +268,10 @@ class TargetClient:
             reply = self._registry.lookup(list(block_hashes), requester=self.worker_id, compat_key=self._compat_key())
         except RemoteG2Error as e:
             log.warning("lookup failed: %s", e)
+            self.metrics.lookup("registry_error", 0)
             return TargetMatch(0, "registry_error")
         match = self._match_from(reply)
+        self.metrics.lookup(match.reason, match.matched)
         with self._lock:
             self._lookups[tuple(block_hashes[:match.matched])] = match
             while len(self._lookups) > _LOOKUP_CACHE:
@@ -317,6 +323,7 @@ class TargetClient:
             release_ipc_path(self._endpoints[self.rank] if self._endpoints else "")
         if self._registry is not None:
             self._registry.close()
+        self.metrics.close()
         for fd in (self._wake_r, self._wake_w):
             if fd >= 0:
                 os.close(fd)
@@ -656,6 +663,8 @@ class TargetClient:
                 self._invalid.update(load.dst)
                 self._invalid.update(load.invalid_tail)
         self.stats["done" if ok else "failed"] += 1
+        invalid = len(load.invalid_tail) + (0 if ok else len(load.dst))
+        self.metrics.load(ok, time.monotonic() - load.started, len(load.dst) if ok else 0, invalid)
         if error:
             log.warning("load of %s failed after %.1f ms: %s", load.request_id,
                         (time.monotonic() - load.started) * 1e3, error)

@@ -11,6 +11,7 @@ variable                                field                                   
 ``REMOTE_G2_TARGET_RPC_TIMEOUT_MS``     ``rpc_timeout_ms`` (lookup, resolve, ...)   2000
 ``REMOTE_G2_TARGET_TIMEOUT_MS``         ``transfer_timeout_ms`` (whole load)        10000
 ``REMOTE_G2_TARGET_FINGERPRINT``        ``fingerprint`` (JSON of LayoutFingerprint) unset
+``REMOTE_G2_TARGET_METRICS_PORT``       ``metrics_port`` (leader's /metrics)        off
 ``REMOTE_G2_CURVE_SERVER_KEY``          ``registry_curve`` (registry's public key)  unset (plain TCP)
 ``REMOTE_G2_SOURCE_CURVE_SERVER_KEY``   ``source_curve`` (sources' public key)      unset (plain TCP)
 ``REMOTE_G2_CURVE_CLIENT_KEY``          this client's key pair (for allow-lists)    generated per process
@@ -46,6 +47,9 @@ class TargetConfig:
       outlives half of it.
     * ``transfer_timeout_ms`` — a load not finished on every rank by then fails
       (its blocks are invalid; the engine recomputes them).
+    * ``metrics_port`` — the leader serves Prometheus ``/metrics`` there
+      (``remote_g2_target_*``: lookups by answer, loads by outcome, blocks
+      loaded and invalid, load latency); 0 picks a free port.
     * ``registry_curve`` / ``source_curve`` — CURVE keys for talking to a
       registry / sources whose TCP endpoints require them (docs/security.md).
     """
@@ -60,6 +64,8 @@ class TargetConfig:
     fingerprint: LayoutFingerprint | None = None
     registry_curve: CurveClientConfig | None = None
     source_curve: CurveClientConfig | None = None
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         for name in ("lease_ttl_ms", "rpc_timeout_ms", "transfer_timeout_ms"):
@@ -80,7 +86,8 @@ class TargetConfig:
                 values[name] = env[var]
         for var, name in (("REMOTE_G2_TARGET_LEASE_TTL_MS", "lease_ttl_ms"),
                           ("REMOTE_G2_TARGET_RPC_TIMEOUT_MS", "rpc_timeout_ms"),
-                          ("REMOTE_G2_TARGET_TIMEOUT_MS", "transfer_timeout_ms")):
+                          ("REMOTE_G2_TARGET_TIMEOUT_MS", "transfer_timeout_ms"),
+                          ("REMOTE_G2_TARGET_METRICS_PORT", "metrics_port")):
             if env.get(var):
                 try:
                     values[name] = int(env[var])

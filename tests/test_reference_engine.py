@@ -25,6 +25,7 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
+from conftest import free_port
 from remote_g2.adapters.reference import ModelConfig, ReferenceModel
 from remote_g2.adapters.reference.launch import EngineProcess, mpiexec_path
 from remote_g2.adapters.reference.messages import EngineStep
@@ -77,8 +78,8 @@ def _same(a, b) -> bool:  # type: ignore[no-untyped-def]
     return a.tokens == b.tokens and a.logits == b.logits
 
 
-def _engines(registry: str, source_tp: int, target_tp: int, mla: bool, *, via_env: bool = False
-             ) -> tuple[EngineProcess, EngineProcess]:
+def _engines(registry: str, source_tp: int, target_tp: int, mla: bool, *, via_env: bool = False,
+             target_env: dict[str, str] | None = None) -> tuple[EngineProcess, EngineProcess]:
     """A source and a target engine; ``via_env`` enables the hooks by REMOTE_G2_* variables instead of flags."""
     model = ["--mla"] if mla else []
     if via_env:
@@ -90,7 +91,7 @@ def _engines(registry: str, source_tp: int, target_tp: int, mla: bool, *, via_en
         src_env = tgt_env = {}
     source = EngineProcess("src", tp=source_tp, args=src_args, env=src_env)
     try:
-        target = EngineProcess("tgt", tp=target_tp, args=tgt_args, env=tgt_env)
+        target = EngineProcess("tgt", tp=target_tp, args=tgt_args, env={**tgt_env, **(target_env or {})})
     except BaseException:
         source.stop()
         raise
@@ -258,7 +259,8 @@ def test_demo_command_reports_remote_reuse_and_identical_outputs_as_json() -> No
 def test_concurrent_requests_interleave_loads_prefills_and_decodes(registry: str) -> None:
     shared = _prompt(160, seed=7)
     prompts = [shared + _prompt(40, seed=100 + i) for i in range(3)]
-    source, target = _engines(registry, 2, 2, mla=False)
+    port = free_port()
+    source, target = _engines(registry, 2, 2, mla=False, target_env={"REMOTE_G2_TARGET_METRICS_PORT": str(port)})
     try:
         src = [source.client.generate(f"p{i}", p, 6, cache="local") for i, p in enumerate(prompts)]
         want = len({h for p in prompts for h in chain_block_hashes(p, TPB)})
@@ -276,6 +278,15 @@ def test_concurrent_requests_interleave_loads_prefills_and_decodes(registry: str
         assert sum(got[f"remote-{i}"].blocks_remote for i in range(3)) >= (len(prompts[0]) - 1) // TPB
         assert _wait_pins_zero(source) == [0, 0]
         assert target.client.stats().running == 0
+        # The target's leader exports what happened, for dashboards.
+        import urllib.request
+
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        loaded = sum(got[f"remote-{i}"].blocks_remote for i in range(3))
+        loads = float(sum(1 for i in range(3) if got[f"remote-{i}"].blocks_remote))
+        assert f'remote_g2_target_loads_total{{outcome="done"}} {loads}' in text
+        assert f"remote_g2_target_blocks_loaded_total {float(loaded)}" in text
+        assert 'remote_g2_target_lookups_total{reason="ok"}' in text
     finally:
         target.stop()
         source.stop()
