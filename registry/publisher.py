@@ -251,13 +251,17 @@ class SourcePublisher:
                 self._queued_hashes += n
                 self._in_flight = False
             raise
+        # The reply's consequence is recorded in the same locked step that clears _in_flight, so a
+        # concurrent flush() never sees "nothing in flight, nothing pending" for a rejected batch.
         with self._lock:
             self._in_flight = False
-        if reply.status == "ok":
-            self.next_seq = reply.expected_seq
-            self.batches_sent += 1
-        elif reply.status == "resync_needed":
-            self.next_seq = reply.expected_seq
-            self.request_resync()
-        else:
-            self.registered = False
+            if reply.status == "ok":
+                self.next_seq = reply.expected_seq
+                self.batches_sent += 1
+            elif reply.status == "resync_needed":
+                self.next_seq = reply.expected_seq
+                self._need_resync = True
+            else:
+                self.registered = False
+        if reply.status != "ok":
+            self._wake.set()
