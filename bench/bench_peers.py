@@ -5,7 +5,8 @@
 registry
     1 M (hash, worker) entries over 8 workers (``bench_registry.py``'s data
     set: chains of 128 hashes, two holders each), 128-hash prefix lookups:
-    remote-g2's server on its embedded store and on a real Redis, the raw
+    remote-g2's server on its embedded store, a real Redis and a real
+    3-master Redis Cluster, the raw
     Redis Lua prefix walk (no server), and **Dynamo's RadixTree**
     (``ai-dynamo-runtime``, in-process ``find_matches`` over the same chains).
     Interleaved rounds, p50/p99 and single-client lookups/s. Goal: remote-g2's
@@ -41,19 +42,24 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+sys.path.insert(0, str(HERE.parent / "tests"))
+
 import bench_registry as br  # noqa: E402
+from conftest import start_redis_cluster  # noqa: E402  (the test suite's cluster builder)
 
 
-def _start_memory_registry() -> tuple[subprocess.Popen[str], str]:
+def _start_registry(*store_args: str) -> tuple[subprocess.Popen[str], str]:
+    """``remote-g2 serve`` on a free port: the embedded store, or ``--redis-cluster-url URL``."""
     port = br.free_port()
     exe = Path(sys.executable).parent / "remote-g2"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "remote_g2.cli"]
-    proc = subprocess.Popen(cmd + ["serve", "--bind", f"tcp://127.0.0.1:{port}", "--lease-ttl-s", "600"],
+    proc = subprocess.Popen(cmd + ["serve", "--bind", f"tcp://127.0.0.1:{port}", "--lease-ttl-s", "600",
+                                   *store_args],
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "REMOTE_G2_LOG_LEVEL": "WARNING"})
     assert proc.stdout is not None
     if "serving on" not in proc.stdout.readline():
         proc.kill()
-        raise SystemExit("the registry (embedded store) did not start")
+        raise SystemExit(f"the registry ({store_args or 'embedded store'}) did not start")
     return proc, f"tcp://127.0.0.1:{port}"
 
 
@@ -83,11 +89,16 @@ def registry(args: argparse.Namespace) -> dict[str, Any]:
             procs.append(redis_proc)
             reg_redis, ep_redis = br.start_registry(redis_url, 1)
             procs.append(reg_redis)
-            reg_mem, ep_mem = _start_memory_registry()
+            reg_mem, ep_mem = _start_registry()
             procs.append(reg_mem)
+            cluster_procs, cluster_url = start_redis_cluster(Path(tmp) / "cluster")
+            procs.extend(cluster_procs)
+            reg_cluster, ep_cluster = _start_registry("--redis-cluster-url", cluster_url)
+            procs.append(reg_cluster)
             print(f"ingesting {args.blocks:,} entries into each registry...", file=sys.stderr)
             ing_redis = br.ingest(ep_redis, args.blocks, args.workers, 4096)
             ing_mem = br.ingest(ep_mem, args.blocks, args.workers, 4096)
+            ing_cluster = br.ingest(ep_cluster, args.blocks, args.workers, 4096)
             chains = ing_redis["chains"]
             t0 = time.perf_counter()
             tree = _dynamo_tree(chains, args.workers)
@@ -106,9 +117,11 @@ def registry(args: argparse.Namespace) -> dict[str, Any]:
                 assert max(reply.scores.values()) == br.CHAIN_LEN, reply.scores
 
             raw = br.RawLookup(redis_url)
-            with RegistryClient(ep_redis, timeout_s=10) as c_redis, RegistryClient(ep_mem, timeout_s=10) as c_mem:
+            with RegistryClient(ep_redis, timeout_s=10) as c_redis, RegistryClient(ep_mem, timeout_s=10) as c_mem, \
+                    RegistryClient(ep_cluster, timeout_s=10) as c_cluster:
                 lat = br.latency({"remote-g2 server, embedded store": (c_mem.lookup, full),
                                   "remote-g2 server, Redis": (c_redis.lookup, full),
+                                  "remote-g2 server, Redis Cluster (3 masters)": (c_cluster.lookup, full),
                                   "raw Redis Lua prefix walk": (raw, raw_ok),
                                   "Dynamo RadixTree, in-process": (dyn_lookup, dyn_ok)},
                                  chains, args.lookups, args.rounds)
@@ -125,7 +138,8 @@ def registry(args: argparse.Namespace) -> dict[str, Any]:
     best = min(v["p50_ms"] for k, v in lat.items() if k.startswith("remote-g2"))
     return {"bench": "peers.registry", "blocks": args.blocks, "workers": args.workers, "prefix": br.CHAIN_LEN,
             "rows": rows, "ingest_events_per_s": {"redis": ing_redis["events_per_s"],
-                                                   "embedded": ing_mem["events_per_s"]},
+                                                   "embedded": ing_mem["events_per_s"],
+                                                   "redis_cluster": ing_cluster["events_per_s"]},
             "dynamo_build_s": dyn_build, "goal_p50_within_3x_of_dynamo": best <= 3 * dyn,
             "best_remote_g2_p50_vs_dynamo": best / dyn}
 
@@ -181,7 +195,9 @@ def plot(results: dict[str, Any], path: str) -> None:
         rows = results[key]["rows"]
         if key == "registry":
             names = [r["system"].replace(", ", "\n") for r in rows]
-            ax.bar(names, [r["p50_ms"] for r in rows], color=["#3a7", "#3a7", "#999", "#c63"])
+            ax.bar(names, [r["p50_ms"] for r in rows],
+                   color=["#3a7" if r["system"].startswith("remote-g2") else "#999" if "raw" in r["system"]
+                          else "#c63" for r in rows])
             ax.errorbar(names, [r["p50_ms"] for r in rows],
                         yerr=[[0] * len(rows), [r["p99_ms"] - r["p50_ms"] for r in rows]], fmt="none", ecolor="k")
             ax.set_ylabel("lookup latency, ms (bar p50, whisker p99)")

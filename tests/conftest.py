@@ -112,13 +112,13 @@ def redis_url(redis_server: str) -> str:
     return redis_server
 
 
-@pytest.fixture(scope="session")
-def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A private 3-master Redis Cluster for the session; yields ``redis://127.0.0.1:P1``."""
+def start_redis_cluster(workdir: Path) -> tuple[list[subprocess.Popen[bytes]], str]:
+    """Start a private 3-master Redis Cluster in ``workdir``; return its servers and ``redis://127.0.0.1:P1``.
+
+    Also used by ``bench/bench_peers.py``. The caller stops the servers (``stop_redis``).
+    """
     import redis
 
-    _need_redis_binaries("redis-server", "redis-cli")
-    workdir = tmp_path_factory.mktemp("redis-cluster")
     procs: list[subprocess.Popen[bytes]] = []
     try:
         ports: list[int] = []
@@ -139,7 +139,20 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"Redis Cluster on {ports} did not reach cluster_state:ok")
                     time.sleep(0.1)
-        yield f"redis://127.0.0.1:{ports[0]}"
+    except BaseException:
+        for proc in procs:
+            stop_redis(proc)
+        raise
+    return procs, f"redis://127.0.0.1:{ports[0]}"
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A private 3-master Redis Cluster for the session; yields ``redis://127.0.0.1:P1``."""
+    _need_redis_binaries("redis-server", "redis-cli")
+    procs, url = start_redis_cluster(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        yield url
     finally:
         for proc in procs:
             stop_redis(proc)
