@@ -21,6 +21,12 @@ from remote_g2.rpc_client import RpcClient
 
 pytestmark = [pytest.mark.nixl]
 
+# A process that ran a NIXL agent without ever initialising MPI segfaults in NIXL/UCX's static
+# destructors after Python has finished (exit code 139, every test passed). Sources run under MPI
+# in production (the engines' launchers); initialising it here gives this in-process source the
+# same teardown. Seen with nixl 1.5.1 / UCX as packaged on PyPI.
+from mpi4py import MPI  # noqa: E402,F401
+
 LAYOUT = BlockLayout(num_blocks=32, block_bytes=4096, num_layers=2, kv=2, num_kv_heads=2, tokens_per_block=16,
                      head_dim=8, dtype_bytes=2, order="HND")
 HASHES = [i.to_bytes(8, "big") for i in range(1, 17)]
