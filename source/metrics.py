@@ -7,11 +7,10 @@ NIXL progress); the resolve metrics move on rank 0 only. With
 
 from __future__ import annotations
 
-from typing import Any
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram
 
 from remote_g2.metric_children import LabelledChildren
+from remote_g2.metrics_export import PrivateMetrics
 
 __all__ = ["SourceMetrics", "RESOLVE_OUTCOMES"]
 
@@ -19,11 +18,11 @@ RESOLVE_OUTCOMES = ("ok", "miss", "over_budget", "error")
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
 
 
-class SourceMetrics:
+class SourceMetrics(PrivateMetrics):
     """Counters, gauges and histograms one source rank updates."""
 
     def __init__(self, rank: int) -> None:
-        self.registry = CollectorRegistry()
+        super().__init__()
         r = self.registry
         self.rank = rank
         self.blocks_pinned = Gauge("remote_g2_source_blocks_pinned",
@@ -49,7 +48,6 @@ class SourceMetrics:
                                 ["type", "outcome"], registry=r)
         self._outcome = {o: self.resolves.labels(o) for o in RESOLVE_OUTCOMES}
         self._request_children = LabelledChildren(self.requests)
-        self._http: Any = None
 
     def resolve_outcome(self, outcome: str, seconds: float, matched: int = 0) -> None:
         self._outcome[outcome].inc()
@@ -65,20 +63,3 @@ class SourceMetrics:
     def observe_call(self, type_: str, seconds: float, outcome: str) -> None:
         """RPC observer hook (see :class:`remote_g2.rpc_server.RpcServer`)."""
         self._request_children(type_, outcome).inc()
-
-    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
-        """One sample's current value (0 when absent); for tests and ``stats``."""
-        v = self.registry.get_sample_value(name, labels or {})
-        return 0.0 if v is None else v
-
-    def serve_http(self, port: int, addr: str = "127.0.0.1") -> None:
-        """Expose ``/metrics`` on ``addr:port`` from a daemon thread."""
-        self._http = start_http_server(port, addr=addr, registry=self.registry)
-
-    def close(self) -> None:
-        if self._http is not None:
-            server, thread = self._http
-            server.shutdown()
-            server.server_close()
-            thread.join(2)
-            self._http = None

@@ -6,20 +6,21 @@ leader serves them on that port (127.0.0.1 unless ``metrics_addr``).
 
 from __future__ import annotations
 
-from typing import Any
+from prometheus_client import Counter, Histogram
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from remote_g2.metrics_export import PrivateMetrics
 
 __all__ = ["TargetMetrics"]
 
 _LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
-class TargetMetrics:
+class TargetMetrics(PrivateMetrics):
     """What the target's leader counts: lookups by answer, loads by outcome, blocks, load latency."""
 
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
+        super().__init__()
+        r = self.registry
         self.lookups = Counter("remote_g2_target_lookups", "Registry lookups by answer (ok, no_candidate, "
                                "source_is_target, incompatible_layout, registry_error, ...)", ["reason"], registry=r)
         self.matched_blocks = Counter("remote_g2_target_matched_blocks", "Blocks remote sources offered at lookup",
@@ -31,7 +32,6 @@ class TargetMetrics:
                                       "Destination blocks the engine must recompute (failed or missing)", registry=r)
         self.load_seconds = Histogram("remote_g2_target_load_seconds", "start_load to outcome, by outcome",
                                       ["outcome"], buckets=_LOAD_BUCKETS, registry=r)
-        self._http: Any = None
 
     def lookup(self, reason: str, matched: int) -> None:
         self.lookups.labels(reason.split(":", 1)[0][:40]).inc()  # "incompatible_layout: why" -> its kind
@@ -44,18 +44,3 @@ class TargetMetrics:
         self.load_seconds.labels(outcome).observe(seconds)
         self.blocks_loaded.inc(valid)
         self.blocks_invalid.inc(invalid)
-
-    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
-        """One sample's current value (0 when absent)."""
-        v = self.registry.get_sample_value(name, labels or {})
-        return 0.0 if v is None else v
-
-    def serve_http(self, port: int, addr: str = "127.0.0.1") -> None:
-        self._http = start_http_server(port, addr=addr, registry=self.registry)
-
-    def close(self) -> None:
-        if self._http is not None:
-            server, thread = self._http
-            server.shutdown()
-            server.server_close()
-            self._http = None
