@@ -41,6 +41,7 @@ import torch
 from remote_g2.errors import RequestRejected
 from remote_g2.hashing import chain_block_hashes
 
+from ..landing_slots import LandingSlots, valid_prefix
 from .kv_cache import G1BlockManager
 from .messages import EngineResult, EngineSubmit, StepOp
 
@@ -88,20 +89,17 @@ class Scheduler:
                  quarantine_s: float = 30.0) -> None:
         self.tpb = tokens_per_block
         self.g1 = G1BlockManager(g1_blocks)
-        self._slots: list[int] = list(reversed(landing_slots))
-        self._quarantine: deque[tuple[float, list[int]]] = deque()
+        self._landing = LandingSlots(landing_slots, quarantine_s=quarantine_s)
         self.block_bytes, self.tp_size = block_bytes, tp_size
         self.target = target
         self._g2_has = g2_has
         self.prefill_chunk = prefill_chunk
-        self.quarantine_s = quarantine_s
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         self.finished: dict[str, EngineResult] = {}
         self.remote_lookups = 0
         self.blocks_remote = 0
         self.blocks_remote_failed = 0
-        self._by_slot: dict[int, Request] = {}
 
     # -- intake ---------------------------------------------------------------------------
 
@@ -199,13 +197,13 @@ class Scheduler:
         self.remote_lookups += 1
         match = self.target.lookup(req.hashes[local:req.reusable])
         req.remote_reason = match.reason
-        n = min(match.matched, len(self._free_slots()))
+        n = min(match.matched, self._landing.available())
         if n <= 0:
             if match.matched:
                 req.remote_reason = "no_landing_slot"
             return
         req.load_lo = local
-        req.slots = [self._slots.pop() for _ in range(n)]
+        req.slots = self._landing.take(n)
         req.state = "paused"
         req.resume_at = time.perf_counter() + req.sub.pause_after_lookup_ms / 1000
         self._start_paused_loads()
@@ -215,16 +213,8 @@ class Scheduler:
         for req in self.running.values():
             if req.state == "paused" and now >= req.resume_at:
                 lo, n = req.load_lo, len(req.slots)
-                for s in req.slots:
-                    self._by_slot[s] = req
                 req.state, req.t_load = "loading", time.perf_counter()
                 self.target.start_load(req.sub.request_id, req.hashes[lo:lo + n], req.slots)
-
-    def _free_slots(self) -> list[int]:
-        now = time.perf_counter()
-        while self._quarantine and self._quarantine[0][0] <= now:
-            self._slots.extend(self._quarantine.popleft()[1])
-        return self._slots
 
     def _poll_loads(self, ops: list[StepOp]) -> None:
         if self.target is None:
@@ -236,10 +226,7 @@ class Scheduler:
             if req is None or req.state != "loading":
                 log.warning("target reported request %r it is not loading", rid)
                 continue
-            good = 0
-            if rid in done:
-                while good < len(req.slots) and req.slots[good] not in invalid:
-                    good += 1
+            good = valid_prefix(req.slots, invalid) if rid in done else 0
             req.load_s = time.perf_counter() - req.t_load
             lo = req.load_lo
             if good:
@@ -248,13 +235,11 @@ class Scheduler:
             req.blocks_remote, req.blocks_remote_failed = good, len(req.slots) - good
             self.blocks_remote += good
             self.blocks_remote_failed += len(req.slots) - good
-            for s in req.slots:
-                self._by_slot.pop(s, None)
             if rid in done:
                 # A landed slot is copied out by this step's own ``land``, before any later load can use it.
-                self._slots.extend(req.slots)
+                self._landing.give_back(req.slots)
             else:
-                self._quarantine.append((time.perf_counter() + self.quarantine_s, req.slots))
+                self._landing.quarantine(req.slots)
             req.slots = []
             req.computed = (lo + good) * self.tpb
             req.state = "prefill"

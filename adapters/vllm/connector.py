@@ -41,8 +41,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
-from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +50,7 @@ from remote_g2.errors import ConfigError, RemoteG2Error
 from remote_g2.hashing import chain_block_hashes
 from remote_g2.messages import LayoutFingerprint
 
+from ..landing_slots import LandingSlots, valid_prefix
 from .kv_blocks import VllmKvLayout
 
 try:  # vLLM is an optional dependency: `make test-vllm` installs it
@@ -163,8 +162,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
         self._pool_rows: torch.Tensor | None = None
         self.source: Any = None
         self.target: Any = None
-        self._slots: list[int] = []
-        self._quarantine: deque[tuple[float, list[int]]] = deque()
+        self._landing: LandingSlots | None = None
         self._inflight: dict[str, tuple[_Load, list[int]]] = {}
         self._load_errors: set[int] = set()
         self._received: set[str] = set()
@@ -281,7 +279,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
         self._kv = kv = VllmKvLayout.from_kv_caches(kv_caches, self.block_size)
         self._pool = HostPool(kv.g2_layout(s.g2_blocks + s.landing_blocks), reserved_blocks=s.landing_blocks)
         self._pool_rows = kv.pool_view(self._pool.tensor)
-        self._slots = list(reversed(self._pool.reserved_block_ids))
+        self._landing = LandingSlots(self._pool.reserved_block_ids)
         fp = LayoutFingerprint(model_id=self._model_id[:256], dtype=self._dtype[:64], tokens_per_block=self.block_size,
                                kv_layout="HND", num_layers=len(kv.views), num_kv_heads=kv.kv_heads,
                                head_dim=kv.head_dim, tp_size=1)
@@ -312,22 +310,15 @@ class RemoteG2Connector(KVConnectorBase_V1):
             self._start_load(load)
 
     def _start_load(self, load: _Load) -> None:
-        free = self._free_slots()
-        if self.target is None or len(free) < len(load.hashes):
+        if self.target is None or self._landing is None or self._landing.available() < len(load.hashes):
             why = "no target client" if self.target is None else "no free landing slots"
             log.warning("%s: not loading %d blocks (%s); vLLM recomputes them", load.request_id, len(load.hashes), why)
             self._load_errors.update(load.block_ids)
             self._received.add(load.request_id)
             return
-        slots = [free.pop() for _ in load.hashes]
+        slots = self._landing.take(len(load.hashes))
         self._inflight[load.request_id] = (load, slots)
         self.target.start_load(load.request_id, load.hashes, slots)
-
-    def _free_slots(self) -> list[int]:
-        now = time.monotonic()
-        while self._quarantine and self._quarantine[0][0] <= now:
-            self._slots.extend(self._quarantine.popleft()[1])
-        return self._slots
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: vLLM runs the request only after get_finished reported it
@@ -361,10 +352,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
                 if entry is None:
                     continue
                 load, slots = entry
-                good = 0
-                if rid in done:
-                    while good < len(slots) and slots[good] not in invalid:
-                        good += 1
+                good = valid_prefix(slots, invalid) if rid in done else 0
                 if good:
                     assert self._kv is not None and self._pool_rows is not None
                     rows = self._pool_rows[torch.as_tensor(slots[:good])]
@@ -374,10 +362,11 @@ class RemoteG2Connector(KVConnectorBase_V1):
                     except RemoteG2Error as e:
                         log.warning("caching %d loaded blocks in G2 failed: %s", good, e)
                 self._load_errors.update(load.block_ids[good:])
+                assert self._landing is not None
                 if rid in done:
-                    self._slots.extend(slots)
-                else:  # a READ the client gave up on may still land: keep its slots out of use for a while
-                    self._quarantine.append((time.monotonic() + 30.0, slots))
+                    self._landing.give_back(slots)
+                else:
+                    self._landing.quarantine(slots)
                 received.add(rid)
                 log.info("%s: %d of %d blocks loaded from a remote G2", rid, good, len(slots))
         return None, (received or None)
