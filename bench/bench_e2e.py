@@ -30,19 +30,17 @@ import time
 from typing import Any
 
 from remote_g2.adapters.reference.launch import EngineProcess
-from remote_g2.hashing import chain_block_hashes
 from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer
+
+from remote_g2.hashing import chain_block_hashes
 
 TPB = 16
 
 
-def _wait_published(registry: str, worker_id: str, want: int, timeout_s: float = 15.0) -> None:
+def _wait_published(registry: str, worker_id: str, want: int) -> None:
     with RegistryClient(registry) as reg:
-        deadline = time.monotonic() + timeout_s
-        while {w.worker_id: w.blocks for w in reg.list_workers()}.get(worker_id, 0) < want:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"the registry never listed {want} blocks of {worker_id}")
-            time.sleep(0.02)
+        if reg.wait_for_blocks(worker_id, want, timeout_s=15) < want:
+            raise SystemExit(f"the registry never listed {want} blocks of {worker_id}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ Redis does not, :class:`StaleEpoch` on a refused registration.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from remote_g2.curve import CurveClientConfig
@@ -85,6 +86,18 @@ class RegistryClient:
     def worker_info(self, worker_id: str) -> WorkerRecord | None:
         worker: WorkerRecord | None = self._rpc.call(WorkerInfo(worker_id)).worker
         return worker
+
+    def wait_for_blocks(self, worker_id: str, blocks: int, *, timeout_s: float = 10.0,
+                        poll_s: float = 0.02) -> int:
+        """Poll until the registry lists at least ``blocks`` blocks for ``worker_id`` (publishers batch
+        their events), or ``timeout_s`` passes; return the count it lists then (0 for an unknown worker)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            worker = self.worker_info(worker_id)
+            held = worker.blocks if worker is not None else 0
+            if held >= blocks or time.monotonic() >= deadline:
+                return held
+            time.sleep(poll_s)
 
     def list_workers(self, *, include_dead: bool = False) -> list[WorkerRecord]:
         workers: list[WorkerRecord] = self._rpc.call(ListWorkers(include_dead)).workers

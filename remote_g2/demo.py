@@ -92,17 +92,12 @@ def _distinct_blocks(prompts: list[list[int]]) -> set[bytes]:
     return {h for p in prompts for h in chain_block_hashes(p, 16)}
 
 
-def _wait_published(registry: str, worker_id: str, blocks: int, timeout_s: float = 10.0) -> dict[str, int]:
-    """Wait until the registry lists ``blocks`` blocks for ``worker_id`` (events are batched); its view."""
+def _wait_published(registry: str, worker_id: str, blocks: int) -> int:
+    """Wait (10 s at most) until the registry lists ``blocks`` blocks of ``worker_id``; the count it lists."""
     from remote_g2.registry import RegistryClient
 
     with RegistryClient(registry) as reg:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            held = {w.worker_id: w.blocks for w in reg.list_workers()}
-            if held.get(worker_id, 0) >= blocks or time.monotonic() > deadline:
-                return held
-            time.sleep(0.02)
+        return reg.wait_for_blocks(worker_id, blocks)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -137,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         src = [source.client.generate(f"src-{i}", p, args.new_tokens, cache="local") for i, p in enumerate(prompts)]
         held = _wait_published(registry, "demo-source", 2 + len(_distinct_blocks(prompts)))
         _say(quiet, f"[3/5] source served {len(prompts)} prompts of {len(prompts[0])} tokens "
-                    f"({args.prefix_tokens} shared); the registry shows {held.get('demo-source', 0)} of its blocks")
+                    f"({args.prefix_tokens} shared); the registry shows {held} of its blocks")
 
         base = [target.client.generate(f"base-{i}", p, args.new_tokens, cache="none") for i, p in enumerate(prompts)]
         _say(quiet, f"[4/5] target recomputed them (caches off): TTFT {base[0].ttft_s * 1e3:.0f} ms for the first")
@@ -153,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
             "source_tp": args.source_tp, "target_tp": args.target_tp, "model": "mla" if args.mla else "gqa",
             "registry": registry, "store": "redis" if args.redis_url else "embedded",
             "prompts": len(prompts), "prompt_tokens": len(prompts[0]), "new_tokens": args.new_tokens,
-            "registry_blocks_of_source": held.get("demo-source", 0),
+            "registry_blocks_of_source": held,
             "blocks_reused_remote": blocks, "blocks_remote_failed": sum(r.blocks_remote_failed for r in remote),
             "bytes_read": bytes_read, "read_gbps": round(bytes_read / load_s / 1e9, 3) if load_s else 0.0,
             "ttft_remote_s": round(remote[0].ttft_s, 4), "ttft_recompute_s": round(base[0].ttft_s, 4),

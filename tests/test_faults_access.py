@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -109,10 +108,7 @@ def test_with_curve_keys_only_clients_holding_them_get_anything(tmp_path) -> Non
         engines.append(source)
         src = source.client.generate("p", prompt, 3, cache="local")
         with RegistryClient(registry, curve=CurveClientConfig.for_server(str(reg_pub))) as reg:
-            deadline = time.monotonic() + 15
-            while {w.worker_id: w.blocks for w in reg.list_workers()}.get("src", 0) < len(prompt) // 16:
-                assert time.monotonic() < deadline, source.log_tail()
-                time.sleep(0.05)
+            assert reg.wait_for_blocks("src", len(prompt) // 16, timeout_s=15) >= len(prompt) // 16, source.log_tail()
         keyed = EngineProcess("keyed", tp=1, args=["--target", "--registry", registry],
                               env={"REMOTE_G2_CURVE_SERVER_KEY": str(reg_pub),
                                    "REMOTE_G2_SOURCE_CURVE_SERVER_KEY": str(src_pub)})

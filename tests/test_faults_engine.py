@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from remote_g2.adapters.reference.launch import EngineProcess, mpiexec_path
-from remote_g2.hashing import chain_block_hashes
 from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer
+
+from remote_g2.hashing import chain_block_hashes
 
 pytestmark = [pytest.mark.mpi, pytest.mark.nixl, pytest.mark.slow,
               pytest.mark.skipif(mpiexec_path() == "mpiexec", reason="mpiexec is not in the venv (pip install mpich)")]
@@ -54,7 +54,7 @@ def _wait(cond, timeout_s: float, what: str, step: float = 0.05):  # type: ignor
 
 def _published(registry: str, worker: str, n: int) -> None:
     with RegistryClient(registry) as reg:
-        _wait(lambda: {w.worker_id: w.blocks for w in reg.list_workers()}.get(worker, 0) >= n, 15, "publication")
+        assert reg.wait_for_blocks(worker, n, timeout_s=15) >= n, f"{worker}'s blocks never reached the registry"
 
 
 def _slow_target(registry: str, tmp_path: Path, delay_s: float, *, lease_ms: int = 10_000,

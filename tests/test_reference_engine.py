@@ -55,14 +55,9 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(1024) for _ in range(n)]
 
 
-def _wait_registry_blocks(registry: str, worker_id: str, want: int, timeout_s: float = 10.0) -> int:
+def _wait_registry_blocks(registry: str, worker_id: str, want: int) -> int:
     with RegistryClient(registry) as reg:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            held = {w.worker_id: w.blocks for w in reg.list_workers()}.get(worker_id, 0)
-            if held >= want or time.monotonic() > deadline:
-                return held
-            time.sleep(0.05)
+        return reg.wait_for_blocks(worker_id, want)
 
 
 def _wait_pins_zero(engine: EngineProcess, timeout_s: float = 10.0) -> list[int]:

@@ -342,3 +342,14 @@ def test_resync_chunks_cover_the_snapshot_once():
     assert [(list(c), f, last) for c, f, last in parts] == [
         (hashes[0:4], True, False), (hashes[4:8], False, False), (hashes[8:10], False, True)]
     assert [(list(c), f, last) for c, f, last in resync_chunks([], size=4)] == [([], True, True)]
+
+
+def test_wait_for_blocks_returns_what_the_registry_lists(registry):
+    server, c = registry
+    t0 = time.monotonic()
+    assert c.wait_for_blocks("nobody", 1, timeout_s=0.2) == 0  # unknown worker: waits its timeout, lists none
+    assert time.monotonic() - t0 >= 0.2
+    c.register_worker("w-wait", "tcp://127.0.0.1:1", FP, epoch=1)
+    c.events("w-wait", 1, 1, [BlockEvent("stored", CHAIN[:5])])
+    assert c.wait_for_blocks("w-wait", 5, timeout_s=5) == 5
+    assert c.wait_for_blocks("w-wait", 6, timeout_s=0.1) == 5  # never reached: the count it lists

@@ -65,10 +65,8 @@ def _env() -> dict[str, str]:
 
 def _wait_published(registry: str, worker_id: str, want: int, inst: Instance) -> None:
     with RegistryClient(registry) as reg:
-        deadline = time.monotonic() + 20
-        while {w.worker_id: w.blocks for w in reg.list_workers()}.get(worker_id, 0) < want:
-            assert time.monotonic() < deadline, f"{worker_id}'s blocks never reached the registry\n{inst.tail()}"
-            time.sleep(0.1)
+        held = reg.wait_for_blocks(worker_id, want, timeout_s=20)
+    assert held >= want, f"{worker_id}'s blocks never reached the registry\n{inst.tail()}"
 
 
 class Instance:
