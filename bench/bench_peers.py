@@ -48,21 +48,6 @@ import bench_registry as br  # noqa: E402
 from conftest import start_redis_cluster  # noqa: E402  (the test suite's cluster builder)
 
 
-def _start_registry(*store_args: str) -> tuple[subprocess.Popen[str], str]:
-    """``remote-g2 serve`` on a free port: the embedded store, or ``--redis-cluster-url URL``."""
-    port = br.free_port()
-    exe = Path(sys.executable).parent / "remote-g2"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "remote_g2.cli"]
-    proc = subprocess.Popen(cmd + ["serve", "--bind", f"tcp://127.0.0.1:{port}", "--lease-ttl-s", "600",
-                                   *store_args],
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, "REMOTE_G2_LOG_LEVEL": "WARNING"})
-    assert proc.stdout is not None
-    if "serving on" not in proc.stdout.readline():
-        proc.kill()
-        raise SystemExit(f"the registry ({store_args or 'embedded store'}) did not start")
-    return proc, f"tcp://127.0.0.1:{port}"
-
-
 def _dynamo_tree(chains: int, workers: int) -> Any:
     """Dynamo's RadixTree holding the same chains, same holders, as the registry."""
     from dynamo.llm import RadixTree
@@ -87,13 +72,13 @@ def registry(args: argparse.Namespace) -> dict[str, Any]:
         try:
             redis_proc, redis_url = br.start_redis(tmp)
             procs.append(redis_proc)
-            reg_redis, ep_redis = br.start_registry(redis_url, 1)
+            reg_redis, ep_redis = br.start_registry("--redis-url", redis_url)
             procs.append(reg_redis)
-            reg_mem, ep_mem = _start_registry()
+            reg_mem, ep_mem = br.start_registry()
             procs.append(reg_mem)
             cluster_procs, cluster_url = start_redis_cluster(Path(tmp) / "cluster")
             procs.extend(cluster_procs)
-            reg_cluster, ep_cluster = _start_registry("--redis-cluster-url", cluster_url)
+            reg_cluster, ep_cluster = br.start_registry("--redis-cluster-url", cluster_url)
             procs.append(reg_cluster)
             print(f"ingesting {args.blocks:,} entries into each registry...", file=sys.stderr)
             ing_redis = br.ingest(ep_redis, args.blocks, args.workers, 4096)

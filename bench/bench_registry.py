@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Any
 
 import redis
-
-from remote_g2.messages import BlockEvent, LayoutFingerprint
 from remote_g2.registry import RegistryClient
 from remote_g2.registry.store_redis import RedisStore
+
+from remote_g2.messages import BlockEvent, LayoutFingerprint
 
 FP = LayoutFingerprint(model_id="bench", dtype="bf16", tokens_per_block=16, kv_layout="HND",
                        num_layers=32, num_kv_heads=8, head_dim=128, tp_size=1)
@@ -75,11 +75,12 @@ def start_redis(tmp: str) -> tuple[subprocess.Popen[bytes], str]:
     raise SystemExit("redis-server did not start")
 
 
-def start_registry(redis_url: str, workers: int) -> tuple[subprocess.Popen[str], str]:
+def start_registry(*store_args: str, workers: int = 1) -> tuple[subprocess.Popen[str], str]:
+    """``remote-g2 serve`` on a free port: the embedded store, or ``--redis-url U`` / ``--redis-cluster-url U``."""
     port = free_port()
     exe = Path(sys.executable).parent / "remote-g2"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "remote_g2.cli"]
-    proc = subprocess.Popen(cmd + ["serve", "--bind", f"tcp://127.0.0.1:{port}", "--redis-url", redis_url,
+    proc = subprocess.Popen(cmd + ["serve", "--bind", f"tcp://127.0.0.1:{port}", *store_args,
                                    "--lease-ttl-s", "600", "--workers", str(workers)],
                             stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "REMOTE_G2_LOG_LEVEL": "WARNING"})
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         redis_proc, redis_url = start_redis(tmp)
-        reg_proc, endpoint = start_registry(redis_url, args.server_workers)
+        reg_proc, endpoint = start_registry("--redis-url", redis_url, workers=args.server_workers)
         try:
             print(f"redis {redis_url}, registry {endpoint}", file=sys.stderr)
             ing = ingest(endpoint, args.blocks, args.workers, args.batch)
