@@ -165,10 +165,9 @@ class Executor:
 
     def evict(self, hashes: list[bytes]) -> int:
         """Drop ``hashes`` from G2 on every rank (leader); returns how many rank 0 dropped."""
-        before = len(self.kv.g2)
-        self._broadcast([StepOp("evict", hashes=hashes)])
-        self._apply(StepOp("evict", hashes=hashes))
-        return max(0, before - len(self.kv.g2))
+        op = StepOp("evict", hashes=hashes)
+        self._broadcast([op])
+        return int(self._apply(op))  # HostPool.remove's own count
 
     # -- every rank ---------------------------------------------------------------------------
 
