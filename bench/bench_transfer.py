@@ -209,13 +209,13 @@ def breakdown(series: dict[str, Any], events: list[list[list[Any]]]) -> tuple[di
         try:
             begin = inside(0, "begin")[0]
             resolve = inside(0, "rpc:Resolve")[0]
-            fanout = inside(0, "rpc:TargetLoad")
+            handed = inside(0, "link_send:TargetLoad"), inside(1, "link_recv:TargetLoad")
             release = (inside(0, "rpc:Release") or [[None, None, None]])[0]
             complete = inside(0, "complete")[0]
             done = inside(0, "rank_done")
             reads = [inside(r, "start_read")[0] for r in range(TP)]
             submits = [inside(r, "submit")[0] for r in range(TP)]
-            reports = inside(1, "rpc:TargetDone")
+            reported = inside(1, "link_send:TargetDone"), inside(0, "link_recv:TargetDone")
         except IndexError:
             continue  # a timestamp fell outside the window; skip this request
         last_done = max(e[1] for e in done)
@@ -230,13 +230,14 @@ def breakdown(series: dict[str, Any], events: list[list[list[Any]]]) -> tuple[di
             # details
             "resolve_rpc": resolve[2] - resolve[1],
             "release_rpc": (release[2] - release[1]) if release[1] is not None else None,
-            "fanout_rpc": (fanout[0][2] - fanout[0][1]) if fanout else None,
+            # a link message: from the sender's send() until the receiver's receive() returned it
+            "link_to_rank1": (handed[1][0][2] - handed[0][0][1]) if all(handed) else None,
             "rank0_wake": reads[0][1] - submits[0][1],
             "rank0_read": reads[0][2] - reads[0][1],
             "rank1_handed": submits[1][1] - resolve[2],
             "rank1_wake": reads[1][1] - submits[1][1],
             "rank1_read": reads[1][2] - reads[1][1],
-            "rank1_report_rpc": (reports[0][2] - reports[0][1]) if reports else None,
+            "link_from_rank1": (reported[1][0][2] - reported[0][0][1]) if all(reported) else None,
             "read_span": max(r[2] for r in reads) - min(r[1] for r in reads),
             "reads_overlap": min(r[2] for r in reads) - max(r[1] for r in reads),
             "after_reads": last_done - max(r[2] for r in reads),
@@ -308,8 +309,8 @@ def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
           "  fixed: median of (e2e - raw) per round; 1st: the first request (connects, loads metadata);\n"
           "  1blk: a 1-block request, ms")
     phases = ["lookup", "handoff", "resolve", "reads", "finish", "notice"]
-    details = ["resolve_rpc", "release_rpc", "fanout_rpc", "rank0_wake", "rank0_read", "rank1_handed",
-               "rank1_wake", "rank1_read", "rank1_report_rpc", "reads_overlap", "after_reads", "outside_reads"]
+    details = ["resolve_rpc", "release_rpc", "link_to_rank1", "rank0_wake", "rank0_read", "rank1_handed",
+               "rank1_wake", "rank1_read", "link_from_rank1", "reads_overlap", "after_reads", "outside_reads"]
     print("\nwhere a request's time goes (median ms; the first six add up to e2e):")
     print(f"{'':>12}" + "".join(f"{str(r['block_kib']) + 'K ' + k:>12}" for r in rows for k in ("full", "1-blk")))
     for p in ["e2e", *phases, *details]:

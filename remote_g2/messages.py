@@ -28,7 +28,7 @@ class MessageSpec:
 
     name: str
     request: type
-    reply: type
+    reply: type | None  # None: a one-way message (local links only)
     doc: str
 
 
@@ -36,8 +36,12 @@ MESSAGES: dict[str, MessageSpec] = {}
 _by_class: dict[type, MessageSpec] = {}
 
 
-def message(name: str, *, reply: type) -> Callable[[type[T]], type[T]]:
+def message(name: str, *, reply: type | None) -> Callable[[type[T]], type[T]]:
     """Register a request dataclass under ``name`` with the dataclass of its reply.
+
+    ``reply=None`` registers a one-way message: it travels only over a
+    worker's private :mod:`~remote_g2.local_link` links, never as an RPC
+    (no RPC server has a handler for it, so one sent there is answered ``ERR``).
 
     Compiles both codecs at import time so a bad annotation fails loudly at
     start-up rather than on the first request. A duplicate name is an error.
@@ -47,7 +51,7 @@ def message(name: str, *, reply: type) -> Callable[[type[T]], type[T]]:
         if name in MESSAGES or name in ("OK", "ERR"):
             raise TypeError(f"duplicate message name {name!r}")
         cls.WIRE_NAME = name  # type: ignore[attr-defined]
-        for c in (cls, reply):
+        for c in (cls, reply) if reply is not None else (cls,):
             decoder_for(c)
             encoder_for(c)
         spec = MessageSpec(name, cls, reply, (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "")
@@ -578,19 +582,20 @@ class SiblingRenew:
 
 
 # --------------------------------------------------------------------------
-# Target ranks: the leader (rank 0) → rank r > 0, and back, over the worker's IPC sockets
+# Target ranks: the leader (rank 0) → rank r > 0, and back, one-way over the worker's local links
 # --------------------------------------------------------------------------
 
 
+@message("link_hello", reply=None)
 @dataclass(frozen=True, slots=True)
-class TargetAck:
-    """The message was taken (``accepted``) or refused, with ``detail`` saying why."""
+class LinkHello:
+    """The first message on a local link: the connecting process is TP rank ``rank`` of ``worker_id``."""
 
-    accepted: bool
-    detail: _Text = ""
+    worker_id: _WorkerId
+    rank: _Rank
 
 
-@message("target_load", reply=TargetAck)
+@message("target_load", reply=None)
 @dataclass(frozen=True, slots=True)
 class TargetLoad:
     """Read this rank's share of a resolved lease into ``dst_block_ids`` within ``timeout_ms``.
@@ -616,7 +621,7 @@ class TargetLoad:
     deadline_ns: _Count = 0
 
 
-@message("target_done", reply=TargetAck)
+@message("target_done", reply=None)
 @dataclass(frozen=True, slots=True)
 class TargetDone:
     """A rank finished its share of load ``load_id``: every byte landed (``ok``) or not (``error``)."""

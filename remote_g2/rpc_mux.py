@@ -140,9 +140,14 @@ class RpcMux:
     # -- the loop ----------------------------------------------------------------------------
 
     def watch(self, source: Any, on_readable: Callable[[], None]) -> None:
-        """Also wake for ``source`` (a ZMQ socket or a file descriptor) and call ``on_readable()``."""
+        """Also wake for ``source`` (a ZMQ socket or an int file descriptor) and call ``on_readable()``."""
         self._watched[source] = on_readable
         self._poller.register(source, zmq.POLLIN)
+
+    def unwatch(self, source: Any) -> None:
+        """Stop waking for ``source`` (as given to :meth:`watch`); unknown sources are ignored."""
+        if self._watched.pop(source, None) is not None:
+            self._poller.unregister(source)
 
     def run_once(self, timeout_ms: float) -> None:
         """Wait up to ``timeout_ms`` (less when a call times out sooner) and run every callback due."""

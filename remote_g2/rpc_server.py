@@ -138,6 +138,9 @@ class RpcServer:
         unknown = (set(handlers) | set(batch_handlers)) - set(MESSAGES)
         if unknown:
             raise ConfigError(f"handlers for unknown message types: {sorted(unknown)}")
+        one_way = sorted(n for n in (*handlers, *batch_handlers) if MESSAGES[n].reply is None)
+        if one_way:
+            raise ConfigError(f"{one_way} are one-way messages of the local links, not RPCs")
         if set(handlers) & set(batch_handlers):
             raise ConfigError(f"both a handler and a batch handler for {sorted(set(handlers) & set(batch_handlers))}")
         if workers < 0 or queue_depth < 1 or max_batch < 1:

@@ -14,12 +14,17 @@ How a load runs. The leader's coordinator is one thread running an event loop
 (:class:`~remote_g2.rpc_mux.RpcMux`): no step of one load blocks another, so
 many loads — to many sources — are in flight at once. For each load it
 resolves a lease on the source (``resolve``: every source rank pins the
-prefix), sends every other target rank its ``target_load`` over the worker's
-private IPC sockets *first*, without waiting for their acks, then hands its
-own share to its :class:`~.rank_worker.RankWorker`. Each rank plans and
-issues its own READs and answers ``target_done``. The leader waits for
-**every** rank, so no rank still writes into a destination block when the
-engine hears the outcome.
+prefix), sends every other target rank its ``target_load`` *first*, then
+hands its own share to its :class:`~.rank_worker.RankWorker`. Each rank
+plans and issues its own READs and answers ``target_done``. The leader waits
+for **every** rank, so no rank still writes into a destination block when
+the engine hears the outcome.
+
+The ranks talk over :mod:`~remote_g2.local_link` links (one Unix stream
+socket per rank to the leader, set up at start-up), not ZMQ: one thread to
+wake per hop instead of three, and a rank that is gone — its client shut
+down, its process died — closes its end, so the leader fails the loads it
+owed at once and every later load without waiting for a timeout.
 
 Then the lease. When every rank finished before the lease could have expired
 on the source (its expiry, counted conservatively from when the resolve was
@@ -51,18 +56,21 @@ import itertools
 import logging
 import os
 import queue
+import select
 import threading
 import time
 import zlib
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from remote_g2.adapters.registry import load_adapter
 from remote_g2.adapters.secondary_pool import SecondaryPool
-from remote_g2.errors import ConfigError, RemoteG2Error, RpcTimeout, TransferError
-from remote_g2.ipc_paths import claim_ipc_path, prepare_ipc_dir, release_ipc_path
+
+from remote_g2.errors import ConfigError, ProtocolError, RemoteG2Error, TransferError
+from remote_g2.ipc_paths import ipc_endpoint, prepare_ipc_dir
+from remote_g2.local_link import LinkClosed, LinkListener, MessageLink, connect_link
 from remote_g2.messages import (
     GetMetadata,
     Lookup,
@@ -72,12 +80,10 @@ from remote_g2.messages import (
     Renew,
     Resolve,
     ResolveReply,
-    TargetAck,
     TargetDone,
     TargetLoad,
 )
 from remote_g2.rpc_mux import RpcMux
-from remote_g2.rpc_server import CallContext, RpcServer
 from remote_g2.tp_group import TpGroup, resolve_tp_group
 
 from .config import TargetConfig
@@ -176,11 +182,12 @@ class TargetClient:
         self._group = group
         self._pool = pool
         self._worker: RankWorker | None = None
-        self._server: RpcServer | None = None
-        self._endpoints: list[str] = []
         self._closed = False
-        self._loop: threading.Thread | None = None  # rank > 0: serves target_load, drives the worker
-        self._queued: deque[tuple[TargetLoad, float]] = deque()  # rank > 0: loads taken, not yet started
+        self._loop: threading.Thread | None = None  # rank > 0: takes target_load off its link, drives the worker
+        self._link: MessageLink | None = None       # rank > 0: to the leader
+        # leader: to every other rank; a rank whose link dropped is gone for good (its loads fail at once)
+        self._listener: LinkListener | None = None
+        self._links: dict[int, MessageLink] = {}
         # leader only
         self._registry: Any = None            # RegistryClient for the scheduler's synchronous lookups
         self._mux: RpcMux | None = None       # owned by the coordinator thread
@@ -202,36 +209,48 @@ class TargetClient:
 
     def _start(self) -> None:
         error: str | None = None
-        endpoint = ""
+        path = ""
         clock = _boot_id()
+        transfer = None
         try:
             layout = self._pool.layout
             regions = self._pool.regions()
             transfer = load_adapter("transfer", self.config.transfer)(
                 f"remote-g2-target-{self.worker_id}-tp{self.rank}")
             transfer.register_local(regions)
-            directory = prepare_ipc_dir(self.config.ipc_directory)
-            endpoint = f"ipc://{directory}/target-{self.worker_id}_tp{self.rank}.sock"
-            claim_ipc_path(endpoint)
-            handlers = ({"target_done": self._target_done} if self.rank == 0 else {"target_load": self._target_load})
-            # Driven: the rank's own loop (below) serves the socket, no thread hop on the way in.
-            self._server = RpcServer(endpoint, handlers, name=f"target-{self.worker_id}-tp{self.rank}", workers=0)
-            self._server.start()
+            if self.rank == 0 and self.tp_size > 1:
+                directory = prepare_ipc_dir(self.config.ipc_directory)
+                path = ipc_endpoint(directory, f"target-{self.worker_id}", 0)[len("ipc://"):]
+                self._listener = LinkListener(path)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
-        mine = {"endpoint": endpoint, "error": error, "clock": clock}
-        gathered = [mine] if self._group.comm is None else self._group.comm.allgather(mine)
-        failed = [f"rank {i}: {g['error']}" for i, g in enumerate(gathered) if g["error"]]
-        if failed:
-            raise TransferError("target client start-up failed on TP rank(s): " + "; ".join(failed))
-        self._endpoints = [g["endpoint"] for g in gathered]
-        timeout = float(self.config.rpc_timeout_ms)
-        self._mux = RpcMux(timeout_ms=timeout, curve=self.config.source_curve)
+        mine = {"path": path, "error": error, "clock": clock}
+        try:
+            gathered = self._gather(mine)
+        except BaseException:
+            if transfer is not None:
+                transfer.close()
+            raise
+        assert transfer is not None
         report = self._rank_done if self.rank == 0 else self._report_to_leader
+        # Owned from here on: shutdown() closes the adapter even when the links below fail.
         self._worker = RankWorker(rank=self.rank, tp_size=self.tp_size, layout=layout, pool_base=regions[0].base,
                                   transfer=transfer, report=report,
                                   shares_leader_clock=gathered[0]["clock"] == clock)
+        timeout = float(self.config.rpc_timeout_ms)
+        # The links: every other rank connects to the leader's listener and says which rank it is.
+        try:
+            if self.rank == 0 and self._listener is not None:
+                self._links = self._listener.accept_ranks(set(range(1, self.tp_size)), self.worker_id,
+                                                          timeout_s=timeout / 1000.0)
+            elif self.rank > 0:
+                self._link = connect_link(gathered[0]["path"], rank=self.rank, worker_id=self.worker_id,
+                                          timeout_s=timeout / 1000.0)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        self._gather({"error": error})
         if self.rank == 0:
+            self._mux = RpcMux(timeout_ms=timeout, curve=self.config.source_curve)
             if self.config.metrics_port is not None:
                 self.metrics.serve_http(self.config.metrics_port, self.config.metrics_addr)
             if self.config.registry_endpoint:
@@ -248,6 +267,14 @@ class TargetClient:
         self._loop = threading.Thread(target=target, name=name, daemon=True)
         self._loop.start()
         log.info("target client %s rank %d/%d up (%s)", self.worker_id, self.rank, self.tp_size, self.config.transfer)
+
+    def _gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's ``mine``; raises on every rank when any rank reported an error."""
+        gathered = [mine] if self._group.comm is None else self._group.comm.allgather(mine)
+        failed = [f"rank {i}: {g['error']}" for i, g in enumerate(gathered) if g["error"]]
+        if failed:
+            raise TransferError("target client start-up failed on TP rank(s): " + "; ".join(failed))
+        return gathered
 
     # -- engine-facing (leader) --------------------------------------------------------------
 
@@ -318,9 +345,11 @@ class TargetClient:
                 self._worker.close()
             if self._mux is not None:
                 self._mux.close()
-        if self._server is not None:
-            self._server.close()
-            release_ipc_path(self._endpoints[self.rank] if self._endpoints else "")
+        for link in [self._link, *self._links.values()]:
+            if link is not None:
+                link.close()
+        if self._listener is not None:
+            self._listener.close()
         if self._registry is not None:
             self._registry.close()
         self.metrics.close()
@@ -351,15 +380,27 @@ class TargetClient:
     # -- rank > 0 ----------------------------------------------------------------------------
 
     def _serve_rank(self) -> None:
-        """Rank > 0's loop: take ``target_load`` off the IPC socket, start it, poll the READs, report."""
-        mux, server, worker = self._mux, self._server, self._worker
-        assert mux is not None and server is not None and worker is not None
-        mux.watch(server.socket, server.serve_ready)
+        """Rank > 0's loop: take ``target_load`` off the link, start it, poll the READs, report."""
+        link, worker = self._link, self._worker
+        assert link is not None and worker is not None
+        poller = select.poll()
+        poller.register(link.fileno(), select.POLLIN)
         try:
             while not self._stop.is_set():
-                mux.run_once(0 if worker.busy else 100)  # acks go out before the READs start
-                while self._queued:
-                    worker.start(*self._queued.popleft())
+                if poller.poll(0 if worker.busy else 100):
+                    try:
+                        loads = link.receive()
+                    except (LinkClosed, ProtocolError) as e:  # the leader is gone: nobody to report to
+                        if not self._stop.is_set():
+                            log.warning("target rank %d: link to the leader lost (%s); stopping", self.rank, e)
+                        return
+                    now = time.monotonic()
+                    for load in loads:
+                        if isinstance(load, TargetLoad):
+                            worker.start(load, now)
+                        else:
+                            log.warning("target rank %d: ignoring %s from the leader", self.rank,
+                                        type(load).__name__)
                 if worker.busy:
                     worker.poll()
                     if worker.busy:
@@ -367,32 +408,16 @@ class TargetClient:
         except Exception:  # pragma: no cover - a bug; the leader times the loads out
             log.exception("target rank %d: serving loop failed", self.rank)
         finally:
-            for load, _ in self._queued:
-                self._report_to_leader(TargetDone(load.load_id, self.rank, False, "the target client shut down"))
-            self._queued.clear()
-            worker.close()
-            deadline = time.monotonic() + 0.5
-            while mux.pending() and time.monotonic() < deadline:  # let the last reports out
-                mux.run_once(20)
-            mux.close()
-
-    def _target_load(self, req: TargetLoad, ctx: CallContext) -> TargetAck:
-        # On this rank's loop thread (a driven server): queued, started right after the ack is sent.
-        if self._closed:
-            return TargetAck(False, "shutting down")
-        self._queued.append((req, time.monotonic()))
-        return TargetAck(True)
+            worker.close()  # fails (and reports) whatever is still in flight
+            link.close()
 
     def _report_to_leader(self, done: TargetDone) -> None:
-        # On this rank's loop thread; one-way in effect: a lost report is timed out by the leader.
-        assert self._mux is not None
-
-        def on_ack(ack: Any) -> None:
-            if isinstance(ack, Exception) or not ack.accepted:
-                log.warning("target rank %d: the leader did not take the report of load %d: %s", self.rank,
-                            done.load_id, ack if isinstance(ack, Exception) else ack.detail)
-
-        self._mux.call(self._endpoints[0], done, on_ack)
+        # On this rank's loop thread. A report that cannot go out is timed out by the leader.
+        assert self._link is not None
+        try:
+            self._link.send(done)
+        except (LinkClosed, ProtocolError) as e:
+            log.warning("target rank %d: could not report load %d: %s", self.rank, done.load_id, e)
 
     # -- the leader's coordinator: an event loop; every method below runs on its thread --------------
 
@@ -404,18 +429,33 @@ class TargetClient:
         except (BlockingIOError, OSError):  # the pipe is full (it is awake anyway) or closed
             pass
 
-    def _target_done(self, req: TargetDone, ctx: CallContext) -> TargetAck:
-        # On the coordinator's thread (a driven server).
-        tracked = req.load_id in self._loads
-        self._rank_done(req)
-        return TargetAck(tracked, "" if tracked else "no such load (already failed or timed out)")
+    def _from_rank(self, rank: int) -> None:
+        """Rank ``rank``'s link is readable: its reports, or its departure (every load it owed fails)."""
+        link = self._links[rank]
+        fd = link.fileno()
+        try:
+            reports = link.receive()
+        except (LinkClosed, ProtocolError) as e:
+            assert self._mux is not None
+            self._mux.unwatch(fd)
+            log.error("target rank %d is gone (%s): its loads fail, and every later one", rank, e)
+            for load in list(self._loads.values()):
+                if rank in load.waiting:
+                    self._rank_done(TargetDone(load.load_id, rank, False, f"target rank {rank} is gone: {e}"))
+            return
+        for done in reports:
+            if isinstance(done, TargetDone) and done.rank == rank:
+                self._rank_done(done)
+            else:
+                log.warning("target leader: ignoring %s from rank %d", type(done).__name__, rank)
 
     def _coordinate(self) -> None:
-        mux, server, worker = self._mux, self._server, self._worker
-        assert mux is not None and server is not None and worker is not None
+        mux, worker = self._mux, self._worker
+        assert mux is not None and worker is not None
         stopping = False
         mux.watch(self._wake_r, lambda: None)  # the events are taken below, after every wake-up
-        mux.watch(server.socket, server.serve_ready)
+        for rank, link in self._links.items():
+            mux.watch(link.fileno(), lambda rank=rank: self._from_rank(rank))
         while not stopping:
             try:
                 mux.run_once(0 if worker.busy else self._until_next_clock_ms())
@@ -557,19 +597,12 @@ class TargetClient:
                                        for _, info in sorted(infos.items())],
                          load.dst, self.config.transfer_timeout_ms, now + self.config.transfer_timeout_ms * 1_000_000)
         for r in range(1, self.tp_size):
-            self._mux.call(self._endpoints[r], msg, lambda ack, r=r: self._acked(load, r, ack))
+            try:
+                self._links[r].send(msg)
+            except (LinkClosed, ProtocolError) as e:
+                self._rank_done(TargetDone(load.load_id, r, False, f"target rank {r} is gone: {e}"[:4000]))
         assert self._worker is not None
         self._worker.start(msg, time.monotonic())  # the others' shares are on the wire already
-
-    def _acked(self, load: _Load, rank: int, ack: Any) -> None:
-        if isinstance(ack, RpcTimeout):
-            # The rank may have the load and be reading: only its own deadline (and report_by) ends it.
-            log.warning("target rank %d did not acknowledge load %d in time; waiting for its report", rank,
-                        load.load_id)
-            return
-        if isinstance(ack, Exception) or not ack.accepted:
-            why = f"{type(ack).__name__}: {ack}" if isinstance(ack, Exception) else ack.detail
-            self._rank_done(TargetDone(load.load_id, rank, False, f"target_load refused: {why}"[:4000]))
 
     def _rank_done(self, done: TargetDone) -> None:
         load = self._loads.get(done.load_id)

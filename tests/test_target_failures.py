@@ -344,3 +344,20 @@ def test_a_read_posted_after_the_leader_gave_up_never_lands(tmp_path: Path, regi
     for r in range(2):  # each rank's adapter refused its READ
         assert any(line.startswith(f"target rank {r}: load") and "not posted: its deadline passed" in line
                    for line in lines), lines
+
+
+# -- a target rank whose client stopped ------------------------------------------------------------------
+
+
+def test_a_target_rank_that_is_gone_fails_the_load_at_once(tmp_path: Path, registry: str, source: SourceWorker,
+                                                          targets: list[Target]) -> None:
+    # Rank 1's client shuts down before the leader looks up: its link closes, and the leader must
+    # fail the load as soon as it hands the share out, not after the transfer and rpc timeouts.
+    t = run_target(targets, tmp_path, registry, "rank-gone", tp=2, rpc_timeout_ms=2000, extra=["--rank-gone", "1"])
+    leader, verify = t.result()
+    assert leader["match"] == {"matched": HASHES, "reason": "ok", "worker_id": source.worker_id}
+    why = assert_failed(leader, verify, within_s=1.5)  # well inside the 2 s rpc / 5 s transfer timeouts
+    assert "target rank 1 is gone" in why, why
+    assert all(v["dst_written"] == [] for v in verify[1:]), verify  # rank 1 never read anything
+    for r in range(2):  # rank 0 may have read its share; either way the lease is released
+        source.wait_pins(r, 0, timeout_s=10)

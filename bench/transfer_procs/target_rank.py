@@ -85,7 +85,7 @@ class DestPool:
 
 
 def instrument_rpc() -> None:
-    """Timestamp every RPC this process makes (registry lookup, resolve, release, fan-out, reports).
+    """Timestamp every RPC this process makes (lookup, resolve, release) and every message on its local links.
 
     Blocking calls (``RpcClient.call``) from send to return; calls through the
     leader's event loop (``RpcMux.call``) from send to the moment their
@@ -116,6 +116,25 @@ def instrument_rpc() -> None:
         orig_mux(self, endpoint, request, timed, timeout_ms=timeout_ms)
 
     RpcMux.call = mux_call  # type: ignore[method-assign]
+
+    from remote_g2.local_link import MessageLink
+
+    orig_send, orig_receive = MessageLink.send, MessageLink.receive
+
+    def send(self: Any, message: Any) -> None:
+        t0 = time.monotonic()
+        orig_send(self, message)
+        record("link_send:" + type(message).__name__, t0, time.monotonic())
+
+    def receive(self: Any) -> list[Any]:
+        t0 = time.monotonic()
+        out = orig_receive(self)
+        t1 = time.monotonic()
+        for message in out:
+            record("link_recv:" + type(message).__name__, t0, t1)
+        return out
+
+    MessageLink.send, MessageLink.receive = send, receive  # type: ignore[method-assign]
 
 
 def instrument_client(client: Any) -> None:

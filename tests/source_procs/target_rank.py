@@ -32,6 +32,10 @@ Options for the failure tests:
   ``start_read`` first writes ``D/reading-{rank}`` and sleeps ``S`` seconds —
   a stand-in for a slow fabric, which opens a window between resolve and READ
   in which a test can kill the source or freeze the leader;
+* ``--rank-gone R``: rank ``R`` (> 0) shuts its client down right after
+  start-up and writes ``D/gone-{R}``; the leader waits for that file before
+  it looks up (a rank whose client stopped: the leader must fail the load at
+  once, not wait for a report that cannot come);
 * ``--linger-s S``: once the outcome is known, every rank records which
   destination blocks hold bytes (``dst_written_at_outcome``), waits ``S``
   seconds with its client still up, and only then verifies (so a READ that
@@ -147,6 +151,7 @@ def main() -> int:
     p.add_argument("--rpc-timeout-ms", type=int, default=2000)
     p.add_argument("--delay-read-s", type=float, default=0.0)
     p.add_argument("--linger-s", type=float, default=0.0)
+    p.add_argument("--rank-gone", type=int, default=0)
     args = p.parse_args()
 
     from mpi4py import MPI
@@ -175,10 +180,15 @@ def main() -> int:
                           lease_ttl_ms=args.lease_ttl_ms, fingerprint=fp)
     client = start_target_client(pool, worker_id="target-w", config=config, comm=comm)
     hashes = [hash_of(args.hash_offset + i) for i in range(args.hashes)]
+    if args.rank_gone and rank == args.rank_gone:
+        client.shutdown()
+        (d / f"gone-{rank}").write_text("ok")
     try:
         if rank == 0:
             out: dict = {}
             try:
+                while args.rank_gone and not (d / f"gone-{args.rank_gone}").exists():
+                    time.sleep(0.01)
                 m = client.lookup(hashes)
                 out["match"] = {"matched": m.matched, "reason": m.reason, "worker_id": m.worker_id}
                 n = len(hashes) if args.force_load and not m.matched else m.matched
