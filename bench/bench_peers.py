@@ -45,6 +45,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 import bench_registry as br  # noqa: E402
+import bench_servers  # noqa: E402
 from conftest import start_redis_cluster  # noqa: E402  (the test suite's cluster builder)
 
 
@@ -70,7 +71,7 @@ def registry(args: argparse.Namespace) -> dict[str, Any]:
     procs: list[subprocess.Popen[Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            redis_proc, redis_url = br.start_redis(tmp)
+            redis_proc, redis_url = bench_servers.start_redis(tmp)
             procs.append(redis_proc)
             reg_redis, ep_redis = br.start_registry("--redis-url", redis_url)
             procs.append(reg_redis)
@@ -112,11 +113,7 @@ def registry(args: argparse.Namespace) -> dict[str, Any]:
                                  chains, args.lookups, args.rounds)
         finally:
             for p in reversed(procs):
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+                bench_servers.stop(p)
     dyn = lat["Dynamo RadixTree, in-process"]["p50_ms"]
     rows = [{"system": name, "p50_ms": v["p50_ms"], "p99_ms": v["p99_ms"], "lookups_per_s": 1e3 / v["mean_ms"],
              "p50_vs_dynamo": v["p50_ms"] / dyn} for name, v in lat.items()]

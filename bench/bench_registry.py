@@ -29,9 +29,6 @@ import json
 import multiprocessing as mp
 import os
 import random
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import bench_servers
 import redis
 from remote_g2.registry import RegistryClient
 from remote_g2.registry.store_redis import RedisStore
@@ -51,45 +49,9 @@ CHAIN_LEN = 128
 HOLDERS_PER_CHAIN = 2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_redis(tmp: str) -> tuple[subprocess.Popen[bytes], str]:
-    if shutil.which("redis-server") is None:
-        raise SystemExit("redis-server not found (make test installs it; or apt-get install redis-server)")
-    port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    r = redis.Redis.from_url(url)
-    for _ in range(200):
-        try:
-            r.ping()
-            return proc, url
-        except redis.ConnectionError:
-            time.sleep(0.02)
-    proc.kill()
-    raise SystemExit("redis-server did not start")
-
-
-def start_registry(*store_args: str, workers: int = 1) -> tuple[subprocess.Popen[str], str]:
-    """``remote-g2 serve`` on a free port: the embedded store, or ``--redis-url U`` / ``--redis-cluster-url U``."""
-    port = free_port()
-    exe = Path(sys.executable).parent / "remote-g2"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "remote_g2.cli"]
-    proc = subprocess.Popen(cmd + ["serve", "--bind", f"tcp://127.0.0.1:{port}", *store_args,
-                                   "--lease-ttl-s", "600", "--workers", str(workers)],
-                            stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "REMOTE_G2_LOG_LEVEL": "WARNING"})
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "serving on" not in line:
-        proc.kill()
-        raise SystemExit(f"registry did not start: {line!r}")
-    return proc, f"tcp://127.0.0.1:{port}"
+def start_registry(*store_args: str, workers: int = 1) -> tuple[subprocess.Popen[bytes], str]:
+    """``remote-g2 serve`` for the benchmarks: leases long enough that no idle worker lapses mid-run."""
+    return bench_servers.start_registry(*store_args, workers=workers, lease_ttl_s=600)
 
 
 def chain(c: int) -> list[bytes]:
@@ -208,12 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5,
                     help="interleaved rounds of the latency phase (server, raw, ping, no-op in turn)")
     ap.add_argument("--tput-rounds", type=int, default=2, help="alternations of the two throughput runs")
-    ap.add_argument("--server-workers", type=int, default=1, help="registry serving threads (serve --workers; 1 = direct)")
+    ap.add_argument("--server-workers", type=int, default=1,
+                    help="registry serving threads (serve --workers; 1 = direct)")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
-        redis_proc, redis_url = start_redis(tmp)
+        redis_proc, redis_url = bench_servers.start_redis(tmp)
         reg_proc, endpoint = start_registry("--redis-url", redis_url, workers=args.server_workers)
         try:
             print(f"redis {redis_url}, registry {endpoint}", file=sys.stderr)
@@ -241,10 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                 tput_server += throughput("server", endpoint, chains, args.clients, args.seconds) / args.tput_rounds
                 tput_raw += throughput("raw", redis_url, chains, args.clients, args.seconds) / args.tput_rounds
         finally:
-            reg_proc.send_signal(signal.SIGTERM)
-            reg_proc.wait(10)
-            redis_proc.terminate()
-            redis_proc.wait(10)
+            bench_servers.stop(reg_proc)
+            bench_servers.stop(redis_proc)
 
     ratio = tput_server / tput_raw
     rows = [

@@ -34,11 +34,6 @@ import multiprocessing as mp
 import os
 import queue
 import random
-import selectors
-import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -49,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench_servers import start_redis, start_registry, stop
 from remote_g2.errors import RemoteG2Error
 from remote_g2.messages import LayoutFingerprint
 
@@ -305,74 +301,6 @@ def check(publishers: dict[int, dict[str, Any]], clients: list[dict[str, Any]], 
 # -- the run --------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    """A free loopback port below Linux's ephemeral range, so no outgoing connection takes it first."""
-    for _ in range(200):
-        port = random.randint(10000, 22000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port found")
-
-
-def start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
-    import redis
-
-    if shutil.which("redis-server") is None:
-        raise SystemExit("redis-server not found (`make redis` installs it)")
-    port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", workdir], stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
-    try:
-        for _ in range(200):
-            try:
-                client.ping()
-                return proc, url
-            except redis.ConnectionError:
-                time.sleep(0.05)
-    finally:
-        client.close()
-    stop(proc)
-    raise SystemExit("redis-server did not start")
-
-
-def start_registry(redis_url: str | None, log_path: str) -> tuple[subprocess.Popen[bytes], str]:
-    """``remote-g2 serve`` on a free port (memory store, or ``--redis-url``); returns once it serves."""
-    port = free_port()
-    exe = Path(sys.executable).parent / "remote-g2"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "remote_g2.cli"]
-    cmd += ["serve", "--bind", f"tcp://127.0.0.1:{port}"] + (["--redis-url", redis_url] if redis_url else [])
-    with open(log_path, "ab") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err,
-                                env={**os.environ, "REMOTE_G2_LOG_LEVEL": "WARNING"})
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    ready = sel.select(30)
-    sel.close()
-    line = proc.stdout.readline().decode() if ready else ""
-    if "serving on" not in line:
-        stop(proc)
-        raise RuntimeError(f"registry did not start: {line!r}; see {log_path}")
-    return proc, f"tcp://127.0.0.1:{port}"
-
-
-def stop(proc: subprocess.Popen[Any]) -> None:
-    """Stop one process we started, by its PID: SIGTERM, then SIGKILL after 10 s."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 def run_soak(store: str, spec: SoakSpec, *, redis_url: str | None = None, workdir: str | None = None) -> dict[str, Any]:
     """One soak against a fresh ``remote-g2 serve`` on ``store`` ("memory" or "redis"); returns the numbers.
 
@@ -389,8 +317,8 @@ def run_soak(store: str, spec: SoakSpec, *, redis_url: str | None = None, workdi
     try:
         if store == "redis" and redis_url is None:
             redis_proc, redis_url = start_redis(tmp)
-        registry, endpoint = start_registry(redis_url if store == "redis" else None,
-                                            os.path.join(tmp, f"registry-{store}.log"))
+        registry, endpoint = start_registry(*(["--redis-url", redis_url] if store == "redis" else []),
+                                            log_path=os.path.join(tmp, f"registry-{store}.log"))
         ctx = mp.get_context("spawn")
         ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
         for i in range(spec.publishers):

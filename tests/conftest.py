@@ -245,3 +245,26 @@ def make_store(request: pytest.FixtureRequest) -> Iterator[Callable[..., Registr
 def store(make_store: Callable[..., RegistryStore]) -> RegistryStore:
     """A fresh store of each backend with a short (2 s) lease."""
     return make_store()
+
+
+@pytest.fixture
+def registry(request: pytest.FixtureRequest) -> Iterator[str]:
+    """An in-process registry server on the memory store; its endpoint.
+
+    The workers' lease is 5 s, or ``N`` ms under ``@pytest.mark.registry_lease_ms(N)``
+    (a test of lease expiry wants it short).
+    """
+    from remote_g2.registry import MemoryStore, RegistryServer
+
+    marker = request.node.get_closest_marker("registry_lease_ms")
+    server = RegistryServer(MemoryStore(lease_ttl_ms=marker.args[0] if marker else 5000), bind="tcp://127.0.0.1:0")
+    try:
+        yield server.start()
+    finally:
+        server.close()
+
+
+def engine_prompt(n: int, seed: int) -> list[int]:
+    """``n`` token ids of the reference engine's vocabulary, the same for the same seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(1024) for _ in range(n)]

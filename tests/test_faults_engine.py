@@ -9,37 +9,23 @@ microseconds, too fast to kill anything in between).
 
 from __future__ import annotations
 
-import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import engine_prompt
 from remote_g2.adapters.reference.launch import EngineProcess, mpiexec_path
-from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer
+from remote_g2.registry import RegistryClient
 
 from remote_g2.hashing import chain_block_hashes
 
-pytestmark = [pytest.mark.mpi, pytest.mark.nixl, pytest.mark.slow,
+pytestmark = [pytest.mark.mpi, pytest.mark.nixl, pytest.mark.slow, pytest.mark.registry_lease_ms(3000),
               pytest.mark.skipif(mpiexec_path() == "mpiexec", reason="mpiexec is not in the venv (pip install mpich)")]
 
 TPB = 16
 TESTS = str(Path(__file__).resolve().parent)
 SLOW = "fault_procs.slow_transfer:SlowNixlTransfer"
 
-
-@pytest.fixture
-def registry() -> Iterator[str]:
-    server = RegistryServer(MemoryStore(lease_ttl_ms=3000), bind="tcp://127.0.0.1:0")
-    try:
-        yield server.start()
-    finally:
-        server.close()
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1024) for _ in range(n)]
 
 
 def _wait(cond, timeout_s: float, what: str, step: float = 0.05):  # type: ignore[no-untyped-def]
@@ -69,7 +55,7 @@ def _slow_target(registry: str, tmp_path: Path, delay_s: float, *, lease_ms: int
 
 
 def test_target_killed_after_resolve_leaves_no_pins_on_any_source_rank(registry: str, tmp_path: Path) -> None:
-    prompt = _prompt(200, 1)
+    prompt = engine_prompt(200, 1)
     source = EngineProcess("src", tp=2, args=["--source", "--registry", registry])
     target = None
     try:
@@ -95,7 +81,7 @@ def test_target_killed_after_resolve_leaves_no_pins_on_any_source_rank(registry:
 
 def test_source_killed_mid_load_target_recomputes_identically_and_registry_forgets_it(registry: str,
                                                                                       tmp_path: Path) -> None:
-    prompt = _prompt(200, 2)
+    prompt = engine_prompt(200, 2)
     hashes = chain_block_hashes(prompt, TPB)
     source = EngineProcess("src", tp=2, args=["--source", "--registry", registry])
     target = None
@@ -123,7 +109,7 @@ def test_source_killed_mid_load_target_recomputes_identically_and_registry_forge
 
 
 def test_source_restarted_with_the_same_id_replaces_its_old_epoch(registry: str) -> None:
-    old_prompt, new_prompt = _prompt(200, 3), _prompt(200, 4)
+    old_prompt, new_prompt = engine_prompt(200, 3), engine_prompt(200, 4)
     reusable = (200 - 1) // TPB
     target = EngineProcess("tgt", tp=2, args=["--target", "--registry", registry])
     source = EngineProcess("src", tp=2, args=["--source", "--registry", registry])

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import random
 import selectors
-import signal
 import subprocess
 import sys
 import threading
@@ -31,7 +30,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from conftest import free_port, stop_redis
 from source_procs.pattern import block_bytes_for, hash_of, make_layout
 
 from remote_g2.adapters.host_pool import HostPool
@@ -60,13 +59,7 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
     procs: list[subprocess.Popen[bytes]] = []
     yield procs
     for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_redis(proc)  # any server we started, by its PID
 
 
 def serve(procs: list[subprocess.Popen[bytes]], log: Path, port: int, *args: str) -> subprocess.Popen[bytes]:

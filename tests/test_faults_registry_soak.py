@@ -30,14 +30,14 @@ SOAK_S = float(os.environ.get("REMOTE_G2_SOAK_S", "8"))
 def soak(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
     """``bench/bench_registry_soak.py`` as the module ``bench_registry_soak`` (spawned processes import it by name)."""
     name = "bench_registry_soak"
+    if str(BENCH) not in sys.path:
+        sys.path.append(str(BENCH))  # its helpers (bench_servers); a spawned child starts with this sys.path
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
-    if str(BENCH) not in sys.path:
-        sys.path.append(str(BENCH))  # a spawned child starts with the parent's sys.path
     return sys.modules[name]
 
 

@@ -17,7 +17,6 @@ import resource
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,7 +39,6 @@ from remote_g2.messages import (
     SiblingRenew,
     SiblingTrim,
 )
-from remote_g2.registry import MemoryStore, RegistryServer
 from remote_g2.rpc_client import RpcClient
 from remote_g2.wire import decode_frame
 
@@ -81,15 +79,6 @@ def _hammer(endpoint: str, valid: list, seed: int, record_property) -> Counter: 
     print(f"\nfuzz {endpoint}: {total} inputs: {dict(sorted(tried.items()))}", file=sys.stderr)
     assert total >= min(FRAMES_PER_ENDPOINT, 500), f"only {total} inputs in {TIME_LIMIT_S} s"
     return tried
-
-
-@pytest.fixture
-def registry() -> Iterator[str]:
-    server = RegistryServer(MemoryStore(lease_ttl_ms=5000), bind="tcp://127.0.0.1:0")
-    try:
-        yield server.start()
-    finally:
-        server.close()
 
 
 def test_registry_server_survives_hostile_frames(registry: str, record_property) -> None:  # type: ignore[no-untyped-def]

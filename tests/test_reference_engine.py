@@ -19,17 +19,15 @@ bad input on the engine's API (``ERR``, the engine keeps serving).
 
 from __future__ import annotations
 
-import random
 import time
-from collections.abc import Iterator
 
 import pytest
 import zmq
-from conftest import free_port
+from conftest import engine_prompt, free_port
 from remote_g2.adapters.reference import ModelConfig, ReferenceModel
 from remote_g2.adapters.reference.launch import EngineProcess, mpiexec_path
 from remote_g2.adapters.reference.messages import EngineStep
-from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer
+from remote_g2.registry import RegistryClient
 
 from remote_g2.errors import RequestRejected
 from remote_g2.hashing import chain_block_hashes
@@ -40,19 +38,6 @@ pytestmark = [pytest.mark.mpi, pytest.mark.nixl, pytest.mark.slow,
 
 TPB = 16
 
-
-@pytest.fixture
-def registry() -> Iterator[str]:
-    server = RegistryServer(MemoryStore(lease_ttl_ms=5000), bind="tcp://127.0.0.1:0")
-    try:
-        yield server.start()
-    finally:
-        server.close()
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1024) for _ in range(n)]
 
 
 def _wait_registry_blocks(registry: str, worker_id: str, want: int) -> int:
@@ -96,7 +81,7 @@ def _engines(registry: str, source_tp: int, target_tp: int, mla: bool, *, via_en
 @pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
 @pytest.mark.parametrize(("source_tp", "target_tp"), [(1, 1), (2, 2), (1, 2), (2, 1), (2, 4)])
 def test_remote_reuse_is_bit_identical_to_recompute(registry: str, source_tp: int, target_tp: int, mla: bool) -> None:
-    prompt = _prompt(200, seed=source_tp * 10 + target_tp)
+    prompt = engine_prompt(200, seed=source_tp * 10 + target_tp)
     reusable = (len(prompt) - 1) // TPB
     source, target = _engines(registry, source_tp, target_tp, mla, via_env=source_tp == target_tp == 1)
     try:
@@ -120,7 +105,7 @@ def test_remote_reuse_is_bit_identical_to_recompute(registry: str, source_tp: in
 
 
 def test_blocks_evicted_between_lookup_and_load_are_recomputed(registry: str) -> None:
-    prompt = _prompt(200, seed=99)
+    prompt = engine_prompt(200, seed=99)
     hashes = chain_block_hashes(prompt, TPB)
     reusable = (len(prompt) - 1) // TPB
     keep = 5
@@ -150,7 +135,7 @@ def test_blocks_evicted_between_lookup_and_load_are_recomputed(registry: str) ->
 
 
 def test_engine_with_hooks_off_is_a_plain_engine(registry: str) -> None:
-    prompt = _prompt(120, seed=5)
+    prompt = engine_prompt(120, seed=5)
     engine = EngineProcess("plain", tp=2)
     try:
         stats = engine.client.stats()
@@ -197,7 +182,7 @@ def test_engine_api_answers_bad_input_with_err_and_keeps_serving() -> None:
 
 
 def test_source_killed_after_lookup_means_recompute_not_a_hang(registry: str) -> None:
-    prompt = _prompt(200, seed=123)
+    prompt = engine_prompt(200, seed=123)
     full = len(prompt) // TPB
     source, target = _engines(registry, 2, 2, mla=False)
     try:
@@ -252,8 +237,8 @@ def test_demo_command_reports_remote_reuse_and_identical_outputs_as_json() -> No
 
 
 def test_concurrent_requests_interleave_loads_prefills_and_decodes(registry: str) -> None:
-    shared = _prompt(160, seed=7)
-    prompts = [shared + _prompt(40, seed=100 + i) for i in range(3)]
+    shared = engine_prompt(160, seed=7)
+    prompts = [shared + engine_prompt(40, seed=100 + i) for i in range(3)]
     port = free_port()
     source, target = _engines(registry, 2, 2, mla=False, target_env={"REMOTE_G2_TARGET_METRICS_PORT": str(port)})
     try:

