@@ -123,7 +123,8 @@ def draw(what: str, results: dict[str, Any], path: str) -> None:
         ax.set_xticks(x, [f"{r['block_kib']} KiB" for r in rows])
         ax.set_ylabel("GB/s (label: e2e / raw)")
         ax.set_title(f"fetch of {results['mib']} MiB, TP={results['tp']} → {results['tp']}")
-        ax.legend()
+        ax.set_ylim(0, max(max(r["e2e_gb_per_s"], r["raw_gb_per_s"]) for r in rows) * 1.3)  # room for the legend
+        ax.legend(loc="upper left", ncol=2)
     elif what == "e2e":
         names = ["recompute", "remote hit", "local hit"]
         vals = [results["ttft_recompute_s"], results["ttft_remote_s"], results["ttft_local_s"]]
