@@ -99,7 +99,8 @@ class MessageLink:
         deadline: float | None = None
         while data:
             try:
-                n = self._sock.send(data)
+                # MSG_NOSIGNAL: a peer that is gone must not kill an engine that restored SIGPIPE's default.
+                n = self._sock.send(data, socket.MSG_NOSIGNAL)
             except BlockingIOError:
                 n = 0
             except OSError as e:

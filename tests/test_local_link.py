@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -193,3 +195,30 @@ def test_frames_are_the_rpc_envelope(sock_path: str) -> None:
     assert links[1].peer == "rank 1"
     raw.close()
     listener.close()
+
+
+def test_a_send_to_a_vanished_peer_raises_even_with_sigpipe_at_its_default(tmp_path: Path) -> None:
+    """Engines may restore SIGPIPE's default (terminate); a link must still fail with LinkClosed, not kill them."""
+    script = f"""
+import signal, sys, threading, time
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+from remote_g2.local_link import LinkClosed, LinkListener, connect_link
+from remote_g2.messages import TargetDone
+path = {str(tmp_path / "pipe.sock")!r}
+listener = LinkListener(path)
+theirs = {{}}
+t = threading.Thread(target=lambda: theirs.setdefault(1, connect_link(path, rank=1, worker_id="w", timeout_s=5)))
+t.start()
+ours = listener.accept_ranks({{1}}, "w", timeout_s=5)
+t.join()
+theirs[1].close()
+time.sleep(0.05)
+try:
+    for _ in range(5):
+        ours[1].send(TargetDone(1, 1, True))
+except LinkClosed:
+    sys.exit(0)
+sys.exit(3)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr.decode()[-2000:])  # -13 would be death by SIGPIPE
