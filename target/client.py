@@ -188,6 +188,7 @@ class TargetClient:
         # leader: to every other rank; a rank whose link dropped is gone for good (its loads fail at once)
         self._listener: LinkListener | None = None
         self._links: dict[int, MessageLink] = {}
+        self._link_fds: dict[int, int] = {}  # rank -> the fd its link is watched under, while it is up
         # leader only
         self._registry: Any = None            # RegistryClient for the scheduler's synchronous lookups
         self._mux: RpcMux | None = None       # owned by the coordinator thread
@@ -430,18 +431,11 @@ class TargetClient:
             pass
 
     def _from_rank(self, rank: int) -> None:
-        """Rank ``rank``'s link is readable: its reports, or its departure (every load it owed fails)."""
-        link = self._links[rank]
-        fd = link.fileno()
+        """Rank ``rank``'s link is readable: its reports, or its departure."""
         try:
-            reports = link.receive()
+            reports = self._links[rank].receive()
         except (LinkClosed, ProtocolError) as e:
-            assert self._mux is not None
-            self._mux.unwatch(fd)
-            log.error("target rank %d is gone (%s): its loads fail, and every later one", rank, e)
-            for load in list(self._loads.values()):
-                if rank in load.waiting:
-                    self._rank_done(TargetDone(load.load_id, rank, False, f"target rank {rank} is gone: {e}"))
+            self._rank_gone(rank, e)
             return
         for done in reports:
             if isinstance(done, TargetDone) and done.rank == rank:
@@ -449,13 +443,31 @@ class TargetClient:
             else:
                 log.warning("target leader: ignoring %s from rank %d", type(done).__name__, rank)
 
+    def _rank_gone(self, rank: int, why: Exception) -> None:
+        """Rank ``rank``'s link is down: stop watching it and fail every load it owes.
+
+        Later loads fail too, when their send finds the link closed. The fd is
+        unwatched here, whichever side noticed (a receive or a send), so that a
+        later socket reusing the number is never taken for this link.
+        """
+        self._links[rank].close()
+        fd = self._link_fds.pop(rank, None)
+        if fd is not None:
+            assert self._mux is not None
+            self._mux.unwatch(fd)
+            log.error("target rank %d is gone (%s): its loads fail, and every later one", rank, why)
+        for load in list(self._loads.values()):
+            if rank in load.waiting:
+                self._rank_done(TargetDone(load.load_id, rank, False, f"target rank {rank} is gone: {why}"[:4000]))
+
     def _coordinate(self) -> None:
         mux, worker = self._mux, self._worker
         assert mux is not None and worker is not None
         stopping = False
         mux.watch(self._wake_r, lambda: None)  # the events are taken below, after every wake-up
         for rank, link in self._links.items():
-            mux.watch(link.fileno(), lambda rank=rank: self._from_rank(rank))
+            self._link_fds[rank] = link.fileno()
+            mux.watch(self._link_fds[rank], lambda rank=rank: self._from_rank(rank))
         while not stopping:
             try:
                 mux.run_once(0 if worker.busy else self._until_next_clock_ms())
@@ -599,8 +611,10 @@ class TargetClient:
         for r in range(1, self.tp_size):
             try:
                 self._links[r].send(msg)
-            except (LinkClosed, ProtocolError) as e:
-                self._rank_done(TargetDone(load.load_id, r, False, f"target rank {r} is gone: {e}"[:4000]))
+            except LinkClosed as e:
+                self._rank_gone(r, e)
+            except ProtocolError as e:  # this message cannot be sent (too large); the link is fine
+                self._rank_done(TargetDone(load.load_id, r, False, f"target_load to rank {r}: {e}"[:4000]))
         assert self._worker is not None
         self._worker.start(msg, time.monotonic())  # the others' shares are on the wire already
 
