@@ -7,9 +7,10 @@ it over HTTP on ``--metrics-port``.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram
 
 from remote_g2.metric_children import LabelledChildren
+from remote_g2.metrics_export import PrivateMetrics
 
 __all__ = ["RegistryMetrics"]
 
@@ -17,11 +18,11 @@ __all__ = ["RegistryMetrics"]
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
 
 
-class RegistryMetrics:
+class RegistryMetrics(PrivateMetrics):
     """Counters, gauges and histograms a registry server updates."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        super().__init__()
         r = self.registry
         self.requests = Counter("remote_g2_registry_requests", "Requests by message type and outcome",
                                 ["type", "outcome"], registry=r)
@@ -56,7 +57,3 @@ class RegistryMetrics:
             self.errors.labels("bad_request").inc()
         elif type_ != "?":
             self._latency_children(type_).observe(seconds)
-
-    def serve_http(self, port: int, addr: str = "127.0.0.1") -> None:
-        """Expose ``/metrics`` on ``addr:port`` from a daemon thread."""
-        start_http_server(port, addr=addr, registry=self.registry)
