@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +37,7 @@ def free_port() -> int:
 
 def start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
     """A private, non-persistent ``redis-server`` in ``workdir``; returns it and its URL once it answers."""
-    import time
-
-    import redis
+    import redis  # a registry-benchmark dependency, not needed to import this module
 
     if shutil.which("redis-server") is None:
         raise SystemExit("redis-server not found (`make redis` installs it)")

@@ -27,7 +27,6 @@ TESTS = str(Path(__file__).resolve().parent)
 SLOW = "fault_procs.slow_transfer:SlowNixlTransfer"
 
 
-
 def _wait(cond, timeout_s: float, what: str, step: float = 0.05):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while True:

@@ -39,7 +39,6 @@ pytestmark = [pytest.mark.mpi, pytest.mark.nixl, pytest.mark.slow,
 TPB = 16
 
 
-
 def _wait_registry_blocks(registry: str, worker_id: str, want: int) -> int:
     with RegistryClient(registry) as reg:
         return reg.wait_for_blocks(worker_id, want)
