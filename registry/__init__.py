@@ -5,6 +5,7 @@ Public names (imported lazily so a client does not pull in redis or prometheus):
     RegistryClient    typed client, one method per message      (client.py)
     SourcePublisher   keeps a worker's blocks current            (publisher.py)
     RegistryServer    the server in front of a store             (server.py)
+    RegistryMirror    an in-process copy that answers lookups    (mirror.py)
     open_store        memory / Redis / Redis Cluster by URL      (store_factory.py)
     RegistryStore     the storage contract                       (store.py)
 """
@@ -17,6 +18,7 @@ _EXPORTS = {
     "RegistryClient": ".client",
     "SourcePublisher": ".publisher",
     "RegistryServer": ".server",
+    "RegistryMirror": ".mirror",
     "open_store": ".store_factory",
     "RegistryStore": ".store",
     "MemoryStore": ".store_memory",

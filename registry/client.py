@@ -18,6 +18,8 @@ from remote_g2.messages import (
     DrainWorkerReply,
     Events,
     EventsReply,
+    FeedInfo,
+    FeedInfoReply,
     Heartbeat,
     HeartbeatReply,
     LayoutFingerprint,
@@ -29,6 +31,8 @@ from remote_g2.messages import (
     RegisterWorkerReply,
     Resync,
     ResyncReply,
+    ScanWorker,
+    ScanWorkerReply,
     Stats,
     StatsReply,
     WhoHas,
@@ -109,6 +113,16 @@ class RegistryClient:
 
     def drain_worker(self, worker_id: str) -> DrainWorkerReply:
         reply: DrainWorkerReply = self._rpc.call(DrainWorker(worker_id))
+        return reply
+
+    # -- mirrors ---------------------------------------------------------------------------
+
+    def feed_info(self) -> FeedInfoReply:
+        reply: FeedInfoReply = self._rpc.call(FeedInfo())
+        return reply
+
+    def scan_worker(self, worker_id: str, cursor: bytes = b"", count: int = 16_384) -> ScanWorkerReply:
+        reply: ScanWorkerReply = self._rpc.call(ScanWorker(worker_id, cursor, count))
         return reply
 
     def ping(self) -> Pong:

@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1,
                    help="serving threads: 1 (default) serves straight off the socket and batches queued lookups "
                         "into one Redis round trip; N>1 puts a pool of N threads behind a ZMQ proxy")
+    p.add_argument("--feed-bind", default="auto",
+                   help="ZMQ PUB endpoint of the change feed registry mirrors follow: 'auto' (default) = the "
+                        "--bind host on a free port, 'none' = no feed")
     p.add_argument("--vllm-kv-events", default=None,
                    help="subscribe to vLLM KV-event publishers: ENDPOINT=WORKER_ID[,ENDPOINT=WORKER_ID...]")
     p.add_argument("--vllm-all-media", action="store_true",
@@ -45,7 +48,20 @@ def build_server(args: argparse.Namespace) -> RegistryServer:
         if args.curve_secret_key else None
     store = open_store(redis_url=args.redis_url, redis_cluster_url=args.redis_cluster_url,
                        lease_ttl_ms=int(args.lease_ttl_s * 1000))
-    return RegistryServer(store, bind=args.bind, workers=args.workers, curve=curve)
+    return RegistryServer(store, bind=args.bind, workers=args.workers, curve=curve,
+                          feed_bind=feed_endpoint(args.bind, args.feed_bind))
+
+
+def feed_endpoint(bind: str, feed_bind: str) -> str | None:
+    """``--feed-bind`` as an endpoint: ``auto`` = the bind's host on a free port; ``none`` = no feed."""
+    if feed_bind == "none":
+        return None
+    if feed_bind != "auto":
+        return feed_bind
+    if not bind.startswith("tcp://"):
+        raise ConfigError(f"--feed-bind auto needs a tcp:// --bind (got {bind!r}); give --feed-bind explicitly")
+    host = bind[len("tcp://"):].rsplit(":", 1)[0]
+    return f"tcp://{host}:0"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,9 +78,11 @@ def run(args: argparse.Namespace) -> int:
             from .vllm_events import VllmEventSubscriber, parse_subscriptions
 
             subscriber = VllmEventSubscriber(server.store, parse_subscriptions(args.vllm_kv_events),
-                                             all_media=args.vllm_all_media, metrics=server.metrics).start()
+                                             all_media=args.vllm_all_media, metrics=server.metrics,
+                                             on_applied=server.publish).start()
         metrics = f", metrics on http://{args.metrics_addr}:{args.metrics_port}/metrics" if args.metrics_port else ""
-        print(f"remote-g2 registry serving on {endpoint} (store: {server.store.name}{metrics})", flush=True)
+        feed = f", change feed on {server.feed.endpoint}" if server.feed is not None else ""
+        print(f"remote-g2 registry serving on {endpoint} (store: {server.store.name}{feed}{metrics})", flush=True)
         while not stop.wait(0.5):
             pass
         log.info("shutting down")

@@ -5,6 +5,10 @@ servers can front one Redis (or Redis Cluster) and give the same answers. The
 only per-process state is counters (``stats``, Prometheus) and the round-robin
 tie-breaker.
 
+With ``feed_bind`` the server also publishes every write it applied on a
+change feed (:mod:`.feed`), and answers ``feed_info`` and ``scan_worker``, so
+a :class:`~registry.mirror.RegistryMirror` can keep an in-process copy.
+
 A background thread sweeps dead and superseded incarnations and refreshes the
 size gauges. A store that cannot reach Redis answers ``ERR StoreUnavailable``;
 the server keeps serving and recovers by itself when Redis is back.
@@ -26,6 +30,8 @@ from remote_g2.messages import (
     DrainWorkerReply,
     Events,
     EventsReply,
+    FeedInfo,
+    FeedInfoReply,
     Heartbeat,
     HeartbeatReply,
     ListWorkers,
@@ -36,6 +42,8 @@ from remote_g2.messages import (
     RegisterWorkerReply,
     Resync,
     ResyncReply,
+    ScanWorker,
+    ScanWorkerReply,
     Stats,
     StatsReply,
     WhoHas,
@@ -45,6 +53,7 @@ from remote_g2.messages import (
 )
 from remote_g2.rpc_server import CallContext, RpcServer
 
+from .feed import DEFAULT_TICK_S, FeedPublisher
 from .metrics import RegistryMetrics
 from .store import PendingLookups, RegistryStore
 
@@ -67,8 +76,14 @@ class RegistryServer:
         curve: CurveServerConfig | None = None,
         metrics: RegistryMetrics | None = None,
         sweep_interval_s: float = 1.0,
+        feed_bind: str | None = None,
+        feed_tick_s: float = DEFAULT_TICK_S,
     ) -> None:
         self.store = store
+        self._curve = curve
+        self._feed_bind = feed_bind
+        self._feed_tick_s = feed_tick_s
+        self.feed: FeedPublisher | None = None
         self.metrics = metrics or RegistryMetrics()
         self._rr = itertools.count()
         self._lookups = 0
@@ -89,6 +104,8 @@ class RegistryServer:
             "list_workers": self._list_workers,
             "stats": self._stats,
             "drain_worker": self._drain_worker,
+            "feed_info": self._feed_info,
+            "scan_worker": self._scan_worker,
         }
         self._rpc = RpcServer(bind, {k: self._guard(v) for k, v in handlers.items()}, name="registry",
                               workers=workers, curve=curve, on_call=self.metrics.observe_call,
@@ -98,6 +115,10 @@ class RegistryServer:
 
     def start(self) -> str:
         endpoint = self._rpc.start()
+        if self._feed_bind:
+            self.feed = FeedPublisher(self._feed_bind, context=self._rpc.context, curve=self._curve,
+                                      tick_s=self._feed_tick_s)
+            log.info("change feed on %s (instance %s)", self.feed.endpoint, self.feed.instance)
         self._sweeper = threading.Thread(target=self._sweep_loop, name="registry-sweeper", daemon=True)
         self._sweeper.start()
         log.info("registry on %s (store: %s, lease %d ms)", endpoint, self.store.name, self.store.lease_ttl_ms)
@@ -111,6 +132,8 @@ class RegistryServer:
         """Stop serving and sweeping; the store is the caller's to close."""
         self._stop.set()
         self._rpc.close()
+        if self.feed is not None:
+            self.feed.close()
         if self._sweeper is not None:
             self._sweeper.join(5)
 
@@ -158,16 +181,21 @@ class RegistryServer:
 
     def _register_worker(self, req: RegisterWorker, ctx: CallContext) -> RegisterWorkerReply:
         reply = self.store.register_worker(req)
+        self.publish(req)
         log.info("worker %s registered (epoch %d, %s, tp=%d%s)", req.worker_id, req.epoch, req.endpoint,
                  req.fingerprint.tp_size, ", new incarnation" if reply.new_incarnation else "")
         return reply
 
     def _heartbeat(self, req: Heartbeat, ctx: CallContext) -> HeartbeatReply:
-        return self.store.heartbeat(req)
+        reply = self.store.heartbeat(req)
+        if reply.status == "ok":
+            self.publish(req)
+        return reply
 
     def _events_batch(self, req: Events, ctx: CallContext) -> EventsReply:
         reply = self.store.apply_events(req)
         if reply.status == "ok":
+            self.publish(req)
             self.metrics.events_ingested.labels("rpc").inc(reply.applied)
             with self._counter_lock:
                 self._events += reply.applied
@@ -178,6 +206,7 @@ class RegistryServer:
     def _resync(self, req: Resync, ctx: CallContext) -> ResyncReply:
         reply = self.store.resync(req)
         if reply.status == "ok":
+            self.publish(req)
             self.metrics.events_ingested.labels("resync").inc(len(req.hashes))
         return reply
 
@@ -226,8 +255,25 @@ class RegistryServer:
 
     def _drain_worker(self, req: DrainWorker, ctx: CallContext) -> DrainWorkerReply:
         reply = self.store.drain_worker(req.worker_id)
+        if reply.existed:
+            self.publish(req)
         log.info("worker %s drained by admin (%d blocks)", req.worker_id, reply.removed_blocks)
         return reply
+
+
+    def _feed_info(self, req: FeedInfo, ctx: CallContext) -> FeedInfoReply:
+        if self.feed is None:
+            return FeedInfoReply("", "", 0, self.store.lease_ttl_ms)
+        return FeedInfoReply(self.feed.endpoint, self.feed.instance, self.feed.seq, self.store.lease_ttl_ms)
+
+    def _scan_worker(self, req: ScanWorker, ctx: CallContext) -> ScanWorkerReply:
+        record, hashes, cursor = self.store.scan_worker(req.worker_id, req.cursor, req.count)
+        return ScanWorkerReply(record, hashes, cursor)
+
+    def publish(self, req: object) -> None:
+        """Put a write the store accepted on the change feed (no-op without one)."""
+        if self.feed is not None:
+            self.feed.publish(req)
 
 
 class _CountedLookups:

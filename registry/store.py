@@ -61,6 +61,12 @@ Semantics every backend implements
     :class:`~remote_g2.messages.WorkerRecord` (``blocks`` = the current
     incarnation's block count); ``list_workers`` sorted by worker id, dead
     workers only with ``include_dead``.
+``scan_worker(worker_id, cursor, count)``
+    one chunk of a live worker's hashes (at most about ``count``) and the
+    cursor of the next (``b""`` when done; pass ``b""`` to start), with the
+    worker's record as of this chunk (None and no hashes when it is unknown or
+    dead). A hash held for the whole scan comes back at least once; one added
+    or removed meanwhile may or may not. For mirrors (:mod:`.mirror`).
 ``drain_worker(worker_id)``
     forgets the worker and its blocks; a later register starts afresh.
 ``sweep()``
@@ -183,6 +189,10 @@ class RegistryStore(ABC):
 
     @abstractmethod
     def list_workers(self, *, include_dead: bool = False) -> list[WorkerRecord]: ...
+
+    @abstractmethod
+    def scan_worker(self, worker_id: str, cursor: bytes, count: int) -> tuple[WorkerRecord | None, list[bytes], bytes]:
+        ...
 
     @abstractmethod
     def drain_worker(self, worker_id: str) -> DrainWorkerReply: ...

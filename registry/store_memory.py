@@ -236,6 +236,18 @@ class MemoryStore(RegistryStore):
             return [self._record(r) for _, r in sorted(self._workers.items())
                     if include_dead or self._live(r)]
 
+    def scan_worker(self, worker_id: str, cursor: bytes, count: int) -> tuple[WorkerRecord | None, list[bytes], bytes]:
+        # The cursor is the last hash returned: resuming "after it" in sorted
+        # order skips nothing that stayed, whatever was added or removed since.
+        with self._lock:
+            rec = self._workers.get(worker_id)
+            if rec is None or not self._live(rec):
+                return None, [], b""
+            ordered = sorted(h for h in rec.blocks if h > cursor) if cursor else sorted(rec.blocks)
+            chunk = ordered[:count]
+            more = len(ordered) > count
+            return self._record(rec), chunk, (chunk[-1] if more else b"")
+
     def drain_worker(self, worker_id: str) -> DrainWorkerReply:
         with self._lock:
             rec = self._workers.pop(worker_id, None)

@@ -67,7 +67,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from remote_g2.errors import StaleEpoch, StoreUnavailable
+from remote_g2.errors import RegistryError, StaleEpoch, StoreUnavailable
 from remote_g2.messages import (
     BlockEvent,
     DrainWorkerReply,
@@ -553,16 +553,34 @@ class _WorkerCommands(_RedisBase):
         return HeartbeatReply("unknown_worker", 0)
 
     def _records(self, worker_ids: Sequence[str]) -> list[WorkerRecord]:
+        return [record for _, record in self._records_with_incs(worker_ids)]
+
+    def _records_with_incs(self, worker_ids: Sequence[str]) -> list[tuple[bytes, WorkerRecord]]:
         rows = self._meta("workers", *worker_ids)
         blocks = self._block_counts([row[1] for row in rows])
         out = []
-        for (wid, _inc, left, endpoint, epoch, fp, seq, load, reg), n in zip(rows, blocks):
+        for (wid, inc, left, endpoint, epoch, fp, seq, load, reg), n in zip(rows, blocks):
             fingerprint = LayoutFingerprint(**json.loads(fp))
-            out.append(WorkerRecord(
+            out.append((inc, WorkerRecord(
                 worker_id=wid.decode(), endpoint=endpoint.decode(), epoch=int(epoch), tp_size=fingerprint.tp_size,
                 fingerprint=fingerprint, live=left > 0, lease_expires_in_ms=int(left), blocks=n,
-                last_seq=int(seq), load=int(load), registered_at_ms=int(reg)))
+                last_seq=int(seq), load=int(load), registered_at_ms=int(reg))))
         return out
+
+    @_command()
+    def scan_worker(self, worker_id: str, cursor: bytes, count: int) -> tuple[WorkerRecord | None, list[bytes], bytes]:
+        # SSCAN's own guarantee is the contract: members present for the whole
+        # scan come back at least once. The cursor is SSCAN's, as decimal text.
+        rows = self._records_with_incs([worker_id])
+        if not rows or not rows[0][1].live:
+            return None, [], b""
+        inc, record = rows[0]
+        if cursor and not cursor.isdigit():
+            raise RegistryError(f"scan_worker: cursor {cursor!r:.40} is not one this store handed out")
+        key = self._keys.wb(inc)
+        _, client = self._nodes.node(key)
+        nxt, members = client.sscan(key, cursor=int(cursor or b"0"), count=count)
+        return record, list(members), (b"" if int(nxt) == 0 else str(int(nxt)).encode())
 
     @_command()
     def worker_info(self, worker_id: str) -> WorkerRecord | None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,8 +138,11 @@ class VllmEventSubscriber:
     """Subscribe to vLLM publishers and apply their G2 events to ``store`` (one thread)."""
 
     def __init__(self, store: RegistryStore, subscriptions: Iterable[Subscription], *, all_media: bool = False,
-                 metrics: RegistryMetrics | None = None, context: zmq.Context | None = None) -> None:
+                 metrics: RegistryMetrics | None = None, context: zmq.Context | None = None,
+                 on_applied: Callable[[object], None] | None = None) -> None:
         self.store = store
+        # Told of every write the store accepted (the server's change feed).
+        self._on_applied = on_applied or (lambda req: None)
         self.all_media = all_media
         self.metrics = metrics
         self._ctx = context or zmq.Context.instance()
@@ -223,13 +226,15 @@ class VllmEventSubscriber:
 
     def _apply(self, feed: _Feed, events: list[BlockEvent]) -> None:
         assert feed.epoch is not None
+        req = Events(feed.sub.worker_id, feed.epoch, feed.next_seq, events)
         try:
-            reply = self.store.apply_events(Events(feed.sub.worker_id, feed.epoch, feed.next_seq, events))
+            reply = self.store.apply_events(req)
         except RemoteG2Error as e:
             log.warning("vLLM events for %s not applied (%s); will resync", feed.sub.worker_id, e)
             feed.synced = False
             return
         if reply.status == "ok":
+            self._on_applied(req)
             feed.next_seq = reply.expected_seq
             self.applied += reply.applied
             if self.metrics:
@@ -246,9 +251,11 @@ class VllmEventSubscriber:
             hashes = list(feed.mirror)
             seq = rec.last_seq + 1
             for chunk, first, last in resync_chunks(hashes):
-                reply = self.store.resync(Resync(feed.sub.worker_id, rec.epoch, seq, list(chunk), first, last))
+                req = Resync(feed.sub.worker_id, rec.epoch, seq, list(chunk), first, last)
+                reply = self.store.resync(req)
                 if reply.status != "ok":
                     return
+                self._on_applied(req)
         except RemoteG2Error as e:
             log.debug("resync of %s deferred: %s", feed.sub.worker_id, e)
             return

@@ -13,7 +13,8 @@ Everything the project raises on purpose derives from :class:`RemoteG2Error`::
     ├── RemoteError                  the peer answered ERR with a name we do not know
     ├── RegistryError                registry semantics
     │   ├── StaleEpoch               a registration older than the one on record
-    │   └── StoreUnavailable         Redis is unreachable (the server answers, the store does not)
+    │   ├── StoreUnavailable         Redis is unreachable (the server answers, the store does not)
+    │   └── MirrorNotReady           a registry mirror is (re)taking its snapshot; ask the server
     ├── SourceError                  source semantics (unknown lease, pin budget, ...)
     ├── TransferError                a data-plane transfer failed; the caller recomputes
     └── PoolIndexError               misuse of the secondary-pool index
@@ -41,6 +42,7 @@ __all__ = [
     "RegistryError",
     "StaleEpoch",
     "StoreUnavailable",
+    "MirrorNotReady",
     "SourceError",
     "TransferError",
     "PoolIndexError",
@@ -143,6 +145,10 @@ class StaleEpoch(RegistryError):
 
 class StoreUnavailable(RegistryError):
     """The registry's backing store (Redis) cannot be reached; retry later."""
+
+
+class MirrorNotReady(RegistryError):
+    """A registry mirror is still taking (or retaking) its snapshot; ask the registry server instead."""
 
 
 class SourceError(RemoteG2Error):

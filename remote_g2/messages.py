@@ -40,8 +40,9 @@ def message(name: str, *, reply: type | None) -> Callable[[type[T]], type[T]]:
     """Register a request dataclass under ``name`` with the dataclass of its reply.
 
     ``reply=None`` registers a one-way message: it travels only over a
-    worker's private :mod:`~remote_g2.local_link` links, never as an RPC
-    (no RPC server has a handler for it, so one sent there is answered ``ERR``).
+    worker's private :mod:`~remote_g2.local_link` links or the registry's
+    change feed, never as an RPC (no RPC server has a handler for it, so one
+    sent there is answered ``ERR``).
 
     Compiles both codecs at import time so a bad annotation fails loudly at
     start-up rather than on the first request. A duplicate name is an error.
@@ -368,6 +369,64 @@ class DrainWorker:
     """Admin: forget a worker and everything it holds (it must re-register to come back)."""
 
     worker_id: _WorkerId
+
+
+@dataclass(frozen=True, slots=True)
+class FeedInfoReply:
+    """Where this server publishes its change feed (``endpoint`` empty: no feed), its identity and position.
+
+    ``instance`` changes every time the server starts, so a follower can tell
+    a restart (its numbering starts again at 1) from a gap.
+    """
+
+    endpoint: Annotated[str, Limits(max_len=256)]
+    instance: _Short
+    seq: _Count
+    lease_ttl_ms: Annotated[int, Limits(ge=1)]
+
+
+@message("feed_info", reply=FeedInfoReply)
+@dataclass(frozen=True, slots=True)
+class FeedInfo:
+    """Mirror: this server's change-feed endpoint, instance id and last published sequence number."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScanWorkerReply:
+    """One chunk of a worker's hashes; ``cursor`` empty: that was the last chunk.
+
+    ``worker`` is the record as of this chunk (None: unknown or dead). A hash
+    held for the whole scan is returned at least once; one added or removed
+    during the scan may or may not be, so a follower replays the feed from
+    before the first chunk.
+    """
+
+    worker: WorkerRecord | None
+    hashes: HashList
+    cursor: Annotated[bytes, Limits(max_len=64)]
+
+
+@message("scan_worker", reply=ScanWorkerReply)
+@dataclass(frozen=True, slots=True)
+class ScanWorker:
+    """Mirror: the next chunk of a live worker's hashes, from ``cursor`` (empty: the start)."""
+
+    worker_id: _WorkerId
+    cursor: Annotated[bytes, Limits(max_len=64)] = b""
+    count: Annotated[int, Limits(ge=1, le=65_536)] = 16_384
+
+
+@message("feed_tick", reply=None)
+@dataclass(frozen=True, slots=True)
+class FeedTick:
+    """The change feed's pulse: sent every ``tick`` on an idle feed; ``seq`` is the last entry published.
+
+    Every other feed frame is a registry write that succeeded (``register_worker``,
+    ``heartbeat``, ``events``, ``resync``, ``drain_worker``) whose header ``id``
+    is its feed sequence number. One-way: it travels only on the feed.
+    """
+
+    seq: _Count
 
 
 # --------------------------------------------------------------------------

@@ -174,6 +174,11 @@ class RpcServer:
     # -- lifecycle -----------------------------------------------------------
 
     @property
+    def context(self) -> zmq.Context:
+        """The ZMQ context the server's sockets live in (its own when CURVE has an allow-list: ZAP is per context)."""
+        return self._ctx
+
+    @property
     def endpoint(self) -> str:
         """The bound endpoint (valid after :meth:`start`)."""
         if self._bound is None:

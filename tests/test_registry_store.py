@@ -257,3 +257,52 @@ def test_many_blocks_and_workers(store):
     assert r.best.worker_id in ("w5", "w6", "w7") and r.matched == 1500
     assert [x.matched for x in r.holders] == [1500, 1500, 1500, 1250, 1000, 750, 500, 250]
     assert store.counts()[2] == sum(250 * (w + 1) for w in range(8))
+
+
+def _scan_all(store, wid: str, count: int, between=None):
+    """Every chunk of ``scan_worker``; ``between(i)`` runs after chunk i (to change the set mid-scan)."""
+    got, records, cursor, i = [], [], b"", 0
+    while True:
+        record, hashes, cursor = store.scan_worker(wid, cursor, count)
+        records.append(record)
+        got.extend(hashes)
+        if not cursor:
+            return got, records
+        if between is not None:
+            between(i)
+        i += 1
+
+
+def test_scan_worker_returns_every_hash_in_chunks(store):
+    register(store, "w1")
+    hashes = [h(i) for i in range(1, 1001)]
+    stored(store, "w1", 1, hashes)
+    got, records = _scan_all(store, "w1", 100)
+    assert set(got) == set(hashes)
+    assert len(records) > 1  # it really came in chunks
+    assert all(r is not None and (r.worker_id, r.epoch, r.last_seq) == ("w1", 1, 1) for r in records)
+
+
+def test_scan_worker_keeps_what_stayed_while_the_set_changes(store):
+    register(store, "w1")
+    stay = [h(i) for i in range(1, 601)]
+    go = [h(i) for i in range(10_001, 10_301)]
+    stored(store, "w1", 1, stay + go)
+    seq = iter(range(2, 100))
+
+    def churn(i: int) -> None:
+        stored(store, "w1", next(seq), go[i * 30:(i + 1) * 30], kind="removed")
+        stored(store, "w1", next(seq), [h(20_000 + i * 50 + k) for k in range(50)])
+
+    got, _ = _scan_all(store, "w1", 100, churn)
+    assert set(stay) <= set(got)
+
+
+def test_scan_worker_of_an_unknown_or_dead_worker_is_empty(make_store):
+    store = make_store(lease_ttl_ms=300)
+    assert store.scan_worker("nobody", b"", 10) == (None, [], b"")
+    register(store, "w1")
+    stored(store, "w1", 1, CHAIN[:3])
+    assert store.scan_worker("w1", b"", 10)[1]
+    time.sleep(0.45)
+    assert store.scan_worker("w1", b"", 10) == (None, [], b"")

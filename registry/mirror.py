@@ -1,0 +1,391 @@
+"""An in-process copy of the registry that answers lookups from local memory.
+
+A scheduler that asks the registry server pays a network round trip (and, on
+Redis, a script) per lookup. A :class:`RegistryMirror` instead follows the
+servers' change feeds (:mod:`.feed`) and keeps the whole block index in this
+process, so a lookup is a walk over local sets — what an event-driven router
+(Dynamo's KV router, for one) does, except that the copy is of the
+fleet-wide registry, which every worker keeps current.
+
+How it stays right
+------------------
+* **Start-up and every resync:** subscribe to each server's feed, wait until
+  every feed has delivered a frame (the subscription is live), *then* take a
+  snapshot — ``list_workers`` and ``scan_worker`` chunks — and finally replay
+  everything the feeds delivered meanwhile. Replaying is safe because a write
+  the snapshot already reflects is recognised and skipped: event batches by
+  their sequence number, registrations and heartbeats by epoch.
+* **Following:** each feed numbers its frames 1, 2, 3, … per server
+  instance; a missing number (PUB dropped it), a server restart (new
+  instance), a malformed frame, a feed silent for ``stale_after_s``, or a
+  write the copy cannot apply the way the store did (it has drifted) each
+  throws the copy away and takes a fresh snapshot. Meanwhile :meth:`lookup`
+  raises :class:`~remote_g2.errors.MirrorNotReady`, and callers ask the
+  server instead.
+* **Liveness** is judged locally: the copy renews a worker's lease when it
+  sees the heartbeat, so a worker that stops heartbeating disappears from the
+  mirror's lookups when its lease runs out, as on the server.
+
+What it does not promise: a write is visible here a feed hop after the
+server applied it (sub-millisecond on one host). A lookup is a hint either
+way — the source pins blocks atomically on ``resolve`` and answers with what
+it really has — so a moment's lag costs at most a shorter match, never wrong
+bytes. The copy follows the servers it was given: point it at every server
+that takes writes (a worker whose batches go through another server is
+caught by its sequence numbers and resynced, but its heartbeats would be
+missed).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from remote_g2.curve import CurveClientConfig
+from remote_g2.errors import MirrorNotReady, ProtocolError, RegistryError, RemoteG2Error, StaleEpoch
+from remote_g2.messages import (
+    DrainWorker,
+    Events,
+    FeedTick,
+    Heartbeat,
+    LookupReply,
+    RegisterWorker,
+    Resync,
+    WorkerRecord,
+)
+from remote_g2.wire import decode_frame, decode_request_body
+
+from .client import RegistryClient
+from .store_memory import MemoryStore, _Incarnation
+
+__all__ = ["RegistryMirror", "MirrorIndex", "MirrorStats"]
+
+log = logging.getLogger("remote_g2.registry.mirror")
+
+_FEED_TYPES = frozenset({"register_worker", "heartbeat", "events", "resync", "drain_worker", "feed_tick"})
+_RCVHWM = 1_000_000
+
+
+class MirrorIndex(MemoryStore):
+    """The mirror's copy: a :class:`MemoryStore` filled from snapshots and fed the writes the servers applied."""
+
+    name = "mirror"
+
+    def install(self, record: WorkerRecord, hashes: Iterable[bytes]) -> None:
+        """Take a worker's record and first snapshot chunk as its current incarnation."""
+        with self._lock:
+            old = self._workers.get(record.worker_id)
+            if old is not None:
+                self._drop_incarnation(old)
+            rec = _Incarnation(
+                inc=next(self._ids), worker_id=record.worker_id, epoch=record.epoch, endpoint=record.endpoint,
+                fingerprint=record.fingerprint, compat=record.fingerprint.compat_key(),
+                registered_at_ms=record.registered_at_ms,
+                expires_at=self._clock() + record.lease_expires_in_ms / 1000,
+                last_seq=record.last_seq, load=record.load,
+            )
+            self._incs[rec.inc] = rec
+            self._workers[rec.worker_id] = rec
+            self._add(rec, hashes)
+
+    def extend(self, record: WorkerRecord, hashes: Iterable[bytes]) -> bool:
+        """Add a later snapshot chunk; False when the worker has moved to another incarnation since."""
+        with self._lock:
+            rec = self._workers.get(record.worker_id)
+            if rec is None or (rec.epoch, rec.registered_at_ms) != (record.epoch, record.registered_at_ms):
+                return False
+            self._add(rec, hashes)
+            return True
+
+    def replay(self, req: Any) -> bool:
+        """Apply one write a server applied; False when this copy cannot (it has drifted: resync).
+
+        A write older than what the copy holds — the snapshot already shows it —
+        is skipped: a batch whose ``seq`` is not past the worker's last, or any
+        write for an epoch older than the worker's current one.
+        """
+        if isinstance(req, DrainWorker):
+            self.drain_worker(req.worker_id)
+            return True
+        with self._lock:
+            rec = self._workers.get(req.worker_id)
+            live = rec is not None and self._live(rec)
+            if live and rec.epoch > req.epoch:
+                return True
+            if isinstance(req, Events) and live and rec.epoch == req.epoch and req.seq <= rec.last_seq:
+                return True
+        if isinstance(req, RegisterWorker):
+            try:
+                self.register_worker(req)
+            except StaleEpoch:
+                return False
+            return True
+        if isinstance(req, Heartbeat):
+            return self.heartbeat(req).status == "ok"
+        if isinstance(req, Events):
+            return self.apply_events(req).status == "ok"
+        if isinstance(req, Resync):
+            return self.resync(req).status == "ok"
+        raise TypeError(f"not a feed write: {type(req).__name__}")
+
+
+@dataclass(frozen=True, slots=True)
+class MirrorStats:
+    """What a mirror has done; ``resyncs`` counts snapshots after the first, by reason."""
+
+    ready: bool
+    workers_live: int
+    block_entries: int
+    applied: int
+    malformed: int
+    snapshots: int
+    resyncs: dict[str, int]
+    last_snapshot_s: float
+
+
+class _Resync(Exception):
+    """The copy must be thrown away and retaken; ``reason`` is a metric label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+class RegistryMirror:
+    """Follow the registry servers at ``endpoints`` and answer lookups from memory.
+
+    ``start()`` begins in the background; :meth:`wait_ready` blocks until the
+    first snapshot is in. ``lookup`` has the server's contract (see
+    :mod:`.store`) and raises :class:`MirrorNotReady` while no complete copy is
+    held. Thread-safe: one thread follows the feeds, any thread may look up.
+    """
+
+    def __init__(self, endpoints: str | Sequence[str], *, timeout_s: float = 5.0,
+                 curve: CurveClientConfig | None = None, scan_count: int = 16_384,
+                 stale_after_s: float = 3.0, retry_s: float = 0.5, context: zmq.Context | None = None) -> None:
+        self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if not self.endpoints:
+            raise ValueError("a mirror needs at least one registry endpoint")
+        self._timeout_s = timeout_s
+        self._curve = curve
+        self._scan_count = scan_count
+        self._stale_after_s = stale_after_s
+        self._retry_s = retry_s
+        self._ctx = context or zmq.Context.instance()
+        self._index: MirrorIndex | None = None
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._rr = itertools.count()
+        self._applied = self._malformed = self._snapshots = 0
+        self._resyncs: dict[str, int] = {}
+        self._last_snapshot_s = 0.0
+        self.last_error = ""
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> RegistryMirror:
+        self._thread = threading.Thread(target=self._run, name="registry-mirror", daemon=True)
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """True once a complete copy is held (False if ``timeout_s`` passed first)."""
+        return self._ready.wait(timeout_s)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def __enter__(self) -> RegistryMirror:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def lookup(self, hashes: Sequence[bytes], *, requester: str | None = None, compat_key: str | None = None,
+               want_all_holders: bool = False) -> LookupReply:
+        """The registry's prefix lookup, answered from this process's copy."""
+        index = self._index
+        if index is None or not self._ready.is_set():
+            raise MirrorNotReady(f"registry mirror of {', '.join(self.endpoints)} has no complete copy yet"
+                                 + (f" ({self.last_error})" if self.last_error else ""))
+        if not hashes:
+            raise ValueError("lookup needs at least one hash")
+        return index.lookup(hashes, compat_key=compat_key, requester=requester,
+                            want_all_holders=want_all_holders, tie_breaker=next(self._rr))
+
+    def stats(self) -> MirrorStats:
+        index = self._index
+        live, _, entries = index.counts() if index is not None else (0, 0, 0)
+        return MirrorStats(self.ready, live, entries, self._applied, self._malformed, self._snapshots,
+                           dict(self._resyncs), self._last_snapshot_s)
+
+    # -- the follower thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        clients = [RegistryClient(ep, timeout_s=self._timeout_s, curve=self._curve) for ep in self.endpoints]
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, _RCVHWM)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        if self._curve is not None:
+            self._curve.apply(sub)
+        connected: set[str] = set()
+        try:
+            while not self._stop.is_set():
+                try:
+                    last = self._snapshot(clients, sub, connected)
+                    self._follow(sub, last)
+                except _Resync as e:
+                    self._ready.clear()
+                    self._resyncs[e.reason] = self._resyncs.get(e.reason, 0) + 1
+                    self.last_error = str(e)
+                    log.warning("registry mirror: resync (%s)", e)
+                except (RemoteG2Error, zmq.ZMQError) as e:
+                    self._ready.clear()
+                    self.last_error = f"{type(e).__name__}: {e}"
+                    log.warning("registry mirror: %s; retrying in %.1f s", self.last_error, self._retry_s)
+                    self._stop.wait(self._retry_s)
+        finally:
+            self._ready.clear()
+            sub.close(0)
+            for c in clients:
+                c.close()
+
+    def _recv(self, sub: zmq.Socket, timeout_ms: int) -> tuple[str, int, Any] | None:
+        """One feed frame as (instance, seq, write or FeedTick), or None when none came in time."""
+        if not sub.poll(timeout_ms, zmq.POLLIN):
+            return None
+        parts = sub.recv_multipart(zmq.NOBLOCK)
+        try:
+            if len(parts) != 2 or len(parts[0]) != 16:
+                raise ProtocolError(f"feed frame has {len(parts)} parts; expected [16-char instance, frame]")
+            instance = parts[0].decode("ascii")
+            frame = decode_frame(parts[1])
+            if frame.type not in _FEED_TYPES:
+                raise ProtocolError(f"{frame.type!r} does not belong on the change feed")
+            _, msg = decode_request_body(frame)
+        except (ProtocolError, UnicodeDecodeError) as e:
+            self._malformed += 1
+            raise _Resync("malformed", str(e)) from None
+        seq = msg.seq if isinstance(msg, FeedTick) else frame.id
+        return instance, seq, msg
+
+    def _snapshot(self, clients: list[RegistryClient], sub: zmq.Socket, connected: set[str]) -> dict[str, int]:
+        """Take a complete copy; return each feed instance's last sequence number seen."""
+        self._ready.clear()
+        infos = [c.feed_info() for c in clients]
+        for client, info in zip(clients, infos):
+            if not info.endpoint:
+                raise RegistryError(f"registry {client.endpoint} publishes no change feed (serve --feed-bind none)")
+            if info.endpoint not in connected:
+                sub.connect(info.endpoint)
+                connected.add(info.endpoint)
+        # Frames that arrive from here on are kept and replayed over the snapshot.
+        backlog: list[tuple[str, int, Any]] = []
+        last: dict[str, int] = {}
+        wanted = {info.instance for info in infos}
+        deadline = time.monotonic() + max(self._timeout_s, self._stale_after_s)
+        while not wanted <= last.keys():
+            if self._stop.is_set() or time.monotonic() > deadline:
+                raise RegistryError("no frame from the change feed(s) of "
+                                    f"{', '.join(sorted(wanted - last.keys()))} in time")
+            got = self._recv(sub, 100)
+            if got is not None:
+                self._note(last, got, backlog, first_sight_ok=True)
+        t0 = time.perf_counter()
+        index = MirrorIndex(infos[0].lease_ttl_ms)
+        for worker in clients[0].list_workers():
+            self._copy_worker(clients[0], index, worker.worker_id)
+            self._drain(sub, last, backlog)
+        self._drain(sub, last, backlog)
+        for _, _, msg in backlog:
+            if not isinstance(msg, FeedTick) and not index.replay(msg):
+                raise _Resync("drift", f"{type(msg).__name__} for {msg.worker_id!r} did not apply over the snapshot")
+        self._applied += sum(1 for _, _, m in backlog if not isinstance(m, FeedTick))
+        self._index = index
+        self._snapshots += 1
+        self._last_snapshot_s = time.perf_counter() - t0
+        self.last_error = ""
+        live, _, entries = index.counts()
+        log.info("registry mirror: snapshot of %d workers, %d entries in %.2f s", live, entries,
+                 self._last_snapshot_s)
+        self._ready.set()
+        return last
+
+    def _copy_worker(self, client: RegistryClient, index: MirrorIndex, worker_id: str) -> None:
+        for _ in range(3):  # a worker that re-registers mid-scan is scanned again
+            reply = client.scan_worker(worker_id, b"", self._scan_count)
+            if reply.worker is None:
+                return
+            index.install(reply.worker, reply.hashes)
+            cursor, whole = reply.cursor, True
+            while cursor:
+                reply = client.scan_worker(worker_id, cursor, self._scan_count)
+                if reply.worker is None or not index.extend(reply.worker, reply.hashes):
+                    whole = False
+                    break
+                cursor = reply.cursor
+            if whole:
+                return
+        raise _Resync("churn", f"worker {worker_id!r} kept changing incarnation during the snapshot")
+
+    def _drain(self, sub: zmq.Socket, last: dict[str, int], backlog: list[tuple[str, int, Any]]) -> None:
+        while (got := self._recv(sub, 0)) is not None:
+            self._note(last, got, backlog, first_sight_ok=False)
+
+    @staticmethod
+    def _note(last: dict[str, int], got: tuple[str, int, Any], out: list[tuple[str, int, Any]],
+              *, first_sight_ok: bool) -> None:
+        """Check a frame's number against its feed's last one; keep it in ``out``."""
+        instance, seq, msg = got
+        prev = last.get(instance)
+        if prev is None:
+            if not first_sight_ok:
+                raise _Resync("new_instance", f"feed instance {instance} appeared (a server restarted?)")
+        elif isinstance(msg, FeedTick):
+            if seq != prev:
+                raise _Resync("gap", f"feed {instance} ticked at {seq} after {prev}")
+        elif seq != prev + 1:
+            raise _Resync("gap", f"feed {instance} jumped from {prev} to {seq}")
+        last[instance] = seq
+        out.append(got)
+
+    def _follow(self, sub: zmq.Socket, last: dict[str, int]) -> None:
+        index = self._index
+        assert index is not None
+        heard = {instance: time.monotonic() for instance in last}
+        next_sweep = time.monotonic() + 1.0
+        while not self._stop.is_set():
+            got = self._recv(sub, 100)
+            now = time.monotonic()
+            if got is not None:
+                batch: list[tuple[str, int, Any]] = []
+                self._note(last, got, batch, first_sight_ok=False)
+                heard[got[0]] = now
+                msg = got[2]
+                if not isinstance(msg, FeedTick):
+                    if not index.replay(msg):
+                        raise _Resync("drift", f"{type(msg).__name__} for {msg.worker_id!r} did not apply")
+                    self._applied += 1
+            silent = [i for i, t in heard.items() if now - t > self._stale_after_s]
+            if silent:
+                raise _Resync("silent", f"no frame from feed {silent[0]} for {self._stale_after_s:.1f} s")
+            if now >= next_sweep:
+                index.sweep()
+                next_sweep = now + 1.0
