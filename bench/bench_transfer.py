@@ -130,7 +130,8 @@ def run_config(kib: int, args: argparse.Namespace, registry: str, tmp: Path) -> 
         tgt = Proc([str(MPIEXEC), "-n", str(TP), py, str(PROCS / "target_rank.py"), "--dir", str(tgt_dir),
                     "--registry", registry, "--worker-id", f"bench-tgt-{kib}k-{os.getpid()}", "--block-kib", str(kib),
                     "--hashes", str(n), "--reps", str(args.reps), "--poll-us", str(args.poll_us),
-                    "--ipc-dir", ipc], tgt_dir / "mpiexec.log")
+                    "--ipc-dir", ipc, *(["--registry-mirror"] if args.registry_mirror else [])],
+                   tgt_dir / "mpiexec.log")
         rc = tgt.wait(args.timeout_s)
         if rc is None:
             raise BenchError(f"the target worker did not finish in {args.timeout_s} s:\n{tgt.tail()}")
@@ -340,6 +341,8 @@ def main() -> int:
                    help="scattered: one descriptor per block; contiguous: one per rank (everything coalesces)")
     p.add_argument("--poll-us", type=float, default=200.0, help="get_finished polling interval (µs)")
     p.add_argument("--timeout-s", type=float, default=150.0, help="per block size, for the target worker")
+    p.add_argument("--registry-mirror", action="store_true",
+                   help="the target looks up in an in-process registry mirror instead of asking the server")
     p.add_argument("--json", type=Path, help="also write the results here (parent directories are created)")
     args = p.parse_args()
     kibs = [int(x) for x in args.blocks_kib.split(",") if x.strip()]
@@ -351,7 +354,8 @@ def main() -> int:
     if not MPIEXEC.exists():
         p.error(f"{MPIEXEC} not found (pip install mpich)")
 
-    server = RegistryServer(MemoryStore(lease_ttl_ms=30_000), bind="tcp://127.0.0.1:0")
+    server = RegistryServer(MemoryStore(lease_ttl_ms=30_000), bind="tcp://127.0.0.1:0",
+                            feed_bind="tcp://127.0.0.1:0")
     registry = server.start()
     results: dict[int, dict[str, Any]] = {}
     try:
@@ -370,7 +374,7 @@ def main() -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "benchmark": "transfer", "tp": TP, "mib": args.mib, "reps": args.reps,
-            "source_layout": args.source_layout, "poll_us": args.poll_us, "nixl": _nixl_version(),
+            "source_layout": args.source_layout, "poll_us": args.poll_us, "registry_mirror": args.registry_mirror, "nixl": _nixl_version(),
             "cpus": os.cpu_count(), "machine": platform.machine(), "loadavg": os.getloadavg(),
             "target_ratio": TARGET_RATIO, "rows": rows}, indent=2))
     print_tables(rows, args)

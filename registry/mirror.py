@@ -192,8 +192,10 @@ class RegistryMirror:
     # -- lifecycle ----------------------------------------------------------------------
 
     def start(self) -> RegistryMirror:
-        self._thread = threading.Thread(target=self._run, name="registry-mirror", daemon=True)
-        self._thread.start()
+        """Begin following in the background (once; a second call does nothing)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="registry-mirror", daemon=True)
+            self._thread.start()
         return self
 
     def wait_ready(self, timeout_s: float) -> bool:

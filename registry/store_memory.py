@@ -207,13 +207,34 @@ class MemoryStore(RegistryStore):
                 reason = ("incompatible_layout" if saw_incompatible
                           else "source_is_target" if saw_self else "no_candidate")
                 return LookupReply(reason, 0)
-            matched = {}
-            for rec in cands:
-                n = 1
-                while n < len(hashes) and hashes[n] in rec.blocks:
-                    n += 1
-                matched[rec.inc] = n
+            matched = self._walk(hashes, {rec.inc for rec in cands})
             return _choose(cands, matched, want_all_holders, tie_breaker)
+
+    def _walk(self, hashes: Sequence[bytes], alive: set[int]) -> dict[int, int]:
+        """Each candidate incarnation's matched prefix (lock held).
+
+        One holder-set lookup per hash serves every candidate at once (a
+        per-candidate walk costs a lookup per candidate per hash). At 1 M
+        entries each lookup is a cache miss, so the count of lookups is the
+        cost of the mirror's whole answer.
+        """
+        matched: dict[int, int] = {}
+        get = self._holders.get
+        i, n = 1, len(hashes)
+        while i < n:
+            held = get(hashes[i])
+            if held is None:
+                break
+            if not alive <= held:
+                for inc in alive - held:
+                    matched[inc] = i
+                alive = alive & held
+                if not alive:
+                    break
+            i += 1
+        for inc in alive:
+            matched[inc] = i
+        return matched
 
     # -- admin -------------------------------------------------------------------------------
 

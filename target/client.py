@@ -68,7 +68,7 @@ from typing import Any
 from remote_g2.adapters.registry import load_adapter
 from remote_g2.adapters.secondary_pool import SecondaryPool
 
-from remote_g2.errors import ConfigError, ProtocolError, RemoteG2Error, TransferError
+from remote_g2.errors import ConfigError, MirrorNotReady, ProtocolError, RemoteG2Error, TransferError
 from remote_g2.ipc_paths import ipc_endpoint, prepare_ipc_dir
 from remote_g2.local_link import LinkClosed, LinkListener, MessageLink, connect_link
 from remote_g2.messages import (
@@ -191,6 +191,7 @@ class TargetClient:
         self._link_fds: dict[int, int] = {}  # rank -> the fd its link is watched under, while it is up
         # leader only
         self._registry: Any = None            # RegistryClient for the scheduler's synchronous lookups
+        self._mirror: Any = None              # RegistryMirror answering them from memory, when configured
         self._mux: RpcMux | None = None       # owned by the coordinator thread
         self._source_infos: dict[str, tuple[int, dict[int, RankInfo], set[str]]] = {}  # wid -> epoch, infos, sent
         self._lookups: OrderedDict[tuple[bytes, ...], TargetMatch] = OrderedDict()
@@ -259,6 +260,11 @@ class TargetClient:
 
                 self._registry = RegistryClient(self.config.registry_endpoint, timeout_s=timeout / 1000.0,
                                                 curve=self.config.registry_curve)
+                if self.config.registry_mirror:
+                    from remote_g2.registry import RegistryMirror
+
+                    self._mirror = RegistryMirror(self.config.registry_endpoint, timeout_s=timeout / 1000.0,
+                                                  curve=self.config.registry_curve).start()
             self._wake_r, self._wake_w = os.pipe()
             os.set_blocking(self._wake_r, False)
             os.set_blocking(self._wake_w, False)
@@ -282,8 +288,10 @@ class TargetClient:
     def lookup(self, block_hashes: Sequence[bytes]) -> TargetMatch:
         """How many leading blocks of ``block_hashes`` one remote source can give, from whom, or why not.
 
-        Synchronous (one registry round trip); answers ``no_registry`` without
-        one and never raises for a registry that is down (``registry_error``).
+        Synchronous: one registry round trip, or none when the config keeps a
+        registry mirror and its copy is complete (the server answers while it
+        is not). Answers ``no_registry`` without a registry and never raises
+        for a registry that is down (``registry_error``).
         The answer is remembered, so a :meth:`start_load` of the matched
         prefix goes straight to the resolve.
         """
@@ -293,7 +301,16 @@ class TargetClient:
         if self._registry is None:
             return TargetMatch(0, "no_registry")
         try:
-            reply = self._registry.lookup(list(block_hashes), requester=self.worker_id, compat_key=self._compat_key())
+            reply = None
+            if self._mirror is not None and self._mirror.ready:
+                try:
+                    reply = self._mirror.lookup(block_hashes, requester=self.worker_id, compat_key=self._compat_key())
+                    self.metrics.mirror_lookups.inc()
+                except MirrorNotReady:  # it lost its copy since `ready`: the server answers this one
+                    pass
+            if reply is None:
+                reply = self._registry.lookup(list(block_hashes), requester=self.worker_id,
+                                              compat_key=self._compat_key())
         except RemoteG2Error as e:
             log.warning("lookup failed: %s", e)
             self.metrics.lookup("registry_error", 0)
@@ -305,6 +322,12 @@ class TargetClient:
             while len(self._lookups) > _LOOKUP_CACHE:
                 self._lookups.popitem(last=False)
         return match
+
+    def wait_registry_mirror(self, timeout_s: float) -> bool:
+        """True once the registry mirror (``config.registry_mirror``) holds a complete copy; False without
+        one, or when ``timeout_s`` passed first. Lookups work either way (the server answers meanwhile)."""
+        self._leader_only("wait_registry_mirror")
+        return self._mirror is not None and bool(self._mirror.wait_ready(timeout_s))
 
     def start_load(self, request_id: str, block_hashes: Sequence[bytes], dst_block_ids: Sequence[int]) -> None:
         """Load the blocks of ``block_hashes`` into ``dst_block_ids`` (same length), asynchronously.
@@ -351,6 +374,8 @@ class TargetClient:
                 link.close()
         if self._listener is not None:
             self._listener.close()
+        if self._mirror is not None:
+            self._mirror.close()
         if self._registry is not None:
             self._registry.close()
         self.metrics.close()

@@ -5,6 +5,7 @@ variable                                field                                   
 ======================================  ==========================================  ===================
 ``REMOTE_G2_TARGET``                    ``enabled``                                 off
 ``REMOTE_G2_REGISTRY``                  ``registry_endpoint``                       unset (no lookups)
+``REMOTE_G2_TARGET_REGISTRY_MIRROR``    ``registry_mirror`` (lookups from memory)   off
 ``REMOTE_G2_TARGET_TRANSFER``           ``transfer`` (adapter name)                 ``nixl``
 ``REMOTE_G2_TARGET_IPC_DIR``            ``ipc_dir`` (private, mode 0700)            the source's default
 ``REMOTE_G2_TARGET_LEASE_TTL_MS``       ``lease_ttl_ms``                            10000
@@ -41,6 +42,11 @@ class TargetConfig:
     """How one worker's target client runs; every rank of the worker gets the same one.
 
     * ``registry_endpoint`` — where :meth:`~remote_g2.target.TargetClient.lookup` asks.
+    * ``registry_mirror`` — keep an in-process copy of the registry
+      (:class:`~remote_g2.registry.RegistryMirror`, following the server's
+      change feed) and answer lookups from it: no network round trip per
+      lookup, at the cost of the index in the leader's memory. Until the copy
+      is complete (and while it retakes one) lookups go to the server.
     * ``fingerprint`` — this worker's layout; lookups only return compatible
       sources, and a TP ratio the layout cannot serve is refused at lookup time.
     * ``lease_ttl_ms`` — asked of the source at resolve; renewed when a load
@@ -56,6 +62,7 @@ class TargetConfig:
 
     enabled: bool = False
     registry_endpoint: str | None = None
+    registry_mirror: bool = False
     transfer: str = "nixl"
     ipc_dir: str | None = None
     lease_ttl_ms: int = 10_000
@@ -79,7 +86,8 @@ class TargetConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TargetConfig:
         env = os.environ if environ is None else environ
-        values: dict[str, object] = {"enabled": env_flag(ENABLE_ENV, env)}
+        values: dict[str, object] = {"enabled": env_flag(ENABLE_ENV, env),
+                                     "registry_mirror": env_flag("REMOTE_G2_TARGET_REGISTRY_MIRROR", env)}
         for var, name in (("REMOTE_G2_REGISTRY", "registry_endpoint"), ("REMOTE_G2_TARGET_TRANSFER", "transfer"),
                           ("REMOTE_G2_TARGET_IPC_DIR", "ipc_dir")):
             if env.get(var):

@@ -23,6 +23,9 @@ class TargetMetrics(PrivateMetrics):
         r = self.registry
         self.lookups = Counter("remote_g2_target_lookups", "Registry lookups by answer (ok, no_candidate, "
                                "source_is_target, incompatible_layout, registry_error, ...)", ["reason"], registry=r)
+        self.mirror_lookups = Counter("remote_g2_target_mirror_lookups",
+                                      "Lookups answered by the in-process registry mirror (no round trip)",
+                                      registry=r)
         self.matched_blocks = Counter("remote_g2_target_matched_blocks", "Blocks remote sources offered at lookup",
                                       registry=r)
         self.loads = Counter("remote_g2_target_loads", "Loads by outcome (done, failed)", ["outcome"], registry=r)

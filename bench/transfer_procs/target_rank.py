@@ -371,6 +371,7 @@ def main() -> int:
     p.add_argument("--poll-us", type=float, default=200.0, help="get_finished polling interval of the bench loop")
     p.add_argument("--ipc-dir", required=True)
     p.add_argument("--lifetime-s", type=float, default=240.0)
+    p.add_argument("--registry-mirror", action="store_true", help="look up in an in-process registry mirror")
     args = p.parse_args()
     logging.basicConfig(level="WARNING", format=f"%(asctime)s %(levelname)s [pid {os.getpid()}] %(name)s: %(message)s")
 
@@ -385,7 +386,7 @@ def main() -> int:
     instrument_rpc()
     config = TargetConfig(enabled=True, registry_endpoint=args.registry, transfer="transfer_procs.common:RecordingNixl",
                           ipc_dir=args.ipc_dir, transfer_timeout_ms=20_000, rpc_timeout_ms=5_000,
-                          fingerprint=fingerprint_for(layout, tp))
+                          fingerprint=fingerprint_for(layout, tp), registry_mirror=args.registry_mirror)
     client = start_target_client(pool, worker_id=args.worker_id, config=config, comm=comm)
     instrument_client(client)
     raw = NixlTransfer(f"bench-raw-{args.worker_id}-tp{rank}")
@@ -397,6 +398,8 @@ def main() -> int:
             result: dict[str, Any] = {"tp": tp, "block_kib": args.block_kib, "hashes": args.hashes,
                                       "reps": args.reps, "poll_us": args.poll_us}
             try:
+                if args.registry_mirror and not client.wait_registry_mirror(60):
+                    raise Abort("the registry mirror did not get a complete copy in 60 s")
                 result["full"] = drv.series(args.hashes, "full", args.reps, with_memcpy=True)
                 result["one"] = drv.series(1, "one", args.reps, with_memcpy=False)
                 result["client_stats"] = dict(client.stats)
