@@ -204,7 +204,7 @@ class TargetClient:
         self._failed: set[str] = set()
         self._invalid: set[int] = set()
         self._stop = threading.Event()
-        self.stats = {"loads": 0, "done": 0, "failed": 0, "bytes": 0, "descriptors": 0}
+        self.stats = {"loads": 0, "done": 0, "failed": 0, "bytes": 0, "descriptors": 0, "mirror_lookups": 0}
         self.metrics = TargetMetrics()
 
     # -- start-up ------------------------------------------------------------------------
@@ -306,6 +306,7 @@ class TargetClient:
                 try:
                     reply = self._mirror.lookup(block_hashes, requester=self.worker_id, compat_key=self._compat_key())
                     self.metrics.mirror_lookups.inc()
+                    self.stats["mirror_lookups"] += 1
                 except MirrorNotReady:  # it lost its copy since `ready`: the server answers this one
                     pass
             if reply is None:

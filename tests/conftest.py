@@ -249,7 +249,7 @@ def store(make_store: Callable[..., RegistryStore]) -> RegistryStore:
 
 @pytest.fixture
 def registry(request: pytest.FixtureRequest) -> Iterator[str]:
-    """An in-process registry server on the memory store; its endpoint.
+    """An in-process registry server on the memory store, with a change feed; its endpoint.
 
     The workers' lease is 5 s, or ``N`` ms under ``@pytest.mark.registry_lease_ms(N)``
     (a test of lease expiry wants it short).
@@ -257,7 +257,8 @@ def registry(request: pytest.FixtureRequest) -> Iterator[str]:
     from remote_g2.registry import MemoryStore, RegistryServer
 
     marker = request.node.get_closest_marker("registry_lease_ms")
-    server = RegistryServer(MemoryStore(lease_ttl_ms=marker.args[0] if marker else 5000), bind="tcp://127.0.0.1:0")
+    server = RegistryServer(MemoryStore(lease_ttl_ms=marker.args[0] if marker else 5000), bind="tcp://127.0.0.1:0",
+                            feed_bind="tcp://127.0.0.1:0")
     try:
         yield server.start()
     finally:

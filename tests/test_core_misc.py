@@ -86,3 +86,12 @@ def test_log_level_override(monkeypatch):
     with pytest.raises(errors.ConfigError):
         configure_logging("chatty")
     configure_logging("WARNING")
+
+
+def test_target_registry_mirror_setting_from_the_environment():
+    from remote_g2.target import TargetConfig
+
+    assert TargetConfig.from_env({}).registry_mirror is False
+    assert TargetConfig.from_env({"REMOTE_G2_TARGET_REGISTRY_MIRROR": "1"}).registry_mirror is True
+    with pytest.raises(errors.ConfigError, match="REMOTE_G2_TARGET_REGISTRY_MIRROR"):
+        TargetConfig.from_env({"REMOTE_G2_TARGET_REGISTRY_MIRROR": "maybe"})

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from remote_g2.cli import main
-from remote_g2.errors import RpcTimeout, StaleEpoch
+from remote_g2.errors import ConfigError, RpcTimeout, StaleEpoch
 from remote_g2.messages import BlockEvent, LayoutFingerprint
 from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer, SourcePublisher
 
@@ -239,13 +239,25 @@ def test_serve_command_runs_until_sigterm(tmp_path):
     try:
         line = proc.stdout.readline()
         assert f"serving on tcp://127.0.0.1:{port}" in line and "store: memory" in line
+        assert "change feed on tcp://127.0.0.1:" in line  # on by default, on a free port of the bind's host
         with RegistryClient(f"tcp://127.0.0.1:{port}") as c:
             assert c.register_worker("w", "tcp://127.0.0.1:5", FP, 1).lease_ttl_ms == 3000
+            assert c.feed_info().endpoint in line and c.feed_info().seq == 1
         body = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read().decode()
         assert 'remote_g2_registry_requests_total{outcome="ok",type="register_worker"} 1.0' in body
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
+
+
+def test_feed_bind_settings():
+    from remote_g2.registry.serve_command import feed_endpoint
+
+    assert feed_endpoint("tcp://10.0.0.5:7450", "auto") == "tcp://10.0.0.5:0"
+    assert feed_endpoint("tcp://127.0.0.1:7450", "none") is None
+    assert feed_endpoint("tcp://127.0.0.1:7450", "tcp://127.0.0.1:7451") == "tcp://127.0.0.1:7451"
+    with pytest.raises(ConfigError, match="--feed-bind"):
+        feed_endpoint("ipc:///tmp/reg.sock", "auto")
 
 
 def test_serve_command_rejects_bad_settings(capsys):

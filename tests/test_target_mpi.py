@@ -94,6 +94,21 @@ def test_load_is_byte_exact_on_every_rank_and_pins_return_to_zero(tmp_path: Path
     assert all(d["total_pins"] == 0 for d in report["done"].values()), report
 
 
+def test_a_lookup_answered_by_the_registry_mirror_loads_the_same_bytes(tmp_path: Path, registry: str) -> None:
+    source = _source(tmp_path, registry, 2, "mirror")
+    try:
+        leader, verify = _run_target(tmp_path, registry, tp=2, source_tp=2, extra=["--registry-mirror"])
+        assert leader["match"] == {"matched": 16, "reason": "ok", "worker_id": source.worker_id}
+        assert leader["stats"]["mirror_lookups"] == 1  # no round trip to the server
+        assert leader["done"] == ["req-1"] and leader["invalid"] == []
+        for r, v in enumerate(verify):
+            assert v["checked"] == 16 and v["mismatches"] == [], (r, v)
+        for r in range(2):
+            source.wait_pins(r, 0)
+    finally:
+        source.stop()
+
+
 @pytest.mark.parametrize(("source_tp", "target_tp"), [(2, 1), (2, 2)])
 def test_mla_load_reads_replicated_blocks_pins_every_source_rank_and_releases_once(
         tmp_path: Path, registry: str, source_tp: int, target_tp: int) -> None:

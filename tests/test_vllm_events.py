@@ -206,3 +206,31 @@ def test_subscriber_tracks_a_vllm_worker_end_to_end():
     finally:
         sub.close()
         pub.close()
+
+
+def test_vllm_events_reach_registry_mirrors_through_the_change_feed():
+    """The server publishes what its vLLM subscriber applied, as it does for RPC writes."""
+    from remote_g2.registry import RegistryClient, RegistryMirror, RegistryServer
+
+    server = RegistryServer(MemoryStore(lease_ttl_ms=60_000), bind="tcp://127.0.0.1:0",
+                            feed_bind="tcp://127.0.0.1:0")
+    endpoint = server.start()
+    pub = VllmLikePublisher()
+    sub = VllmEventSubscriber(server.store, [Subscription(pub.endpoint, "vllm-0")], on_applied=server.publish).start()
+    mirror = RegistryMirror(endpoint).start()
+    try:
+        assert mirror.wait_ready(10), mirror.last_error
+        with RegistryClient(endpoint) as c:
+            c.register_worker("vllm-0", "tcp://127.0.0.1:9300", FP, 1)
+        wait_for(lambda: (pub.send([new_stored(H[7:8], medium="GPU")]), sub._feeds[0].last_vllm_seq)[1] is not None,
+                 "subscription")
+        pub.send([new_stored(H[:4])])  # the first batch after registration arrives as a resync
+        wait_for(lambda: mirror.lookup(H[:4]).matched == 4, "the resync on the mirror")
+        pub.send([NewRemoved([H[3]], "CPU")])  # then as events
+        wait_for(lambda: mirror.lookup(H[:4]).matched == 3, "the removal on the mirror")
+        assert mirror.stats().resyncs == {}
+    finally:
+        mirror.close()
+        sub.close()
+        pub.close()
+        server.close()

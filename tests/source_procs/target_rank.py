@@ -152,6 +152,7 @@ def main() -> int:
     p.add_argument("--delay-read-s", type=float, default=0.0)
     p.add_argument("--linger-s", type=float, default=0.0)
     p.add_argument("--rank-gone", type=int, default=0)
+    p.add_argument("--registry-mirror", action="store_true")
     args = p.parse_args()
 
     from mpi4py import MPI
@@ -177,7 +178,7 @@ def main() -> int:
         transfer = "nixl-delayed-read"
     config = TargetConfig(enabled=True, registry_endpoint=args.registry, transfer=transfer, ipc_dir=args.ipc_dir,
                           transfer_timeout_ms=args.timeout_ms, rpc_timeout_ms=args.rpc_timeout_ms,
-                          lease_ttl_ms=args.lease_ttl_ms, fingerprint=fp)
+                          lease_ttl_ms=args.lease_ttl_ms, fingerprint=fp, registry_mirror=args.registry_mirror)
     client = start_target_client(pool, worker_id="target-w", config=config, comm=comm)
     hashes = [hash_of(args.hash_offset + i) for i in range(args.hashes)]
     if args.rank_gone and rank == args.rank_gone:
@@ -189,6 +190,8 @@ def main() -> int:
             try:
                 while args.rank_gone and not (d / f"gone-{args.rank_gone}").exists():
                     time.sleep(0.01)
+                if args.registry_mirror and not client.wait_registry_mirror(10):
+                    raise RuntimeError("the registry mirror took no snapshot in 10 s")
                 m = client.lookup(hashes)
                 out["match"] = {"matched": m.matched, "reason": m.reason, "worker_id": m.worker_id}
                 n = len(hashes) if args.force_load and not m.matched else m.matched
