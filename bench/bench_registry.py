@@ -16,6 +16,11 @@ Phases
                script straight to Redis (the ceiling), alternated --tput-rounds
                times. Reports the ratio.
 
+Both lookup phases also run against a second server on the same Redis started
+with ``--mirror-lookups --mirror-peers <the first>``: it answers lookups from
+its in-process registry mirror (writes still go to Redis), so the table shows
+the script path and the mirror path side by side.
+
 Targets (issue 3): p50 <= 0.5 ms, p99 <= 2 ms; throughput >= 50 % of the raw
 ceiling; ingest >= 200 k block events/s.
 
@@ -87,6 +92,17 @@ def ingest(endpoint: str, blocks: int, workers: int, batch: int) -> dict[str, An
                     print(f"  ingest: {total:,} / {blocks:,} block events", file=sys.stderr)
         secs = time.perf_counter() - t0
     return {"block_events": total, "seconds": secs, "events_per_s": total / secs, "chains": chains}
+
+
+def wait_mirror_ready(endpoint: str, timeout_s: float) -> float:
+    """Seconds until the server at ``endpoint`` reports its registry mirror complete."""
+    t0 = time.monotonic()
+    with RegistryClient(endpoint, timeout_s=10) as c:
+        while (state := c.stats().mirror) != "ready":
+            if time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"the mirrored server's copy is still {state!r} after {timeout_s} s")
+            time.sleep(0.1)
+    return time.monotonic() - t0
 
 
 def _percentiles(samples: list[float]) -> dict[str, float]:
@@ -178,11 +194,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         redis_proc, redis_url = bench_servers.start_redis(tmp)
         reg_proc, endpoint = start_registry("--redis-url", redis_url, workers=args.server_workers)
+        mir_proc = None
         try:
             print(f"redis {redis_url}, registry {endpoint}", file=sys.stderr)
             ing = ingest(endpoint, args.blocks, args.workers, args.batch)
             chains = ing["chains"]
             print(f"  ingest done: {ing['events_per_s']:,.0f} block events/s", file=sys.stderr)
+            mir_proc, mir_endpoint = start_registry("--redis-url", redis_url, "--mirror-lookups", "--mirror-peers",
+                                                    endpoint, workers=args.server_workers)
+            mirror_ready_s = wait_mirror_ready(mir_endpoint, 300)
+            print(f"  mirrored server ready after {mirror_ready_s:.1f} s", file=sys.stderr)
 
             def full_match(reply: Any) -> None:
                 assert reply.reason == "ok" and reply.matched == CHAIN_LEN, reply
@@ -192,22 +213,34 @@ def main(argv: list[str] | None = None) -> int:
 
             raw = RawLookup(redis_url)
             noop = raw.client.script_load("return 1")
-            with RegistryClient(endpoint, timeout_s=10) as client:
+            with RegistryClient(endpoint, timeout_s=10) as client, \
+                    RegistryClient(mir_endpoint, timeout_s=10) as mclient:
                 lat = latency({"server": (client.lookup, full_match), "raw": (raw, raw_ok),
+                               "mirror": (mclient.lookup, full_match),
                                "ping": (lambda _: client.ping(), lambda r: None),
                                "noop": (lambda _: raw.client.evalsha(noop, 0), lambda r: None)},
                               chains, args.lookups, args.rounds)
             lat_server, lat_raw, lat_ping, lat_noop = lat["server"], lat["raw"], lat["ping"], lat["noop"]
+            lat_mirror = lat["mirror"]
             print("  latency done; throughput runs...", file=sys.stderr)
-            tput_server = tput_raw = 0.0
+            tput_server = tput_raw = tput_mirror = 0.0
             for _ in range(args.tput_rounds):  # alternated, for the same reason as the latency rounds
                 tput_server += throughput("server", endpoint, chains, args.clients, args.seconds) / args.tput_rounds
                 tput_raw += throughput("raw", redis_url, chains, args.clients, args.seconds) / args.tput_rounds
+                tput_mirror += throughput("server", mir_endpoint, chains, args.clients,
+                                          args.seconds) / args.tput_rounds
+            with RegistryClient(mir_endpoint, timeout_s=10) as mclient:
+                if mclient.stats().mirror != "ready":
+                    raise RuntimeError("the mirrored server lost its copy during the run; its numbers are not "
+                                       "mirror numbers")
         finally:
+            if mir_proc is not None:
+                bench_servers.stop(mir_proc)
             bench_servers.stop(reg_proc)
             bench_servers.stop(redis_proc)
 
     ratio = tput_server / tput_raw
+    ratio_mirror = tput_mirror / tput_raw
     rows = [
         ("ingest through server", f"{ing['events_per_s']:,.0f} block events/s", ">= 200,000 /s",
          ing["events_per_s"] >= 200_000),
@@ -221,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
         (f"throughput, server, {args.clients} clients", f"{tput_server:,.0f} lookups/s", "", None),
         (f"throughput, raw Lua, {args.clients} clients", f"{tput_raw:,.0f} lookups/s", "", None),
         ("server / raw throughput", f"{ratio:.2f}", ">= 0.50", ratio >= 0.5),
+        ("lookup p50, mirrored server", f"{lat_mirror['p50_ms']:.3f} ms", "<= 0.5 ms", lat_mirror["p50_ms"] <= 0.5),
+        ("lookup p99, mirrored server", f"{lat_mirror['p99_ms']:.3f} ms", "<= 2 ms", lat_mirror["p99_ms"] <= 2.0),
+        (f"throughput, mirrored server, {args.clients} clients", f"{tput_mirror:,.0f} lookups/s", "", None),
+        ("mirrored server / raw throughput", f"{ratio_mirror:.2f}", ">= 0.50", ratio_mirror >= 0.5),
+        ("mirrored server: snapshot of the registry", f"{mirror_ready_s:.1f} s", "", None),
     ]
     print(f"\nregistry benchmark: {args.blocks:,} entries over {args.workers} workers, {CHAIN_LEN}-hash prefixes, "
           f"real redis-server, {os.cpu_count()} cores")
@@ -233,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
               "ingest": ing, "latency_server": lat_server, "latency_raw_lua": lat_raw,
               "latency_ping_server": lat_ping, "latency_noop_evalsha": lat_noop,
               "throughput_server_per_s": tput_server, "throughput_raw_lua_per_s": tput_raw,
-              "throughput_ratio": ratio}
+              "throughput_ratio": ratio, "latency_mirrored_server": lat_mirror,
+              "throughput_mirrored_server_per_s": tput_mirror, "throughput_ratio_mirrored": ratio_mirror,
+              "mirror_ready_s": mirror_ready_s}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -30,6 +30,9 @@ class RegistryMetrics(PrivateMetrics):
         self.lookup_hits = Counter("remote_g2_registry_lookup_hits", "Lookups that found an owner", registry=r)
         self.lookup_reasons = Counter("remote_g2_registry_lookup_reasons", "Lookup outcomes by reason",
                                       ["reason"], registry=r)
+        self.mirror_lookups = Counter("remote_g2_registry_mirror_lookups",
+                                      "Lookups answered from the server's registry mirror (serve --mirror-lookups)",
+                                      registry=r)
         self.matched_blocks = Counter("remote_g2_registry_matched_blocks", "Blocks matched by lookups", registry=r)
         self.lookup_latency = Histogram("remote_g2_registry_lookup_seconds", "Server-side lookup latency",
                                         buckets=_LATENCY_BUCKETS, registry=r)

@@ -220,8 +220,8 @@ class RegistryMirror:
     # -- reads ----------------------------------------------------------------------------
 
     def lookup(self, hashes: Sequence[bytes], *, requester: str | None = None, compat_key: str | None = None,
-               want_all_holders: bool = False) -> LookupReply:
-        """The registry's prefix lookup, answered from this process's copy."""
+               want_all_holders: bool = False, tie_breaker: int | None = None) -> LookupReply:
+        """The registry's prefix lookup, answered from this process's copy (ties: round-robin unless given)."""
         index = self._index
         if index is None or not self._ready.is_set():
             raise MirrorNotReady(f"registry mirror of {', '.join(self.endpoints)} has no complete copy yet"
@@ -229,7 +229,8 @@ class RegistryMirror:
         if not hashes:
             raise ValueError("lookup needs at least one hash")
         return index.lookup(hashes, compat_key=compat_key, requester=requester,
-                            want_all_holders=want_all_holders, tie_breaker=next(self._rr))
+                            want_all_holders=want_all_holders,
+                            tie_breaker=next(self._rr) if tie_breaker is None else tie_breaker)
 
     def stats(self) -> MirrorStats:
         index = self._index

@@ -31,6 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feed-bind", default="auto",
                    help="ZMQ PUB endpoint of the change feed registry mirrors follow: 'auto' (default) = the "
                         "--bind host on a free port, 'none' = no feed")
+    p.add_argument("--mirror-lookups", action="store_true",
+                   help="(Redis stores) answer lookups from an in-process copy of the registry that follows the "
+                        "change feeds, instead of a Redis script per lookup")
+    p.add_argument("--mirror-peers", default="",
+                   help="with --mirror-lookups: the other servers in front of the same store, "
+                        "tcp://HOST:PORT[,...] (their feeds are followed too)")
     p.add_argument("--vllm-kv-events", default=None,
                    help="subscribe to vLLM KV-event publishers: ENDPOINT=WORKER_ID[,ENDPOINT=WORKER_ID...]")
     p.add_argument("--vllm-all-media", action="store_true",
@@ -46,10 +52,17 @@ def build_server(args: argparse.Namespace) -> RegistryServer:
         raise ConfigError("--curve-allowed-clients needs --curve-secret-key")
     curve = CurveServerConfig.from_files(args.curve_secret_key, args.curve_allowed_clients) \
         if args.curve_secret_key else None
+    if args.mirror_lookups and not (args.redis_url or args.redis_cluster_url):
+        raise ConfigError("--mirror-lookups is for Redis stores (the embedded store already answers from memory)")
+    if args.mirror_lookups and args.feed_bind == "none":
+        raise ConfigError("--mirror-lookups needs the change feed (drop --feed-bind none)")
+    if args.mirror_peers and not args.mirror_lookups:
+        raise ConfigError("--mirror-peers needs --mirror-lookups")
     store = open_store(redis_url=args.redis_url, redis_cluster_url=args.redis_cluster_url,
                        lease_ttl_ms=int(args.lease_ttl_s * 1000))
     return RegistryServer(store, bind=args.bind, workers=args.workers, curve=curve,
-                          feed_bind=feed_endpoint(args.bind, args.feed_bind))
+                          feed_bind=feed_endpoint(args.bind, args.feed_bind), mirror_lookups=args.mirror_lookups,
+                          mirror_peers=[p.strip() for p in args.mirror_peers.split(",") if p.strip()])
 
 
 def feed_endpoint(bind: str, feed_bind: str) -> str | None:

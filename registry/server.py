@@ -9,6 +9,14 @@ With ``feed_bind`` the server also publishes every write it applied on a
 change feed (:mod:`.feed`), and answers ``feed_info`` and ``scan_worker``, so
 a :class:`~registry.mirror.RegistryMirror` can keep an in-process copy.
 
+With ``mirror_lookups`` (Redis backends) the server keeps such a copy itself,
+following its own feed and its ``mirror_peers``' (the other servers in front
+of the same store), and answers lookups from memory instead of running the
+lookup script; writes still go to the store. While the copy is incomplete
+lookups go to the store as usual. A lookup may then miss a write made a feed
+hop ago — a registry answer is a hint the source's resolve checks, so that
+costs at most a shorter match (docs/architecture.md).
+
 A background thread sweeps dead and superseded incarnations and refreshes the
 size gauges. A store that cannot reach Redis answers ``ERR StoreUnavailable``;
 the server keeps serving and recovers by itself when Redis is back.
@@ -20,11 +28,11 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from remote_g2.curve import CurveServerConfig
-from remote_g2.errors import StoreUnavailable
+from remote_g2.curve import CurveClientConfig, CurveServerConfig
+from remote_g2.errors import ConfigError, MirrorNotReady, StoreUnavailable
 from remote_g2.messages import (
     DrainWorker,
     DrainWorkerReply,
@@ -55,6 +63,7 @@ from remote_g2.rpc_server import CallContext, RpcServer
 
 from .feed import DEFAULT_TICK_S, FeedPublisher
 from .metrics import RegistryMetrics
+from .mirror import RegistryMirror
 from .store import PendingLookups, RegistryStore
 
 __all__ = ["RegistryServer", "DEFAULT_BIND"]
@@ -78,12 +87,19 @@ class RegistryServer:
         sweep_interval_s: float = 1.0,
         feed_bind: str | None = None,
         feed_tick_s: float = DEFAULT_TICK_S,
+        mirror_lookups: bool = False,
+        mirror_peers: Sequence[str] = (),
     ) -> None:
+        if mirror_lookups and not feed_bind:
+            raise ConfigError("mirror_lookups needs a change feed (feed_bind)")
         self.store = store
         self._curve = curve
         self._feed_bind = feed_bind
         self._feed_tick_s = feed_tick_s
         self.feed: FeedPublisher | None = None
+        self._mirror_lookups = mirror_lookups
+        self._mirror_peers = list(mirror_peers)
+        self.mirror: RegistryMirror | None = None
         self.metrics = metrics or RegistryMetrics()
         self._rr = itertools.count()
         self._lookups = 0
@@ -119,6 +135,12 @@ class RegistryServer:
             self.feed = FeedPublisher(self._feed_bind, context=self._rpc.context, curve=self._curve,
                                       tick_s=self._feed_tick_s)
             log.info("change feed on %s (instance %s)", self.feed.endpoint, self.feed.instance)
+        if self._mirror_lookups:
+            # The copy reads from this server (and its peers, which share its key pair) as a CURVE client
+            # with the server's own keys: an allow-list must list the server's public key.
+            client_curve = (CurveClientConfig(self._curve.public_key, self._curve.public_key, self._curve.secret_key)
+                            if self._curve is not None else None)
+            self.mirror = RegistryMirror([endpoint, *self._mirror_peers], curve=client_curve).start()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="registry-sweeper", daemon=True)
         self._sweeper.start()
         log.info("registry on %s (store: %s, lease %d ms)", endpoint, self.store.name, self.store.lease_ttl_ms)
@@ -131,6 +153,8 @@ class RegistryServer:
     def close(self) -> None:
         """Stop serving and sweeping; the store is the caller's to close."""
         self._stop.set()
+        if self.mirror is not None:
+            self.mirror.close()
         self._rpc.close()
         if self.feed is not None:
             self.feed.close()
@@ -216,7 +240,19 @@ class RegistryServer:
         A Redis store answers later (the batch is on the wire): the RPC layer
         keeps serving meanwhile and collects the answers through ``result()``.
         """
-        started = self.store.start_lookups([req for req, _ in calls], [next(self._rr) for _ in calls])
+        ties = [next(self._rr) for _ in calls]
+        if self.mirror is not None and self.mirror.ready:
+            try:
+                replies = [self.mirror.lookup(r.hashes, requester=r.requester, compat_key=r.compat_key,
+                                              want_all_holders=r.want_all_holders, tie_breaker=t)
+                           for (r, _), t in zip(calls, ties)]
+            except MirrorNotReady:
+                pass  # it lost its copy a moment ago: the store answers this batch
+            else:
+                self.metrics.mirror_lookups.inc(len(replies))
+                self._count_lookups(replies, calls)
+                return replies
+        started = self.store.start_lookups([req for req, _ in calls], ties)
         if isinstance(started, list):
             self._count_lookups(started, calls)
             return started
@@ -251,7 +287,8 @@ class RegistryServer:
         with self._counter_lock:
             return StatsReply(store=self.store.name, workers_live=live, workers_total=total, block_entries=entries,
                               lookups=self._lookups, lookup_hits=self._hits, events_ingested=self._events,
-                              uptime_s=time.monotonic() - self._t0)
+                              uptime_s=time.monotonic() - self._t0,
+                              mirror="off" if self.mirror is None else "ready" if self.mirror.ready else "syncing")
 
     def _drain_worker(self, req: DrainWorker, ctx: CallContext) -> DrainWorkerReply:
         reply = self.store.drain_worker(req.worker_id)

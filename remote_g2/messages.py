@@ -347,6 +347,7 @@ class StatsReply:
     lookup_hits: _Count
     events_ingested: _Count
     uptime_s: float
+    mirror: Literal["off", "syncing", "ready"] = "off"
 
 
 @message("stats", reply=StatsReply)

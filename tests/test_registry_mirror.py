@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from remote_g2.errors import MirrorNotReady, RegistryError
+from remote_g2.errors import ConfigError, MirrorNotReady, RegistryError
 from remote_g2.messages import BlockEvent, LayoutFingerprint
 from remote_g2.registry import MemoryStore, RegistryClient, RegistryMirror, RegistryServer
 
@@ -261,3 +261,38 @@ def test_a_bad_scan_cursor_is_an_err_and_the_server_keeps_serving(served):
         with pytest.raises(RegistryError, match="cursor"):
             c.scan_worker("w1", b"not-a-cursor")
     assert set(c.scan_worker("w1").hashes) == set(chain(0))
+
+
+@pytest.mark.parametrize("make_store", ["redis", pytest.param("redis-cluster", marks=pytest.mark.cluster)],
+                         indirect=True)
+def test_servers_answering_lookups_from_their_mirrors(make_store):
+    """Two servers on one store, each following both feeds: a write through either shows in both's lookups."""
+    store_a, store_b = make_store(lease_ttl_ms=10_000), make_store(lease_ttl_ms=10_000)  # one Redis, one prefix
+    a = RegistryServer(store_a, bind="tcp://127.0.0.1:0", feed_bind="tcp://127.0.0.1:0")
+    ep_a = a.start()
+    b = RegistryServer(store_b, bind="tcp://127.0.0.1:0", feed_bind="tcp://127.0.0.1:0",
+                       mirror_lookups=True, mirror_peers=[ep_a])
+    ep_b = b.start()
+    try:
+        assert b.mirror is not None and b.mirror.wait_ready(10), b.mirror.last_error
+        with RegistryClient(ep_a) as ca, RegistryClient(ep_b) as cb:
+            ca.register_worker("w1", "tcp://127.0.0.1:1100", FP, 1)
+            ca.events("w1", 1, 1, [BlockEvent("stored", chain(0))])   # through the peer
+            cb.register_worker("w2", "tcp://127.0.0.1:1200", FP, 1)
+            cb.events("w2", 1, 1, [BlockEvent("stored", chain(0)[:9])])  # through the server itself
+            deadline = time.monotonic() + 3
+            while (cb.lookup(chain(0), want_all_holders=True).holders != ca.lookup(chain(0), want_all_holders=True)
+                   .holders) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            reply = cb.lookup(chain(0), want_all_holders=True)
+            assert [(h.worker_id, h.matched) for h in reply.holders] == [("w1", 24), ("w2", 9)]
+            assert b.metrics.mirror_lookups._value.get() >= 1
+            assert a.metrics.mirror_lookups._value.get() == 0  # a answers from the store
+    finally:
+        b.close()
+        a.close()
+
+
+def test_mirror_lookups_need_a_feed():
+    with pytest.raises(ConfigError, match="feed"):
+        RegistryServer(MemoryStore(), bind="tcp://127.0.0.1:0", mirror_lookups=True)

@@ -264,6 +264,10 @@ def test_serve_command_rejects_bad_settings(capsys):
     assert main(["serve", "--lease-ttl-s", "0"]) == 2
     assert "--lease-ttl-s" in capsys.readouterr().err
     assert main(["serve", "--curve-allowed-clients", "/tmp"]) == 2
+    assert main(["serve", "--mirror-lookups"]) == 2  # the embedded store answers from memory already
+    assert "--mirror-lookups is for Redis stores" in capsys.readouterr().err
+    assert main(["serve", "--mirror-peers", "tcp://127.0.0.1:7451"]) == 2
+    assert "--mirror-peers needs --mirror-lookups" in capsys.readouterr().err
 
 
 def test_client_timeout_names_the_call():
