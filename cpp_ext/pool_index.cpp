@@ -20,7 +20,7 @@
 // no thread ever waits for the GIL while holding the mutex, so there is no
 // lock-order cycle.
 
-#include <nanobind/nanobind.h>
+#include "block_key.h"
 
 #include <climits>
 #include <cstdint>
@@ -30,11 +30,10 @@
 #include <string>
 #include <vector>
 
-namespace nb = nanobind;
-
 namespace {
 
-constexpr Py_ssize_t kMaxHashLen = 32;
+using namespace remote_g2;
+
 constexpr int64_t kMaxBlocks = int64_t(1) << 30;
 // Calls with at least this many items release the GIL while they work. Below
 // it the work (~25 ns per item on a 1M-block pool) is shorter than a GIL
@@ -50,33 +49,6 @@ constexpr size_t kReleaseGilItems = 1024;
 struct BlockPinned : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
-
-// A block hash copied out of Python: zero-padded words (so equality is a few
-// word compares), its length (so b"\0" != b"\0\0"), and its table hash.
-struct Key {
-  uint64_t w[4];
-  uint32_t h;
-  uint32_t len;
-};
-
-inline uint64_t fmix64(uint64_t x) {  // murmur3 finaliser: full avalanche
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return x;
-}
-
-// `len` must already be checked to be in 1..32.
-inline void make_key(const char *data, size_t len, Key &k) {
-  k.w[0] = k.w[1] = k.w[2] = k.w[3] = 0;
-  std::memcpy(k.w, data, len);
-  k.len = uint32_t(len);
-  uint64_t h = fmix64(k.w[0] ^ (uint64_t(len) * 0x9e3779b97f4a7c15ULL));
-  if (len > 8) h = fmix64(h ^ k.w[1] ^ fmix64(k.w[2] ^ fmix64(k.w[3])));
-  k.h = uint32_t(h >> 32);
-}
 
 struct Evicted {
   int32_t id;
@@ -202,16 +174,17 @@ class Core {
   };
 
   int32_t find(const Key &k) const {
-    for (uint32_t i = k.h & mask_;; i = (i + 1) & mask_) {
+    uint32_t h = k.h32();
+    for (uint32_t i = h & mask_;; i = (i + 1) & mask_) {
       const Entry &e = table_[i];
       if (e.slot < 0) return -1;
-      if (e.h == k.h && same_key(e.slot, k)) return e.slot;
+      if (e.h == h && same_key(e.slot, k)) return e.slot;
     }
   }
 
   bool same_key(int32_t s, const Key &k) const {
-    return key_len_[s] == k.len && key_lo_[s] == k.w[0] &&
-           (k.len <= 8 ||
+    return key_len_[s] == k.len() && key_lo_[s] == k.w[0] &&
+           (k.len() <= 8 ||
             std::memcmp(&key_hi_[size_t(3) * s], &k.w[1], 24) == 0);
   }
 
@@ -305,7 +278,7 @@ class Core {
 
   void apply_insert(const Key &k, int32_t id) {
     // Allocate the long-key words first so a bad_alloc changes nothing.
-    if (k.len > 8 && key_hi_.empty()) key_hi_.assign(size_t(3) * n_, 0);
+    if (k.len() > 8 && key_hi_.empty()) key_hi_.assign(size_t(3) * n_, 0);
     ++inserts_;
     int32_t old = find(k);
     if (old == id) {  // already there: just refresh its LRU position
@@ -316,9 +289,9 @@ class Core {
     if (old >= 0) drop(old);
     if (key_len_[id] != 0) drop(id);
     key_lo_[id] = k.w[0];
-    key_len_[id] = uint8_t(k.len);
-    key_h_[id] = k.h;
-    if (k.len > 8) std::memcpy(&key_hi_[size_t(3) * id], &k.w[1], 24);
+    key_len_[id] = uint8_t(k.len());
+    key_h_[id] = k.h32();
+    if (k.len() > 8) std::memcpy(&key_hi_[size_t(3) * id], &k.w[1], 24);
     table_add(id);
     lru_push_mru(id);
     ++cached_;
@@ -344,34 +317,9 @@ class Core {
 // one raises TypeError (wrong type), ValueError (hash length) or IndexError
 // (block id out of range).
 
-[[noreturn]] void raise_python() { throw nb::python_error(); }
-
-struct Buffer {  // a PyObject_GetBuffer view, released on scope exit
-  Py_buffer view{};
-  Buffer(PyObject *o, int flags) {
-    if (PyObject_GetBuffer(o, &view, flags) != 0) raise_python();
-  }
-  ~Buffer() { PyBuffer_Release(&view); }
-  Buffer(const Buffer &) = delete;
-  Buffer &operator=(const Buffer &) = delete;
-};
-
-void read_hash(PyObject *o, Key &k) {
-  if (!PyBytes_Check(o))
-    throw nb::type_error((std::string("block hash must be bytes, not ") +
-                          Py_TYPE(o)->tp_name)
-                             .c_str());
-  Py_ssize_t len = PyBytes_GET_SIZE(o);
-  if (len < 1 || len > kMaxHashLen)
-    throw std::invalid_argument("block hash must be 1..32 bytes, got " +
-                                std::to_string(len));
-  make_key(PyBytes_AS_STRING(o), size_t(len), k);
-}
-
 int32_t read_id(PyObject *o, int32_t n) {
-  int overflow = 0;
-  long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
-  if (v == -1 && !overflow && PyErr_Occurred()) raise_python();  // TypeError
+  int overflow;
+  long long v = read_long_long(o, overflow);  // TypeError for a non-int
   if (overflow || v < 0 || v >= n)
     throw std::out_of_range(
         (overflow ? std::string("block id") : "block id " + std::to_string(v)) +
@@ -379,32 +327,9 @@ int32_t read_id(PyObject *o, int32_t n) {
   return int32_t(v);
 }
 
-// PySequence_Fast keeps lists and tuples as they are (no copy).
-nb::object as_fast_sequence(nb::handle seq, const char *what) {
-  PyObject *fast = PySequence_Fast(seq.ptr(), what);
-  if (!fast) raise_python();
-  return nb::steal(fast);
-}
-
-// Reading bytes objects runs no Python code, so the item array stays valid.
-void read_hash_list(nb::handle seq, std::vector<Key> &keys) {
-  nb::object fast =
-      as_fast_sequence(seq, "block hashes must be a sequence of bytes");
-  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
-  PyObject **items = PySequence_Fast_ITEMS(fast.ptr());
-  keys.resize(size_t(n));
-  for (Py_ssize_t i = 0; i < n; ++i) read_hash(items[i], keys[size_t(i)]);
-}
-
 void read_id_list(nb::handle seq, int32_t nblocks, std::vector<int32_t> &ids) {
-  nb::object fast = as_fast_sequence(seq, "block ids must be a sequence of int");
-  ids.clear();
-  // A non-int's __index__ runs Python code that may change the list: re-read
-  // the size every time and hold a reference to the item being converted.
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast.ptr()); ++i) {
-    nb::object item = nb::borrow(PySequence_Fast_GET_ITEM(fast.ptr(), i));
-    ids.push_back(read_id(item.ptr(), nblocks));
-  }
+  read_int_list(seq, "block ids must be a sequence of int",
+                [&](PyObject *o) { return read_id(o, nblocks); }, ids);
 }
 
 size_t check_hash_len(int64_t hash_len) {
@@ -460,42 +385,17 @@ void read_packed_ids(nb::handle arr, int32_t nblocks, std::vector<int32_t> &ids)
   }
 }
 
-// Per-thread buffers for copied-out arguments and results, reused across
-// calls so the hot path does not allocate. A call can re-enter on the same
-// thread (a non-int id's __index__, or a generator of hashes, runs Python code
-// that may call the index again); the nested call then gets fresh buffers.
 struct Scratch {
   std::vector<Key> keys;
   std::vector<int32_t> ids, out;
-};
-thread_local Scratch tls_scratch;
-thread_local bool tls_scratch_busy = false;
 
-class ScratchLease {
- public:
-  ScratchLease()
-      : s_(tls_scratch_busy ? &own_ : &tls_scratch), owner_(!tls_scratch_busy) {
-    tls_scratch_busy = true;
+  void trim() {
+    trim_vector(keys);
+    trim_vector(ids);
+    trim_vector(out);
   }
-  ~ScratchLease() {
-    if (!owner_) return;
-    // Give memory back after a bulk call (a 1M-hash fill would otherwise
-    // keep ~40 MB per thread for good).
-    constexpr size_t kKeep = size_t(1) << 16;
-    if (s_->keys.capacity() > kKeep) std::vector<Key>().swap(s_->keys);
-    if (s_->ids.capacity() > kKeep) std::vector<int32_t>().swap(s_->ids);
-    if (s_->out.capacity() > kKeep) std::vector<int32_t>().swap(s_->out);
-    tls_scratch_busy = false;
-  }
-  ScratchLease(const ScratchLease &) = delete;
-  ScratchLease &operator=(const ScratchLease &) = delete;
-  Scratch *operator->() { return s_; }
-
- private:
-  Scratch own_;
-  Scratch *s_;
-  bool owner_;
 };
+using ScratchLease = remote_g2::ScratchLease<Scratch>;
 
 PyObject *g_numpy_empty = nullptr;  // numpy.empty, looked up once, never freed
 PyObject *g_int32 = nullptr;        // "int32"
@@ -519,18 +419,6 @@ nb::object numpy_int32(const int32_t *ids, size_t n) {
     std::memcpy(b.view.buf, ids, n * sizeof(int32_t));
   }
   return arr;
-}
-
-nb::object int_list(const int32_t *ids, size_t n) {
-  PyObject *list = PyList_New(Py_ssize_t(n));
-  if (!list) raise_python();
-  nb::object guard = nb::steal(list);
-  for (size_t i = 0; i < n; ++i) {
-    PyObject *v = PyLong_FromLong(ids[i]);
-    if (!v) raise_python();
-    PyList_SET_ITEM(list, Py_ssize_t(i), v);
-  }
-  return guard;
 }
 
 // ---------------------------------------------------------------------------
@@ -602,9 +490,8 @@ class PoolIndex {
   }
 
   nb::object evict(nb::handle n_obj) {
-    int overflow = 0;
-    long long n = PyLong_AsLongLongAndOverflow(n_obj.ptr(), &overflow);
-    if (n == -1 && !overflow && PyErr_Occurred()) raise_python();
+    int overflow;
+    long long n = read_long_long(n_obj.ptr(), overflow);
     if (overflow < 0 || (!overflow && n < 0))
       throw std::invalid_argument("evict: n must be >= 0");
     if (overflow > 0) n = LLONG_MAX;
