@@ -59,6 +59,7 @@ demo: venv
 bench: venv redis
 	@mkdir -p bench/results
 	$(VPY) bench/bench_pool_index.py --json bench/results/pool_index.json
+	$(VPY) bench/bench_holder_index.py --json bench/results/holder_index.json
 	$(VPY) bench/bench_registry.py --json bench/results/registry.json
 	$(VPY) bench/bench_source.py --json bench/results/source.json
 	$(VPY) bench/bench_transfer.py --json bench/results/transfer.json

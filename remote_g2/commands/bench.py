@@ -1,4 +1,4 @@
-"""``remote-g2 bench {pool,registry,source,transfer,e2e,peers} [--json F] [--plot F.png] [--args="..."]``.
+"""``remote-g2 bench {pool,holder,registry,source,transfer,e2e,peers} [--json F] [--plot F.png] [--args="..."]``.
 
 One front door to the benchmarks in the checkout's ``bench/`` directory:
 each runs in its own process and prints its table; ``--json`` keeps its
@@ -24,6 +24,7 @@ from remote_g2.errors import ConfigError
 
 SCRIPTS = {
     "pool": ("bench_pool_index.py", []),
+    "holder": ("bench_holder_index.py", []),
     "registry": ("bench_registry.py", []),
     "source": ("bench_source.py", []),
     "transfer": ("bench_transfer.py", []),
@@ -87,14 +88,23 @@ def draw(what: str, results: dict[str, Any], path: str) -> None:
         ax.set_ylabel("find_and_pin + unpin per second")
         ax.set_title(f"pool index, {results['config']['prefix']}-hash prefixes over {results['config']['blocks']:,} blocks")
         ax.tick_params(axis="x", labelsize=7)
+    elif what == "holder":
+        rows = results["rows"]
+        ax.bar(["C++ HolderIndex", "Python dict of sets"], [rows["cpp"]["p50_us"], rows["python"]["p50_us"]],
+               color=["#3a7", "#999"])
+        ax.set_ylabel("µs (p50)")
+        ax.set_title(f"{results['chain']}-hash walk, 2 candidates, {results['pairs']:,} pairs: "
+                     f"{results['speedup_p50']:.1f}x")
     elif what == "registry":
-        names = ["server", "raw Lua", "ping", "no-op EVALSHA"]
-        keys = ["latency_server", "latency_raw_lua", "latency_ping_server", "latency_noop_evalsha"]
-        ax.bar(names, [results[k]["p50_ms"] for k in keys], color=["#3a7", "#999", "#bbb", "#bbb"])
+        names = ["server\n(Lua)", "server\n(mirror)", "raw Lua", "ping", "no-op\nEVALSHA"]
+        keys = ["latency_server", "latency_mirrored_server", "latency_raw_lua", "latency_ping_server",
+                "latency_noop_evalsha"]
+        ax.bar(names, [results[k]["p50_ms"] for k in keys], color=["#3a7", "#3a7", "#999", "#bbb", "#bbb"])
         ax.axhline(0.5, color="r", ls="--", lw=1, label="goal p50 0.5 ms")
         ax.set_ylabel("ms (p50)")
-        ax.set_title(f"registry lookup, {results['blocks']:,} entries; throughput ratio "
-                     f"{results['throughput_ratio']:.2f} of raw Lua")
+        ax.set_title(f"registry lookup, {results['blocks']:,} entries; throughput / raw Lua: "
+                     f"{results['throughput_ratio']:.2f} (Lua), {results['throughput_ratio_mirrored']:.2f} (mirror)",
+                     fontsize=9)
         ax.legend()
     elif what == "source":
         lat = results["latency"]
