@@ -71,6 +71,7 @@ log = logging.getLogger("remote_g2.registry.mirror")
 
 _FEED_TYPES = frozenset({"register_worker", "heartbeat", "events", "resync", "drain_worker", "feed_tick"})
 _RCVHWM = 1_000_000
+_MAX_RETRY_S = 30.0
 
 
 class MirrorIndex(MemoryStore):
@@ -249,21 +250,31 @@ class RegistryMirror:
         if self._curve is not None:
             self._curve.apply(sub)
         connected: set[str] = set()
+        failures = 0
         try:
             while not self._stop.is_set():
                 try:
                     last = self._snapshot(clients, sub, connected)
+                    failures = 0
                     self._follow(sub, last)
                 except _Resync as e:
                     self._ready.clear()
                     self._resyncs[e.reason] = self._resyncs.get(e.reason, 0) + 1
                     self.last_error = str(e)
                     log.warning("registry mirror: resync (%s)", e)
-                except (RemoteG2Error, zmq.ZMQError) as e:
+                except Exception as e:  # noqa: BLE001 - the copy must never stay "ready" behind a dead thread
                     self._ready.clear()
-                    self.last_error = f"{type(e).__name__}: {e}"
-                    log.warning("registry mirror: %s; retrying in %.1f s", self.last_error, self._retry_s)
-                    self._stop.wait(self._retry_s)
+                    error = f"{type(e).__name__}: {e}"
+                    # Back off while the registry stays away, and say so once, not every retry.
+                    delay = min(self._retry_s * 2 ** min(failures, 6), _MAX_RETRY_S)
+                    if error != self.last_error:
+                        if isinstance(e, (RemoteG2Error, zmq.ZMQError)):
+                            log.warning("registry mirror: %s; retrying (every %.1f s at most)", error, _MAX_RETRY_S)
+                        else:
+                            log.exception("registry mirror: unexpected error; retrying")
+                    self.last_error = error
+                    failures += 1
+                    self._stop.wait(delay)
         finally:
             self._ready.clear()
             sub.close(0)
@@ -296,6 +307,10 @@ class RegistryMirror:
         for client, info in zip(clients, infos):
             if not info.endpoint:
                 raise RegistryError(f"registry {client.endpoint} publishes no change feed (serve --feed-bind none)")
+        for gone in connected - {info.endpoint for info in infos}:  # a restarted server's old feed port
+            sub.disconnect(gone)
+            connected.discard(gone)
+        for info in infos:
             if info.endpoint not in connected:
                 sub.connect(info.endpoint)
                 connected.add(info.endpoint)

@@ -296,3 +296,30 @@ def test_servers_answering_lookups_from_their_mirrors(make_store):
 def test_mirror_lookups_need_a_feed():
     with pytest.raises(ConfigError, match="feed"):
         RegistryServer(MemoryStore(), bind="tcp://127.0.0.1:0", mirror_lookups=True)
+
+
+@pytest.mark.parametrize("make_store", ["memory"], indirect=True)
+def test_a_bug_while_following_drops_the_copy_and_the_mirror_recovers(served, monkeypatch):
+    """Fault injection: applying one write raises. The copy must not stay "ready" behind a dead thread."""
+    from remote_g2.registry.mirror import MirrorIndex
+
+    server, c = served()
+    mirror = RegistryMirror(c.endpoint, retry_s=0.05).start()
+    try:
+        assert mirror.wait_ready(10)
+        real = MirrorIndex.replay
+        calls = {"n": 0}
+
+        def flaky(self, req):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected")
+            return real(self, req)
+
+        monkeypatch.setattr(MirrorIndex, "replay", flaky)
+        c.register_worker("w1", "tcp://127.0.0.1:1100", FP, 1)
+        c.events("w1", 1, 1, [BlockEvent("stored", chain(0))])
+        converged(mirror, c, [chain(0)])
+        assert calls["n"] >= 2 and mirror.stats().snapshots == 2
+    finally:
+        mirror.close()
