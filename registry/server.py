@@ -155,9 +155,11 @@ class RegistryServer:
         self._stop.set()
         if self.mirror is not None:
             self.mirror.close()
-        self._rpc.close()
+        # The feed's socket first: with a CURVE allow-list it lives in the RPC server's private
+        # context, whose termination would wait for it forever.
         if self.feed is not None:
             self.feed.close()
+        self._rpc.close()
         if self._sweeper is not None:
             self._sweeper.join(5)
 

@@ -323,3 +323,60 @@ def test_a_bug_while_following_drops_the_copy_and_the_mirror_recovers(served, mo
         assert calls["n"] >= 2 and mirror.stats().snapshots == 2
     finally:
         mirror.close()
+
+
+def test_a_curve_registry_feeds_only_mirrors_holding_its_key(tmp_path):
+    from remote_g2.curve import CurveClientConfig, CurveServerConfig, generate_keypair
+
+    public, secret = generate_keypair(tmp_path / "keys", "registry")
+    other_public, _ = generate_keypair(tmp_path / "keys", "other")
+    server = RegistryServer(MemoryStore(), bind="tcp://127.0.0.1:0", feed_bind="tcp://127.0.0.1:0",
+                            curve=CurveServerConfig.from_files(secret))
+    endpoint = server.start()
+    good = RegistryMirror(endpoint, curve=CurveClientConfig.for_server(str(public))).start()
+    bad = RegistryMirror(endpoint, curve=CurveClientConfig.for_server(str(other_public)), timeout_s=0.3,
+                         retry_s=0.1).start()
+    try:
+        assert good.wait_ready(10), good.last_error
+        with RegistryClient(endpoint, curve=CurveClientConfig.for_server(str(public))) as c:
+            c.register_worker("w1", "tcp://127.0.0.1:1100", FP, 1)
+            c.events("w1", 1, 1, [BlockEvent("stored", chain(0))])  # arrives over the encrypted feed
+            converged(good, c, [chain(0)])
+        deadline = time.monotonic() + 5
+        while not bad.last_error and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not bad.ready and "RpcTimeout" in bad.last_error  # a wrong key gets nothing, not even a snapshot
+    finally:
+        bad.close()
+        good.close()
+        server.close()
+
+
+@pytest.mark.parametrize("make_store", ["redis"], indirect=True)
+def test_a_mirroring_server_behind_an_allow_list_reads_itself_with_its_own_key(tmp_path, make_store):
+    import shutil
+
+    from remote_g2.curve import CurveClientConfig, CurveServerConfig, generate_keypair
+
+    public, secret = generate_keypair(tmp_path / "keys", "registry")
+    client_public, client_secret = generate_keypair(tmp_path / "keys", "client")
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    for key in (public, client_public):  # the server's own public key, as operations.md says
+        shutil.copy(key, allowed / key.name)
+    server = RegistryServer(make_store(lease_ttl_ms=10_000), bind="tcp://127.0.0.1:0",
+                            feed_bind="tcp://127.0.0.1:0", mirror_lookups=True,
+                            curve=CurveServerConfig.from_files(secret, allowed))
+    endpoint = server.start()
+    try:
+        assert server.mirror is not None and server.mirror.wait_ready(10), server.mirror.last_error
+        with RegistryClient(endpoint, curve=CurveClientConfig.for_server(str(public), str(client_secret))) as c:
+            c.register_worker("w1", "tcp://127.0.0.1:1100", FP, 1)
+            c.events("w1", 1, 1, [BlockEvent("stored", chain(0))])
+            deadline = time.monotonic() + 3
+            while c.lookup(chain(0)).matched != 24 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert c.lookup(chain(0)).matched == 24 and c.stats().mirror == "ready"
+            assert server.metrics.mirror_lookups._value.get() >= 1
+    finally:
+        server.close()
