@@ -159,37 +159,30 @@ def test_a_worker_whose_lease_lapses_leaves_the_mirror_without_a_frame(served):
         mirror.close()
 
 
+def _skip_a_number(feed) -> None:
+    feed._seq += 1  # the frame numbered here never goes out, as PUB drops past its high-water mark
+
+
+def _send_garbage(feed) -> None:
+    feed._sock.send_multipart([feed.instance.encode(), b"\xc1 not msgpack"])
+
+
 @pytest.mark.parametrize("make_store", ["memory"], indirect=True)
-def test_a_lost_frame_makes_the_mirror_resnapshot(served):
-    """Fault injection: the publisher skips a sequence number, as PUB does past its high-water mark."""
+@pytest.mark.parametrize(("fault", "reason", "malformed"), [(_skip_a_number, "gap", 0),
+                                                             (_send_garbage, "malformed", 1)])
+def test_a_lost_or_malformed_frame_makes_the_mirror_resnapshot(served, fault, reason, malformed):
+    """Fault injection through the real publisher: the mirror counts it, retakes its copy and converges."""
     server, c = served()
     mirror = RegistryMirror(c.endpoint).start()
     try:
         assert mirror.wait_ready(10)
         c.register_worker("w1", "tcp://127.0.0.1:1100", FP, 1)
         with server.feed._lock:
-            server.feed._seq += 1  # the frame numbered here never goes out
+            fault(server.feed)
         c.events("w1", 1, 1, [BlockEvent("stored", chain(0))])
         converged(mirror, c, [chain(0)])
         stats = mirror.stats()
-        assert stats.resyncs == {"gap": 1} and stats.snapshots == 2
-    finally:
-        mirror.close()
-
-
-@pytest.mark.parametrize("make_store", ["memory"], indirect=True)
-def test_a_malformed_feed_frame_is_counted_and_the_mirror_resnapshots(served):
-    server, c = served()
-    mirror = RegistryMirror(c.endpoint).start()
-    try:
-        assert mirror.wait_ready(10)
-        c.register_worker("w1", "tcp://127.0.0.1:1100", FP, 1)
-        with server.feed._lock:  # fault injection through the real PUB socket
-            server.feed._sock.send_multipart([server.feed.instance.encode(), b"\xc1 not msgpack"])
-        c.events("w1", 1, 1, [BlockEvent("stored", chain(0))])
-        converged(mirror, c, [chain(0)])
-        stats = mirror.stats()
-        assert stats.malformed == 1 and stats.resyncs == {"malformed": 1}
+        assert stats.resyncs == {reason: 1} and stats.snapshots == 2 and stats.malformed == malformed
     finally:
         mirror.close()
 
