@@ -1,7 +1,7 @@
 """``remote-g2 admin``: who holds which blocks, which workers are live, and operator actions.
 
 Subcommands: ``workers``, ``worker ID``, ``who-has HASH…``, ``prefix HASH…``,
-``stats``, ``drain ID``. Hashes are hex (``0x`` optional). Every subcommand
+``stats``, ``feed``, ``drain ID``. Hashes are hex (``0x`` optional). Every subcommand
 takes ``--json``. An unreachable registry (or store) exits 1 with one line.
 """
 
@@ -40,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pre.add_argument("--compat-key", default=None, help="layout compat key to match")
     pre.add_argument("--holders", action="store_true", help="also list every holder")
     sub.add_parser("stats", parents=[common], help="registry counters")
+    sub.add_parser("feed", parents=[common], help="where this server publishes its change feed, and its position")
     sub.add_parser("drain", parents=[common], help="forget a worker and its blocks").add_argument("worker_id")
 
 
@@ -155,6 +156,20 @@ def _stats(client: RegistryClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def _feed(client: RegistryClient, args: argparse.Namespace) -> int:
+    f, mirror = client.feed_info(), client.stats().mirror
+    doc = {"endpoint": f.endpoint or None, "instance": f.instance or None, "seq": f.seq,
+           "lease_ttl_ms": f.lease_ttl_ms, "mirror": mirror}
+    if args.json:
+        print_json(doc)
+    elif not f.endpoint:
+        print(f"{client.endpoint} publishes no change feed (started with --feed-bind none); mirrors cannot follow it")
+    else:
+        print_table(["feed", "instance", "last seq", "lease ttl ms", "this server's mirror"],
+                    [[f.endpoint, f.instance, f.seq, f.lease_ttl_ms, mirror]])
+    return 0
+
+
 def _drain(client: RegistryClient, args: argparse.Namespace) -> int:
     r = client.drain_worker(args.worker_id)
     if args.json:
@@ -167,4 +182,4 @@ def _drain(client: RegistryClient, args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"workers": _workers, "worker": _worker, "who-has": _who_has, "prefix": _prefix, "stats": _stats,
-             "drain": _drain}
+             "feed": _feed, "drain": _drain}

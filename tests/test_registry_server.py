@@ -214,6 +214,20 @@ def test_admin_cli(registry, capsys):
     assert code == 2 and "not a hex block hash" in err
 
 
+def test_admin_feed(capsys):
+    with RegistryServer(MemoryStore(), bind="tcp://127.0.0.1:0", feed_bind="tcp://127.0.0.1:0") as server:
+        with RegistryClient(server.endpoint) as c:
+            c.register_worker("w1", "tcp://127.0.0.1:9001", FP, epoch=1)
+        code, out, _ = run_cli(capsys, "admin", "--registry", server.endpoint, "feed", "--json")
+        doc = json.loads(out)
+        assert code == 0 and doc["endpoint"] == server.feed.endpoint and doc["seq"] == 1 and doc["mirror"] == "off"
+        code, out, _ = run_cli(capsys, "admin", "--registry", server.endpoint, "feed")
+        assert server.feed.endpoint in out and server.feed.instance in out
+    with RegistryServer(MemoryStore(), bind="tcp://127.0.0.1:0") as server:
+        code, out, _ = run_cli(capsys, "admin", "--registry", server.endpoint, "feed")
+        assert code == 0 and "publishes no change feed" in out
+
+
 def test_admin_cli_unreachable_registry_is_one_line(capsys):
     code, out, err = run_cli(capsys, "admin", "--registry", "tcp://127.0.0.1:1", "--timeout-s", "0.2", "workers")
     assert code == 1 and out == ""
