@@ -55,6 +55,7 @@ from remote_g2.messages import (
     Events,
     FeedTick,
     Heartbeat,
+    Lookup,
     LookupReply,
     RegisterWorker,
     Resync,
@@ -222,16 +223,28 @@ class RegistryMirror:
 
     def lookup(self, hashes: Sequence[bytes], *, requester: str | None = None, compat_key: str | None = None,
                want_all_holders: bool = False, tie_breaker: int | None = None) -> LookupReply:
-        """The registry's prefix lookup, answered from this process's copy (ties: round-robin unless given)."""
-        index = self._index
-        if index is None or not self._ready.is_set():
-            raise MirrorNotReady(f"registry mirror of {', '.join(self.endpoints)} has no complete copy yet"
-                                 + (f" ({self.last_error})" if self.last_error else ""))
+        """The registry's prefix lookup, answered from this process's copy (ties: round-robin unless given).
+
+        Raises :class:`MirrorNotReady` while no complete copy is held.
+        """
         if not hashes:
             raise ValueError("lookup needs at least one hash")
-        return index.lookup(hashes, compat_key=compat_key, requester=requester,
-                            want_all_holders=want_all_holders,
-                            tie_breaker=next(self._rr) if tie_breaker is None else tie_breaker)
+        replies = self.lookup_many([Lookup(list(hashes), requester, compat_key, want_all_holders)],
+                                   None if tie_breaker is None else [tie_breaker])
+        if replies is None:
+            raise MirrorNotReady(f"registry mirror of {', '.join(self.endpoints)} has no complete copy yet"
+                                 + (f" ({self.last_error})" if self.last_error else ""))
+        return replies[0]
+
+    def lookup_many(self, requests: Sequence[Lookup],
+                    tie_breakers: Sequence[int] | None = None) -> list[LookupReply] | None:
+        """Answer ``requests`` from the copy as the store's ``lookup_many`` would; None while no complete
+        copy is held (the caller asks the server instead). Ties are round-robin unless given."""
+        index = self._index
+        if index is None or not self._ready.is_set():
+            return None
+        ties = [next(self._rr) for _ in requests] if tie_breakers is None else tie_breakers
+        return index.lookup_many(requests, ties)
 
     def stats(self) -> MirrorStats:
         index = self._index
@@ -325,7 +338,8 @@ class RegistryMirror:
                                     f"{', '.join(sorted(wanted - last.keys()))} in time")
             got = self._recv(sub, 100)
             if got is not None:
-                self._note(last, got, backlog, first_sight_ok=True)
+                self._check_seq(last, got, first_sight_ok=True)
+                backlog.append(got)
         t0 = time.perf_counter()
         index = MirrorIndex(infos[0].lease_ttl_ms)
         for worker in clients[0].list_workers():
@@ -333,9 +347,11 @@ class RegistryMirror:
             self._drain(sub, last, backlog)
         self._drain(sub, last, backlog)
         for _, _, msg in backlog:
-            if not isinstance(msg, FeedTick) and not index.replay(msg):
+            if isinstance(msg, FeedTick):
+                continue
+            if not index.replay(msg):
                 raise _Resync("drift", f"{type(msg).__name__} for {msg.worker_id!r} did not apply over the snapshot")
-        self._applied += sum(1 for _, _, m in backlog if not isinstance(m, FeedTick))
+            self._applied += 1
         self._index = index
         self._snapshots += 1
         self._last_snapshot_s = time.perf_counter() - t0
@@ -365,12 +381,12 @@ class RegistryMirror:
 
     def _drain(self, sub: zmq.Socket, last: dict[str, int], backlog: list[tuple[str, int, Any]]) -> None:
         while (got := self._recv(sub, 0)) is not None:
-            self._note(last, got, backlog, first_sight_ok=False)
+            self._check_seq(last, got, first_sight_ok=False)
+            backlog.append(got)
 
     @staticmethod
-    def _note(last: dict[str, int], got: tuple[str, int, Any], out: list[tuple[str, int, Any]],
-              *, first_sight_ok: bool) -> None:
-        """Check a frame's number against its feed's last one; keep it in ``out``."""
+    def _check_seq(last: dict[str, int], got: tuple[str, int, Any], *, first_sight_ok: bool) -> None:
+        """Check a frame's number against its feed's last one (:class:`_Resync` on a gap) and record it."""
         instance, seq, msg = got
         prev = last.get(instance)
         if prev is None:
@@ -382,7 +398,6 @@ class RegistryMirror:
         elif seq != prev + 1:
             raise _Resync("gap", f"feed {instance} jumped from {prev} to {seq}")
         last[instance] = seq
-        out.append(got)
 
     def _follow(self, sub: zmq.Socket, last: dict[str, int]) -> None:
         index = self._index
@@ -393,8 +408,7 @@ class RegistryMirror:
             got = self._recv(sub, 100)
             now = time.monotonic()
             if got is not None:
-                batch: list[tuple[str, int, Any]] = []
-                self._note(last, got, batch, first_sight_ok=False)
+                self._check_seq(last, got, first_sight_ok=False)
                 heard[got[0]] = now
                 msg = got[2]
                 if not isinstance(msg, FeedTick):

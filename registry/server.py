@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from remote_g2.curve import CurveClientConfig, CurveServerConfig
-from remote_g2.errors import ConfigError, MirrorNotReady, StoreUnavailable
+from remote_g2.errors import ConfigError, StoreUnavailable
 from remote_g2.messages import (
     DrainWorker,
     DrainWorkerReply,
@@ -242,19 +242,14 @@ class RegistryServer:
         A Redis store answers later (the batch is on the wire): the RPC layer
         keeps serving meanwhile and collects the answers through ``result()``.
         """
-        ties = [next(self._rr) for _ in calls]
-        if self.mirror is not None and self.mirror.ready:
-            try:
-                replies = [self.mirror.lookup(r.hashes, requester=r.requester, compat_key=r.compat_key,
-                                              want_all_holders=r.want_all_holders, tie_breaker=t)
-                           for (r, _), t in zip(calls, ties)]
-            except MirrorNotReady:
-                pass  # it lost its copy a moment ago: the store answers this batch
-            else:
-                self.metrics.mirror_lookups.inc(len(replies))
-                self._count_lookups(replies, calls)
-                return replies
-        started = self.store.start_lookups([req for req, _ in calls], ties)
+        requests, ties = [req for req, _ in calls], [next(self._rr) for _ in calls]
+        # With no complete copy (still syncing, or retaking it) the store answers.
+        replies = self.mirror.lookup_many(requests, ties) if self.mirror is not None else None
+        if replies is not None:
+            self.metrics.mirror_lookups.inc(len(replies))
+            self._count_lookups(replies, calls)
+            return replies
+        started = self.store.start_lookups(requests, ties)
         if isinstance(started, list):
             self._count_lookups(started, calls)
             return started

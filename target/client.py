@@ -68,7 +68,7 @@ from typing import Any
 from remote_g2.adapters.registry import load_adapter
 from remote_g2.adapters.secondary_pool import SecondaryPool
 
-from remote_g2.errors import ConfigError, MirrorNotReady, ProtocolError, RemoteG2Error, TransferError
+from remote_g2.errors import ConfigError, ProtocolError, RemoteG2Error, TransferError
 from remote_g2.ipc_paths import ipc_endpoint, prepare_ipc_dir
 from remote_g2.local_link import LinkClosed, LinkListener, MessageLink, connect_link
 from remote_g2.messages import (
@@ -300,18 +300,17 @@ class TargetClient:
             return TargetMatch(0, "no_candidate")
         if self._registry is None:
             return TargetMatch(0, "no_registry")
+        request = Lookup(list(block_hashes), self.worker_id, self._compat_key())
         try:
-            reply = None
-            if self._mirror is not None and self._mirror.ready:
-                try:
-                    reply = self._mirror.lookup(block_hashes, requester=self.worker_id, compat_key=self._compat_key())
-                    self.metrics.mirror_lookups.inc()
-                    self.stats["mirror_lookups"] += 1
-                except MirrorNotReady:  # it lost its copy since `ready`: the server answers this one
-                    pass
-            if reply is None:
-                reply = self._registry.lookup(list(block_hashes), requester=self.worker_id,
-                                              compat_key=self._compat_key())
+            # Without a complete copy (still syncing, or retaking it) the server answers.
+            replies = self._mirror.lookup_many([request]) if self._mirror is not None else None
+            if replies is not None:
+                reply = replies[0]
+                self.metrics.mirror_lookups.inc()
+                self.stats["mirror_lookups"] += 1
+            else:
+                reply = self._registry.lookup(request.hashes, requester=request.requester,
+                                              compat_key=request.compat_key)
         except RemoteG2Error as e:
             log.warning("lookup failed: %s", e)
             self.metrics.lookup("registry_error", 0)
