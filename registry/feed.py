@@ -22,7 +22,6 @@ numbers go out in order.
 
 from __future__ import annotations
 
-import logging
 import secrets
 import threading
 from typing import Any
@@ -35,8 +34,6 @@ from remote_g2.rpc_server import normalize_bind_endpoint
 from remote_g2.wire import encode_request
 
 __all__ = ["FeedPublisher", "DEFAULT_TICK_S"]
-
-log = logging.getLogger("remote_g2.registry")
 
 DEFAULT_TICK_S = 0.1
 _SNDHWM = 100_000
