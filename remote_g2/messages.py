@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal, TypeVar
 
 from remote_g2.errors import UnknownMessage
-from remote_g2.schema import BlockHash, HashList, Limits, decoder_for, encoder_for
+from remote_g2.schema import BlockHash, HashList, Limits, Packed, decoder_for, encoder_for
 
 T = TypeVar("T")
 
@@ -439,7 +439,7 @@ _Blob = Annotated[bytes, Limits(max_len=4 * 1024 * 1024)]  # NIXL agent metadata
 _Rank = Annotated[int, Limits(ge=0, le=4095)]
 _Addr = Annotated[int, Limits(ge=0)]
 _Ttl = Annotated[int, Limits(ge=1, le=3_600_000)]
-_Ids = Annotated[list[Annotated[int, Limits(ge=0)]], Limits(max_len=65_536)]
+_Ids = Annotated[list[Annotated[int, Limits(ge=0)]], Limits(max_len=65_536), Packed()]  # u64 LE bin on the wire
 ResolveReason = Literal["ok", "miss", "over_budget"]
 
 

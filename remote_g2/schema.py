@@ -5,7 +5,8 @@ may carry. Supported annotations: ``int``, ``float``, ``bool``, ``str``,
 ``bytes``, ``list[T]``, ``dict[str, T]``, ``T | None``, ``Literal[...]`` of
 strings, and nested dataclasses. ``Annotated[T, Limits(...)]`` narrows sizes;
 without it the module defaults apply, so nothing that arrives from a socket is
-unbounded.
+unbounded. ``Annotated[list[int], ..., Packed()]`` sends a list of integers as
+one msgpack bin of fixed-width little-endian integers (block-id lists).
 
 Decoders are compiled once per class (a closure per field) because they run on
 every request; the error message names the path to the offending value, e.g.
@@ -14,17 +15,22 @@ every request; the error message names the path to the offending value, e.g.
 
 from __future__ import annotations
 
+import array
 import dataclasses
+import sys
 import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
+import numpy as np
+
 from remote_g2.errors import ProtocolError
 
 __all__ = [
     "Limits",
+    "Packed",
     "BlockHash",
     "HashList",
     "decoder_for",
@@ -51,6 +57,21 @@ class Limits:
     max_len: int | None = None
     ge: float | None = None
     le: float | None = None
+
+
+@dataclass(frozen=True)
+class Packed:
+    """On ``list[int]``: travel as one msgpack bin of ``dtype`` integers (numpy notation, little-endian).
+
+    Decoded back to a ``list[int]``, so the dataclass field is an ordinary
+    list. Why: ids ride every hop of a load (resolve reply, sibling replies,
+    the hand-off to each target rank), and a msgpack array of 511 ints costs
+    ~25 µs to unpack and ~20 µs to check in Python; the packed bin ~5 µs for
+    both (``np.frombuffer``, min/max, ``tolist``). The sender gets a
+    :class:`ValueError` for a value the width cannot hold.
+    """
+
+    dtype: str = "<u8"
 
 
 #: A block hash: opaque bytes, 1..32 long (u64 big-endian, SHA-256, ...).
@@ -94,7 +115,7 @@ def _sized(kind: type, limits: Limits | None, default_max: int) -> Decoder:
             return True
         if set(map(type, values)) != {kind}:
             return False
-        lengths = list(map(len, values))
+        lengths = set(map(len, values))  # a few distinct lengths at most (hashes: one)
         return lo <= min(lengths) and max(lengths) <= hi
 
     check.all_ok = all_ok  # type: ignore[attr-defined]
@@ -133,11 +154,87 @@ def _number(kind: type, limits: Limits | None) -> Decoder:
     return check
 
 
+def _item_limits(list_tp: Any) -> tuple[Any, Limits | None]:
+    """``list[Annotated[T, Limits]]`` → (T, its limits)."""
+    if get_origin(list_tp) is not list:
+        raise TypeError(f"Packed applies to list[int], not {list_tp}")
+    (item,) = get_args(list_tp)
+    if get_origin(item) is Annotated:
+        base, *extra = get_args(item)
+        return base, next((e for e in extra if isinstance(e, Limits)), None)
+    return item, None
+
+
+def _packed(list_tp: Any, limits: Limits | None, packed: Packed) -> Decoder:
+    item, item_limits = _item_limits(list_tp)
+    dtype = np.dtype(packed.dtype)
+    if item is not int or dtype.kind not in "iu" or dtype.byteorder == ">":
+        raise TypeError(f"Packed({packed.dtype!r}) needs list[int] and a little-endian integer dtype")
+    info = np.iinfo(dtype)
+    lo_v = max(info.min, int(item_limits.ge)) if item_limits and item_limits.ge is not None else info.min
+    hi_v = min(info.max, int(item_limits.le)) if item_limits and item_limits.le is not None else info.max
+    lo_n = limits.min_len if limits else 0
+    hi_n = limits.max_len if limits and limits.max_len is not None else DEFAULT_MAX_ITEMS
+    size = dtype.itemsize
+    expected = f"{lo_n}..{hi_n} packed {dtype.str} integers ({size} bytes each)"
+    check_range = (lo_v, hi_v) != (info.min, info.max)
+
+    def check_packed(value: Any, path: str) -> Any:
+        if type(value) is not bytes or len(value) % size or not lo_n <= len(value) // size <= hi_n:
+            _fail(path, expected, value)
+        a = np.frombuffer(value, dtype=dtype)
+        if check_range and a.size and (a.min() < lo_v or a.max() > hi_v):
+            i = int(np.flatnonzero((a < lo_v) | (a > hi_v))[0])
+            raise ProtocolError(f"{path}[{i}]: expected int in [{lo_v}, {hi_v}], got {int(a[i])}")
+        return a.tolist()
+
+    return check_packed
+
+
+_ARRAY_CODES = {"<u8": "Q", "<i8": "q", "<u4": "I", "<i4": "i"}  # numpy dtype -> array typecode
+
+
+def _packed_encoder(list_tp: Any, packed: Packed) -> Encoder:
+    _, item_limits = _item_limits(list_tp)
+    dtype = np.dtype(packed.dtype)
+    code = _ARRAY_CODES.get(dtype.str)
+    if code is None or array.array(code).itemsize != dtype.itemsize:
+        raise TypeError(f"Packed({packed.dtype!r}): supported dtypes are {sorted(_ARRAY_CODES)}")
+    info = np.iinfo(dtype)
+    lo_v = max(info.min, int(item_limits.ge)) if item_limits and item_limits.ge is not None else info.min
+    hi_v = min(info.max, int(item_limits.le)) if item_limits and item_limits.le is not None else info.max
+    swap = sys.byteorder != "little"
+
+    def encode(value: Any) -> bytes:
+        if len(value) == 0:
+            return b""
+        if isinstance(value, np.ndarray):
+            if value.ndim != 1 or value.dtype.kind not in "iu":
+                raise ValueError(f"cannot pack {value.dtype} values of shape {value.shape} as {dtype.str}")
+            if int(value.min()) < lo_v or int(value.max()) > hi_v:
+                raise ValueError(f"values outside [{lo_v}, {hi_v}] cannot be packed as {dtype.str}")
+            return value.astype(dtype, copy=False).tobytes()
+        try:
+            a = array.array(code, value)  # C loop; rejects non-ints and values the width cannot hold
+        except (OverflowError, TypeError) as e:
+            raise ValueError(f"cannot pack {len(value)} values as {dtype.str}: {e}") from None
+        if (lo_v, hi_v) != (info.min, info.max) and (min(a) < lo_v or max(a) > hi_v):
+            raise ValueError(f"values outside [{lo_v}, {hi_v}] cannot be packed as {dtype.str}")
+        if swap:
+            a.byteswap()
+        return a.tobytes()
+
+    return encode
+
+
 def _compile(tp: Any, limits: Limits | None = None) -> Decoder:
     origin = get_origin(tp)
     if origin is Annotated:
         base, *extra = get_args(tp)
         found = next((e for e in extra if isinstance(e, Limits)), None)
+        packed = next((e for e in extra if isinstance(e, Packed)), None)
+        if packed is not None:
+            return _packed(base, found, packed)
         return _compile(base, found)
     if tp is bool:
         def check_bool(value: Any, path: str) -> Any:
@@ -256,7 +353,9 @@ def _compile_encoder(tp: Any) -> Encoder | None:
     """An encoder for values of ``tp``, or None when the value is already wire-ready."""
     origin = get_origin(tp)
     if origin is Annotated:
-        return _compile_encoder(get_args(tp)[0])
+        base, *extra = get_args(tp)
+        packed = next((e for e in extra if isinstance(e, Packed)), None)
+        return _compile_encoder(base) if packed is None else _packed_encoder(base, packed)
     if origin in (Union, types.UnionType):
         inner = _compile_encoder(next(a for a in get_args(tp) if a is not type(None)))
         if inner is None:

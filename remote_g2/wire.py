@@ -41,7 +41,7 @@ __all__ = [
     "decode_reply_body",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: block-id lists travel packed (schema.Packed)
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 OK = "OK"
 ERR = "ERR"

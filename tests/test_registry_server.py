@@ -19,6 +19,7 @@ from remote_g2.cli import main
 from remote_g2.errors import ConfigError, RpcTimeout, StaleEpoch
 from remote_g2.messages import BlockEvent, LayoutFingerprint
 from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer, SourcePublisher
+from remote_g2.wire import PROTOCOL_VERSION
 
 FP = LayoutFingerprint(model_id="tiny", dtype="bf16", tokens_per_block=16, kv_layout="HND",
                        num_layers=2, num_kv_heads=4, head_dim=32, tp_size=2)
@@ -73,7 +74,7 @@ def test_metrics_count_lookups_events_and_bad_frames(registry):
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.linger = 0
     sock.connect(server.endpoint)
-    for bad in (b"junk", msgpack.packb([{"v": 1, "id": 1}, "lookup", {"hashes": [b"x" * 33]}])):
+    for bad in (b"junk", msgpack.packb([{"v": PROTOCOL_VERSION, "id": 1}, "lookup", {"hashes": [b"x" * 33]}])):
         sock.send(bad)
         assert sock.poll(5000)
         assert msgpack.unpackb(sock.recv())[1] == "ERR"

@@ -23,7 +23,7 @@ from remote_g2.errors import (
 from remote_g2.messages import Ping, Pong, Stats
 from remote_g2.rpc_client import RpcClient
 from remote_g2.rpc_server import RpcServer
-from remote_g2.wire import encode_request
+from remote_g2.wire import PROTOCOL_VERSION, encode_request
 
 
 @pytest.fixture
@@ -160,10 +160,10 @@ def test_unexpected_exception_is_internal_error_and_server_lives_on(serve):
     "frames, name",
     [
         (b"garbage", "ProtocolError"),
-        (msgpack.packb([{"v": 1, "id": 5}, "no_such_message", {}]), "UnknownMessage"),
-        (msgpack.packb([{"v": 1, "id": 5}, "ping", {"junk": 1}]), "ProtocolError"),
+        (msgpack.packb([{"v": PROTOCOL_VERSION, "id": 5}, "no_such_message", {}]), "UnknownMessage"),
+        (msgpack.packb([{"v": PROTOCOL_VERSION, "id": 5}, "ping", {"junk": 1}]), "ProtocolError"),
         (msgpack.packb([{"v": 9, "id": 5}, "ping", {}]), "ProtocolError"),
-        (msgpack.packb([{"v": 1, "id": 5, "re": 1}, "ping", {}]), "ProtocolError"),
+        (msgpack.packb([{"v": PROTOCOL_VERSION, "id": 5, "re": 1}, "ping", {}]), "ProtocolError"),
         ([b"a", b"b"], "ProtocolError"),
         (b"\x00" * (2 * 1024 * 1024 + 1), "FrameTooLarge"),
     ],

@@ -27,7 +27,7 @@ from remote_g2.errors import (
 from remote_g2.messages import Heartbeat, HeartbeatReply, Ping, Pong
 from remote_g2.rpc_mux import RpcMux
 from remote_g2.rpc_server import RpcServer
-from remote_g2.wire import decode_frame, encode_err, encode_ok
+from remote_g2.wire import PROTOCOL_VERSION, decode_frame, encode_err, encode_ok
 
 MARGIN_S = 0.5  # scheduling slack allowed on top of a call's timeout
 
@@ -628,7 +628,7 @@ def test_a_reply_that_fails_validation_is_a_protocol_error(make_mux, raw_router)
     got = []
     mux.call(ep, Ping(), got.append)
     ident, msg_id = _recv_request(sock)
-    sock.send_multipart([ident, msgpack.packb([{"v": 1, "id": 7, "re": msg_id}, "OK", {"server": 5}])])
+    sock.send_multipart([ident, msgpack.packb([{"v": PROTOCOL_VERSION, "id": 7, "re": msg_id}, "OK", {"server": 5}])])
     drive(mux, lambda: bool(got))
     assert len(got) == 1 and isinstance(got[0], ProtocolError)
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remote_g2.errors import ProtocolError
-from remote_g2.schema import BlockHash, HashList, Limits, decoder_for, encoder_for
+from remote_g2.schema import BlockHash, HashList, Limits, Packed, decoder_for, encoder_for
 
 
 @dataclass(frozen=True)
@@ -143,3 +144,52 @@ def test_bulk_checked_int_lists_still_name_the_bad_item(bad, index):
     assert decode({"ids": list(range(1000))}).ids == list(range(1000))
     with pytest.raises(ProtocolError, match=rf"ids\[{index}\]"):
         decode({"ids": bad})
+
+
+@dataclass(frozen=True)
+class PackedIds:
+    ids: Annotated[list[Annotated[int, Limits(ge=0)]], Limits(max_len=4), Packed()]
+    bounded: Annotated[list[Annotated[int, Limits(ge=1, le=1000)]], Limits(max_len=8), Packed()] = \
+        field(default_factory=list)
+
+
+def test_packed_ids_travel_as_one_little_endian_bin_and_decode_to_a_list():
+    enc, dec = encoder_for(PackedIds), decoder_for(PackedIds)
+    wire = enc(PackedIds([1, 2**64 - 1, 0], [7]))
+    assert wire["ids"] == b"".join(v.to_bytes(8, "little") for v in (1, 2**64 - 1, 0))
+    back = dec(wire)
+    assert back == PackedIds([1, 2**64 - 1, 0], [7]) and type(back.ids) is list and type(back.ids[0]) is int
+    assert enc(PackedIds(np.array([3, 4], dtype=np.int32)))["ids"] == enc(PackedIds([3, 4]))["ids"]
+    assert enc(PackedIds([]))["ids"] == b"" and dec({"ids": b""}).ids == []
+
+
+@pytest.mark.parametrize("raw, fragment", [
+    ({"ids": [1, 2]}, r"ids: expected 0\.\.4 packed <u8"),            # a msgpack array, not a bin
+    ({"ids": b"\x00" * 12}, r"ids: expected .*bytes of length 12"),    # not a whole number of ids
+    ({"ids": b"\x00" * 40}, r"ids: expected 0\.\.4 packed"),           # five ids, four allowed
+    ({"ids": b"", "bounded": (0).to_bytes(8, "little")}, r"bounded\[0\]: expected int in \[1, 1000\], got 0"),
+    ({"ids": b"", "bounded": (5).to_bytes(8, "little") + (1001).to_bytes(8, "little")}, r"bounded\[1\]"),
+])
+def test_malformed_packed_ids_are_protocol_errors_naming_the_field(raw, fragment):
+    with pytest.raises(ProtocolError, match=fragment):
+        decoder_for(PackedIds)(raw)
+
+
+@pytest.mark.parametrize("ids", [[-1], [2**64], ["3"], [1.5], np.array([-2, 3]), np.array([0.5])])
+def test_the_sender_cannot_pack_what_the_width_does_not_hold(ids):
+    with pytest.raises(ValueError, match="pack"):
+        encoder_for(PackedIds)(PackedIds(ids))
+
+
+def test_packed_needs_a_list_of_ints_and_a_supported_dtype():
+    @dataclass(frozen=True)
+    class OnStr:
+        names: Annotated[list[str], Packed()]
+
+    @dataclass(frozen=True)
+    class BigEndian:
+        ids: Annotated[list[int], Packed(">u8")]
+
+    for cls in (OnStr, BigEndian):
+        with pytest.raises(TypeError, match="Packed"):
+            decoder_for(cls)

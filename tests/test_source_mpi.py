@@ -35,6 +35,7 @@ from source_procs.pattern import hash_of
 from remote_g2.errors import SourceError
 from remote_g2.messages import GetMetadata, Release, Renew, Resolve, SiblingPin
 from remote_g2.rpc_client import RpcClient
+from remote_g2.wire import PROTOCOL_VERSION
 
 pytestmark = [
     pytest.mark.mpi,
@@ -281,13 +282,13 @@ def test_malformed_frames_answer_err_and_the_source_keeps_serving(shared: Source
     try:
         bad = [
             b"\xc1garbage",
-            msgpack.packb([{"v": 1, "id": 7}, "resolve", {"hashes": "nope", "ttl_ms": 5}]),
-            msgpack.packb([{"v": 1, "id": 8}, "resolve", {"hashes": [b""], "ttl_ms": 5}]),
-            msgpack.packb([{"v": 1, "id": 9}, "resolve", {"hashes": [b"x" * 33], "ttl_ms": 5}]),
-            msgpack.packb([{"v": 1, "id": 10}, "resolve", {"hashes": [b"x"], "ttl_ms": 0}]),
-            msgpack.packb([{"v": 1, "id": 11}, "no_such_message", {}]),
-            msgpack.packb([{"v": 1, "id": 12}, "release", {"lease_id": True}]),
-            msgpack.packb([{"v": 2, "id": 13}, "ping", {}]),
+            msgpack.packb([{"v": PROTOCOL_VERSION, "id": 7}, "resolve", {"hashes": "nope", "ttl_ms": 5}]),
+            msgpack.packb([{"v": PROTOCOL_VERSION, "id": 8}, "resolve", {"hashes": [b""], "ttl_ms": 5}]),
+            msgpack.packb([{"v": PROTOCOL_VERSION, "id": 9}, "resolve", {"hashes": [b"x" * 33], "ttl_ms": 5}]),
+            msgpack.packb([{"v": PROTOCOL_VERSION, "id": 10}, "resolve", {"hashes": [b"x"], "ttl_ms": 0}]),
+            msgpack.packb([{"v": PROTOCOL_VERSION, "id": 11}, "no_such_message", {}]),
+            msgpack.packb([{"v": PROTOCOL_VERSION, "id": 12}, "release", {"lease_id": True}]),
+            msgpack.packb([{"v": PROTOCOL_VERSION + 1, "id": 13}, "ping", {}]),
         ]
         for frame in bad:
             sock.send(frame)

@@ -52,20 +52,21 @@ def test_err_echo_is_bounded():
     [
         (b"", "not valid msgpack"),
         (b"\xc1", "not valid msgpack"),
-        (pack([{"v": 1, "id": 1}, "ping"]), "3-element"),
+        (pack([{"v": PROTOCOL_VERSION, "id": 1}, "ping"]), "3-element"),
         (pack({"v": 1}), "3-element"),
         (pack([[1], "ping", {}]), "header must be a map"),
-        (pack([{"v": 2, "id": 1}, "ping", {}]), "version"),
+        (pack([{"v": PROTOCOL_VERSION + 1, "id": 1}, "ping", {}]), "version"),
+        (pack([{"v": 1, "id": 1}, "ping", {}]), "version"),  # before block ids were packed
         (pack([{"id": 1}, "ping", {}]), "version"),
-        (pack([{"v": 1, "id": -1}, "ping", {}]), "header.id"),
-        (pack([{"v": 1, "id": "1"}, "ping", {}]), "header.id"),
-        (pack([{"v": 1, "id": True}, "ping", {}]), "header.id"),
-        (pack([{"v": 1, "id": 1, "x": 0}, "ping", {}]), "unknown keys"),
-        (pack([{"v": 1, "id": 1}, b"ping", {}]), "type"),
-        (pack([{"v": 1, "id": 1}, "", {}]), "type"),
-        (pack([{"v": 1, "id": 1}, "ping", []]), "body must be a map"),
-        (pack([{"v": 1, "id": 1}, "ping", {}]) + b"\x00", "not valid msgpack"),
-        (pack([{"v": 1, "id": 1}, "ping", {1: 2}]), "not valid msgpack"),  # non-str map key
+        (pack([{"v": PROTOCOL_VERSION, "id": -1}, "ping", {}]), "header.id"),
+        (pack([{"v": PROTOCOL_VERSION, "id": "1"}, "ping", {}]), "header.id"),
+        (pack([{"v": PROTOCOL_VERSION, "id": True}, "ping", {}]), "header.id"),
+        (pack([{"v": PROTOCOL_VERSION, "id": 1, "x": 0}, "ping", {}]), "unknown keys"),
+        (pack([{"v": PROTOCOL_VERSION, "id": 1}, b"ping", {}]), "type"),
+        (pack([{"v": PROTOCOL_VERSION, "id": 1}, "", {}]), "type"),
+        (pack([{"v": PROTOCOL_VERSION, "id": 1}, "ping", []]), "body must be a map"),
+        (pack([{"v": PROTOCOL_VERSION, "id": 1}, "ping", {}]) + b"\x00", "not valid msgpack"),
+        (pack([{"v": PROTOCOL_VERSION, "id": 1}, "ping", {1: 2}]), "not valid msgpack"),  # non-str map key
         (msgpack.packb(msgpack.ExtType(1, b"abc")), "not valid msgpack"),
     ],
 )
@@ -87,13 +88,13 @@ def test_length_prefix_lies_do_not_allocate():
 
 def test_unknown_type_and_bad_body():
     with pytest.raises(UnknownMessage):
-        decode_request_body(decode_frame(pack([{"v": 1, "id": 1}, "nope", {}])))
+        decode_request_body(decode_frame(pack([{"v": PROTOCOL_VERSION, "id": 1}, "nope", {}])))
     with pytest.raises(ProtocolError, match="unknown field"):
-        decode_request_body(decode_frame(pack([{"v": 1, "id": 1}, "ping", {"x": 1}])))
+        decode_request_body(decode_frame(pack([{"v": PROTOCOL_VERSION, "id": 1}, "ping", {"x": 1}])))
 
 
 def test_reply_of_unexpected_type():
-    frame = decode_frame(pack([{"v": 1, "id": 1, "re": 1}, "ping", {}]))
+    frame = decode_frame(pack([{"v": PROTOCOL_VERSION, "id": 1, "re": 1}, "ping", {}]))
     with pytest.raises(ProtocolError, match="expected OK or ERR"):
         decode_reply_body(frame, spec_for_request(Ping))
 
