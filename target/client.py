@@ -15,10 +15,18 @@ How a load runs. The leader's coordinator is one thread running an event loop
 many loads — to many sources — are in flight at once. For each load it
 resolves a lease on the source (``resolve``: every source rank pins the
 prefix), sends every other target rank its ``target_load`` *first*, then
-hands its own share to its :class:`~.rank_worker.RankWorker`. Each rank
-plans and issues its own READs and answers ``target_done``. The leader waits
-for **every** rank, so no rank still writes into a destination block when
-the engine hears the outcome.
+hands its own share to the leader's share thread, which drives the leader's
+:class:`~.rank_worker.RankWorker` like every other rank's loop drives its
+own. Each rank plans and issues its own READs and answers ``target_done``.
+The leader waits for **every** rank, so no rank still writes into a
+destination block when the engine hears the outcome.
+
+Why the leader's READs have a thread of their own: on one host NIXL copies
+the bytes inside the post (UCX ``cma``), 32 MiB taking ~9 ms here. Posted
+from the coordinator, they held up everything else it does for that long —
+with several loads in flight, the next load's ``target_load`` waited while
+the other ranks sat idle. NIXL lets go of the GIL while it copies, so the
+coordinator keeps resolving and dispatching meanwhile.
 
 The ranks talk over :mod:`~remote_g2.local_link` links (one Unix stream
 socket per rank to the leader, set up at start-up), not ZMQ: one thread to
@@ -182,6 +190,8 @@ class TargetClient:
         self._group = group
         self._pool = pool
         self._worker: RankWorker | None = None
+        self._share: threading.Thread | None = None  # leader: drives its own RankWorker
+        self._shares: queue.SimpleQueue[TargetLoad | None] = queue.SimpleQueue()  # leader: its own share, or stop
         self._closed = False
         self._loop: threading.Thread | None = None  # rank > 0: takes target_load off its link, drives the worker
         self._link: MessageLink | None = None       # rank > 0: to the leader
@@ -234,7 +244,8 @@ class TargetClient:
                 transfer.close()
             raise
         assert transfer is not None
-        report = self._rank_done if self.rank == 0 else self._report_to_leader
+        # The leader's worker runs on its share thread and reports through the coordinator's events.
+        report = (lambda done: self._post("done", done)) if self.rank == 0 else self._report_to_leader
         # Owned from here on: shutdown() closes the adapter even when the links below fail.
         self._worker = RankWorker(rank=self.rank, tp_size=self.tp_size, layout=layout, pool_base=regions[0].base,
                                   transfer=transfer, report=report,
@@ -269,6 +280,8 @@ class TargetClient:
             os.set_blocking(self._wake_r, False)
             os.set_blocking(self._wake_w, False)
             target, name = self._coordinate, f"remote-g2-target-{self.worker_id}"
+            self._share = threading.Thread(target=self._serve_share, name=f"{name}-tp0", daemon=True)
+            self._share.start()
         else:
             target, name = self._serve_rank, f"remote-g2-target-{self.worker_id}-tp{self.rank}"
         self._loop = threading.Thread(target=target, name=name, daemon=True)
@@ -437,6 +450,32 @@ class TargetClient:
             worker.close()  # fails (and reports) whatever is still in flight
             link.close()
 
+    def _serve_share(self) -> None:
+        """The leader's own share: take ``target_load`` off the queue, start it, poll the READs; report by event."""
+        worker = self._worker
+        assert worker is not None
+        try:
+            while True:
+                if worker.busy:  # READs to poll: only take what is already queued
+                    try:
+                        load: TargetLoad | None | bool = self._shares.get_nowait()
+                    except queue.Empty:
+                        load = False
+                else:
+                    load = self._shares.get()
+                if load is None:
+                    return
+                if load is not False:
+                    worker.start(load, time.monotonic())
+                    continue  # every share already queued goes out before the first poll
+                worker.poll()
+                if worker.busy:
+                    time.sleep(POLL_S)
+        except Exception:  # pragma: no cover - a bug; the coordinator times the loads out
+            log.exception("target leader: its share loop failed")
+        finally:
+            worker.close()  # fails (and reports) whatever is still in flight
+
     def _report_to_leader(self, done: TargetDone) -> None:
         # On this rank's loop thread. A report that cannot go out is timed out by the leader.
         assert self._link is not None
@@ -486,8 +525,8 @@ class TargetClient:
                 self._rank_done(TargetDone(load.load_id, rank, False, f"target rank {rank} is gone: {why}"[:4000]))
 
     def _coordinate(self) -> None:
-        mux, worker = self._mux, self._worker
-        assert mux is not None and worker is not None
+        mux = self._mux
+        assert mux is not None and self._share is not None
         stopping = False
         mux.watch(self._wake_r, lambda: None)  # the events are taken below, after every wake-up
         for rank, link in self._links.items():
@@ -495,16 +534,14 @@ class TargetClient:
             mux.watch(self._link_fds[rank], lambda rank=rank: self._from_rank(rank))
         while not stopping:
             try:
-                mux.run_once(0 if worker.busy else self._until_next_clock_ms())
+                mux.run_once(self._until_next_clock_ms())
                 stopping = self._take_events()
-                if worker.busy:
-                    worker.poll()
-                    if worker.busy:
-                        time.sleep(POLL_S)
                 self._check_clocks()
             except Exception:  # pragma: no cover - a bug must not stop every later load
                 log.exception("target coordinator: an event loop step failed")
-        worker.close()
+        self._shares.put(None)  # the share thread fails (and reports) what it still has, then ends
+        self._share.join(10)
+        self._take_events()  # those reports
         for load in list(self._loads.values()):
             self._fail(load, "the target client shut down")
         deadline = time.monotonic() + min(1.0, self.config.rpc_timeout_ms / 1000.0)
@@ -527,6 +564,8 @@ class TargetClient:
                 return True
             if kind == "start":
                 self._begin(*item)
+            elif kind == "done":
+                self._rank_done(item)
 
     def _until_next_clock_ms(self) -> float:
         clocks = [t for load in self._loads.values() for t in (load.report_by, load.renew_at) if t]
@@ -640,8 +679,7 @@ class TargetClient:
                 self._rank_gone(r, e)
             except ProtocolError as e:  # this message cannot be sent (too large); the link is fine
                 self._rank_done(TargetDone(load.load_id, r, False, f"target_load to rank {r}: {e}"[:4000]))
-        assert self._worker is not None
-        self._worker.start(msg, time.monotonic())  # the others' shares are on the wire already
+        self._shares.put(msg)  # the others' shares are on the wire already
 
     def _rank_done(self, done: TargetDone) -> None:
         load = self._loads.get(done.load_id)
