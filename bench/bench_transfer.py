@@ -20,6 +20,12 @@ Interleaved with them (order alternating each round, so noise hits all):
   one shared instant; the time is until the slower rank's READ is done;
 * ``memcpy``: each rank copies the same number of bytes with numpy, same start.
 
+Then the sustained rate (``--stream-requests K``, default 8; 0 skips it):
+``--stream-rounds`` alternating rounds of K full-size requests kept
+``--stream-depth`` (default 2) in flight, as an engine with several requests
+loading at once, against the same K raw READs with as many posted at once;
+GB/s over the whole round. Every destination copy is checked after the last.
+
 The first request and the raw warm-up are checked byte for byte on every rank
 (and excluded from the medians, with the first request's time reported); so is
 the last request (its destination zeroed first). A wrong byte aborts the bench.
@@ -27,7 +33,8 @@ The same is then done with 1-block requests (the per-request fixed cost).
 Every rank timestamps the client's steps (RPCs, READ posts, hand-offs); the
 medians of those phases are the breakdown table.
 
-    python bench/bench_transfer.py [--blocks-kib 64,1024] [--mib 64] [--reps 20] [--json out.json]
+    python bench/bench_transfer.py [--blocks-kib 64,1024] [--mib 64] [--reps 20] [--stream-requests 8]
+                                   [--stream-depth 2] [--registry-mirror] [--json out.json]
 """
 
 from __future__ import annotations
@@ -130,7 +137,9 @@ def run_config(kib: int, args: argparse.Namespace, registry: str, tmp: Path) -> 
         tgt = Proc([str(MPIEXEC), "-n", str(TP), py, str(PROCS / "target_rank.py"), "--dir", str(tgt_dir),
                     "--registry", registry, "--worker-id", f"bench-tgt-{kib}k-{os.getpid()}", "--block-kib", str(kib),
                     "--hashes", str(n), "--reps", str(args.reps), "--poll-us", str(args.poll_us),
-                    "--ipc-dir", ipc, *(["--registry-mirror"] if args.registry_mirror else [])],
+                    "--ipc-dir", ipc, *(["--registry-mirror"] if args.registry_mirror else []),
+                    "--stream-requests", str(args.stream_requests), "--stream-depth", str(args.stream_depth),
+                    "--stream-rounds", str(args.stream_rounds)],
                    tgt_dir / "mpiexec.log")
         rc = tgt.wait(args.timeout_s)
         if rc is None:
@@ -281,6 +290,7 @@ def summarize(kib: int, res: dict[str, Any]) -> dict[str, Any]:
                  "raw_start_late_s": [r.get("start_late_s") for r in full["raw"]],
                  "memcpy_rank_s": [r["rank_s"] for r in full["memcpy"]], "one_e2e_s": one_e2e,
                  "one_raw_s": one_raw},
+        "stream": _stream_summary(res.get("stream")),
         "client_stats": res.get("client_stats"),
         "loadavg_after": res.get("loadavg_after"),
         "pins_after": res.get("pins_after"),
@@ -289,6 +299,20 @@ def summarize(kib: int, res: dict[str, Any]) -> dict[str, Any]:
         "breakdown_rows_ms": {k: [{p: None if v is None else v * 1e3 for p, v in row.items()} for row in rows]
                               for k, rows in res["breakdown_rows"].items()},
     }
+
+
+def _stream_summary(st: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Sustained GB/s of the e2e and raw streams (medians over rounds) and their ratio."""
+    if not st or not st["e2e"]:
+        return None
+    e2e = [r["s"] for r in st["e2e"]]
+    raw = [r["s"] for r in st["raw"]]
+    e2e_s, raw_s = statistics.median(e2e), statistics.median(raw)
+    return {"requests": st["requests"], "depth": st["depth"], "bytes": st["bytes"],
+            "e2e_s": e2e_s, "e2e_gb_per_s": st["bytes"] / e2e_s / 1e9,
+            "raw_s": raw_s, "raw_gb_per_s": st["bytes"] / raw_s / 1e9,
+            "ratio_e2e_over_raw": raw_s / e2e_s, "target_met": raw_s / e2e_s >= TARGET_RATIO,
+            "runs": {"e2e_s": e2e, "raw_s": raw}}
 
 
 def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
@@ -309,6 +333,16 @@ def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print("  e2e/raw: ratio of the medians (the target); paired: median of the per-round ratios; memcpy: GB/s;\n"
           "  fixed: median of (e2e - raw) per round; 1st: the first request (connects, loads metadata);\n"
           "  1blk: a 1-block request, ms")
+    streams = [(r["block_kib"], r["stream"]) for r in rows if r.get("stream")]
+    if streams:
+        st0 = streams[0][1]
+        print(f"\nsustained: {st0['requests']} requests of {args.mib} MiB per round, up to {st0['depth']} in flight, "
+              f"median of {args.stream_rounds} rounds")
+        print(f"{'block':>6} {'e2e GB/s':>8} {'raw GB/s':>8} {'e2e/raw':>7} {'>=0.70':>6}")
+        for kib, st in streams:
+            print(f"{str(kib) + 'K':>6} {st['e2e_gb_per_s']:>8.2f} {st['raw_gb_per_s']:>8.2f} "
+                  f"{st['ratio_e2e_over_raw']:>7.2f} {'yes' if st['target_met'] else 'NO':>6}")
+        print("  raw: the same READs with as many posted at once (each rank its own), from one shared instant")
     phases = ["lookup", "handoff", "resolve", "reads", "finish", "notice"]
     details = ["resolve_rpc", "release_rpc", "link_to_rank1", "rank0_wake", "rank0_read", "rank1_handed",
                "rank1_wake", "rank1_read", "link_from_rank1", "reads_overlap", "after_reads", "outside_reads"]
@@ -343,11 +377,16 @@ def main() -> int:
     p.add_argument("--timeout-s", type=float, default=150.0, help="per block size, for the target worker")
     p.add_argument("--registry-mirror", action="store_true",
                    help="the target looks up in an in-process registry mirror instead of asking the server")
+    p.add_argument("--stream-requests", type=int, default=8, help="requests per sustained-rate round (0: skip)")
+    p.add_argument("--stream-depth", type=int, default=2, help="requests in flight at most in a sustained round")
+    p.add_argument("--stream-rounds", type=int, default=3, help="sustained rounds (each: e2e and raw, alternating)")
     p.add_argument("--json", type=Path, help="also write the results here (parent directories are created)")
     args = p.parse_args()
     kibs = [int(x) for x in args.blocks_kib.split(",") if x.strip()]
     if not 0 < args.mib <= 512 or not 0 < args.reps <= 100 or not kibs:
         p.error("need 0 < --mib <= 512, 0 < --reps <= 100 and at least one block size")
+    if not 0 <= args.stream_requests <= 100 or not 1 <= args.stream_depth <= 8 or not 1 <= args.stream_rounds <= 20:
+        p.error("need 0 <= --stream-requests <= 100, 1 <= --stream-depth <= 8, 1 <= --stream-rounds <= 20")
     for k in kibs:
         if k <= 0 or k % 4 or ((args.mib << 20) // TP) % (k * 1024):
             p.error(f"block size {k} KiB must be a multiple of 4 KiB dividing {args.mib // TP} MiB")
@@ -374,7 +413,9 @@ def main() -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "benchmark": "transfer", "tp": TP, "mib": args.mib, "reps": args.reps,
-            "source_layout": args.source_layout, "poll_us": args.poll_us, "registry_mirror": args.registry_mirror, "nixl": _nixl_version(),
+            "source_layout": args.source_layout, "poll_us": args.poll_us, "registry_mirror": args.registry_mirror,
+            "stream_requests": args.stream_requests, "stream_depth": args.stream_depth,
+            "stream_rounds": args.stream_rounds, "nixl": _nixl_version(),
             "cpus": os.cpu_count(), "machine": platform.machine(), "loadavg": os.getloadavg(),
             "target_ratio": TARGET_RATIO, "rows": rows}, indent=2))
     print_tables(rows, args)

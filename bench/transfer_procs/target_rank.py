@@ -11,7 +11,8 @@ nobody waits in MPI after start-up. Commands: ``zero`` / ``check`` the first
 ``n`` destination blocks (byte-exact against ``rank_stream``; a wrong byte
 aborts), ``raw`` (re-issue, with the bare agent, exactly the descriptors the
 client's READ of that many bytes used, starting at the shared instant ``t0``),
-``memcpy`` (numpy copy of the same bytes at ``t0``), ``stop``.
+``memcpy`` (numpy copy of the same bytes at ``t0``), ``raw_stream`` (``count``
+raw READs, ``depth`` in flight at most), ``stop``.
 
 Rank 0's sequence: a warm-up request (checked), a raw warm-up (zeroed, then
 checked) and memcpy; then ``--reps`` rounds of {e2e request, raw READ, memcpy}
@@ -19,6 +20,13 @@ with the order alternating (the last e2e request zeroed first and checked);
 then the same for 1-block requests. Each e2e request is
 ``lookup -> start_load -> get_finished`` polled every ``--poll-us`` into the
 same destination blocks ``0..n-1`` (reused by every request).
+
+Then, with ``--stream-requests K`` (0: skipped), the sustained rate:
+``--stream-rounds`` rounds, order alternating, of {``K`` full-size requests
+with up to ``--stream-depth D`` in flight (request ``i`` lands in destination
+copy ``i % D``; the pool holds ``D`` copies), the same ``K`` raw READs with up
+to ``D`` posted at once}; every copy is zeroed before the last stream round
+and checked after it.
 
 Results (``DIR/result.json``, rank 0) and every rank's timestamps
 (``DIR/events-{rank}.json``) are written before NIXL is torn down; then
@@ -191,16 +199,18 @@ class Rank:
     def execute(self, cmd: dict[str, Any]) -> dict[str, Any]:
         op = cmd["op"]
         if op == "zero":
-            self.pool.buf[:cmd["n"] * self.bb] = 0
+            self.pool.buf[:cmd["n"] * cmd.get("copies", 1) * self.bb] = 0
             return {}
-        if op == "check":
-            n = cmd["n"]
-            got = self.pool.buf[:n * self.bb].reshape(n, self.bb)
-            want = self.expected[:n * self.bb].reshape(n, self.bb)
-            bad = np.flatnonzero((got != want).any(axis=1))
+        if op == "check":  # ``copies`` destination copies of the first n blocks, each byte-exact
+            n, copies = cmd["n"], cmd.get("copies", 1)
+            got = self.pool.buf[:copies * n * self.bb].reshape(copies, n, self.bb)
+            want = self.expected[:n * self.bb].reshape(1, n, self.bb)
+            bad = np.flatnonzero((got != want).any(axis=2).ravel())
             return {"bytes_ok": bad.size == 0, "bad_blocks": bad[:10].tolist(), "num_bad": int(bad.size)}
         if op == "raw":
             return self.raw_read(cmd["nbytes"], cmd["t0"])
+        if op == "raw_stream":
+            return self.raw_stream(cmd["nbytes"], cmd["t0"], cmd["count"], cmd["depth"])
         if op == "memcpy":
             n = cmd["nbytes"]
             wait_until(cmd["t0"])
@@ -211,13 +221,45 @@ class Rank:
             return {}
         raise Abort(f"unknown command {op!r}")
 
-    def raw_read(self, nbytes: int, t0: float) -> dict[str, Any]:
+    def _replay(self, nbytes: int) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
+        """The descriptors of the client's last READ of ``nbytes`` bytes, its peer loaded into the raw agent."""
         rec = RecordingNixl.instances[0]
         if nbytes not in rec.reads:
             raise Abort(f"rank {self.rank}: the client never read {nbytes} bytes; nothing to replay")
         peer, local, remote, sizes = rec.reads[nbytes]
         if not self.raw.has_peer(peer):
             self.raw.add_peer(peer, rec.peer_metadata[peer])
+        return peer, local, remote, sizes
+
+    def raw_stream(self, nbytes: int, t0: float, count: int, depth: int) -> dict[str, Any]:
+        """``count`` raw READs of the client's descriptors from ``t0``, at most ``depth`` posted at once."""
+        peer, local, remote, sizes = self._replay(nbytes)
+        wait_until(t0)
+        t_start = time.monotonic()
+        posted, open_ = 0, []
+        try:
+            while posted < count or open_:
+                while posted < count and len(open_) < depth:
+                    open_.append(self.raw.start_read(peer, local, remote, sizes))
+                    posted += 1
+                for h in list(open_):
+                    state = self.raw.poll(h)
+                    if state == "error":
+                        raise Abort(f"rank {self.rank}: a raw stream READ ended in error")
+                    if state == "done":
+                        self.raw.release(h)
+                        open_.remove(h)
+                if open_ and time.monotonic() - t_start > RAW_TIMEOUT_S:
+                    raise Abort(f"rank {self.rank}: raw stream not done in {RAW_TIMEOUT_S} s")
+                if open_ and all(h.state == "pending" for h in open_):
+                    time.sleep(0.0002)
+        finally:
+            for h in open_:
+                self.raw.release(h)
+        return {"t_start": t_start, "t_end": time.monotonic()}
+
+    def raw_read(self, nbytes: int, t0: float) -> dict[str, Any]:
+        peer, local, remote, sizes = self._replay(nbytes)
         wait_until(t0)
         t_start = time.monotonic()
         h = self.raw.start_read(peer, local, remote, sizes)
@@ -314,6 +356,75 @@ class Driver:
         record("e2e", t0, t_end, [kind, rep])
         return {"t0": t0, "t_lookup": t_lookup, "t_started": t_started, "t_end": t_end, "s": t_end - t0}
 
+    def stream(self, n: int, count: int, depth: int) -> dict[str, Any]:
+        """``count`` requests of ``n`` blocks, at most ``depth`` in flight; request i lands in copy ``i % depth``.
+
+        Each request is ``lookup -> start_load`` as soon as a slot is free; the
+        loop polls ``get_finished`` every ``--poll-us`` like an engine step.
+        """
+        client = self.r.client
+        hashes = [hash_of(self.kib, i) for i in range(n)]
+        free = list(range(depth))
+        open_: dict[str, int] = {}  # request id -> destination copy
+        issued = 0
+        t0 = time.monotonic()
+        while issued < count or open_:
+            while issued < count and free:
+                copy = free.pop(0)
+                self.req += 1
+                req = f"req-{self.req}"
+                m = client.lookup(hashes)
+                if m.matched != n:
+                    raise Abort(f"stream: lookup of {n} hashes matched {m.matched} ({m.reason})")
+                client.start_load(req, hashes, list(range(copy * n, (copy + 1) * n)))
+                open_[req] = copy
+                issued += 1
+            done, failed = client.get_finished()
+            if failed & open_.keys():
+                bad = sorted(client.invalid_block_ids())[:8]
+                raise Abort(f"stream: {sorted(failed & open_.keys())} failed; invalid blocks {bad}")
+            for req in done & open_.keys():
+                free.append(open_.pop(req))
+            if time.monotonic() - t0 > 60:
+                raise Abort(f"stream of {count} requests did not finish in 60 s")
+            if open_ and not (done & open_.keys()):
+                time.sleep(self.poll_s)
+        t_end = time.monotonic()
+        invalid = client.invalid_block_ids()
+        if invalid:
+            raise Abort(f"stream done but blocks {sorted(invalid)[:8]} are invalid")
+        record("stream", t0, t_end, [count, depth])
+        return {"t0": t0, "t_end": t_end, "s": t_end - t0}
+
+    def stream_series(self, n: int, count: int, depth: int, rounds: int) -> dict[str, Any]:
+        """Alternating rounds of an e2e stream and a raw stream of the same requests; the last is checked."""
+        per_rank = n * self.r.bb
+        out: dict[str, Any] = {"blocks": n, "bytes": per_rank * self.r.tp * count, "requests": count,
+                               "depth": depth, "e2e": [], "raw": []}
+        for rnd in range(rounds):
+            last = rnd == rounds - 1
+            for step in (["e2e", "raw"] if rnd % 2 == 0 else ["raw", "e2e"]):
+                if step == "e2e":
+                    if last:
+                        self.broadcast({"op": "zero", "n": n, "copies": depth})
+                    out["e2e"].append(self.stream(n, count, depth))
+                    if last:
+                        self.check_copies(n, depth, f"the last stream of {count} requests")
+                else:
+                    t0 = time.monotonic() + 0.02
+                    acks = self.broadcast({"op": "raw_stream", "nbytes": per_rank, "t0": t0, "count": count,
+                                           "depth": depth})
+                    out["raw"].append({"t0": t0, "s": max(a["t_end"] for a in acks) - t0})
+        return out
+
+    def check_copies(self, n: int, copies: int, what: str) -> None:
+        acks = self.broadcast({"op": "check", "n": n, "copies": copies})
+        bad = {rank: a for rank, a in enumerate(acks) if not a["bytes_ok"]}
+        if bad:
+            raise Abort(f"WRONG BYTES after {what}: " + "; ".join(
+                f"rank {rank}: {a['num_bad']} bad block(s) (copy * n + block), first {a['bad_blocks']}"
+                for rank, a in bad.items()))
+
     def synced(self, op: str, nbytes: int) -> dict[str, Any]:
         t0 = time.monotonic() + 0.02
         acks = self.broadcast({"op": op, "nbytes": nbytes, "t0": t0})
@@ -324,11 +435,7 @@ class Driver:
                 "descriptors": [a["descriptors"] for a in acks if "descriptors" in a]}
 
     def check(self, n: int, what: str) -> None:
-        acks = self.broadcast({"op": "check", "n": n})
-        bad = {rank: a for rank, a in enumerate(acks) if not a["bytes_ok"]}
-        if bad:
-            raise Abort(f"WRONG BYTES after {what}: " + "; ".join(
-                f"rank {rank}: {a['num_bad']} bad block(s), first {a['bad_blocks']}" for rank, a in bad.items()))
+        self.check_copies(n, 1, what)
 
     def series(self, n: int, kind: str, reps: int, with_memcpy: bool) -> dict[str, Any]:
         bb = self.r.bb
@@ -372,6 +479,9 @@ def main() -> int:
     p.add_argument("--ipc-dir", required=True)
     p.add_argument("--lifetime-s", type=float, default=240.0)
     p.add_argument("--registry-mirror", action="store_true", help="look up in an in-process registry mirror")
+    p.add_argument("--stream-requests", type=int, default=0, help="requests per stream round (0: no streams)")
+    p.add_argument("--stream-depth", type=int, default=2, help="requests in flight at most in a stream")
+    p.add_argument("--stream-rounds", type=int, default=3, help="stream rounds (each: an e2e and a raw stream)")
     args = p.parse_args()
     logging.basicConfig(level="WARNING", format=f"%(asctime)s %(levelname)s [pid {os.getpid()}] %(name)s: %(message)s")
 
@@ -382,7 +492,8 @@ def main() -> int:
     d: Path = args.dir
     deadline = time.monotonic() + args.lifetime_s
     layout = make_layout(args.block_kib, args.hashes)
-    pool = DestPool(layout)
+    # room for a stream's destination copies; the fingerprint does not depend on the pool's size
+    pool = DestPool(make_layout(args.block_kib, args.hashes * max(1, args.stream_depth)))
     instrument_rpc()
     config = TargetConfig(enabled=True, registry_endpoint=args.registry, transfer="transfer_procs.common:RecordingNixl",
                           ipc_dir=args.ipc_dir, transfer_timeout_ms=20_000, rpc_timeout_ms=5_000,
@@ -402,6 +513,9 @@ def main() -> int:
                     raise Abort("the registry mirror did not get a complete copy in 60 s")
                 result["full"] = drv.series(args.hashes, "full", args.reps, with_memcpy=True)
                 result["one"] = drv.series(1, "one", args.reps, with_memcpy=False)
+                if args.stream_requests > 0:
+                    result["stream"] = drv.stream_series(args.hashes, args.stream_requests, args.stream_depth,
+                                                         args.stream_rounds)
                 result["client_stats"] = dict(client.stats)
             except Exception as e:
                 result["error"] = f"{type(e).__name__}: {e}"
