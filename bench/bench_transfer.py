@@ -23,8 +23,10 @@ Interleaved with them (order alternating each round, so noise hits all):
 Then the sustained rate (``--stream-requests K``, default 8; 0 skips it):
 ``--stream-rounds`` alternating rounds of K full-size requests kept
 ``--stream-depth`` (default 2) in flight, as an engine with several requests
-loading at once, against the same K raw READs with as many posted at once;
-GB/s over the whole round. Every destination copy is checked after the last.
+loading at once, polling ``get_finished`` every ``--stream-poll-us`` (1 ms: an
+engine polls once per step), against the same K raw READs with as many
+posted at once; GB/s over the whole round, and how much of it each rank
+spent copying. Every destination copy is checked after the last.
 
 The first request and the raw warm-up are checked byte for byte on every rank
 (and excluded from the medians, with the first request's time reported); so is
@@ -139,7 +141,7 @@ def run_config(kib: int, args: argparse.Namespace, registry: str, tmp: Path) -> 
                     "--hashes", str(n), "--reps", str(args.reps), "--poll-us", str(args.poll_us),
                     "--ipc-dir", ipc, *(["--registry-mirror"] if args.registry_mirror else []),
                     "--stream-requests", str(args.stream_requests), "--stream-depth", str(args.stream_depth),
-                    "--stream-rounds", str(args.stream_rounds)],
+                    "--stream-rounds", str(args.stream_rounds), "--stream-poll-us", str(args.stream_poll_us)],
                    tgt_dir / "mpiexec.log")
         rc = tgt.wait(args.timeout_s)
         if rc is None:
@@ -166,6 +168,8 @@ def run_config(kib: int, args: argparse.Namespace, registry: str, tmp: Path) -> 
             print(f"warning: the {kib} KiB source did not stop in 20 s; killed", file=sys.stderr)
         src.kill()
         shutil.rmtree(ipc, ignore_errors=True)
+    if result.get("stream"):
+        result["stream"]["busy"] = _stream_busy(result["stream"], events)
     result["breakdown"], result["breakdown_rows"] = {}, {}
     for kind in ("full", "one"):
         result["breakdown"][kind], result["breakdown_rows"][kind] = breakdown(result[kind], events)
@@ -301,6 +305,16 @@ def summarize(kib: int, res: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _stream_busy(stream: dict[str, Any], events: list[list[list[Any]]]) -> list[list[float]]:
+    """Per e2e stream round, each rank's share of the round spent inside its READ posts (copying)."""
+    out = []
+    for rnd in stream["e2e"]:
+        t0, t1 = rnd["t0"], rnd["t_end"]
+        out.append([sum(e[2] - e[1] for e in evs if e[0] == "start_read" and t0 <= e[1] <= t1) / (t1 - t0)
+                    for evs in events])
+    return out
+
+
 def _stream_summary(st: dict[str, Any] | None) -> dict[str, Any] | None:
     """Sustained GB/s of the e2e and raw streams (medians over rounds) and their ratio."""
     if not st or not st["e2e"]:
@@ -312,6 +326,9 @@ def _stream_summary(st: dict[str, Any] | None) -> dict[str, Any] | None:
             "e2e_s": e2e_s, "e2e_gb_per_s": st["bytes"] / e2e_s / 1e9,
             "raw_s": raw_s, "raw_gb_per_s": st["bytes"] / raw_s / 1e9,
             "ratio_e2e_over_raw": raw_s / e2e_s, "target_met": raw_s / e2e_s >= TARGET_RATIO,
+            # each rank's fraction of a round spent copying (inside its READ posts), median over rounds
+            "rank_busy": [statistics.median(b[r] for b in st["busy"]) for r in range(len(st["busy"][0]))]
+            if st.get("busy") else None,
             "runs": {"e2e_s": e2e, "raw_s": raw}}
 
 
@@ -338,11 +355,13 @@ def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         st0 = streams[0][1]
         print(f"\nsustained: {st0['requests']} requests of {args.mib} MiB per round, up to {st0['depth']} in flight, "
               f"median of {args.stream_rounds} rounds")
-        print(f"{'block':>6} {'e2e GB/s':>8} {'raw GB/s':>8} {'e2e/raw':>7} {'>=0.70':>6}")
+        print(f"{'block':>6} {'e2e GB/s':>8} {'raw GB/s':>8} {'e2e/raw':>7} {'>=0.70':>6} {'copying':>12}")
         for kib, st in streams:
+            busy = "/".join(f"{b:.2f}" for b in st["rank_busy"]) if st.get("rank_busy") else "-"
             print(f"{str(kib) + 'K':>6} {st['e2e_gb_per_s']:>8.2f} {st['raw_gb_per_s']:>8.2f} "
-                  f"{st['ratio_e2e_over_raw']:>7.2f} {'yes' if st['target_met'] else 'NO':>6}")
-        print("  raw: the same READs with as many posted at once (each rank its own), from one shared instant")
+                  f"{st['ratio_e2e_over_raw']:>7.2f} {'yes' if st['target_met'] else 'NO':>6} {busy:>12}")
+        print("  raw: the same READs with as many posted at once (each rank its own), from one shared instant;\n"
+              "  copying: each rank's share of an e2e round spent inside its READ posts")
     phases = ["lookup", "handoff", "resolve", "reads", "finish", "notice"]
     details = ["resolve_rpc", "release_rpc", "link_to_rank1", "rank0_wake", "rank0_read", "rank1_handed",
                "rank1_wake", "rank1_read", "link_from_rank1", "reads_overlap", "after_reads", "outside_reads"]
@@ -380,6 +399,8 @@ def main() -> int:
     p.add_argument("--stream-requests", type=int, default=8, help="requests per sustained-rate round (0: skip)")
     p.add_argument("--stream-depth", type=int, default=2, help="requests in flight at most in a sustained round")
     p.add_argument("--stream-rounds", type=int, default=3, help="sustained rounds (each: e2e and raw, alternating)")
+    p.add_argument("--stream-poll-us", type=float, default=1000.0,
+                   help="get_finished polling interval in sustained rounds (an engine polls once per step)")
     p.add_argument("--json", type=Path, help="also write the results here (parent directories are created)")
     args = p.parse_args()
     kibs = [int(x) for x in args.blocks_kib.split(",") if x.strip()]
@@ -415,7 +436,7 @@ def main() -> int:
             "benchmark": "transfer", "tp": TP, "mib": args.mib, "reps": args.reps,
             "source_layout": args.source_layout, "poll_us": args.poll_us, "registry_mirror": args.registry_mirror,
             "stream_requests": args.stream_requests, "stream_depth": args.stream_depth,
-            "stream_rounds": args.stream_rounds, "nixl": _nixl_version(),
+            "stream_rounds": args.stream_rounds, "stream_poll_us": args.stream_poll_us, "nixl": _nixl_version(),
             "cpus": os.cpu_count(), "machine": platform.machine(), "loadavg": os.getloadavg(),
             "target_ratio": TARGET_RATIO, "rows": rows}, indent=2))
     print_tables(rows, args)

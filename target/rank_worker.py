@@ -2,17 +2,19 @@
 
 A :class:`RankWorker` is a state machine driven by one thread — the thread
 that owns the rank's transfer adapter (NIXL agents are not thread-safe in
-their default mode) and the rank's IPC socket: the leader's coordinator loop
-on rank 0, a small serving loop on every other rank. Nothing is handed to
+their default mode): the leader's share thread on rank 0, the serving loop
+that reads the leader's link on every other rank. Nothing is handed to
 another thread on the way from "this rank got its share" to "the READ is
-posted", and none back on the way to the report.
+posted".
 
 Per load (:meth:`RankWorker.start`): plan with
 :func:`~remote_g2.target.tp_mapping.plan_reads` (this rank's layout and pool
 address), load any source agent not yet known for that source epoch
 (metadata is cached per agent name; a new epoch drops the old agents first),
-start one READ per source rank. :meth:`RankWorker.poll` checks every
-in-flight READ without blocking. A load past its deadline has its READs
+start one READ per source rank, and check them once right away (on one
+host the bytes land inside the post, so the load is reported before the
+loop starts anything else). :meth:`RankWorker.poll` checks every in-flight
+READ without blocking. A load past its deadline has its READs
 released (NIXL aborts what still runs) and is reported failed. Nothing is
 reported ``ok`` unless every READ of the load said ``done``; every load is
 reported exactly once, through ``report(TargetDone)``.
@@ -108,18 +110,16 @@ class RankWorker:
                 flight.descriptors += reads.num_descriptors
         except Exception as e:
             self._finish(load.load_id, f"{type(e).__name__}: {e}")
+            return
+        # On one host the bytes usually landed inside the post: report now, not after whatever
+        # this rank's loop starts next (another load's copy would hold the report back that long).
+        self._check(load.load_id, flight, time.monotonic())
 
     def poll(self) -> None:
         """Check every in-flight READ without blocking; report the loads that ended."""
         now = time.monotonic()
         for key, flight in list(self._inflight.items()):
-            states = [self._transfer.poll(h) for h in flight.handles]
-            if "error" in states:
-                self._finish(key, "READ failed (transfer state ERR)")
-            elif all(s == "done" for s in states):
-                self._finish(key, None)
-            elif now > flight.deadline:
-                self._finish(key, f"READ not finished within {flight.load.timeout_ms} ms")
+            self._check(key, flight, now)
 
     def close(self) -> None:
         """Fail every load still in flight (their READs released), then close the adapter. Idempotent."""
@@ -131,6 +131,15 @@ class RankWorker:
         self._transfer.close()
 
     # -- internals -------------------------------------------------------------------------
+
+    def _check(self, key: int, flight: _Inflight, now: float) -> None:
+        states = [self._transfer.poll(h) for h in flight.handles]
+        if "error" in states:
+            self._finish(key, "READ failed (transfer state ERR)")
+        elif all(s == "done" for s in states):
+            self._finish(key, None)
+        elif now > flight.deadline:
+            self._finish(key, f"READ not finished within {flight.load.timeout_ms} ms")
 
     def _deadline(self, load: TargetLoad, received: float) -> float:
         if self.shares_leader_clock and load.deadline_ns:

@@ -109,6 +109,29 @@ def test_a_lookup_answered_by_the_registry_mirror_loads_the_same_bytes(tmp_path:
         source.stop()
 
 
+@pytest.mark.parametrize("target_tp", [1, 2])
+def test_the_leader_serves_other_loads_while_its_own_read_runs(tmp_path: Path, registry: str,
+                                                                target_tp: int) -> None:
+    # Every READ post takes 2 s (test-only adapter: a stand-in for a copy that long). Once rank 0's
+    # post has begun, a second load of hashes nobody holds must fail after one registry lookup — the
+    # coordinator keeps going while rank 0's share thread is inside its post — and the first load
+    # still lands whole.
+    source = _source(tmp_path, registry, 2, f"busy{target_tp}")
+    try:
+        leader, verify = _run_target(tmp_path, registry, tp=target_tp, source_tp=2,
+                                     extra=["--delay-read-s", "2.0", "--second-miss"])
+        assert leader["req1_open_at_miss"] is True, leader
+        assert leader["miss_failed_after_s"] - leader["miss_started_after_s"] < 1.0, leader  # not after the post
+        assert leader["done"] == ["req-1"] and leader["failed"] == [] and leader["invalid"] == []
+        assert leader["seconds"] >= 2.0
+        for r, v in enumerate(verify):
+            assert v["checked"] == 16 and v["mismatches"] == [], (r, v)
+        for r in range(2):
+            source.wait_pins(r, 0)
+    finally:
+        source.stop()
+
+
 @pytest.mark.parametrize(("source_tp", "target_tp"), [(2, 1), (2, 2)])
 def test_mla_load_reads_replicated_blocks_pins_every_source_rank_and_releases_once(
         tmp_path: Path, registry: str, source_tp: int, target_tp: int) -> None:

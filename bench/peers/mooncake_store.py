@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-os.environ.setdefault("MC_STORE_MEMCPY", "0")  # the TCP transport the comparison is about, not a same-host memcpy shortcut
+# the TCP transport the comparison is about, not a same-host memcpy shortcut
+os.environ.setdefault("MC_STORE_MEMCPY", "0")
 
 
 GET_BATCH = 1024
@@ -76,7 +77,8 @@ def run(block_kib: int, mib: int, reps: int) -> dict[str, Any]:
     exe = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
     rpc, http = _free_port(), _free_port()
     tmp = tempfile.mkdtemp(prefix="mc-")
-    master = subprocess.Popen([exe, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}", "--enable_http_metadata_server=true",
+    master = subprocess.Popen([exe, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
+                               "--enable_http_metadata_server=true",
                                "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={http}"],
                               stdout=open(Path(tmp) / "master.log", "wb"), stderr=subprocess.STDOUT,
                               start_new_session=True)

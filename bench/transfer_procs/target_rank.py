@@ -304,6 +304,7 @@ class Driver:
         self.r, self.d, self.seq, self.req = r, d, 0, 0
         self.kib = r.args.block_kib
         self.poll_s = r.args.poll_us / 1e6
+        self.stream_poll_s = r.args.stream_poll_us / 1e6
 
     def broadcast(self, cmd: dict[str, Any]) -> list[dict[str, Any]]:
         """Run ``cmd`` on every rank (this one included); every rank's answer, by rank."""
@@ -360,7 +361,8 @@ class Driver:
         """``count`` requests of ``n`` blocks, at most ``depth`` in flight; request i lands in copy ``i % depth``.
 
         Each request is ``lookup -> start_load`` as soon as a slot is free; the
-        loop polls ``get_finished`` every ``--poll-us`` like an engine step.
+        loop polls ``get_finished`` every ``--stream-poll-us``, like an engine
+        calling it once per step (a fast one: real steps take several ms).
         """
         client = self.r.client
         hashes = [hash_of(self.kib, i) for i in range(n)]
@@ -388,7 +390,7 @@ class Driver:
             if time.monotonic() - t0 > 60:
                 raise Abort(f"stream of {count} requests did not finish in 60 s")
             if open_ and not (done & open_.keys()):
-                time.sleep(self.poll_s)
+                time.sleep(self.stream_poll_s)
         t_end = time.monotonic()
         invalid = client.invalid_block_ids()
         if invalid:
@@ -482,6 +484,7 @@ def main() -> int:
     p.add_argument("--stream-requests", type=int, default=0, help="requests per stream round (0: no streams)")
     p.add_argument("--stream-depth", type=int, default=2, help="requests in flight at most in a stream")
     p.add_argument("--stream-rounds", type=int, default=3, help="stream rounds (each: an e2e and a raw stream)")
+    p.add_argument("--stream-poll-us", type=float, default=1000.0, help="get_finished polling interval in streams")
     args = p.parse_args()
     logging.basicConfig(level="WARNING", format=f"%(asctime)s %(levelname)s [pid {os.getpid()}] %(name)s: %(message)s")
 

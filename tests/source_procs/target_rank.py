@@ -32,6 +32,12 @@ Options for the failure tests:
   ``start_read`` first writes ``D/reading-{rank}`` and sleeps ``S`` seconds —
   a stand-in for a slow fabric, which opens a window between resolve and READ
   in which a test can kill the source or freeze the leader;
+* ``--second-miss``: once rank 0's READ post for ``req-1`` has begun (with
+  ``--delay-read-s``: ``D/reading-0`` exists) the leader also
+  ``start_load``s ``req-miss`` for hashes no source holds (``hash_of(1000..)``),
+  which the client fails after one registry lookup, and records when that
+  failure showed in ``get_finished`` (``miss_failed_after_s``) and whether
+  ``req-1`` was still loading then (``req1_open_at_miss``);
 * ``--rank-gone R``: rank ``R`` (> 0) shuts its client down right after
   start-up and writes ``D/gone-{R}``; the leader waits for that file before
   it looks up (a rank whose client stopped: the leader must fail the load at
@@ -153,6 +159,7 @@ def main() -> int:
     p.add_argument("--linger-s", type=float, default=0.0)
     p.add_argument("--rank-gone", type=int, default=0)
     p.add_argument("--registry-mirror", action="store_true")
+    p.add_argument("--second-miss", action="store_true")
     args = p.parse_args()
 
     from mpi4py import MPI
@@ -200,11 +207,23 @@ def main() -> int:
                 t0 = time.monotonic()
                 if n:
                     client.start_load("req-1", hashes[:n], dst)
+                    if args.second_miss:  # once rank 0's own READ post has begun
+                        while not (d / "reading-0").exists() and time.monotonic() - t0 < args.wait_s:
+                            time.sleep(0.001)
+                        out["miss_started_after_s"] = time.monotonic() - t0
+                        client.start_load("req-miss", [hash_of(1000 + i) for i in range(n)],
+                                          list(range(args.dst_start + n, args.dst_start + 2 * n)))
                     done: set[str] = set()
                     failed: set[str] = set()
                     invalid: set[int] = set()
-                    while not (done or failed) and time.monotonic() - t0 < args.wait_s:
+                    while "req-1" not in done | failed and time.monotonic() - t0 < args.wait_s:
                         a, b = client.get_finished()
+                        if "req-miss" in b:
+                            out["miss_failed_after_s"] = time.monotonic() - t0
+                            out["req1_open_at_miss"] = "req-1" not in done | failed | a
+                            b = b - {"req-miss"}
+                            invalid |= client.invalid_block_ids() - set(range(args.dst_start + n,
+                                                                              args.dst_start + 2 * n))
                         done |= a
                         failed |= b
                         invalid |= client.invalid_block_ids()
