@@ -452,7 +452,10 @@ class RpcServer:
         if not isinstance(reply, spec.reply):
             return self._answer_error(spec, ctx, TypeError(
                 f"handler for {spec.name} returned {type(reply).__name__}, expected {spec.reply.__name__}"))
-        data = encode_ok(next(self._ids), ctx.msg_id, reply)
+        try:
+            data = encode_ok(next(self._ids), ctx.msg_id, reply)
+        except Exception as e:  # a reply the wire cannot carry (e.g. an id a packed list cannot hold)
+            return self._answer_error(spec, ctx, e)
         self._observe(spec.name, ctx.received_at, "ok")
         return data
 

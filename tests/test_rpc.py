@@ -20,7 +20,7 @@ from remote_g2.errors import (
     SourceError,
     UnknownMessage,
 )
-from remote_g2.messages import Ping, Pong, Stats
+from remote_g2.messages import Ping, Pong, SiblingPin, SiblingPinReply, Stats
 from remote_g2.rpc_client import RpcClient
 from remote_g2.rpc_server import RpcServer
 from remote_g2.wire import PROTOCOL_VERSION, encode_request
@@ -133,6 +133,18 @@ def test_remote_errors_map_to_the_tree(serve):
     with pytest.raises(SourceError) as info:
         serve.client(ep).ping()
     assert info.value.remote == ep and "lease 42" in str(info.value)
+
+
+def test_a_reply_the_wire_cannot_carry_is_internal_error_and_server_lives_on(serve):
+    replies = iter([SiblingPinReply([-1]), SiblingPinReply([2**64]), SiblingPinReply([3, 4])])
+
+    ep = serve({"sibling_pin": lambda req, ctx: next(replies)})
+    client = serve.client(ep)
+    for _ in range(2):  # ids a packed u64 list cannot hold
+        with pytest.raises(RemoteError) as info:
+            client.call(SiblingPin(1, [b"h"], 1000))
+        assert info.value.name == "InternalError" and "pack" in str(info.value)
+    assert client.call(SiblingPin(1, [b"h"], 1000)).block_ids == [3, 4]
 
 
 def test_unexpected_exception_is_internal_error_and_server_lives_on(serve):
