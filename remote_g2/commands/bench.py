@@ -125,16 +125,25 @@ def draw(what: str, results: dict[str, Any], path: str) -> None:
 
         rows = results["rows"]
         x = np.arange(len(rows))
-        for i, (k, label, color) in enumerate([("e2e_gb_per_s", "remote-g2 end to end", "#3a7"),
-                                               ("raw_gb_per_s", "raw NIXL READ", "#27a")]):
-            ax.bar(x + (i - 0.5) * 0.35, [r[k] for r in rows], 0.35, label=label, color=color)
-        for xi, r in zip(x, rows):
-            ax.annotate(f"{r['ratio_e2e_over_raw']:.2f}", (xi - 0.17, r["e2e_gb_per_s"]), ha="center", va="bottom")
+        series = [("one request: remote-g2", "#3a7", lambda r: r["e2e_gb_per_s"]),
+                  ("one request: raw NIXL", "#27a", lambda r: r["raw_gb_per_s"])]
+        if all(r.get("stream") for r in rows):
+            series += [("sustained: remote-g2", "#8c8", lambda r: r["stream"]["e2e_gb_per_s"]),
+                       ("sustained: raw NIXL", "#8ad", lambda r: r["stream"]["raw_gb_per_s"])]
+        width = 0.8 / len(series)
+        for i, (label, color, get) in enumerate(series):
+            xs = x + (i - (len(series) - 1) / 2) * width
+            ax.bar(xs, [get(r) for r in rows], width, label=label, color=color)
+            if i % 2 == 0:  # the remote-g2 bar of each pair carries the pair's ratio
+                ratios = [get(r) / series[i + 1][2](r) for r in rows]
+                for xi, r, q in zip(xs, rows, ratios):
+                    ax.annotate(f"{q:.2f}", (xi, get(r)), ha="center", va="bottom", fontsize=8)
         ax.set_xticks(x, [f"{r['block_kib']} KiB" for r in rows])
-        ax.set_ylabel("GB/s (label: e2e / raw)")
-        ax.set_title(f"fetch of {results['mib']} MiB, TP={results['tp']} → {results['tp']}")
-        ax.set_ylim(0, max(max(r["e2e_gb_per_s"], r["raw_gb_per_s"]) for r in rows) * 1.3)  # room for the legend
-        ax.legend(loc="upper left", ncol=2)
+        ax.set_ylabel("GB/s (label: remote-g2 / raw NIXL)")
+        ax.set_title(f"fetch of {results['mib']} MiB, TP={results['tp']} → {results['tp']}", fontsize=10)
+        top = max(get(r) for _, _, get in series for r in rows)
+        ax.set_ylim(0, top * 1.45)  # room for the legend
+        ax.legend(loc="upper left", ncol=2, fontsize=8)
     elif what == "e2e":
         names = ["recompute", "remote hit", "local hit"]
         vals = [results["ttft_recompute_s"], results["ttft_remote_s"], results["ttft_local_s"]]
