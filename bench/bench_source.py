@@ -9,6 +9,9 @@ Phases
   1. latency     one client, sequential: resolve(--hashes) then release, --iters
                  times after a warm-up; p50 / p99 of the round trip, and of each half.
                  Every resolve must match all hashes on both ranks.
+     With --idle-ms G (default 20; 0 skips it) the same again, idling G ms
+                 after each round trip: what a request costs when the source's
+                 threads (and this VM's vCPUs) went idle in between.
   2. throughput  --clients processes for --seconds, each looping resolve + release
                  on the same prefix (so leases overlap and blocks are pinned many
                  times over); reports resolves/s in total.
@@ -60,7 +63,7 @@ def one_round_trip(client: RpcClient, hashes: list[bytes], tp: int, known: list[
     return t1 - t0, time.perf_counter() - t1
 
 
-def latency(endpoint: str, n_hashes: int, iters: int, tp: int) -> dict[str, Any]:
+def latency(endpoint: str, n_hashes: int, iters: int, tp: int, idle_s: float = 0.0) -> dict[str, Any]:
     hashes = [hash_of(i) for i in range(n_hashes)]
     known: list[str] = []
     with RpcClient(endpoint, timeout_ms=10_000) as client:
@@ -68,6 +71,8 @@ def latency(endpoint: str, n_hashes: int, iters: int, tp: int) -> dict[str, Any]
             one_round_trip(client, hashes, tp, known)
         resolve, release, total = [], [], []
         for _ in range(iters):
+            if idle_s:
+                time.sleep(idle_s)
             a, b = one_round_trip(client, hashes, tp, known)
             resolve.append(a)
             release.append(b)
@@ -125,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--rpc-workers", type=int, default=4)
+    p.add_argument("--idle-ms", type=float, default=20.0,
+                   help="also measure round trips with this much idle time before each (0: skip)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if not have_mpiexec():
@@ -139,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                                     "--lifetime-s", "900"])
         try:
             lat = latency(worker.endpoint, args.hashes, args.iters, args.tp)
+            idle = (latency(worker.endpoint, args.hashes, min(args.iters, 300), args.tp, args.idle_ms / 1000)
+                    if args.idle_ms > 0 else None)
             thr = throughput(worker.endpoint, args.hashes, args.clients, args.seconds, args.tp)
             state = [worker.state(r) for r in range(args.tp)]
             leaked = [s["total_pins"] for s in state]
@@ -149,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "bench": "source", "tp": args.tp, "hashes": args.hashes, "rpc_workers": args.rpc_workers,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-        "latency": lat, "throughput": thr, "pins_after": leaked, "exit": report["rc"],
+        "latency": lat, "latency_after_idle": idle, "idle_ms": args.idle_ms, "throughput": thr,
+        "pins_after": leaked, "exit": report["rc"],
         "target_p50_ms": 2.0, "meets_target": lat["round_trip_p50_ms"] <= 2.0,
     }
     rows = [
@@ -157,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         ("resolve+release round trip p99", f"{lat['round_trip_p99_ms']:.3f} ms"),
         ("  resolve p50 / p99", f"{lat['resolve_p50_ms']:.3f} / {lat['resolve_p99_ms']:.3f} ms"),
         ("  release p50 / p99", f"{lat['release_p50_ms']:.3f} / {lat['release_p99_ms']:.3f} ms"),
+        *([(f"after {args.idle_ms:g} ms idle: resolve / release p50",
+            f"{idle['resolve_p50_ms']:.3f} / {idle['release_p50_ms']:.3f} ms")] if idle else []),
         (f"resolves/s, {thr['clients']} clients", f"{thr['resolves_per_s']:.0f}"),
         ("  per-client round trip p50", ", ".join(f"{x:.2f}" for x in thr["per_client_p50_ms"]) + " ms"),
         ("pins left on each rank", str(leaked)),
