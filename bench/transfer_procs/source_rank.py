@@ -63,7 +63,8 @@ def main() -> int:
     del stream
 
     config = SourceConfig(enabled=True, registry_endpoint=args.registry, ipc_dir=args.ipc_dir,
-                          pin_budget_blocks=args.hashes * 4, max_lease_ttl_ms=60_000,
+                          # room for 8 loads in flight plus releases still on their way
+                          pin_budget_blocks=args.hashes * 16, max_lease_ttl_ms=60_000,
                           fingerprint=fingerprint_for(layout, tp))
     service = maybe_start_source_service(pool, worker_id=args.worker_id, config=config, comm=comm)
     assert service is not None and service.rank == rank and service.tp_size == tp
