@@ -69,6 +69,7 @@ from remote_g2.messages import (
     SourceMetadataReply,
 )
 from remote_g2.rpc_server import CallContext, RpcServer
+from remote_g2.stall_watchdog import maybe_start_stall_watchdog
 
 from .config import ENABLE_ENV, SourceConfig
 from .leases import LeaseTable, PinBudget
@@ -182,6 +183,7 @@ class SourceService:
 
     def _start(self) -> None:
         cfg = self.config
+        maybe_start_stall_watchdog()  # REMOTE_G2_STALL_DUMP_S: stacks to stderr when Python stalls
         record: RankRecord | None = None
         error: str | None = None
         try:

@@ -92,6 +92,7 @@ from remote_g2.messages import (
     TargetLoad,
 )
 from remote_g2.rpc_mux import RpcMux
+from remote_g2.stall_watchdog import maybe_start_stall_watchdog
 from remote_g2.tp_group import TpGroup, resolve_tp_group
 
 from .config import TargetConfig
@@ -221,6 +222,7 @@ class TargetClient:
 
     def _start(self) -> None:
         error: str | None = None
+        maybe_start_stall_watchdog()  # REMOTE_G2_STALL_DUMP_S: stacks to stderr when Python stalls
         path = ""
         clock = _boot_id()
         transfer = None

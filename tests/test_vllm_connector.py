@@ -50,7 +50,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _env() -> dict[str, str]:
     return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "UCX_LOG_LEVEL": "fatal", "VLLM_LOGGING_LEVEL": "WARNING",
-            "REMOTE_G2_LOG_LEVEL": os.environ.get("REMOTE_G2_LOG_LEVEL", "INFO"), "TOKENIZERS_PARALLELISM": "false"}
+            "REMOTE_G2_LOG_LEVEL": os.environ.get("REMOTE_G2_LOG_LEVEL", "INFO"), "TOKENIZERS_PARALLELISM": "false",
+            # A source instance has been seen to stop answering for ~2 min on this 2-vCPU box; if it does,
+            # its log gets every thread's stack (remote_g2/stall_watchdog.py) to say why.
+            "REMOTE_G2_STALL_DUMP_S": "5"}
 
 
 def _wait_published(registry: str, worker_id: str, want: int, inst: Instance) -> None:
@@ -132,7 +135,8 @@ def test_two_vllm_instances_share_prefix_kv_and_generate_identically(tmp_path: P
     log_b = b.log.read_text(errors="replace")
     assert out_a[0]["num_cached_tokens"] == 0  # A computed everything itself
     # B's first prompt: the whole reusable prefix came from A's G2 (vLLM counts it as cached).
-    assert out_b[0]["num_cached_tokens"] == reusable, log_b[-4000:]
+    assert out_b[0]["num_cached_tokens"] == reusable, (log_b[-4000:] + "\n--- A's log (stall dumps, if any) ---\n"
+                                                      + a.log.read_text(errors="replace")[-6000:])
     assert "blocks loaded from a remote G2" in log_b
     for i in range(1, 3):  # later prompts: at least the shared prefix (B's own cache by now)
         assert out_b[i]["num_cached_tokens"] >= len(shared)
