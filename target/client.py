@@ -170,6 +170,7 @@ class _Load:
     renew_at: float = 0.0
     renewing: bool = False
     started: float = field(default_factory=time.monotonic)
+    dispatched: float = 0.0         # when every rank was handed its share (for the "reads" phase)
 
 
 def _boot_id() -> str:
@@ -608,6 +609,7 @@ class TargetClient:
         entry = self._source_infos.get(match.worker_id)
         known = sorted(entry[2]) if entry else []
         sent = time.monotonic()
+        self.metrics.phase("to_resolve", sent - load.started)
         assert self._mux is not None
         self._mux.call(match.endpoint, Resolve(load.hashes[:n], self.config.lease_ttl_ms, self.worker_id, known),
                        lambda reply: self._resolved(load, reply, sent))
@@ -615,6 +617,7 @@ class TargetClient:
     def _resolved(self, load: _Load, reply: Any, sent: float) -> None:
         assert load.match is not None
         wid = load.match.worker_id
+        self.metrics.phase("resolve", time.monotonic() - sent)
         if isinstance(reply, Exception):
             self._fail(load, f"resolve on {wid}: {type(reply).__name__}: {reply}")
             return
@@ -665,6 +668,7 @@ class TargetClient:
         first_time = {info.agent_name for info in infos.values() if info.agent_name not in sent}
         sent.update(first_time)
         now = time.monotonic_ns()
+        load.dispatched = now / 1e9
         load.deadline = (now + self.config.transfer_timeout_ms * 1_000_000) / 1e9
         load.report_by = load.deadline + self.config.rpc_timeout_ms / 1000.0
         load.waiting = set(range(self.tp_size))
@@ -698,6 +702,8 @@ class TargetClient:
 
     def _complete(self, load: _Load) -> None:
         """Every rank answered (or was given up on): report, and hand the lease back."""
+        if load.dispatched:
+            self.metrics.phase("reads", time.monotonic() - load.dispatched)
         if load.errors:
             self._fail(load, "; ".join(load.errors))
         elif time.monotonic() < load.lease_expires:

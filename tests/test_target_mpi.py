@@ -84,6 +84,10 @@ def test_load_is_byte_exact_on_every_rank_and_pins_return_to_zero(tmp_path: Path
         leader, verify = _run_target(tmp_path, registry, tp=target_tp, source_tp=source_tp)
         assert leader["match"] == {"matched": 16, "reason": "ok", "worker_id": source.worker_id}
         assert leader["done"] == ["req-1"] and leader["failed"] == [] and leader["invalid"] == []
+        # remote_g2_target_load_phase_seconds: each step of the one load, once, inside its total time
+        phases = leader["phases"]
+        assert [phases[p][0] for p in ("to_resolve", "resolve", "reads")] == [1, 1, 1], phases
+        assert 0 < sum(s for _, s in phases.values()) <= leader["seconds"], phases
         for r, v in enumerate(verify):
             assert v["checked"] == 16 and v["mismatches"] == [], (r, v)
             assert v["untouched_written"] == [], (r, v)

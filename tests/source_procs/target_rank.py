@@ -228,8 +228,14 @@ def main() -> int:
                         failed |= b
                         invalid |= client.invalid_block_ids()
                         time.sleep(0.001)
+                    reg = client.metrics.registry
                     out.update(done=sorted(done), failed=sorted(failed), invalid=sorted(invalid),
-                               seconds=time.monotonic() - t0, stats=client.stats)
+                               seconds=time.monotonic() - t0, stats=client.stats,
+                               phases={p: [reg.get_sample_value("remote_g2_target_load_phase_seconds_count",
+                                                                {"phase": p}) or 0,
+                                           reg.get_sample_value("remote_g2_target_load_phase_seconds_sum",
+                                                                {"phase": p}) or 0]
+                                       for p in ("to_resolve", "resolve", "reads")})
             except Exception:
                 out["error"] = traceback.format_exc()
             out["log"] = list(logs.lines)
