@@ -283,6 +283,7 @@ def summarize(kib: int, res: dict[str, Any]) -> dict[str, Any]:
         "raw_s": raw_s, "raw_gb_per_s": nbytes / raw_s / 1e9,
         "memcpy_s": mem_s, "memcpy_gb_per_s": nbytes / mem_s / 1e9,
         "ratio_e2e_over_raw": ratio, "ratio_paired_median": statistics.median(b / a for a, b in zip(e2e, raw)),
+        "ratio_paired_range": [min(b / a for a, b in zip(e2e, raw)), max(b / a for a, b in zip(e2e, raw))],
         "target_ratio": TARGET_RATIO, "target_met": ratio >= TARGET_RATIO,
         "fixed_cost_s": statistics.median(a - b for a, b in zip(e2e, raw)),
         "outside_reads_s": res["breakdown"]["full"].get("outside_reads"),
@@ -337,17 +338,19 @@ def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
           f"source blocks {args.source_layout}; NIXL {_nixl_version()} UCX; {os.cpu_count()} CPUs, "
           f"load avg {os.getloadavg()[0]:.2f}")
     hdr = (f"{'block':>6} {'desc/rk':>7} {'e2e ms':>7} {'e2e GB/s':>8} {'raw ms':>7} {'raw GB/s':>8} "
-           f"{'memcpy':>7} {'e2e/raw':>7} {'paired':>6} {'>=0.70':>6} {'fixed ms':>8} {'1st ms':>7} {'1blk e2e':>8} "
-           f"{'1blk raw':>8}")
+           f"{'memcpy':>7} {'e2e/raw':>7} {'paired':>6} {'range':>9} {'>=0.70':>6} {'fixed ms':>8} {'1st ms':>7} "
+           f"{'1blk e2e':>8} {'1blk raw':>8}")
     print(hdr)
     for r in rows:
         print(f"{str(r['block_kib']) + 'K':>6} {max(r['descriptors_per_rank']):>7} {r['e2e_s'] * 1e3:>7.2f} "
               f"{r['e2e_gb_per_s']:>8.2f} {r['raw_s'] * 1e3:>7.2f} {r['raw_gb_per_s']:>8.2f} "
               f"{r['memcpy_gb_per_s']:>7.2f} {r['ratio_e2e_over_raw']:>7.2f} {r['ratio_paired_median']:>6.2f} "
+              f"{'%.2f-%.2f' % tuple(r['ratio_paired_range']):>9} "
               f"{'yes' if r['target_met'] else 'NO':>6} {r['fixed_cost_s'] * 1e3:>8.2f} "
               f"{r['first_request_s'] * 1e3:>7.1f} {r['one_block_e2e_s'] * 1e3:>8.2f} "
               f"{r['one_block_raw_s'] * 1e3:>8.3f}")
-    print("  e2e/raw: ratio of the medians (the target); paired: median of the per-round ratios; memcpy: GB/s;\n"
+    print("  e2e/raw: ratio of the medians (the target); paired: median of the per-round ratios, range: their\n"
+          "  lowest and highest (how much this machine moved during the run); memcpy: GB/s;\n"
           "  fixed: median of (e2e - raw) per round; 1st: the first request (connects, loads metadata);\n"
           "  1blk: a 1-block request, ms")
     streams = [(r["block_kib"], r["stream"]) for r in rows if r.get("stream")]
