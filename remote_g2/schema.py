@@ -154,55 +154,61 @@ def _number(kind: type, limits: Limits | None) -> Decoder:
     return check
 
 
-def _item_limits(list_tp: Any) -> tuple[Any, Limits | None]:
-    """``list[Annotated[T, Limits]]`` → (T, its limits)."""
+_ARRAY_CODES = {"<u8": "Q", "<i8": "q", "<u4": "I", "<i4": "i"}  # numpy dtype -> array typecode
+
+
+@dataclass(frozen=True)
+class _PackedSpec:
+    """What a ``Packed`` list field allows: its numpy dtype, array typecode and the items' value range."""
+
+    dtype: np.dtype
+    code: str
+    lo: int
+    hi: int
+    full_range: bool  # [lo, hi] is the dtype's whole range: no value check needed
+
+
+def _packed_spec(list_tp: Any, packed: Packed) -> _PackedSpec:
+    """Check that ``Packed`` sits on ``list[int]`` with a supported dtype; the item ``Limits`` narrow the range."""
     if get_origin(list_tp) is not list:
         raise TypeError(f"Packed applies to list[int], not {list_tp}")
     (item,) = get_args(list_tp)
+    item_limits = None
     if get_origin(item) is Annotated:
-        base, *extra = get_args(item)
-        return base, next((e for e in extra if isinstance(e, Limits)), None)
-    return item, None
+        item, *extra = get_args(item)
+        item_limits = next((e for e in extra if isinstance(e, Limits)), None)
+    dtype = np.dtype(packed.dtype)
+    code = _ARRAY_CODES.get(dtype.str)
+    if item is not int or code is None or array.array(code).itemsize != dtype.itemsize:
+        raise TypeError(f"Packed({packed.dtype!r}) needs list[int] and one of the dtypes {sorted(_ARRAY_CODES)}")
+    info = np.iinfo(dtype)
+    lo = max(info.min, int(item_limits.ge)) if item_limits and item_limits.ge is not None else info.min
+    hi = min(info.max, int(item_limits.le)) if item_limits and item_limits.le is not None else info.max
+    return _PackedSpec(dtype, code, lo, hi, (lo, hi) == (info.min, info.max))
 
 
 def _packed(list_tp: Any, limits: Limits | None, packed: Packed) -> Decoder:
-    item, item_limits = _item_limits(list_tp)
-    dtype = np.dtype(packed.dtype)
-    if item is not int or dtype.kind not in "iu" or dtype.byteorder == ">":
-        raise TypeError(f"Packed({packed.dtype!r}) needs list[int] and a little-endian integer dtype")
-    info = np.iinfo(dtype)
-    lo_v = max(info.min, int(item_limits.ge)) if item_limits and item_limits.ge is not None else info.min
-    hi_v = min(info.max, int(item_limits.le)) if item_limits and item_limits.le is not None else info.max
+    spec = _packed_spec(list_tp, packed)
     lo_n = limits.min_len if limits else 0
     hi_n = limits.max_len if limits and limits.max_len is not None else DEFAULT_MAX_ITEMS
-    size = dtype.itemsize
-    expected = f"{lo_n}..{hi_n} packed {dtype.str} integers ({size} bytes each)"
-    check_range = (lo_v, hi_v) != (info.min, info.max)
+    size = spec.dtype.itemsize
+    expected = f"{lo_n}..{hi_n} packed {spec.dtype.str} integers ({size} bytes each)"
 
     def check_packed(value: Any, path: str) -> Any:
         if type(value) is not bytes or len(value) % size or not lo_n <= len(value) // size <= hi_n:
             _fail(path, expected, value)
-        a = np.frombuffer(value, dtype=dtype)
-        if check_range and a.size and (a.min() < lo_v or a.max() > hi_v):
-            i = int(np.flatnonzero((a < lo_v) | (a > hi_v))[0])
-            raise ProtocolError(f"{path}[{i}]: expected int in [{lo_v}, {hi_v}], got {int(a[i])}")
+        a = np.frombuffer(value, dtype=spec.dtype)
+        if not spec.full_range and a.size and (a.min() < spec.lo or a.max() > spec.hi):
+            i = int(np.flatnonzero((a < spec.lo) | (a > spec.hi))[0])
+            raise ProtocolError(f"{path}[{i}]: expected int in [{spec.lo}, {spec.hi}], got {int(a[i])}")
         return a.tolist()
 
     return check_packed
 
 
-_ARRAY_CODES = {"<u8": "Q", "<i8": "q", "<u4": "I", "<i4": "i"}  # numpy dtype -> array typecode
-
-
 def _packed_encoder(list_tp: Any, packed: Packed) -> Encoder:
-    _, item_limits = _item_limits(list_tp)
-    dtype = np.dtype(packed.dtype)
-    code = _ARRAY_CODES.get(dtype.str)
-    if code is None or array.array(code).itemsize != dtype.itemsize:
-        raise TypeError(f"Packed({packed.dtype!r}): supported dtypes are {sorted(_ARRAY_CODES)}")
-    info = np.iinfo(dtype)
-    lo_v = max(info.min, int(item_limits.ge)) if item_limits and item_limits.ge is not None else info.min
-    hi_v = min(info.max, int(item_limits.le)) if item_limits and item_limits.le is not None else info.max
+    spec = _packed_spec(list_tp, packed)
+    dtype, lo, hi = spec.dtype, spec.lo, spec.hi
     swap = sys.byteorder != "little"
 
     def encode(value: Any) -> bytes:
@@ -211,15 +217,15 @@ def _packed_encoder(list_tp: Any, packed: Packed) -> Encoder:
         if isinstance(value, np.ndarray):
             if value.ndim != 1 or value.dtype.kind not in "iu":
                 raise ValueError(f"cannot pack {value.dtype} values of shape {value.shape} as {dtype.str}")
-            if int(value.min()) < lo_v or int(value.max()) > hi_v:
-                raise ValueError(f"values outside [{lo_v}, {hi_v}] cannot be packed as {dtype.str}")
+            if int(value.min()) < lo or int(value.max()) > hi:
+                raise ValueError(f"values outside [{lo}, {hi}] cannot be packed as {dtype.str}")
             return value.astype(dtype, copy=False).tobytes()
         try:
-            a = array.array(code, value)  # C loop; rejects non-ints and values the width cannot hold
+            a = array.array(spec.code, value)  # C loop; rejects non-ints and values the width cannot hold
         except (OverflowError, TypeError) as e:
             raise ValueError(f"cannot pack {len(value)} values as {dtype.str}: {e}") from None
-        if (lo_v, hi_v) != (info.min, info.max) and (min(a) < lo_v or max(a) > hi_v):
-            raise ValueError(f"values outside [{lo_v}, {hi_v}] cannot be packed as {dtype.str}")
+        if not spec.full_range and (min(a) < lo or max(a) > hi):
+            raise ValueError(f"values outside [{lo}, {hi}] cannot be packed as {dtype.str}")
         if swap:
             a.byteswap()
         return a.tobytes()

@@ -61,9 +61,14 @@ class StallWatchdog:
         return self
 
     def stop(self) -> None:
+        """Disarm; the next :func:`maybe_start_stall_watchdog` starts a new one."""
+        global _running
         self._stop.set()
         self._thread.join(self.stall_s)
         faulthandler.cancel_dump_traceback_later()
+        with _lock:
+            if _running is self:
+                _running = None
 
     def _arm(self) -> None:
         # repeat: while the stall lasts, a dump every period shows whether it moves

@@ -459,21 +459,16 @@ class TargetClient:
         assert worker is not None
         try:
             while True:
-                if worker.busy:  # READs to poll: only take what is already queued
-                    try:
-                        load: TargetLoad | None | bool = self._shares.get_nowait()
-                    except queue.Empty:
-                        load = False
-                else:
-                    load = self._shares.get()
+                try:  # with READs to poll, only what is already queued
+                    load = self._shares.get_nowait() if worker.busy else self._shares.get()
+                except queue.Empty:
+                    worker.poll()
+                    if worker.busy:
+                        time.sleep(POLL_S)
+                    continue
                 if load is None:
                     return
-                if load is not False:
-                    worker.start(load, time.monotonic())
-                    continue  # every share already queued goes out before the first poll
-                worker.poll()
-                if worker.busy:
-                    time.sleep(POLL_S)
+                worker.start(load, time.monotonic())  # checks (and reports) it once right away
         except Exception:  # pragma: no cover - a bug; the coordinator times the loads out
             log.exception("target leader: its share loop failed")
         finally:

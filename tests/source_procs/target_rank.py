@@ -69,6 +69,7 @@ from remote_g2.adapters.registry import register_adapter  # noqa: E402
 from remote_g2.adapters.secondary_pool import MemoryRegion  # noqa: E402
 from remote_g2.messages import BlockLayout, LayoutFingerprint  # noqa: E402
 from remote_g2.target import TargetConfig, start_target_client  # noqa: E402
+from remote_g2.target.metrics import PHASES  # noqa: E402
 from remote_g2.target.tp_mapping import head_slices  # noqa: E402
 
 
@@ -235,7 +236,7 @@ def main() -> int:
                                                                 {"phase": p}) or 0,
                                            reg.get_sample_value("remote_g2_target_load_phase_seconds_sum",
                                                                 {"phase": p}) or 0]
-                                       for p in ("to_resolve", "resolve", "reads")})
+                                       for p in PHASES})
             except Exception:
                 out["error"] = traceback.format_exc()
             out["log"] = list(logs.lines)
