@@ -10,13 +10,33 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterable
 
 from remote_g2.errors import ConfigError
 
-__all__ = ["configure_logging", "LOG_LEVEL_ENV"]
+__all__ = ["configure_logging", "cpu_set_text", "LOG_LEVEL_ENV"]
 
 LOG_LEVEL_ENV = "REMOTE_G2_LOG_LEVEL"
 _FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+
+
+def cpu_set_text(cpus: Iterable[int] | None = None) -> str:
+    """``"0-3,8"``: a CPU set as ranges (default: the calling thread's affinity), for start-up logs.
+
+    The services log it because their threads run on whatever CPUs the engine pinned its process to,
+    and a service sharing a busy core stops answering (docs/operations.md, on-call step 8).
+    """
+    ids = sorted(set(os.sched_getaffinity(0) if cpus is None else cpus))
+    runs: list[str] = []
+    start = prev = None
+    for c in [*ids, None]:
+        if c is not None and prev is not None and c == prev + 1:
+            prev = c
+            continue
+        if start is not None:
+            runs.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = c
+    return ",".join(runs) or "none"
 
 
 class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]

@@ -51,6 +51,7 @@ from remote_g2.ipc_paths import (
     prepare_ipc_dir,
     release_ipc_path,
 )
+from remote_g2.log import cpu_set_text
 from remote_g2.messages import (
     GetMetadata,
     RankBlocks,
@@ -199,7 +200,8 @@ class SourceService:
         if cfg.metrics_port is not None:
             self.metrics.serve_http(cfg.metrics_port + self.rank if cfg.metrics_port else 0, cfg.metrics_addr)
         _live_services.add(self)
-        log.info("source %s rank %d/%d serving on %s", self.worker_id, self.rank, self.tp_size, self.endpoint)
+        log.info("source %s rank %d/%d serving on %s (threads on CPUs %s)", self.worker_id, self.rank, self.tp_size,
+                 self.endpoint, cpu_set_text())
 
     def _start_local(self) -> RankRecord:
         """Agent, registered memory and (rank > 0) the sibling socket; this rank's record."""

@@ -79,6 +79,7 @@ from remote_g2.adapters.secondary_pool import SecondaryPool
 from remote_g2.errors import ConfigError, ProtocolError, RemoteG2Error, TransferError
 from remote_g2.ipc_paths import ipc_endpoint, prepare_ipc_dir
 from remote_g2.local_link import LinkClosed, LinkListener, MessageLink, connect_link
+from remote_g2.log import cpu_set_text
 from remote_g2.messages import (
     GetMetadata,
     Lookup,
@@ -289,7 +290,8 @@ class TargetClient:
             target, name = self._serve_rank, f"remote-g2-target-{self.worker_id}-tp{self.rank}"
         self._loop = threading.Thread(target=target, name=name, daemon=True)
         self._loop.start()
-        log.info("target client %s rank %d/%d up (%s)", self.worker_id, self.rank, self.tp_size, self.config.transfer)
+        log.info("target client %s rank %d/%d up (%s; threads on CPUs %s)", self.worker_id, self.rank, self.tp_size,
+                 self.config.transfer, cpu_set_text())
 
     def _gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
         """Every rank's ``mine``; raises on every rank when any rank reported an error."""

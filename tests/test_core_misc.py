@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
@@ -16,7 +17,7 @@ from remote_g2.hashing import (
     hash_to_u64,
     u64_to_hash,
 )
-from remote_g2.log import configure_logging
+from remote_g2.log import configure_logging, cpu_set_text
 
 
 def test_every_error_is_a_remote_g2_error_and_registered_by_name():
@@ -86,6 +87,14 @@ def test_log_level_override(monkeypatch):
     with pytest.raises(errors.ConfigError):
         configure_logging("chatty")
     configure_logging("WARNING")
+
+
+def test_cpu_sets_are_logged_as_ranges():
+    assert cpu_set_text([0]) == "0"
+    assert cpu_set_text([8, 0, 1, 2, 3]) == "0-3,8"
+    assert cpu_set_text([5, 3, 4, 1, 1]) == "1,3-5"
+    assert cpu_set_text([]) == "none"
+    assert cpu_set_text() == cpu_set_text(os.sched_getaffinity(0))  # default: this thread's own
 
 
 def test_target_registry_mirror_setting_from_the_environment():
