@@ -50,6 +50,7 @@ from remote_g2.errors import ConfigError, RemoteG2Error
 from remote_g2.hashing import chain_block_hashes
 from remote_g2.messages import LayoutFingerprint
 
+from ..failed_sources import FailedSources
 from ..landing_slots import LandingSlots, valid_prefix
 from .kv_blocks import VllmKvLayout
 
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["RemoteG2Connector", "RemoteG2ConnectorMetadata", "ConnectorSettings"]
@@ -87,6 +89,7 @@ class ConnectorSettings:
     transfer_timeout_ms: int = 10_000
     ipc_dir: str | None = None
     model_id: str | None = None
+    failed_source_cooldown_s: float = 30.0
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -101,6 +104,8 @@ class ConnectorSettings:
         s = cls(**values)
         if s.g2_blocks < 1 or s.landing_blocks < 1:
             raise ConfigError("g2_blocks and landing_blocks must be >= 1")
+        if not s.failed_source_cooldown_s >= 0:
+            raise ConfigError(f"failed_source_cooldown_s must be >= 0, not {s.failed_source_cooldown_s}")
         return s
 
 
@@ -129,6 +134,9 @@ class _ReqState:
     saved: int = 0  # leading prompt blocks already sent for saving
     load_from: int = 0  # first block to load (vLLM's local hit, in blocks)
     load_blocks: int = 0
+    source: str | None = None  # the worker the matched blocks would come from
+    load_ids: set[int] = field(default_factory=set)  # vLLM blocks its remote load fills; empty: none issued
+    tried: bool = False  # a remote load was issued: this request never gets another
 
 
 class RemoteG2Connector(KVConnectorBase_V1):
@@ -156,6 +164,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: list[_Load] = []
         self._fingerprint: LayoutFingerprint | None = None
+        self._failed_sources = FailedSources(self.settings.failed_source_cooldown_s)
         # worker side
         self._kv: VllmKvLayout | None = None
         self._pool: Any = None
@@ -196,6 +205,11 @@ class RemoteG2Connector(KVConnectorBase_V1):
             state = self._reqs[request.request_id] = _ReqState(chain_block_hashes(prompt, self.block_size))
         if not self.settings.target or not self.settings.registry:
             return 0, False
+        if state.tried:
+            # One remote load per request. vLLM puts a request whose load failed back in the queue and
+            # asks again; matching the same source again would retry it for as long as the registry
+            # names that source (seen: 21,098 retries in 2 min against a source that had stalled).
+            return 0, False
         reusable = (len(prompt) - 1) // self.block_size
         local = num_computed_tokens // self.block_size
         if reusable <= local:
@@ -217,7 +231,10 @@ class RemoteG2Connector(KVConnectorBase_V1):
         matched = min(int(reply.matched), reusable) if reply.reason == "ok" else 0
         if matched <= local:
             return 0, False
-        state.load_from, state.load_blocks = local, matched - local
+        source = reply.best.worker_id if reply.best is not None else None
+        if source is not None and self._failed_sources.remaining(source) > 0:
+            return 0, False  # a load from it failed moments ago: recompute now rather than wait it out
+        state.load_from, state.load_blocks, state.source = local, matched - local, source
         return (matched - local) * self.block_size, True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -230,7 +247,20 @@ class RemoteG2Connector(KVConnectorBase_V1):
             log.warning("%s: %d blocks allocated, %d needed for the load; not loading", request.request_id,
                         len(ids), lo + n)
             return
+        state.tried, state.load_ids = True, set(ids[lo:lo + n])
         self._pending_loads.append(_Load(request.request_id, state.hashes[lo:lo + n], ids[lo:lo + n]))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Note the source of every load whose blocks came back invalid, so others skip it for a while."""
+        invalid = connector_output.invalid_block_ids
+        if not invalid:
+            return
+        for rid, state in self._reqs.items():
+            if state.load_ids and not state.load_ids.isdisjoint(invalid):
+                state.load_ids = set()  # judged once
+                if state.source and self._failed_sources.note_failure(state.source):
+                    log.warning("a load from %s failed (request %s): not loading from it for %g s",
+                                state.source, rid, self._failed_sources.cooldown_s)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = RemoteG2ConnectorMetadata(loads=self._pending_loads)
