@@ -18,6 +18,10 @@ RESOLVE_OUTCOMES = ("ok", "miss", "over_budget", "error")
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
 
 
+# Scheduler noise is ~1 ms; a source that misses its timers by 0.5 s misses its readers' resolves too.
+_LAG_BUCKETS = (0.001, 0.005, 0.02, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
 class SourceMetrics(PrivateMetrics):
     """Counters, gauges and histograms one source rank updates."""
 
@@ -46,6 +50,10 @@ class SourceMetrics(PrivateMetrics):
                                         registry=r)
         self.requests = Counter("remote_g2_source_requests", "Requests by message type and outcome",
                                 ["type", "outcome"], registry=r)
+        self.wakeup_lag = Histogram("remote_g2_source_wakeup_lag_seconds",
+                                    "How late the lease reaper woke past its timer: time this process did not "
+                                    "run (a starved CPU, a C call holding the GIL, a stopped process)",
+                                    buckets=_LAG_BUCKETS, registry=r)
         self._outcome = {o: self.resolves.labels(o) for o in RESOLVE_OUTCOMES}
         self._request_children = LabelledChildren(self.requests)
 

@@ -83,6 +83,8 @@ __all__ = ["SourceService", "start_source_service", "maybe_start_source_service"
 
 log = logging.getLogger("remote_g2.source")
 
+STALL_WARN_S = 1.0  # a reaper this late is logged: the process did not run for that long
+
 
 def maybe_start_source_service(
     pool: SecondaryPool,
@@ -179,6 +181,7 @@ class SourceService:
         self._shutdown_lock = threading.Lock()
         self._closed = False
         self._started_at = time.monotonic()
+        self._max_wakeup_lag = 0.0  # seconds: the longest time the reaper woke late (see _note_wakeup_lag)
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -432,7 +435,24 @@ class SourceService:
                 log.exception("source %s rank %d: lease reaper failed", self.worker_id, self.rank)
             nxt = self.leases.next_deadline()
             wait = interval if nxt is None else min(interval, max(0.001, nxt - time.monotonic()))
-            self._stop.wait(wait)
+            due = time.monotonic() + wait
+            if self._stop.wait(wait):
+                return
+            self._note_wakeup_lag(time.monotonic() - due)
+
+    def _note_wakeup_lag(self, lag: float) -> None:
+        """Record how late the reaper woke; say so in the log when this process did not run for a while.
+
+        Nothing else in the log would explain the gap: resolves and heartbeats simply stopped
+        (docs/operations.md, on-call step 8).
+        """
+        lag = max(0.0, lag)
+        self.metrics.wakeup_lag.observe(lag)
+        self._max_wakeup_lag = max(self._max_wakeup_lag, lag)
+        if lag >= STALL_WARN_S:
+            log.warning("source %s rank %d: this process did not run for %.1f s (threads on CPUs %s; a CPU "
+                        "taken by other work, a C call holding the GIL, or a stopped process): resolves and "
+                        "heartbeats waited as long", self.worker_id, self.rank, lag, cpu_set_text())
 
     def stats(self) -> dict[str, Any]:
         """This rank's numbers (leases, pins, budget, NIXL agent); for logs, tests and benchmarks."""
@@ -448,6 +468,7 @@ class SourceService:
             "leases_expired": int(self.metrics.value("remote_g2_source_leases_expired_total")),
             "leases_released": int(self.metrics.value("remote_g2_source_leases_released_total")),
             "uptime_s": time.monotonic() - self._started_at,
+            "max_wakeup_lag_s": self._max_wakeup_lag,
         }
 
     def shutdown(self) -> None:

@@ -359,6 +359,27 @@ def test_frozen_sibling_fails_the_resolve_cleanly_and_the_source_recovers(make_w
     worker.stop()
 
 
+def test_a_stopped_source_says_afterwards_how_long_it_did_not_run(make_worker) -> None:
+    """A process that gets no CPU cannot log while it lasts; the reaper's late wake-up says it after."""
+    worker = make_worker("stopped", np=1)
+    rank0 = worker.pid(0)
+    assert worker.state(0)["service"]["max_wakeup_lag_s"] < 1.0
+    os.kill(rank0, signal.SIGSTOP)
+    try:
+        time.sleep(1.5)
+    finally:
+        os.kill(rank0, signal.SIGCONT)
+    st = worker.wait_state(0, lambda s: s["service"]["max_wakeup_lag_s"] >= 1.0, what="the lag recorded")
+    assert st["service"]["max_wakeup_lag_s"] < 10.0
+    deadline = time.monotonic() + 5
+    while "this process did not run for" not in worker.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "this process did not run for 1." in worker.log(), worker.log()
+    with RpcClient(worker.endpoint, timeout_ms=5000) as c:
+        assert c.call(GetMetadata()).tp_size == 1  # and it serves on
+    worker.stop()
+
+
 def test_sibling_killed_mid_resolve(make_worker) -> None:
     # Plain processes with a file-based start-up exchange: under mpiexec, hydra tears the whole job
     # down when a rank dies (even with -disable-auto-cleanup it SIGKILLs the survivors at times).
