@@ -59,6 +59,7 @@ try:  # vLLM is an optional dependency: `make test-vllm` installs it
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
+        KVConnectorWorkerMetadata,
     )
 except ImportError as e:  # pragma: no cover - exercised only without vLLM
     raise ImportError(f"remote_g2.adapters.vllm needs vLLM ({e}); install it (make venv-vllm)") from e
@@ -70,7 +71,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["RemoteG2Connector", "RemoteG2ConnectorMetadata", "ConnectorSettings"]
+__all__ = ["RemoteG2Connector", "RemoteG2ConnectorMetadata", "RemoteG2WorkerMetadata", "ConnectorSettings"]
 
 log = logging.getLogger("remote_g2.adapters.vllm")
 
@@ -126,6 +127,21 @@ class RemoteG2ConnectorMetadata(KVConnectorMetadata):
 
 
 @dataclass
+class RemoteG2WorkerMetadata(KVConnectorWorkerMetadata):
+    """One step's news, worker → scheduler: requests whose remote load failed at the source.
+
+    Not loads refused for want of a landing slot (this worker's own shortage): only these put the
+    source in its cooldown.
+    """
+
+    source_failures: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, RemoteG2WorkerMetadata)
+        return RemoteG2WorkerMetadata(self.source_failures | other.source_failures)
+
+
+@dataclass
 class _ReqState:
     """The scheduler side's view of one request."""
 
@@ -135,7 +151,6 @@ class _ReqState:
     load_from: int = 0  # first block to load (vLLM's local hit, in blocks)
     load_blocks: int = 0
     source: str | None = None  # the worker the matched blocks would come from
-    load_ids: set[int] = field(default_factory=set)  # vLLM blocks its remote load fills; empty: none issued
     tried: bool = False  # a remote load was issued: this request never gets another
 
 
@@ -175,6 +190,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
         self._inflight: dict[str, tuple[_Load, list[int]]] = {}
         self._load_errors: set[int] = set()
         self._received: set[str] = set()
+        self._source_failures: set[str] = set()  # for the scheduler, in the next worker metadata
         log.info("remote-g2 connector (%s) for %s: registry %s, worker %s", role.name, self._model_id,
                  self.settings.registry, self.settings.worker_id)
 
@@ -247,20 +263,19 @@ class RemoteG2Connector(KVConnectorBase_V1):
             log.warning("%s: %d blocks allocated, %d needed for the load; not loading", request.request_id,
                         len(ids), lo + n)
             return
-        state.tried, state.load_ids = True, set(ids[lo:lo + n])
+        state.tried = True
         self._pending_loads.append(_Load(request.request_id, state.hashes[lo:lo + n], ids[lo:lo + n]))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Note the source of every load whose blocks came back invalid, so others skip it for a while."""
-        invalid = connector_output.invalid_block_ids
-        if not invalid:
+        """Give the source of every load that failed there a cooldown, so other requests skip it for a while."""
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, RemoteG2WorkerMetadata):
             return
-        for rid, state in self._reqs.items():
-            if state.load_ids and not state.load_ids.isdisjoint(invalid):
-                state.load_ids = set()  # judged once
-                if state.source and self._failed_sources.note_failure(state.source):
-                    log.warning("a load from %s failed (request %s): not loading from it for %g s",
-                                state.source, rid, self._failed_sources.cooldown_s)
+        for rid in sorted(meta.source_failures):
+            state = self._reqs.get(rid)
+            if state is not None and state.source and self._failed_sources.note_failure(state.source):
+                log.warning("a load from %s failed (request %s): not loading from it for %g s",
+                            state.source, rid, self._failed_sources.cooldown_s)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = RemoteG2ConnectorMetadata(loads=self._pending_loads)
@@ -397,9 +412,17 @@ class RemoteG2Connector(KVConnectorBase_V1):
                     self._landing.give_back(slots)
                 else:
                     self._landing.quarantine(slots)
+                    self._source_failures.add(rid)
                 received.add(rid)
                 log.info("%s: %d of %d blocks loaded from a remote G2", rid, good, len(slots))
         return None, (received or None)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """This step's loads that failed at the source (see :class:`RemoteG2WorkerMetadata`)."""
+        if not self._source_failures:
+            return None
+        out, self._source_failures = self._source_failures, set()
+        return RemoteG2WorkerMetadata(out)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
