@@ -180,13 +180,15 @@ def test_engine_api_answers_bad_input_with_err_and_keeps_serving() -> None:
         engine.stop()
 
 
+@pytest.mark.registry_lease_ms(120_000)  # the registry keeps naming the dead source: the cooldown must decide
 def test_source_killed_after_lookup_means_recompute_not_a_hang(registry: str) -> None:
-    prompt = engine_prompt(200, seed=123)
+    prompt, other = engine_prompt(200, seed=123), engine_prompt(200, seed=124)
     full = len(prompt) // TPB
     source, target = _engines(registry, 2, 2, mla=False)
     try:
         src = source.client.generate("p", prompt, 4, cache="local")
-        assert _wait_registry_blocks(registry, "src", full) >= full
+        src_other = source.client.generate("o", other, 4, cache="local")
+        assert _wait_registry_blocks(registry, "src", 2 * full) >= 2 * full
         target.client.submit("remote", prompt, 4, cache="all", pause_after_lookup_ms=1500)
         deadline = time.monotonic() + 15
         while "remote" not in target.client.paused():
@@ -204,6 +206,13 @@ def test_source_killed_after_lookup_means_recompute_not_a_hang(registry: str) ->
         # The engine is unharmed: the next request (now served from its own G1) is right too.
         again = target.client.generate("again", prompt, 4, cache="all")
         assert _same(again, src) and again.blocks_g1 == (len(prompt) - 1) // TPB
+        # Blocks only the dead source holds: the registry still names it, but its load just failed, so the
+        # engine recomputes at once instead of waiting out another timeout against it.
+        t0 = time.monotonic()
+        cooled = target.client.generate("other", other, 4, cache="all")
+        assert cooled.remote_reason == "source_cooling_down" and cooled.blocks_remote_failed == 0
+        assert _same(cooled, src_other)
+        assert time.monotonic() - t0 < 10, "the cooled-down source was tried anyway"
     finally:
         target.stop()
         source.stop()

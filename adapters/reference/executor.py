@@ -64,6 +64,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     prefill_chunk: int = 256
+    failed_source_cooldown_s: float = 30.0  # after a load from a source failed, do not try it for this long
     source: SourceConfig | None = None
     target: TargetConfig | None = None
     ipc_dir: str | None = None
@@ -107,7 +108,7 @@ class Executor:
                 tokens_per_block=config.cache.tokens_per_block, g1_blocks=config.cache.g1_blocks,
                 landing_slots=self.kv.landing_slot_ids(), block_bytes=self.kv.layout.block_bytes,
                 tp_size=self.tp_size, target=self.target, g2_has=lambda h: self.kv.g2.lookup(h) is not None,
-                prefill_chunk=config.prefill_chunk)
+                prefill_chunk=config.prefill_chunk, failed_source_cooldown_s=config.failed_source_cooldown_s)
         log.info("engine %s rank %d/%d up (source %s, target %s)", config.worker_id, self.rank, self.tp_size,
                  "on" if self.source else "off", "on" if self.target else "off")
 

@@ -17,7 +17,9 @@ One request goes through::
   and, with the prompt's other new blocks, written through to G2 after the
   first token (so this worker can share it in turn); whatever failed is
   recomputed. Landing slots of a failed load sit out ``quarantine_s`` before
-  reuse: a READ the client gave up on could still be landing.
+  reuse: a READ the client gave up on could still be landing. The failed
+  load's source sits out ``failed_source_cooldown_s``: requests matching it
+  meanwhile recompute at once (``remote_reason="source_cooling_down"``).
 * **Prefill** runs ``prefill_chunk`` tokens per step per request; the last
   prompt token's logits give the first token (TTFT). Full prompt blocks are
   then made findable in G1 and written through to G2. **Decode** is one token
@@ -41,6 +43,7 @@ import torch
 from remote_g2.errors import RequestRejected
 from remote_g2.hashing import chain_block_hashes
 
+from ..failed_sources import FailedSources
 from ..landing_slots import LandingSlots, valid_prefix
 from .kv_cache import G1BlockManager
 from .messages import EngineResult, EngineSubmit, StepOp
@@ -69,6 +72,7 @@ class Request:
     blocks_remote: int = 0
     blocks_remote_failed: int = 0
     remote_reason: str = ""
+    source: str | None = None  # the worker its remote load came from
     load_lo: int = 0
     slots: list[int] = field(default_factory=list)
     t_load: float = 0.0
@@ -86,10 +90,11 @@ class Scheduler:
 
     def __init__(self, *, tokens_per_block: int, g1_blocks: int, landing_slots: range, block_bytes: int,
                  tp_size: int, target: Any, g2_has: Callable[[bytes], bool], prefill_chunk: int = 256,
-                 quarantine_s: float = 30.0) -> None:
+                 quarantine_s: float = 30.0, failed_source_cooldown_s: float = 30.0) -> None:
         self.tpb = tokens_per_block
         self.g1 = G1BlockManager(g1_blocks)
         self._landing = LandingSlots(landing_slots, quarantine_s=quarantine_s)
+        self._failed_sources = FailedSources(failed_source_cooldown_s)
         self.block_bytes, self.tp_size = block_bytes, tp_size
         self.target = target
         self._g2_has = g2_has
@@ -197,6 +202,10 @@ class Scheduler:
         self.remote_lookups += 1
         match = self.target.lookup(req.hashes[local:req.reusable])
         req.remote_reason = match.reason
+        if match.matched and match.worker_id and self._failed_sources.remaining(match.worker_id) > 0:
+            req.remote_reason = "source_cooling_down"  # a load from it failed moments ago: recompute now
+            return
+        req.source = match.worker_id
         n = min(match.matched, self._landing.available())
         if n <= 0:
             if match.matched:
@@ -240,6 +249,9 @@ class Scheduler:
                 self._landing.give_back(req.slots)
             else:
                 self._landing.quarantine(req.slots)
+                if req.source and self._failed_sources.note_failure(req.source):
+                    log.warning("a load from %s failed (request %s): not loading from it for %g s", req.source,
+                                rid, self._failed_sources.cooldown_s)
             req.slots = []
             req.computed = (lo + good) * self.tpb
             req.state = "prefill"

@@ -153,6 +153,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--g2-blocks", type=int, default=1024)
     p.add_argument("--landing-blocks", type=int, default=256)
     p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--failed-source-cooldown-s", type=float, default=30.0,
+                   help="after a load from a source failed, recompute what it holds for this long (0: off)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / TP size)")
     return p.parse_args(argv)
 
@@ -177,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     group = resolve_tp_group(None, None)
     source, target = _hook_configs(a, fingerprint(model, cache, group.size))
     cfg = EngineConfig(worker_id=a.worker_id, model=model, cache=cache, prefill_chunk=a.prefill_chunk,
+                       failed_source_cooldown_s=a.failed_source_cooldown_s,
                        source=source, target=target, ipc_dir=a.ipc_dir)
     torch.set_num_threads(a.threads or max(1, (os.cpu_count() or 1) // group.size))
     ex = Executor(cfg, comm=group.comm)
