@@ -17,6 +17,13 @@ not run for ``REMOTE_G2_STALL_DUMP_S``, the C thread writes every thread's
 Python stack to stderr (the process keeps running) and keeps doing so every
 period until Python runs again.
 
+A process given no CPU at all (pinned to a core that other work saturates)
+starves this C thread too: it dumps late, when the process runs again, or
+not at all, and the stacks then show where each thread was when the CPU
+went away. For that case the source logs the gap afterwards
+(``this process did not run for N s``, from its lease reaper's late
+wake-up; ``remote_g2_source_wakeup_lag_seconds``).
+
 One per process (``faulthandler`` has one such timer): the first caller
 starts it, later calls return the running one. Leave it off in production
 unless chasing a stall; a process whose own code uses
