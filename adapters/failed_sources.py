@@ -13,9 +13,12 @@ Not thread-safe: one scheduler loop owns it.
 
 from __future__ import annotations
 
+import logging
 import time
 
 __all__ = ["FailedSources"]
+
+log = logging.getLogger("remote_g2.adapters.failed_sources")
 
 
 class FailedSources:
@@ -27,11 +30,17 @@ class FailedSources:
         self.cooldown_s = cooldown_s
         self._until: dict[str, float] = {}
 
-    def note_failure(self, worker_id: str, now: float | None = None) -> bool:
-        """Start (or restart) ``worker_id``'s cooldown; True if it was not cooling already."""
+    def note_failure(self, worker_id: str, request_id: str = "", now: float | None = None) -> bool:
+        """Start (or restart) ``worker_id``'s cooldown after ``request_id``'s load from it failed.
+
+        True (and a warning in the log) if it was not cooling already.
+        """
         now = time.monotonic() if now is None else now
         fresh = self.remaining(worker_id, now) == 0.0
         self._until[worker_id] = now + self.cooldown_s
+        if fresh:
+            log.warning("a load from %s failed (request %s): not loading from it for %g s", worker_id,
+                        request_id or "?", self.cooldown_s)
         return fresh
 
     def remaining(self, worker_id: str, now: float | None = None) -> float:

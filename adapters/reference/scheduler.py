@@ -249,9 +249,8 @@ class Scheduler:
                 self._landing.give_back(req.slots)
             else:
                 self._landing.quarantine(req.slots)
-                if req.source and self._failed_sources.note_failure(req.source):
-                    log.warning("a load from %s failed (request %s): not loading from it for %g s", req.source,
-                                rid, self._failed_sources.cooldown_s)
+                if req.source:
+                    self._failed_sources.note_failure(req.source, rid)
             req.slots = []
             req.computed = (lo + good) * self.tpb
             req.state = "prefill"

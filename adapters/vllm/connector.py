@@ -273,9 +273,8 @@ class RemoteG2Connector(KVConnectorBase_V1):
             return
         for rid in sorted(meta.source_failures):
             state = self._reqs.get(rid)
-            if state is not None and state.source and self._failed_sources.note_failure(state.source):
-                log.warning("a load from %s failed (request %s): not loading from it for %g s",
-                            state.source, rid, self._failed_sources.cooldown_s)
+            if state is not None and state.source:
+                self._failed_sources.note_failure(state.source, rid)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = RemoteG2ConnectorMetadata(loads=self._pending_loads)
