@@ -76,6 +76,14 @@ def _run_target(tmp_path: Path, registry: str, *, tp: int, source_tp: int, hashe
     return leader, verify
 
 
+def _assert_landed(verify: list[dict], *, untouched_clean: bool = False) -> None:
+    """Every target rank found all 16 destination blocks byte-exact (and, asked, wrote no other block)."""
+    for r, v in enumerate(verify):
+        assert v["checked"] == 16 and v["mismatches"] == [], (r, v)
+        if untouched_clean:
+            assert v["untouched_written"] == [], (r, v)
+
+
 @pytest.mark.parametrize(("source_tp", "target_tp"), [(2, 2), (1, 2), (2, 1), (2, 4)])
 def test_load_is_byte_exact_on_every_rank_and_pins_return_to_zero(tmp_path: Path, registry: str,
                                                                   source_tp: int, target_tp: int) -> None:
@@ -88,9 +96,7 @@ def test_load_is_byte_exact_on_every_rank_and_pins_return_to_zero(tmp_path: Path
         phases = leader["phases"]
         assert [phases[p][0] for p in ("to_resolve", "resolve", "reads")] == [1, 1, 1], phases
         assert 0 < sum(s for _, s in phases.values()) <= leader["seconds"], phases
-        for r, v in enumerate(verify):
-            assert v["checked"] == 16 and v["mismatches"] == [], (r, v)
-            assert v["untouched_written"] == [], (r, v)
+        _assert_landed(verify, untouched_clean=True)
         for r in range(source_tp):
             source.wait_pins(r, 0)
     finally:
@@ -105,8 +111,7 @@ def test_a_lookup_answered_by_the_registry_mirror_loads_the_same_bytes(tmp_path:
         assert leader["match"] == {"matched": 16, "reason": "ok", "worker_id": source.worker_id}
         assert leader["stats"]["mirror_lookups"] == 1  # no round trip to the server
         assert leader["done"] == ["req-1"] and leader["invalid"] == []
-        for r, v in enumerate(verify):
-            assert v["checked"] == 16 and v["mismatches"] == [], (r, v)
+        _assert_landed(verify)
         for r in range(2):
             source.wait_pins(r, 0)
     finally:
@@ -128,8 +133,7 @@ def test_the_leader_serves_other_loads_while_its_own_read_runs(tmp_path: Path, r
         assert leader["miss_failed_after_s"] - leader["miss_started_after_s"] < 1.0, leader  # not after the post
         assert leader["done"] == ["req-1"] and leader["failed"] == [] and leader["invalid"] == []
         assert leader["seconds"] >= 2.0
-        for r, v in enumerate(verify):
-            assert v["checked"] == 16 and v["mismatches"] == [], (r, v)
+        _assert_landed(verify)
         for r in range(2):
             source.wait_pins(r, 0)
     finally:
@@ -163,9 +167,7 @@ def test_mla_load_reads_replicated_blocks_pins_every_source_rank_and_releases_on
         assert leader["match"] == {"matched": 16, "reason": "ok", "worker_id": source.worker_id}
         assert leader["done"] == ["req-1"] and leader["failed"] == [] and leader["invalid"] == []
         assert leader["stats"]["bytes"] == 16 * make_layout(num_kv_heads=1).block_bytes * target_tp  # whole blocks
-        for r, v in enumerate(verify):
-            assert v["checked"] == 16 and v["mismatches"] == [], (r, v)
-            assert v["untouched_written"] == [], (r, v)
+        _assert_landed(verify, untouched_clean=True)
         # every source rank held the lease's 16 pins while the READs were open ...
         assert pinned == {r: 16 for r in range(source_tp)}, pinned
         # ... and every rank dropped them on the one release (not by expiry: the lease TTL is 10 s)
