@@ -35,6 +35,7 @@ import torch
 from remote_g2.errors import PoolIndexError
 from remote_g2.pool_index import PoolIndex
 
+from .host_memory import huge_page_buffer
 from .secondary_pool import BlockLayout, MemoryRegion, PoolEventKind, PoolListener
 
 __all__ = ["HostPool"]
@@ -53,7 +54,9 @@ class HostPool:
     ``HostPool(layout)`` allocates ``layout.num_blocks * layout.block_bytes``
     bytes (uninitialised). The buffer is page-locked when CUDA is available and
     ``pin_memory`` is not False, plain host memory otherwise (``pin_memory=True``
-    without CUDA logs a warning and falls back). ``ValueError`` if
+    without CUDA logs a warning and falls back). Plain host memory is mapped
+    in 2 MiB transparent huge pages unless ``huge_pages`` is False (see
+    :mod:`~remote_g2.adapters.host_memory`: NIXL reads it faster). ``ValueError`` if
     ``layout.block_bytes`` cannot hold ``num_layers * kv`` slabs, or if
     ``num_blocks`` exceeds :data:`~remote_g2.pool_index.MAX_BLOCKS`.
 
@@ -68,7 +71,8 @@ class HostPool:
     concurrently with what.
     """
 
-    def __init__(self, layout: BlockLayout, *, pin_memory: bool | None = None, reserved_blocks: int = 0) -> None:
+    def __init__(self, layout: BlockLayout, *, pin_memory: bool | None = None, reserved_blocks: int = 0,
+                 huge_pages: bool = True) -> None:
         if not 0 <= reserved_blocks < layout.num_blocks:
             raise ValueError(f"reserved_blocks={reserved_blocks} must be in 0..{layout.num_blocks - 1} "
                              f"(the cache needs at least one block)")
@@ -82,8 +86,13 @@ class HostPool:
         cuda = torch.cuda.is_available()
         if pin_memory and not cuda:
             log.warning("pin_memory=True but CUDA is not available: the pool uses plain host memory")
-        self._tensor = torch.empty(layout.num_blocks * layout.block_bytes, dtype=torch.uint8,
-                                   pin_memory=cuda and pin_memory is not False)
+        nbytes = layout.num_blocks * layout.block_bytes
+        if cuda and pin_memory is not False:
+            self._tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        elif huge_pages:
+            self._tensor = torch.from_numpy(huge_page_buffer(nbytes))
+        else:
+            self._tensor = torch.empty(nbytes, dtype=torch.uint8)
         # A numpy view of the same memory: writing bytes-like data through it
         # is one memcpy, with no read-only-buffer warnings from torch.frombuffer.
         self._array = self._tensor.numpy()

@@ -64,6 +64,7 @@ TARGET_RATIO = 0.70
 
 sys.path.insert(0, str(HERE))
 
+from remote_g2.adapters.host_memory import thp_mode  # noqa: E402
 from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer  # noqa: E402
 
 
@@ -126,6 +127,7 @@ def run_config(kib: int, args: argparse.Namespace, registry: str, tmp: Path) -> 
     py = sys.executable
     src = Proc([str(MPIEXEC), "-n", str(TP), py, str(PROCS / "source_rank.py"), "--dir", str(src_dir),
                 "--worker-id", worker, "--block-kib", str(kib), "--hashes", str(n), "--layout", args.source_layout,
+                "--pool-pages", args.pool_pages,
                 "--registry", registry, "--ipc-dir", ipc], src_dir / "mpiexec.log")
     tgt: Proc | None = None
     try:
@@ -335,7 +337,7 @@ def _stream_summary(st: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"TP={TP}->{TP}, {args.mib} MiB per request ({args.mib // TP} MiB per rank), median of {args.reps}; "
-          f"source blocks {args.source_layout}; NIXL {_nixl_version()} UCX; {os.cpu_count()} CPUs, "
+          f"source blocks {args.source_layout} in {args.pool_pages} pages; NIXL {_nixl_version()} UCX; {os.cpu_count()} CPUs, "
           f"load avg {os.getloadavg()[0]:.2f}")
     hdr = (f"{'block':>6} {'desc/rk':>7} {'e2e ms':>7} {'e2e GB/s':>8} {'raw ms':>7} {'raw GB/s':>8} "
            f"{'memcpy':>7} {'e2e/raw':>7} {'paired':>6} {'range':>9} {'>=0.70':>6} {'fixed ms':>8} {'1st ms':>7} "
@@ -395,6 +397,9 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=20, help="timed requests per size (median; at most 100)")
     p.add_argument("--source-layout", choices=("scattered", "contiguous"), default="scattered",
                    help="scattered: one descriptor per block; contiguous: one per rank (everything coalesces)")
+    p.add_argument("--pool-pages", choices=("huge", "4k"), default="huge",
+                   help="the source pool in 2 MiB transparent huge pages (HostPool's default) or 4 KiB pages; "
+                        "the target's destination is a numpy array, which numpy backs with huge pages itself")
     p.add_argument("--poll-us", type=float, default=200.0, help="get_finished polling interval (µs)")
     p.add_argument("--timeout-s", type=float, default=150.0, help="per block size, for the target worker")
     p.add_argument("--registry-mirror", action="store_true",
@@ -437,7 +442,8 @@ def main() -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "benchmark": "transfer", "tp": TP, "mib": args.mib, "reps": args.reps,
-            "source_layout": args.source_layout, "poll_us": args.poll_us, "registry_mirror": args.registry_mirror,
+            "source_layout": args.source_layout, "pool_pages": args.pool_pages,
+            "thp_mode": thp_mode(), "poll_us": args.poll_us, "registry_mirror": args.registry_mirror,
             "stream_requests": args.stream_requests, "stream_depth": args.stream_depth,
             "stream_rounds": args.stream_rounds, "stream_poll_us": args.stream_poll_us, "nixl": _nixl_version(),
             "cpus": os.cpu_count(), "machine": platform.machine(), "loadavg": os.getloadavg(),

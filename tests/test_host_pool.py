@@ -121,6 +121,43 @@ def test_pin_memory_without_cuda_falls_back(caplog):
     assert not HostPool(make_layout(2)).tensor.is_pinned()
 
 
+def _vma_flags(addr: int, nbytes: int) -> list[dict[str, str]]:
+    """The /proc/self/smaps entries of every mapping overlapping [addr, addr + nbytes)."""
+    out, cur = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                cur = {} if lo < addr + nbytes and hi > addr else None
+                if cur is not None:
+                    out.append(cur)
+            elif cur is not None and ":" in line:
+                key, _, value = line.partition(":")
+                cur[key] = value.strip()
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the pool is page-locked torch memory")
+def test_pool_memory_is_advised_huge_pages_unless_asked_not_to():
+    from remote_g2.adapters.host_memory import HUGE_PAGE_BYTES, thp_mode
+
+    layout = make_layout(3, pad=(5 << 20) + 123)  # ~15 MiB, not a whole number of huge pages
+    pool = HostPool(layout)
+    [region] = pool.regions()
+    assert region.base % HUGE_PAGE_BYTES == 0 and region.nbytes == 3 * layout.block_bytes
+    pool.tensor[-1] = 7  # the last byte is writable, the buffer is as long as asked
+    assert pool.tensor[-1].item() == 7 and pool.tensor[0].item() == 0
+    small = HostPool(layout, huge_pages=False)
+    if thp_mode() in ("always", "madvise"):
+        assert all(v.get("THPeligible") == "1" for v in _vma_flags(region.base, region.nbytes))
+    if thp_mode() == "madvise":  # only the advised pool may get huge pages
+        [small_region] = small.regions()
+        assert any(v.get("THPeligible") == "0" for v in _vma_flags(small_region.base, small_region.nbytes))
+    ids = pool.store([b"k" * 32], [np.full(layout.block_bytes, 3, dtype=np.uint8)])
+    assert bytes(pool.block_view(ids[0])[:4].numpy()) == b"\x03" * 4
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs CUDA")
 def test_pinned_memory_with_cuda():
     assert HostPool(make_layout(2)).tensor.is_pinned()

@@ -40,6 +40,8 @@ def main() -> int:
     p.add_argument("--block-kib", type=int, required=True)
     p.add_argument("--hashes", type=int, required=True)
     p.add_argument("--layout", choices=("scattered", "contiguous"), default="scattered")
+    p.add_argument("--pool-pages", choices=("huge", "4k"), default="huge",
+                   help="the pool in 2 MiB transparent huge pages (HostPool's default) or 4 KiB pages")
     p.add_argument("--registry", required=True)
     p.add_argument("--ipc-dir", required=True)
     p.add_argument("--lifetime-s", type=float, default=300.0)
@@ -56,7 +58,7 @@ def main() -> int:
     stream = rank_stream(rank, args.block_kib, args.hashes * bb)
     order = (np.random.default_rng([7, args.block_kib]).permutation(args.hashes) if args.layout == "scattered"
              else np.arange(args.hashes)).tolist()
-    pool = HostPool(layout)
+    pool = HostPool(layout, huge_pages=args.pool_pages == "huge")
     ids = pool.store([hash_of(args.block_kib, i) for i in order], [stream[i * bb:(i + 1) * bb] for i in order])
     if ids != list(range(args.hashes)):  # the bench's descriptor counts assume it
         raise SystemExit(f"rank {rank}: the pool placed the blocks at {ids[:8]}..., not 0..N-1 in call order")
