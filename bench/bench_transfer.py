@@ -337,7 +337,8 @@ def _stream_summary(st: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"TP={TP}->{TP}, {args.mib} MiB per request ({args.mib // TP} MiB per rank), median of {args.reps}; "
-          f"source blocks {args.source_layout} in {args.pool_pages} pages; NIXL {_nixl_version()} UCX; {os.cpu_count()} CPUs, "
+          f"source blocks {args.source_layout} in {args.pool_pages} pages; NIXL {_nixl_version()} UCX; "
+          f"{os.cpu_count()} CPUs, "
           f"load avg {os.getloadavg()[0]:.2f}")
     hdr = (f"{'block':>6} {'desc/rk':>7} {'e2e ms':>7} {'e2e GB/s':>8} {'raw ms':>7} {'raw GB/s':>8} "
            f"{'memcpy':>7} {'e2e/raw':>7} {'paired':>6} {'range':>9} {'>=0.70':>6} {'fixed ms':>8} {'1st ms':>7} "
