@@ -35,7 +35,7 @@ import torch
 from remote_g2.errors import PoolIndexError
 from remote_g2.pool_index import PoolIndex
 
-from .host_memory import huge_page_buffer
+from .host_memory import huge_page_buffer, thp_mode
 from .secondary_pool import BlockLayout, MemoryRegion, PoolEventKind, PoolListener
 
 __all__ = ["HostPool"]
@@ -46,6 +46,19 @@ BlockData = Any
 """One block's bytes for :meth:`HostPool.store`: a bytes-like object (``bytes``,
 ``bytearray``, ``memoryview``, a C-contiguous numpy array) or a ``torch.Tensor``
 of any dtype and device, exactly ``block_bytes`` long."""
+
+
+_thp_checked = False
+
+
+def _say_once_if_thp_is_off() -> None:
+    global _thp_checked
+    if not _thp_checked:
+        _thp_checked = True
+        if thp_mode() == "never":
+            log.warning("transparent huge pages are off on this machine (/sys/kernel/mm/transparent_hugepage/"
+                        "enabled is 'never'): G2 pools use 4 KiB pages, and NIXL reads them more slowly "
+                        "(docs/operations.md, 'Huge pages')")
 
 
 class HostPool:
@@ -91,6 +104,7 @@ class HostPool:
             self._tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         elif huge_pages:
             self._tensor = torch.from_numpy(huge_page_buffer(nbytes))
+            _say_once_if_thp_is_off()
         else:
             self._tensor = torch.empty(nbytes, dtype=torch.uint8)
         # A numpy view of the same memory: writing bytes-like data through it

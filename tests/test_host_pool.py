@@ -158,6 +158,21 @@ def test_pool_memory_is_advised_huge_pages_unless_asked_not_to():
     assert bytes(pool.block_view(ids[0])[:4].numpy()) == b"\x03" * 4
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the pool is page-locked torch memory")
+def test_a_machine_with_thp_off_is_told_once(monkeypatch, caplog):
+    # Stand-in: the test cannot switch the kernel's THP mode, so it makes the pool read "never".
+    import remote_g2.adapters.host_pool as host_pool
+
+    monkeypatch.setattr(host_pool, "thp_mode", lambda: "never")
+    monkeypatch.setattr(host_pool, "_thp_checked", False)
+    with caplog.at_level(logging.WARNING, logger="remote_g2"):
+        HostPool(make_layout(2))
+        HostPool(make_layout(2))
+        HostPool(make_layout(2), huge_pages=False)
+    said = [r for r in caplog.records if "transparent huge pages are off" in r.getMessage()]
+    assert len(said) == 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs CUDA")
 def test_pinned_memory_with_cuda():
     assert HostPool(make_layout(2)).tensor.is_pinned()
