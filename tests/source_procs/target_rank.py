@@ -73,6 +73,13 @@ from remote_g2.target.metrics import PHASES  # noqa: E402
 from remote_g2.target.tp_mapping import head_slices  # noqa: E402
 
 
+
+def write_whole(path: Path, text: str) -> None:
+    """Write ``text`` so that a test polling for ``path`` never reads it half-written (it appears whole)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
 class DestPool:
     """The target rank's destination memory: a zeroed buffer of ``num_blocks`` blocks."""
 
@@ -101,7 +108,7 @@ class DelayedNixlTransfer(NixlTransfer):
     def start_read(self, agent_name, local_addr, remote_addr, nbytes, **kw):  # type: ignore[override]
         marker = type(self).marker
         if marker is not None and not marker.exists():
-            marker.write_text(str(time.time()))
+            write_whole(marker, str(time.time()))
         time.sleep(type(self).delay_s)
         return super().start_read(agent_name, local_addr, remote_addr, nbytes, **kw)
 
@@ -168,7 +175,7 @@ def main() -> int:
     comm = MPI.COMM_WORLD
     rank, tp = comm.Get_rank(), comm.Get_size()
     d = args.dir
-    (d / f"pid-{rank}").write_text(str(os.getpid()))
+    write_whole(d / f"pid-{rank}", str(os.getpid()))
     logs = LogLines()
     logging.getLogger("remote_g2.target").addHandler(logs)
     heads_per_rank = 1 if args.mla else args.total_heads // tp
