@@ -248,6 +248,9 @@ def breakdown(series: dict[str, Any], events: list[list[list[Any]]]) -> tuple[di
             "release_rpc": (release[2] - release[1]) if release[1] is not None else None,
             # a link message: from the sender's send() until the receiver's receive() returned it
             "link_to_rank1": (handed[1][0][2] - handed[0][0][1]) if all(handed) else None,
+            # of which: until rank 1's loop called receive() (its wake-up), and the receive itself (decoding)
+            "rank1_up": (handed[1][0][1] - handed[0][0][1]) if all(handed) else None,
+            "rank1_decode": (handed[1][0][2] - handed[1][0][1]) if all(handed) else None,
             "rank0_wake": reads[0][1] - submits[0][1],
             "rank0_read": reads[0][2] - reads[0][1],
             "rank1_handed": submits[1][1] - resolve[2],
@@ -369,8 +372,9 @@ def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         print("  raw: the same READs with as many posted at once (each rank its own), from one shared instant;\n"
               "  copying: each rank's share of an e2e round spent inside its READ posts")
     phases = ["lookup", "handoff", "resolve", "reads", "finish", "notice"]
-    details = ["resolve_rpc", "release_rpc", "link_to_rank1", "rank0_wake", "rank0_read", "rank1_handed",
-               "rank1_wake", "rank1_read", "link_from_rank1", "reads_overlap", "after_reads", "outside_reads"]
+    details = ["resolve_rpc", "release_rpc", "link_to_rank1", "rank1_up", "rank1_decode", "rank0_wake", "rank0_read",
+               "rank1_handed", "rank1_wake", "rank1_read", "link_from_rank1", "reads_overlap", "after_reads",
+               "outside_reads"]
     print("\nwhere a request's time goes (median ms; the first six add up to e2e):")
     print(f"{'':>12}" + "".join(f"{str(r['block_kib']) + 'K ' + k:>12}" for r in rows for k in ("full", "1-blk")))
     for p in ["e2e", *phases, *details]:

@@ -175,7 +175,6 @@ class SourceService:
         self._publisher: Any = None
         self._registry_client: Any = None
         self._rank_infos: list[RankInfo] = []
-        self._rank_infos_bare: list[RankInfo] = []
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
         self._shutdown_lock = threading.Lock()
@@ -240,7 +239,6 @@ class SourceService:
         self.epoch = time.time_ns()
         self._rank_infos = [RankInfo(r.rank, r.agent_name, r.agent_metadata, r.pool_base, r.pool_bytes, r.layout)
                             for r in self.records]
-        self._rank_infos_bare = [replace(info, agent_metadata=None) for info in self._rank_infos]
         siblings = {r.rank: r.sibling_endpoint for r in self.records[1:] if r.sibling_endpoint}
         self._links = SiblingLinks(siblings, timeout_ms=cfg.sibling_timeout_ms,
                                    retry_after_s=cfg.sibling_retry_after_ms / 1000,
@@ -352,9 +350,10 @@ class SourceService:
             # It expired (or was released by a reader that guessed its id) while we worked.
             self._undo(lease_id, answers)
             raise SourceError(f"lease expired before the resolve finished (ttl {ttl_ms} ms); ask for a longer ttl")
+        # A caller that knows an agent already holds its RankInfo for this epoch: leave it out
+        # (decoding the layouts again costs the target a little on every load).
         known = set(req.known_agents)
-        metadata = [bare if info.agent_name in known else info
-                    for info, bare in zip(self._rank_infos, self._rank_infos_bare)]
+        metadata = [info for info in self._rank_infos if info.agent_name not in known]
         return ResolveReply("ok", lease_id, matched, self.epoch, expires_in_ms,
                             [RankBlocks(r, ids[:matched]) for r, ids in sorted(per_rank.items())], metadata)
 

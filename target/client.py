@@ -671,9 +671,9 @@ class TargetClient:
         load.waiting = set(range(self.tp_size))
         mla_offset = zlib.crc32(self.worker_id.encode()) % max(1, len(infos))
         is_mla = bool(self.config.fingerprint and self.config.fingerprint.is_mla)
+        # Ranks keep what they were sent per (source worker, epoch): only agents new to them travel.
         msg = TargetLoad(load.load_id, load.match.worker_id, reply.epoch, len(infos), is_mla, mla_offset,
-                         reply.ranks, [info if info.agent_name in first_time else replace(info, agent_metadata=None)
-                                       for _, info in sorted(infos.items())],
+                         reply.ranks, [info for _, info in sorted(infos.items()) if info.agent_name in first_time],
                          load.dst, self.config.transfer_timeout_ms, now + self.config.transfer_timeout_ms * 1_000_000)
         for r in range(1, self.tp_size):
             try:

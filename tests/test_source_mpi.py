@@ -102,7 +102,7 @@ def test_resolve_read_release_reads_exact_bytes_from_both_ranks(shared: SourceWo
     assert first["reason"] == "ok" and first["matched"] == 16 and first["lease_id"] > 0
     assert sorted(first["ranks"]) == ["0", "1"] and all(len(v) == 16 for v in first["ranks"].values())
     assert first["metadata_sent"] == [0, 1]  # agents not known yet: metadata for both ranks
-    assert second["metadata_sent"] == []  # known agents: RankInfo without the metadata bytes
+    assert second["metadata_sent"] == []  # known agents: no RankInfo at all
     assert first["epoch"] == shared.endpoints[""]["epoch"]
     assert 25_000 < first["expires_in_ms"] <= 30_000
     assert all(r["released"] for r in result["replies"])

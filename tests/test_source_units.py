@@ -389,7 +389,8 @@ def test_threaded_tp2_resolve_trims_both_ways_and_releases(tp2: dict) -> None:
     assert [m.agent_name for m in r.metadata] == ["remote-g2-source-unit-tp0", "remote-g2-source-unit-tp1"]
     r2 = c.call(Resolve(_hashes(13, 3), 5_000, known_agents=["remote-g2-source-unit-tp1"]))
     assert (r2.reason, r2.matched) == ("ok", 1)  # rank 0 lacks 14: rank 1's 3 pins trimmed to 1
-    assert [m.agent_metadata is None for m in r2.metadata] == [False, True]
+    # rank 1's agent is known to the caller: only rank 0's RankInfo (with its metadata) comes back
+    assert [(m.agent_name, m.agent_metadata is None) for m in r2.metadata] == [("remote-g2-source-unit-tp0", False)]
     assert _pins(pools) == [13, 13]
     assert c.call(Release(r.lease_id)).released and c.call(Release(r2.lease_id)).released
     assert _settled_pins(pools, [0, 0]) == [0, 0]
