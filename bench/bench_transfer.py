@@ -257,6 +257,8 @@ def breakdown(series: dict[str, Any], events: list[list[list[Any]]]) -> tuple[di
             "rank1_wake": reads[1][1] - submits[1][1],
             "rank1_read": reads[1][2] - reads[1][1],
             "link_from_rank1": (reported[1][0][2] - reported[0][0][1]) if all(reported) else None,
+            # rank 1 from the end of its READ post to sending its report (state check, handle release)
+            "rank1_wrapup": (reported[0][0][1] - reads[1][2]) if reported[0] else None,
             "read_span": max(r[2] for r in reads) - min(r[1] for r in reads),
             "reads_overlap": min(r[2] for r in reads) - max(r[1] for r in reads),
             "after_reads": last_done - max(r[2] for r in reads),
@@ -373,8 +375,8 @@ def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
               "  copying: each rank's share of an e2e round spent inside its READ posts")
     phases = ["lookup", "handoff", "resolve", "reads", "finish", "notice"]
     details = ["resolve_rpc", "release_rpc", "link_to_rank1", "rank1_up", "rank1_decode", "rank0_wake", "rank0_read",
-               "rank1_handed", "rank1_wake", "rank1_read", "link_from_rank1", "reads_overlap", "after_reads",
-               "outside_reads"]
+               "rank1_handed", "rank1_wake", "rank1_read", "rank1_wrapup", "link_from_rank1", "reads_overlap",
+               "after_reads", "outside_reads"]
     print("\nwhere a request's time goes (median ms; the first six add up to e2e):")
     print(f"{'':>12}" + "".join(f"{str(r['block_kib']) + 'K ' + k:>12}" for r in rows for k in ("full", "1-blk")))
     for p in ["e2e", *phases, *details]:
