@@ -42,6 +42,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
+from source_procs.files import write_whole  # noqa: E402
 from source_procs.nixl_reader import Reader  # noqa: E402
 from source_procs.pattern import block_bytes_for, hash_of  # noqa: E402
 
@@ -188,9 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         result["error_samples"].append(f"setup: {type(e).__name__}: {e}")
     closers = result.pop("_close", None)
     result["ok"] = result["errors"] == 0 and result["wrong_bytes"] == 0 and result["over_budget"] == 0
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, args.out)
+    write_whole(args.out, json.dumps(result))
     print("RESULT", "ok" if result["ok"] else "fail", flush=True)
     if closers is not None:
         client, reader = closers

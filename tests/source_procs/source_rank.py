@@ -52,6 +52,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from source_procs.files import write_whole  # noqa: E402
 from source_procs.pattern import block_bytes_for, hash_of, make_layout  # noqa: E402
 
 from remote_g2.adapters.host_pool import HostPool  # noqa: E402
@@ -167,9 +168,7 @@ class Churn(threading.Thread):
 
 
 def write_json(path: Path, data: object) -> None:
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    write_whole(path, json.dumps(data))
 
 
 def main() -> int:

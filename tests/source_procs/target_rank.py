@@ -62,6 +62,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
+from source_procs.files import write_whole  # noqa: E402
 from source_procs.pattern import block_bytes_for, hash_of, make_layout  # noqa: E402
 
 from remote_g2.adapters.nixl_transfer import NixlTransfer  # noqa: E402
@@ -72,13 +73,6 @@ from remote_g2.target import TargetConfig, start_target_client  # noqa: E402
 from remote_g2.target.metrics import PHASES  # noqa: E402
 from remote_g2.target.tp_mapping import head_slices  # noqa: E402
 
-
-
-def write_whole(path: Path, text: str) -> None:
-    """Write ``text`` so that a test polling for ``path`` never reads it half-written (it appears whole)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 class DestPool:
     """The target rank's destination memory: a zeroed buffer of ``num_blocks`` blocks."""
@@ -247,8 +241,7 @@ def main() -> int:
             except Exception:
                 out["error"] = traceback.format_exc()
             out["log"] = list(logs.lines)
-            (d / "leader.json.tmp").write_text(json.dumps(out))
-            os.replace(d / "leader.json.tmp", d / "leader.json")
+            write_whole(d / "leader.json", json.dumps(out))
         else:
             deadline = time.monotonic() + args.wait_s + 30
             while not (d / "leader.json").exists() and time.monotonic() < deadline:
