@@ -61,6 +61,7 @@ PROCS = HERE / "transfer_procs"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 TP = 2
 TARGET_RATIO = 0.70
+LATE_START_MS = 1.0  # a rank whose READ starts this long after the resolve: it waited for a CPU, not for us
 
 sys.path.insert(0, str(HERE))
 
@@ -170,6 +171,10 @@ def run_config(kib: int, args: argparse.Namespace, registry: str, tmp: Path) -> 
             print(f"warning: the {kib} KiB source did not stop in 20 s; killed", file=sys.stderr)
         src.kill()
         shutil.rmtree(ipc, ignore_errors=True)
+    if args.events_json:  # every timestamp, absolute (CLOCK_MONOTONIC): to line up with `perf sched -k CLOCK_MONOTONIC`
+        path = args.events_json.with_name(f"{args.events_json.stem}-{kib}k{args.events_json.suffix}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"block_kib": kib, "requests": result, "events": events}))
     if result.get("stream"):
         result["stream"]["busy"] = _stream_busy(result["stream"], events)
     result["breakdown"], result["breakdown_rows"] = {}, {}
@@ -251,6 +256,7 @@ def breakdown(series: dict[str, Any], events: list[list[list[Any]]]) -> tuple[di
             # of which: until rank 1's loop called receive() (its wake-up), and the receive itself (decoding)
             "rank1_up": (handed[1][0][1] - handed[0][0][1]) if all(handed) else None,
             "rank1_decode": (handed[1][0][2] - handed[1][0][1]) if all(handed) else None,
+            "rank0_handed": submits[0][1] - resolve[2],
             "rank0_wake": reads[0][1] - submits[0][1],
             "rank0_read": reads[0][2] - reads[0][1],
             "rank1_handed": submits[1][1] - resolve[2],
@@ -281,7 +287,7 @@ def summarize(kib: int, res: dict[str, Any]) -> dict[str, Any]:
     ratio = raw_s / e2e_s
     one_e2e = [r["s"] for r in one["e2e"]]
     one_raw = [r["s"] for r in one["raw"]]
-    return {
+    out = {
         "block_kib": kib,
         "blocks_per_rank": full["blocks"],
         "descriptors_per_rank": full["raw"][0]["descriptors"],
@@ -311,6 +317,8 @@ def summarize(kib: int, res: dict[str, Any]) -> dict[str, Any]:
         "breakdown_rows_ms": {k: [{p: None if v is None else v * 1e3 for p, v in row.items()} for row in rows]
                               for k, rows in res["breakdown_rows"].items()},
     }
+    out["late_starts"] = late_starts(out["breakdown_rows_ms"]["full"])
+    return out
 
 
 def _stream_busy(stream: dict[str, Any], events: list[list[list[Any]]]) -> list[list[float]]:
@@ -374,8 +382,8 @@ def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         print("  raw: the same READs with as many posted at once (each rank its own), from one shared instant;\n"
               "  copying: each rank's share of an e2e round spent inside its READ posts")
     phases = ["lookup", "handoff", "resolve", "reads", "finish", "notice"]
-    details = ["resolve_rpc", "release_rpc", "link_to_rank1", "rank1_up", "rank1_decode", "rank0_wake", "rank0_read",
-               "rank1_handed", "rank1_wake", "rank1_read", "rank1_wrapup", "link_from_rank1", "reads_overlap",
+    details = ["resolve_rpc", "release_rpc", "link_to_rank1", "rank1_up", "rank1_decode", "rank0_handed", "rank0_wake",
+               "rank0_read", "rank1_handed", "rank1_wake", "rank1_read", "rank1_wrapup", "link_from_rank1", "reads_overlap",
                "after_reads", "outside_reads"]
     print("\nwhere a request's time goes (median ms; the first six add up to e2e):")
     print(f"{'':>12}" + "".join(f"{str(r['block_kib']) + 'K ' + k:>12}" for r in rows for k in ("full", "1-blk")))
@@ -386,6 +394,20 @@ def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                 v = r["breakdown_ms"][k].get(p)
                 cells.append(f"{'-' if v is None else f'{v:.3f}':>12}")
         print(f"{p:>12}" + "".join(cells))
+    late = [f"{r['block_kib']}K {r['late_starts']['count']} of {r['late_starts']['of']}" for r in rows]
+    print(f"\nlate starts (a rank's READ began {LATE_START_MS:g} ms or more after the resolve returned): "
+          + ", ".join(late) + "\n  on a 2-vCPU VM a woken thread can wait behind the other rank's copy on its CPU "
+          "(docs/target.md)")
+
+
+def late_starts(rows_ms: list[dict[str, Any]]) -> dict[str, int]:
+    """How many full-size requests had a rank start its READ ``LATE_START_MS`` or more after the resolve returned."""
+    count = 0
+    for row in rows_ms:
+        r0 = (row.get("rank0_handed") or 0.0) + (row.get("rank0_wake") or 0.0)
+        r1 = (row.get("rank1_handed") or 0.0) + (row.get("rank1_wake") or 0.0)
+        count += max(r0, r1) >= LATE_START_MS
+    return {"count": count, "of": len(rows_ms)}
 
 
 def _nixl_version() -> str:
@@ -417,6 +439,9 @@ def main() -> int:
     p.add_argument("--stream-poll-us", type=float, default=1000.0,
                    help="get_finished polling interval in sustained rounds (an engine polls once per step)")
     p.add_argument("--json", type=Path, help="also write the results here (parent directories are created)")
+    p.add_argument("--events-json", type=Path,
+                   help="also write every request's raw timestamps per block size (NAME-64k.json, ...), on "
+                        "CLOCK_MONOTONIC, to line up with a `perf sched record -k CLOCK_MONOTONIC` of the run")
     args = p.parse_args()
     kibs = [int(x) for x in args.blocks_kib.split(",") if x.strip()]
     if not 0 < args.mib <= 512 or not 0 < args.reps <= 100 or not kibs:
