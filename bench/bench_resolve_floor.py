@@ -1,13 +1,24 @@
-"""The transport floor under a resolve: its four ZMQ hops with no work at any of them.
+"""The transport floor under a resolve: its four hops with no work at any of them, over three transports.
 
 A resolve goes target → source rank 0 (ZMQ over TCP) → its sibling (ZMQ IPC)
 → rank 0 → target. This benchmark builds the same chain out of three
 processes that only decode and re-encode the frames (the project's codec, a
 real ``resolve`` of ``--hashes`` hashes and its ``sibling_pin``), so what it
-measures is what the sockets, the ZMQ I/O threads and the process wake-ups
-cost on this machine — the part of ``bench_source.py``'s resolve time that no
+measures is what the sockets, the I/O threads and the process wake-ups cost
+on this machine — the part of ``bench_source.py``'s resolve time that no
 change to the source's handlers can remove. Each round trip follows an idle
 gap (``--idle-ms``), as between an engine's loads.
+
+Three chains, interleaved (each round of ``--rounds`` runs every chain in
+turn, so a noisy minute hits all of them):
+
+* ``zmq/zmq``: what the source runs (DESIGN.md): ZMQ over TCP, then ZMQ IPC;
+* ``zmq/unix``: the sibling hop as a plain Unix stream socket with
+  length-prefixed frames, as the target's ranks talk (``remote_g2/local_link.py``);
+* ``tcp/unix``: no ZMQ at all — a plain TCP socket (``TCP_NODELAY``) in front.
+
+The gap between the rows is what replacing a transport could save a
+resolve; the last row is the floor of the design's hop sequence itself.
 
     python bench/bench_resolve_floor.py [--rounds 300] [--hashes 512] [--idle-ms 0,20] [--json out.json]
 """
@@ -19,10 +30,13 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import socket
 import statistics
+import struct
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -30,43 +44,189 @@ import zmq
 from remote_g2.messages import Resolve, SiblingPin
 from remote_g2.wire import decode_frame, decode_request_body, encode_request
 
+CHAINS = ("zmq/zmq", "zmq/unix", "tcp/unix")
+STOP = b"stop"
+_LEN = struct.Struct(">I")
+IO_TIMEOUT_S = 10.0  # a dead chain ends the run with an error instead of hanging it
 
-def _sibling(endpoint: str) -> None:
+
+# -- length-prefixed frames on a stream socket (what local_link.py sends, minus its validation) ------------------
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise EOFError("peer closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv_frame(sock: socket.socket) -> bytes:
+    (length,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    return _recv_exact(sock, length)
+
+
+def _send_frame(sock: socket.socket, frame: bytes) -> None:
+    sock.sendall(_LEN.pack(len(frame)) + frame)
+
+
+class _Pipe:
+    """One side of a hop: ``send(frame)`` / ``recv() -> frame``, over ZMQ or a plain stream socket."""
+
+    def __init__(self, send: Callable[[bytes], None], recv: Callable[[], bytes], close: Callable[[], None]) -> None:
+        self.send, self.recv, self.close = send, recv, close
+
+
+def _zmq_dealer(endpoint: str) -> _Pipe:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.rcvtimeo = int(IO_TIMEOUT_S * 1000)
+    sock.connect(endpoint)
+    return _Pipe(sock.send, sock.recv, lambda: sock.close(linger=1000))
+
+
+def _stream_client(family: int, address: object) -> _Pipe:
+    deadline = time.monotonic() + IO_TIMEOUT_S
+    while True:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.connect(address)
+            break
+        except OSError:
+            sock.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+    if family == socket.AF_INET:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(IO_TIMEOUT_S)
+    return _Pipe(lambda f: _send_frame(sock, f), lambda: _recv_frame(sock), sock.close)
+
+
+def _serve(kind: str, address: object, handle: Callable[[bytes], bytes | None]) -> None:
+    """Answer frames on ``address`` (ZMQ ROUTER, or one accepted stream) with ``handle`` until it returns None."""
+    if kind == "zmq":
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        sock.bind(str(address))
+        try:
+            while True:
+                peer, raw = sock.recv_multipart()
+                out = handle(raw)
+                if out is None:
+                    return
+                sock.send_multipart([peer, out])
+        finally:
+            sock.close(linger=0)
+    family = socket.AF_UNIX if kind == "unix" else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    if family == socket.AF_INET:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(address)
+    listener.listen(1)
+    conn, _ = listener.accept()
+    listener.close()
+    if family == socket.AF_INET:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        while True:
+            try:
+                raw = _recv_frame(conn)
+            except EOFError:
+                return
+            out = handle(raw)
+            if out is None:
+                return
+            _send_frame(conn, out)
+    finally:
+        conn.close()
+
+
+def _connect(kind: str, address: object) -> _Pipe:
+    if kind == "zmq":
+        return _zmq_dealer(str(address))
+    return _stream_client(socket.AF_UNIX if kind == "unix" else socket.AF_INET, address)
+
+
+# -- the three processes -------------------------------------------------------------------------------------------
+
+
+def _sibling(kind: str, address: object) -> None:
     """Rank 1: decode each sibling_pin and send it back."""
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
-    sock.bind(endpoint)
-    while True:
-        peer, raw = sock.recv_multipart()
-        if raw == b"stop":
-            break
-        msg = decode_request_body(decode_frame(raw))[1]
-        sock.send_multipart([peer, encode_request(1, msg)])
-    sock.close(linger=0)
+
+    def handle(raw: bytes) -> bytes | None:
+        if raw == STOP:
+            return None
+        return encode_request(1, decode_request_body(decode_frame(raw))[1])
+
+    _serve(kind, address, handle)
 
 
-def _rank0(endpoint: str, sibling: str) -> None:
+def _rank0(front_kind: str, front: object, sibling_kind: str, sibling: object) -> None:
     """Rank 0: decode the resolve, forward a sibling_pin, wait for it, answer."""
-    ctx = zmq.Context.instance()
-    front = ctx.socket(zmq.ROUTER)
-    front.bind(endpoint)
-    down = ctx.socket(zmq.DEALER)
-    down.connect(sibling)
-    while True:
-        peer, raw = front.recv_multipart()
-        if raw == b"stop":
-            down.send(b"stop")
-            break
+    down = _connect(sibling_kind, sibling)
+
+    def handle(raw: bytes) -> bytes | None:
+        if raw == STOP:
+            down.send(STOP)
+            return None
         req = decode_request_body(decode_frame(raw))[1]
         down.send(encode_request(1, SiblingPin(1, req.hashes, req.ttl_ms)))
         decode_request_body(decode_frame(down.recv()))
-        front.send_multipart([peer, raw])
-    front.close(linger=0)
-    down.close(linger=1000)
+        return raw
+
+    try:
+        _serve(front_kind, front, handle)
+    finally:
+        down.close()
+
+
+def _free_tcp_port() -> int:
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    return port
+
+
+class Chain:
+    """One chain's two server processes and the target's connection to rank 0."""
+
+    def __init__(self, name: str, tmp: str) -> None:
+        front_kind, sibling_kind = name.split("/")
+        self.name = name
+        ctx = mp.get_context("spawn")
+        sibling: object = (f"ipc://{tmp}/{name.replace('/', '-')}.sock" if sibling_kind == "zmq"
+                           else f"{tmp}/{name.replace('/', '-')}.sock")
+        port = _free_tcp_port()
+        front: object = f"tcp://127.0.0.1:{port}" if front_kind == "zmq" else ("127.0.0.1", port)
+        self.procs = [ctx.Process(target=_sibling, args=(sibling_kind, sibling), daemon=True),
+                      ctx.Process(target=_rank0, args=(front_kind, front, sibling_kind, sibling), daemon=True)]
+        for p in self.procs:
+            p.start()
+        self.pipe = _connect(front_kind, front)
+
+    def round_trip(self, frame: bytes) -> float:
+        t0 = time.perf_counter()
+        self.pipe.send(frame)
+        decode_request_body(decode_frame(self.pipe.recv()))
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        try:
+            self.pipe.send(STOP)
+        except (zmq.ZMQError, OSError):
+            pass
+        self.pipe.close()
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=300, help="round trips per idle gap (at most 5000)")
+    ap.add_argument("--rounds", type=int, default=300, help="round trips per chain and idle gap (at most 5000)")
     ap.add_argument("--hashes", type=int, default=512, help="hashes in the resolve (1..65536)")
     ap.add_argument("--idle-ms", default="0,20", help="sleep before each round trip, ms, comma-separated (0..100)")
     ap.add_argument("--json", type=Path)
@@ -77,51 +237,39 @@ def main() -> int:
     if any(i < 0 or i > 0.1 for i in idles):
         raise SystemExit("--idle-ms: each value in 0..100")
     tmp = tempfile.mkdtemp(prefix="remote-g2-floor-")
-    sibling = f"ipc://{tmp}/sibling.sock"
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_sibling, args=(sibling,), daemon=True)]
-    procs[0].start()
-    probe = zmq.Context.instance().socket(zmq.ROUTER)
-    port = probe.bind_to_random_port("tcp://127.0.0.1")
-    probe.close(linger=0)
-    front = f"tcp://127.0.0.1:{port}"
-    procs.append(ctx.Process(target=_rank0, args=(front, sibling), daemon=True))
-    procs[1].start()
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.rcvtimeo = 10_000  # a dead chain ends the run with zmq.Again instead of hanging it
-    sock.connect(front)
     frame = encode_request(1, Resolve([os.urandom(16) for _ in range(hashes)], 10_000, "bench"))
-    rows = []
+    chains: list[Chain] = []
+    times: dict[tuple[str, float], list[float]] = {}
     try:
-        for _ in range(5):  # connect and warm up
-            sock.send(frame)
-            sock.recv()
+        for name in CHAINS:
+            chains.append(Chain(name, tmp))
+        for chain in chains:  # connect and warm up
+            for _ in range(5):
+                chain.round_trip(frame)
         for idle in idles:
-            times = []
             for _ in range(rounds):
-                time.sleep(idle)
-                t0 = time.perf_counter()
-                sock.send(frame)
-                decode_request_body(decode_frame(sock.recv()))
-                times.append(time.perf_counter() - t0)
-            times.sort()
-            rows.append({"idle_ms": idle * 1000, "p50_us": statistics.median(times) * 1e6,
-                         "p90_us": times[min(len(times) - 1, int(0.9 * len(times)))] * 1e6})
+                for chain in chains:
+                    time.sleep(idle)
+                    times.setdefault((chain.name, idle), []).append(chain.round_trip(frame))
     finally:
-        try:
-            sock.send(b"stop")
-        except zmq.ZMQError:
-            pass
-        sock.close(linger=1000)
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-    print(f"resolve-shaped ZMQ chain (target -> rank 0 over TCP -> sibling over IPC and back), {hashes} hashes, "
-          f"no work; {rounds} round trips per row; {os.cpu_count()} CPUs, {platform.machine()}")
-    print(f"{'idle ms':>8} {'p50 us':>8} {'p90 us':>8}")
+        for chain in chains:
+            chain.close()
+    rows = []
+    for idle in idles:
+        for name in CHAINS:
+            ts = sorted(times[(name, idle)])
+            rows.append({"chain": name, "idle_ms": idle * 1000, "p50_us": statistics.median(ts) * 1e6,
+                         "p90_us": ts[min(len(ts) - 1, int(0.9 * len(ts)))] * 1e6})
+    base = {r["idle_ms"]: r["p50_us"] for r in rows if r["chain"] == CHAINS[0]}
+    print(f"resolve-shaped chain (target -> rank 0 -> sibling and back), {hashes} hashes, frames decoded and "
+          f"re-encoded, no other work; {rounds} round trips per cell, interleaved; {os.cpu_count()} CPUs, "
+          f"{platform.machine()}")
+    print(f"{'chain':>9} {'idle ms':>8} {'p50 us':>8} {'p90 us':>8} {'vs zmq/zmq':>10}")
     for r in rows:
-        print(f"{r['idle_ms']:>8g} {r['p50_us']:>8.0f} {r['p90_us']:>8.0f}")
+        r["p50_vs_zmq"] = r["p50_us"] / base[r["idle_ms"]]
+        print(f"{r['chain']:>9} {r['idle_ms']:>8g} {r['p50_us']:>8.0f} {r['p90_us']:>8.0f} {r['p50_vs_zmq']:>10.2f}")
+    print("  zmq/zmq: the source's transports (ZMQ TCP in front, ZMQ IPC to the sibling); zmq/unix: the sibling hop\n"
+          "  on a Unix stream socket; tcp/unix: no ZMQ at all")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"benchmark": "resolve_floor", "hashes": hashes, "rounds": rounds,
