@@ -175,7 +175,13 @@ def instrument_client(client: Any) -> None:
         rank_done(done)
 
     client._rank_done = timed_rank_done
-    worker._report = timed_rank_done  # rank 0's own share reports straight to the coordinator
+    report = worker._report  # rank 0's own share reports through the coordinator's events, from any thread
+
+    def timed_report(done: Any) -> None:
+        record("share_done", time.monotonic(), None, [done.rank, done.load_id, done.ok])
+        report(done)
+
+    worker._report = timed_report
 
 
 def wait_until(t: float) -> None:
