@@ -429,7 +429,9 @@ def main() -> int:
     p.add_argument("--pool-pages", choices=("huge", "4k"), default="huge",
                    help="the source pool in 2 MiB transparent huge pages (HostPool's default) or 4 KiB pages; "
                         "the target's destination is a numpy array, which numpy backs with huge pages itself")
-    p.add_argument("--poll-us", type=float, default=200.0, help="get_finished polling interval (µs)")
+    p.add_argument("--poll-us", type=float, default=0.0,
+                   help="get_finished polling interval (µs); 0 (default): the bench's loop blocks in the client's "
+                        "wait_finished() until the outcome is posted, as an engine watching finished_fd() would")
     p.add_argument("--timeout-s", type=float, default=150.0, help="per block size, for the target worker")
     p.add_argument("--registry-mirror", action="store_true",
                    help="the target looks up in an in-process registry mirror instead of asking the server")

@@ -8,6 +8,7 @@ scheduler talks to; every rank must create its client)::
     client.start_load(req_id, block_hashes[:m.matched], dst_block_ids)   # leader; returns at once
     done, failed = client.get_finished()       # leader, every engine step; never blocks
     bad = client.invalid_block_ids()           # destination blocks to recompute (drained on read)
+    client.finished_fd() / client.wait_finished(timeout_s)   # leader: wake when a load ends, not poll
     client.shutdown()                          # every rank
 
 How a load runs. The leader's coordinator is one thread running an event loop
@@ -174,6 +175,17 @@ class _Load:
     dispatched: float = 0.0         # when every rank was handed its share (for the "reads" phase)
 
 
+def _drain(fd: int) -> None:
+    """Read a non-blocking wake-up pipe empty (nothing to do for -1: not open, or closed)."""
+    if fd < 0:
+        return
+    try:
+        while os.read(fd, 4096):
+            pass
+    except (BlockingIOError, OSError):
+        pass
+
+
 def _boot_id() -> str:
     """Identifies this host's monotonic clock (it is shared by every process of one boot)."""
     try:
@@ -210,6 +222,7 @@ class TargetClient:
         self._lookups: OrderedDict[tuple[bytes, ...], TargetMatch] = OrderedDict()
         self._events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = -1, -1
+        self._finished_r, self._finished_w = -1, -1  # leader: readable while get_finished has news
         self._loads: dict[int, _Load] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -281,8 +294,9 @@ class TargetClient:
                     self._mirror = RegistryMirror(self.config.registry_endpoint, timeout_s=timeout / 1000.0,
                                                   curve=self.config.registry_curve).start()
             self._wake_r, self._wake_w = os.pipe()
-            os.set_blocking(self._wake_r, False)
-            os.set_blocking(self._wake_w, False)
+            self._finished_r, self._finished_w = os.pipe()
+            for fd in (self._wake_r, self._wake_w, self._finished_r, self._finished_w):
+                os.set_blocking(fd, False)
             target, name = self._coordinate, f"remote-g2-target-{self.worker_id}"
             self._share = threading.Thread(target=self._serve_share, name=f"{name}-tp0", daemon=True)
             self._share.start()
@@ -361,10 +375,32 @@ class TargetClient:
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """Request ids whose load finished since the last call: ``(done, failed)``. Never blocks."""
-        with self._lock:
+        with self._lock:  # under the lock, as in _report: the fd is readable exactly while outcomes wait
+            _drain(self._finished_r)
             done, failed = self._done, self._failed
             self._done, self._failed = set(), set()
         return done, failed
+
+    def finished_fd(self) -> int:
+        """A file descriptor (leader) that is readable while :meth:`get_finished` has outcomes to hand out.
+
+        For engines with an event loop (``loop.add_reader(fd, ...)``, ``select``)
+        that would rather wake when a load ends than poll every step;
+        :meth:`get_finished` makes it unreadable again. Owned by the client:
+        do not read or close it, and stop watching it before :meth:`shutdown`.
+        """
+        self._leader_only("finished_fd")
+        return self._finished_r
+
+    def wait_finished(self, timeout_s: float) -> bool:
+        """Block (leader) until :meth:`get_finished` has outcomes, at most ``timeout_s``; True if it has.
+
+        Costs no CPU while it waits, unlike a polling loop, which on a small
+        host takes the CPU the READs copy with (docs/target.md).
+        """
+        self._leader_only("wait_finished")
+        readable, _, _ = select.select([self._finished_r], [], [], max(0.0, timeout_s))
+        return bool(readable)
 
     def invalid_block_ids(self) -> set[int]:
         """Destination blocks whose load failed since the last call (the engine recomputes them)."""
@@ -397,10 +433,10 @@ class TargetClient:
         if self._registry is not None:
             self._registry.close()
         self.metrics.close()
-        for fd in (self._wake_r, self._wake_w):
+        for fd in (self._wake_r, self._wake_w, self._finished_r, self._finished_w):
             if fd >= 0:
                 os.close(fd)
-        self._wake_r = self._wake_w = -1
+        self._wake_r = self._wake_w = self._finished_r = self._finished_w = -1
 
     def _leader_only(self, what: str) -> None:
         if self.rank != 0:
@@ -550,11 +586,7 @@ class TargetClient:
         mux.close()
 
     def _take_events(self) -> bool:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        _drain(self._wake_r)
         while True:
             try:
                 kind, item = self._events.get_nowait()
@@ -777,6 +809,10 @@ class TargetClient:
                 self._failed.add(load.request_id)
                 self._invalid.update(load.dst)
                 self._invalid.update(load.invalid_tail)
+            try:  # with the sets, under the lock: whoever wakes on the fd finds the outcome
+                os.write(self._finished_w, b"\0")
+            except (BlockingIOError, OSError):  # full (it is readable anyway) or closed at shutdown
+                pass
         self.stats["done" if ok else "failed"] += 1
         invalid = len(load.invalid_tail) + (0 if ok else len(load.dst))
         self.metrics.load(ok, time.monotonic() - load.started, len(load.dst) if ok else 0, invalid)

@@ -96,6 +96,8 @@ def test_load_is_byte_exact_on_every_rank_and_pins_return_to_zero(tmp_path: Path
         phases = leader["phases"]
         assert [phases[p][0] for p in ("to_resolve", "resolve", "reads")] == [1, 1, 1], phases
         assert 0 < sum(s for _, s in phases.values()) <= leader["seconds"], phases
+        # finished_fd: readable exactly while an outcome waits for get_finished (the leader slept on it)
+        assert leader["fd_ready_before_outcome"] is True and leader["fd_ready_after_outcome"] is False, leader
         _assert_landed(verify, untouched_clean=True)
         for r in range(source_tp):
             source.wait_pins(r, 0)

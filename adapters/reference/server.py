@@ -83,14 +83,17 @@ class EngineServer:
         """The engine loop: answer the API, plan and run steps, until shutdown."""
         poller = zmq.Poller()
         poller.register(self.rpc.socket, zmq.POLLIN)
+        target = self.sched.target
+        if target is not None:  # a load's outcome wakes the loop (no polling while a remote load runs)
+            poller.register(target.finished_fd(), zmq.POLLIN)
         try:
             while not self.stop.is_set():
-                # Busy: only peek at the socket. Waiting on a remote load: poll it every millisecond.
-                loading = any(r.state in ("loading", "paused") for r in self.sched.running.values())
-                runnable = bool(self.sched.waiting) or any(
-                    r.state in ("prefill", "decode") for r in self.sched.running.values())
-                timeout = 0 if runnable else (1 if loading else 50)
-                if poller.poll(timeout):
+                # Busy: only peek at the sockets. A load about to start (paused): look again in 1 ms.
+                # Otherwise sleep until a request or a load's outcome arrives.
+                states = [r.state for r in self.sched.running.values()]
+                runnable = bool(self.sched.waiting) or "prefill" in states or "decode" in states
+                timeout = 0 if runnable else (1 if "paused" in states else 50)
+                if dict(poller.poll(timeout)).get(self.rpc.socket):
                     self.rpc.serve_ready()
                 self.ex.step()
         finally:

@@ -4,8 +4,10 @@ Run every rank with ``mpiexec -n TP python tests/source_procs/target_rank.py --d
 The target's layout matches the synthetic source's (``pattern.make_layout``)
 with ``--total-heads / TP`` kv heads per rank. Rank 0 (the leader) looks up
 ``hash_of(0..N-1)``, starts one load into destination blocks ``--dst-start``
-onwards and polls ``get_finished`` until the request finishes or
-``--wait-s`` passes, then writes ``D/leader.json``; every rank then compares
+onwards and waits on the client's finished fd (``wait_finished``), taking
+``get_finished`` after each wake-up, until the request finishes or
+``--wait-s`` passes, then writes ``D/leader.json`` (with whether the fd was
+readable just before the outcome was taken and just after); every rank then compares
 each loaded destination block with what the source ranks hold
 (:func:`expected_block`, using the TP mapping's head slices) and writes
 ``D/verify-{rank}.json``. Ranks > 0 wait for ``leader.json`` on the file
@@ -219,7 +221,11 @@ def main() -> int:
                     failed: set[str] = set()
                     invalid: set[int] = set()
                     while "req-1" not in done | failed and time.monotonic() - t0 < args.wait_s:
+                        # Sleep on the client's finished fd, as an engine with an event loop would.
+                        ready = client.wait_finished(min(0.05, max(0.0, args.wait_s - (time.monotonic() - t0))))
                         a, b = client.get_finished()
+                        if "req-1" in a | b:
+                            out["fd_ready_before_outcome"] = ready
                         if "req-miss" in b:
                             out["miss_failed_after_s"] = time.monotonic() - t0
                             out["req1_open_at_miss"] = "req-1" not in done | failed | a
@@ -229,7 +235,7 @@ def main() -> int:
                         done |= a
                         failed |= b
                         invalid |= client.invalid_block_ids()
-                        time.sleep(0.001)
+                    out["fd_ready_after_outcome"] = client.wait_finished(0)
                     reg = client.metrics.registry
                     out.update(done=sorted(done), failed=sorted(failed), invalid=sorted(invalid),
                                seconds=time.monotonic() - t0, stats=client.stats,
