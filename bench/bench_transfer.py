@@ -10,9 +10,14 @@ real target client (NIXL over UCX; on one host UCX copies with ``cma``).
 
 Per block size, target rank 0 times R requests end to end — ``lookup`` (registry
 RPC) -> ``start_load`` (resolve RPC to the source, IPC fan-out to rank 1, each
-rank plans and issues its own READ) -> ``get_finished`` polled every
-``--poll-us`` until done (after both ranks reported and the lease was
-released) — every request moving ``--mib`` MiB into the same destination blocks.
+rank plans and issues its own READ) -> ``get_finished`` once the client's
+``wait_finished`` says an outcome is posted (``--poll-us N``: poll every N µs
+instead; a polling thread takes the CPUs the same-host READs copy with) —
+every request moving ``--mib`` MiB into the same destination blocks, the
+lease released without waiting. The ranks run wherever the kernel puts
+them; ``--bind core`` has ``mpiexec`` bind each rank to a core, as engines
+deploy TP ranks (the kernel then cannot queue one rank's thread behind the
+other's copy: see "late starts" in the output and ``docs/target.md``).
 Interleaved with them (order alternating each round, so noise hits all):
 
 * ``raw``: each target rank re-issues, from a second bare NIXL agent of its
@@ -36,7 +41,8 @@ Every rank timestamps the client's steps (RPCs, READ posts, hand-offs); the
 medians of those phases are the breakdown table.
 
     python bench/bench_transfer.py [--blocks-kib 64,1024] [--mib 64] [--reps 20] [--stream-requests 8]
-                                   [--stream-depth 2] [--registry-mirror] [--json out.json]
+                                   [--stream-depth 2] [--registry-mirror] [--bind none|core] [--json out.json]
+                                   [--events-json ev.json]
 """
 
 from __future__ import annotations
@@ -126,7 +132,8 @@ def run_config(kib: int, args: argparse.Namespace, registry: str, tmp: Path) -> 
     ipc = tempfile.mkdtemp(prefix="rg2b-")  # short: unix socket paths are limited to 107 bytes
     worker = f"bench-src-{kib}k-{os.getpid()}"
     py = sys.executable
-    src = Proc([str(MPIEXEC), "-n", str(TP), py, str(PROCS / "source_rank.py"), "--dir", str(src_dir),
+    bind = ["-bind-to", "core"] if args.bind == "core" else []  # mpiexec (hydra) binds each rank to a core
+    src = Proc([str(MPIEXEC), *bind, "-n", str(TP), py, str(PROCS / "source_rank.py"), "--dir", str(src_dir),
                 "--worker-id", worker, "--block-kib", str(kib), "--hashes", str(n), "--layout", args.source_layout,
                 "--pool-pages", args.pool_pages,
                 "--registry", registry, "--ipc-dir", ipc], src_dir / "mpiexec.log")
@@ -139,7 +146,7 @@ def run_config(kib: int, args: argparse.Namespace, registry: str, tmp: Path) -> 
                 if time.monotonic() > deadline:
                     raise BenchError(f"the registry never showed the source's {n} blocks (last: {rec})")
                 time.sleep(0.05)
-        tgt = Proc([str(MPIEXEC), "-n", str(TP), py, str(PROCS / "target_rank.py"), "--dir", str(tgt_dir),
+        tgt = Proc([str(MPIEXEC), *bind, "-n", str(TP), py, str(PROCS / "target_rank.py"), "--dir", str(tgt_dir),
                     "--registry", registry, "--worker-id", f"bench-tgt-{kib}k-{os.getpid()}", "--block-kib", str(kib),
                     "--hashes", str(n), "--reps", str(args.reps), "--poll-us", str(args.poll_us),
                     "--ipc-dir", ipc, *(["--registry-mirror"] if args.registry_mirror else []),
@@ -350,7 +357,8 @@ def _stream_summary(st: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"TP={TP}->{TP}, {args.mib} MiB per request ({args.mib // TP} MiB per rank), median of {args.reps}; "
-          f"source blocks {args.source_layout} in {args.pool_pages} pages; NIXL {_nixl_version()} UCX; "
+          f"source blocks {args.source_layout} in {args.pool_pages} pages; ranks bound: {args.bind}; "
+          f"NIXL {_nixl_version()} UCX; "
           f"{os.cpu_count()} CPUs, "
           f"load avg {os.getloadavg()[0]:.2f}")
     hdr = (f"{'block':>6} {'desc/rk':>7} {'e2e ms':>7} {'e2e GB/s':>8} {'raw ms':>7} {'raw GB/s':>8} "
@@ -429,6 +437,9 @@ def main() -> int:
     p.add_argument("--pool-pages", choices=("huge", "4k"), default="huge",
                    help="the source pool in 2 MiB transparent huge pages (HostPool's default) or 4 KiB pages; "
                         "the target's destination is a numpy array, which numpy backs with huge pages itself")
+    p.add_argument("--bind", choices=("none", "core"), default="none",
+                   help="core: mpiexec binds each source and target rank to a core of its own, as engines run "
+                        "their TP ranks (rank r of each worker on core r); none: the kernel places every thread")
     p.add_argument("--poll-us", type=float, default=0.0,
                    help="get_finished polling interval (µs); 0 (default): the bench's loop blocks in the client's "
                         "wait_finished() until the outcome is posted, as an engine watching finished_fd() would")
@@ -476,7 +487,7 @@ def main() -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "benchmark": "transfer", "tp": TP, "mib": args.mib, "reps": args.reps,
-            "source_layout": args.source_layout, "pool_pages": args.pool_pages,
+            "source_layout": args.source_layout, "pool_pages": args.pool_pages, "bind": args.bind,
             "thp_mode": thp_mode(), "poll_us": args.poll_us, "registry_mirror": args.registry_mirror,
             "stream_requests": args.stream_requests, "stream_depth": args.stream_depth,
             "stream_rounds": args.stream_rounds, "stream_poll_us": args.stream_poll_us, "nixl": _nixl_version(),
