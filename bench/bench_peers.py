@@ -149,7 +149,7 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
         print(f"remote-g2 / raw NIXL / memcpy at {sizes} KiB (bench_transfer.py)...", file=sys.stderr)
         subprocess.run([sys.executable, str(HERE / "bench_transfer.py"), "--blocks-kib", args.blocks_kib,
                         "--mib", str(args.mib), "--reps", str(args.reps), "--json", str(out),
-                        *([] if args.no_registry_mirror else ["--registry-mirror"])], check=True,
+                        "--bind", args.bind, *([] if args.no_registry_mirror else ["--registry-mirror"])], check=True,
                        stdout=sys.stderr)
         ours = json.loads(out.read_text())
         mooncake = []
@@ -175,6 +175,7 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
                      "sustained_vs_mooncake": (sustained["e2e_gb_per_s"] / mc["gbps"]
                                                if sustained.get("e2e_gb_per_s") else None)})
     return {"bench": "peers.transfer", "mib": args.mib, "registry_mirror": not args.no_registry_mirror,
+            "bind": args.bind,
             "rows": rows, "remote_g2_raw": ours}
 
 
@@ -247,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks-kib", default="4,64,1024")
     p.add_argument("--mib", type=int, default=64)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--bind", choices=("none", "core"), default="none",
+                   help="transfer: bind every source and target rank to a core (bench_transfer.py --bind)")
     p.add_argument("--no-registry-mirror", action="store_true",
                    help="transfer: the target asks the registry server instead of its in-process mirror")
     p.add_argument("--json")
