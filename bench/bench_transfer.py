@@ -391,8 +391,8 @@ def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
               "  copying: each rank's share of an e2e round spent inside its READ posts")
     phases = ["lookup", "handoff", "resolve", "reads", "finish", "notice"]
     details = ["resolve_rpc", "release_rpc", "link_to_rank1", "rank1_up", "rank1_decode", "rank0_handed", "rank0_wake",
-               "rank0_read", "rank1_handed", "rank1_wake", "rank1_read", "rank1_wrapup", "link_from_rank1", "reads_overlap",
-               "after_reads", "outside_reads"]
+               "rank0_read", "rank1_handed", "rank1_wake", "rank1_read", "rank1_wrapup", "link_from_rank1",
+               "reads_overlap", "after_reads", "outside_reads"]
     print("\nwhere a request's time goes (median ms; the first six add up to e2e):")
     print(f"{'':>12}" + "".join(f"{str(r['block_kib']) + 'K ' + k:>12}" for r in rows for k in ("full", "1-blk")))
     for p in ["e2e", *phases, *details]:
@@ -410,11 +410,8 @@ def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
 def late_starts(rows_ms: list[dict[str, Any]]) -> dict[str, int]:
     """How many full-size requests had a rank start its READ ``LATE_START_MS`` or more after the resolve returned."""
-    count = 0
-    for row in rows_ms:
-        r0 = (row.get("rank0_handed") or 0.0) + (row.get("rank0_wake") or 0.0)
-        r1 = (row.get("rank1_handed") or 0.0) + (row.get("rank1_wake") or 0.0)
-        count += max(r0, r1) >= LATE_START_MS
+    count = sum(max(row[f"rank{r}_handed"] + row[f"rank{r}_wake"] for r in range(TP)) >= LATE_START_MS
+                for row in rows_ms)
     return {"count": count, "of": len(rows_ms)}
 
 

@@ -176,14 +176,7 @@ def instrument_client(client: Any) -> None:
         record("rank_done", time.monotonic(), None, [done.rank, done.load_id, done.ok])
         rank_done(done)
 
-    client._rank_done = timed_rank_done
-    report = worker._report  # rank 0's own share reports through the coordinator's events, from any thread
-
-    def timed_report(done: Any) -> None:
-        record("share_done", time.monotonic(), None, [done.rank, done.load_id, done.ok])
-        report(done)
-
-    worker._report = timed_report
+    client._rank_done = timed_rank_done  # rank 0's own share reaches it through the coordinator's events too
 
 
 def wait_until(t: float) -> None:
