@@ -30,6 +30,7 @@ _EXPORTS = {
     "TargetConfig": ".config",
     "RankWorker": ".rank_worker",
     "plan_reads": ".tp_mapping",
+    "ReadPlanner": ".tp_mapping",
 }
 
 __all__ = sorted(_EXPORTS)

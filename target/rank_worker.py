@@ -7,9 +7,10 @@ that reads the leader's link on every other rank. Nothing is handed to
 another thread on the way from "this rank got its share" to "the READ is
 posted".
 
-Per load (:meth:`RankWorker.start`): plan with
-:func:`~remote_g2.target.tp_mapping.plan_reads` (this rank's layout and pool
-address), load any source agent not yet known for that source epoch
+Per load (:meth:`RankWorker.start`): plan with a
+:class:`~remote_g2.target.tp_mapping.ReadPlanner` (this rank's layout and pool
+address; kept per source epoch, so the layout checks run once per source,
+not once per load), load any source agent not yet known for that source epoch
 (metadata is cached per agent name; a new epoch drops the old agents first),
 start one READ per source rank, and check them once right away (on one
 host the bytes land inside the post, so the load is reported before the
@@ -38,7 +39,7 @@ from remote_g2.adapters.transfer import TransferAdapter
 
 from remote_g2.messages import BlockLayout, RankInfo, TargetDone, TargetLoad
 
-from .tp_mapping import plan_reads
+from .tp_mapping import ReadPlanner
 
 __all__ = ["RankWorker", "POLL_S"]
 
@@ -73,6 +74,8 @@ class RankWorker:
         # source worker -> (epoch, {source rank: RankInfo}); agents loaded into the adapter
         self._sources: dict[str, tuple[int, dict[int, RankInfo]]] = {}
         self._loaded: set[str] = set()
+        # (source worker, is_mla, mla_offset) -> planner for the worker's current epoch and rank infos
+        self._planners: dict[tuple[str, bool, int], ReadPlanner] = {}
         self._closed = False
 
     @property
@@ -92,10 +95,7 @@ class RankWorker:
             return
         try:
             infos = self._source_ranks(load)
-            plan = plan_reads(source_tp=load.source_tp, source_ranks=infos, source_blocks=load.ranks,
-                              target_layout=self.layout, target_base=self.pool_base,
-                              dst_block_ids=load.dst_block_ids, target_tp=self.tp_size, target_rank=self.rank,
-                              is_mla=load.is_mla, mla_offset=load.mla_offset)
+            plan = self._planner(load, infos).plan(load.ranks, load.dst_block_ids)
             for reads in plan.reads:
                 info = infos[reads.source_rank]
                 if info.agent_name not in self._loaded:
@@ -146,6 +146,16 @@ class RankWorker:
             return load.deadline_ns / 1e9
         return received + load.timeout_ms / 1000.0
 
+    def _planner(self, load: TargetLoad, infos: list[RankInfo]) -> ReadPlanner:
+        key = (load.source_worker, load.is_mla, load.mla_offset)
+        planner = self._planners.get(key)
+        if planner is None or planner.source_tp != load.source_tp:
+            planner = ReadPlanner(source_tp=load.source_tp, source_ranks=infos, target_layout=self.layout,
+                                  target_base=self.pool_base, target_tp=self.tp_size, target_rank=self.rank,
+                                  is_mla=load.is_mla, mla_offset=load.mla_offset)
+            self._planners[key] = planner
+        return planner
+
     def _source_ranks(self, load: TargetLoad) -> list[RankInfo]:
         """Every source rank's info, by rank, with agent metadata remembered across loads of one epoch."""
         known = self._sources.get(load.source_worker)
@@ -158,6 +168,8 @@ class RankWorker:
             known = (load.source_epoch, {})
             self._sources[load.source_worker] = known
         ranks = known[1]
+        if load.metadata or not ranks:
+            self._drop_planners(load.source_worker)  # new rank infos: plan (and check) against them
         for info in load.metadata:
             if info.agent_metadata is not None or info.rank not in ranks:
                 ranks[info.rank] = info
@@ -166,14 +178,22 @@ class RankWorker:
             raise RuntimeError(f"source {load.source_worker}: no rank info for source rank(s) {missing}")
         return [ranks[r] for r in range(load.source_tp)]
 
+    def _drop_planners(self, worker: str) -> None:
+        for key in [k for k in self._planners if k[0] == worker]:
+            del self._planners[key]
+
     def _finish(self, key: int, error: str | None) -> None:
         flight = self._inflight.pop(key)
+        if error is None:
+            # Every READ said done: no byte moves any more, so the leader hears first (it waits for the
+            # slowest rank) and the handles are freed after.
+            self._report_now(flight.load, flight.nbytes, flight.descriptors, None)
         for h in flight.handles:
-            self._transfer.release(h)
-        if error:
+            self._transfer.release(h)  # a READ still running is aborted here, before a failure is reported
+        if error is not None:
             log.warning("target rank %d: load %d from %s failed: %s", self.rank, key, flight.load.source_worker,
                         error)
-        self._report_now(flight.load, flight.nbytes, flight.descriptors, error)
+            self._report_now(flight.load, flight.nbytes, flight.descriptors, error)
 
     def _report_now(self, load: TargetLoad, nbytes: int, descriptors: int, error: str | None) -> None:
         try:

@@ -60,6 +60,7 @@ __all__ = [
     "check_fingerprints",
     "check_compatible",
     "plan_reads",
+    "ReadPlanner",
 ]
 
 PlanMode = Literal["same_tp", "split_heads", "gather_heads", "mla"]
@@ -385,15 +386,14 @@ def _ids(what: str, ids: Sequence[int], num_blocks: int) -> np.ndarray:
     a = np.asarray(ids)
     if a.ndim != 1 or a.dtype.kind not in "iu":
         raise ValueError(f"{what}: block ids must be integers")
-    if a.min() < 0 or a.max() >= num_blocks:
+    s = np.sort(a)  # one sort answers both checks: the range (its ends) and repeats (equal neighbours)
+    if s[0] < 0 or s[-1] >= num_blocks:
         bad = next(int(x) for x in a.tolist() if not 0 <= x < num_blocks)
         raise ValueError(f"{what}: block id {bad} outside 0..{num_blocks - 1}")
-    a = a.astype(np.uint64)
-    s = np.sort(a)  # a sort and a compare: a third of np.unique's cost on the hot path
     same = s[1:] == s[:-1]
     if same.any():
         raise ValueError(f"{what}: block id {int(s[1:][same][0])} listed twice")
-    return a
+    return a.astype(np.uint64)
 
 
 def plan_reads(*, source_tp: int, source_ranks: Sequence[RankInfo], source_blocks: Sequence[RankBlocks],
@@ -413,80 +413,124 @@ def plan_reads(*, source_tp: int, source_ranks: Sequence[RankInfo], source_block
 
     Raises :class:`ValueError` with the reason when the layouts or TP sizes are
     incompatible (:func:`check_compatible`) or a block id or list is wrong;
-    nothing is planned then.
+    nothing is planned then. One call is ``ReadPlanner(...).plan(...)``; a
+    rank that plans many loads from one source keeps the :class:`ReadPlanner`.
     """
-    reason = _check_tp(source_tp, target_tp)
-    if reason:
-        raise ValueError(reason)
-    if not isinstance(target_rank, (int, np.integer)) or not 0 <= target_rank < target_tp:
-        raise ValueError(f"target rank {target_rank!r} outside TP size {target_tp}")
-    infos: list[RankInfo] = _by_rank("source rank info", source_ranks, source_tp)
-    blocks: list[RankBlocks] = _by_rank("source blocks", source_blocks, source_tp)
+    planner = ReadPlanner(source_tp=source_tp, source_ranks=source_ranks, target_layout=target_layout,
+                          target_base=target_base, target_tp=target_tp, target_rank=target_rank, is_mla=is_mla,
+                          mla_offset=mla_offset)
+    return planner.plan(source_blocks, dst_block_ids)
 
-    first = infos[0].layout
-    reason = check_compatible(first, source_tp, target_layout, target_tp, is_mla=is_mla)
-    if reason:
-        raise ValueError(reason)
-    for info in infos:
-        if _layout_shape(info.layout) != _layout_shape(first):
-            raise ValueError(f"source ranks disagree on the block layout: rank {info.rank} has {info.layout}, "
-                             f"rank 0 has {first}")
-        reason = _check_layout(f"source rank {info.rank}", info.layout)
+
+class _SliceGeometry(NamedTuple):
+    """One head slice with everything its extents need but the block ids (see :func:`_slice_extents`)."""
+
+    source_rank: int
+    agent_name: str
+    src_base: np.uint64
+    src_block_bytes: np.uint64
+    src_off: np.ndarray | None  # per-slab offsets inside a block; None: the whole block is one extent
+    dst_off: np.ndarray | None
+    extent_bytes: int
+
+
+class ReadPlanner:
+    """:func:`plan_reads` in two steps: what one source epoch and this target rank fix, then each request.
+
+    The constructor takes everything but the block ids, checks it (raising
+    :class:`ValueError` with the same reasons :func:`plan_reads` gives) and
+    precomputes each head slice's offsets; :meth:`plan` then only checks and
+    maps block ids. Why: a target rank plans every load from a source with
+    the same source ranks and layout, and on a 2-vCPU host the checks cost
+    more than the mapping, right on the path from resolve to READ.
+    """
+
+    def __init__(self, *, source_tp: int, source_ranks: Sequence[RankInfo], target_layout: BlockLayout,
+                 target_base: int, target_tp: int, target_rank: int, is_mla: bool = False,
+                 mla_offset: int = 0) -> None:
+        reason = _check_tp(source_tp, target_tp)
         if reason:
             raise ValueError(reason)
-        if info.layout.num_blocks * info.layout.block_bytes > info.pool_bytes:
-            raise ValueError(f"source rank {info.rank}: {info.layout.num_blocks} blocks of "
-                             f"{info.layout.block_bytes} B exceed its pool of {info.pool_bytes} B")
-        if info.pool_base + info.pool_bytes > _ADDR_LIMIT:
-            raise ValueError(f"source rank {info.rank}: pool region ends past the 64-bit address space")
-    if not isinstance(target_base, int) or target_base < 0 or \
-            target_base + target_layout.num_blocks * target_layout.block_bytes > _ADDR_LIMIT:
-        raise ValueError(f"target pool at {target_base!r} does not fit the 64-bit address space")
+        if not isinstance(target_rank, (int, np.integer)) or not 0 <= target_rank < target_tp:
+            raise ValueError(f"target rank {target_rank!r} outside TP size {target_tp}")
+        infos: list[RankInfo] = _by_rank("source rank info", source_ranks, source_tp)
+        first = infos[0].layout
+        reason = check_compatible(first, source_tp, target_layout, target_tp, is_mla=is_mla)
+        if reason:
+            raise ValueError(reason)
+        for info in infos:
+            if _layout_shape(info.layout) != _layout_shape(first):
+                raise ValueError(f"source ranks disagree on the block layout: rank {info.rank} has {info.layout}, "
+                                 f"rank 0 has {first}")
+            reason = _check_layout(f"source rank {info.rank}", info.layout)
+            if reason:
+                raise ValueError(reason)
+            if info.layout.num_blocks * info.layout.block_bytes > info.pool_bytes:
+                raise ValueError(f"source rank {info.rank}: {info.layout.num_blocks} blocks of "
+                                 f"{info.layout.block_bytes} B exceed its pool of {info.pool_bytes} B")
+            if info.pool_base + info.pool_bytes > _ADDR_LIMIT:
+                raise ValueError(f"source rank {info.rank}: pool region ends past the 64-bit address space")
+        if not isinstance(target_base, int) or target_base < 0 or \
+                target_base + target_layout.num_blocks * target_layout.block_bytes > _ADDR_LIMIT:
+            raise ValueError(f"target pool at {target_base!r} does not fit the 64-bit address space")
+        self.source_tp, self.target_tp, self.target_rank = source_tp, target_tp, int(target_rank)
+        self.target_layout, self.target_base = target_layout, target_base
+        self.mode = plan_mode(source_tp, target_tp, is_mla=is_mla)
+        self._num_blocks = [info.layout.num_blocks for info in infos]
+        slices = head_slices(self.target_rank, source_tp=source_tp, target_tp=target_tp,
+                             source_heads=first.num_kv_heads, target_heads=target_layout.num_kv_heads,
+                             is_mla=is_mla, mla_offset=mla_offset)
+        self._slices = tuple(_slice_geometry(sl, infos[sl.source_rank], target_layout) for sl in slices)
 
-    count = len(dst_block_ids)
-    for b in blocks:
-        if len(b.block_ids) != count:
-            raise ValueError(f"source rank {b.rank}: {len(b.block_ids)} block ids for {count} destination blocks")
-    dst = _ids("destination", dst_block_ids, target_layout.num_blocks)
-    src_ids = [_ids(f"source rank {r}", blocks[r].block_ids, infos[r].layout.num_blocks) for r in range(source_tp)]
+    def plan(self, source_blocks: Sequence[RankBlocks], dst_block_ids: Sequence[int]) -> ReadPlan:
+        """This rank's reads of one request (``source_blocks``, ``dst_block_ids`` as for :func:`plan_reads`)."""
+        blocks: list[RankBlocks] = _by_rank("source blocks", source_blocks, self.source_tp)
+        count = len(dst_block_ids)
+        for b in blocks:
+            if len(b.block_ids) != count:
+                raise ValueError(f"source rank {b.rank}: {len(b.block_ids)} block ids for {count} destination blocks")
+        tgt = self.target_layout
+        dst = _ids("destination", dst_block_ids, tgt.num_blocks)
+        src_ids = [_ids(f"source rank {r}", blocks[r].block_ids, self._num_blocks[r]) for r in range(self.source_tp)]
+        reads = []
+        if count:
+            u = np.uint64
+            dst_start = u(self.target_base) + dst * u(tgt.block_bytes)
+            for g in self._slices:
+                remote, local, nbytes = _slice_extents(g, src_ids[g.source_rank], dst_start)
+                remote, local, nbytes = _coalesce(remote, local, nbytes)
+                reads.append(SourceReads(g.source_rank, g.agent_name, _frozen(remote), _frozen(local),
+                                         _frozen(nbytes)))
+        reads.sort(key=lambda r: r.source_rank)
+        return ReadPlan(target_rank=self.target_rank, mode=self.mode, num_blocks=count, reads=tuple(reads))
 
-    mode = plan_mode(source_tp, target_tp, is_mla=is_mla)
-    slices = head_slices(target_rank, source_tp=source_tp, target_tp=target_tp, source_heads=first.num_kv_heads,
-                         target_heads=target_layout.num_kv_heads, is_mla=is_mla, mla_offset=mla_offset)
-    reads = []
-    if count:
-        for sl in slices:
-            info = infos[sl.source_rank]
-            remote, local, nbytes = _slice_extents(sl, info, src_ids[sl.source_rank], target_layout, target_base,
-                                                   dst)
-            remote, local, nbytes = _coalesce(remote, local, nbytes)
-            reads.append(SourceReads(sl.source_rank, info.agent_name, _frozen(remote), _frozen(local),
-                                     _frozen(nbytes)))
-    reads.sort(key=lambda r: r.source_rank)
-    return ReadPlan(target_rank=target_rank, mode=mode, num_blocks=count, reads=tuple(reads))
 
-
-def _slice_extents(sl: HeadSlice, info: RankInfo, src_ids: np.ndarray, tgt: BlockLayout, target_base: int,
-                   dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Uncoalesced extents of one head slice for every matched block, block-major then slab."""
+def _slice_geometry(sl: HeadSlice, info: RankInfo, tgt: BlockLayout) -> _SliceGeometry:
     src = info.layout
     u = np.uint64
-    src_start = u(info.pool_base) + src_ids * u(src.block_bytes)
-    dst_start = u(target_base) + dst * u(tgt.block_bytes)
     nheads = sl.source_hi - sl.source_lo
-    whole = sl.source_lo == 0 and nheads == src.num_kv_heads == tgt.num_kv_heads
     slabs = src.num_layers * src.kv
-    if whole:
+    if sl.source_lo == 0 and nheads == src.num_kv_heads == tgt.num_kv_heads:
         # Both slab runs are contiguous inside a block: one extent per block.
-        size = slabs * src.slab_bytes
-        return src_start, dst_start, np.full(src_start.shape[0], size, dtype=u)
+        return _SliceGeometry(sl.source_rank, info.agent_name, u(info.pool_base), u(src.block_bytes), None, None,
+                              slabs * src.slab_bytes)
     per_head = src.tokens_per_block * src.head_dim * src.dtype_bytes
     s = np.arange(slabs, dtype=u)
     src_off = s * u(src.slab_bytes) + u(sl.source_lo * per_head)
     dst_off = s * u(tgt.slab_bytes) + u(sl.target_lo * per_head)
-    remote = (src_start[:, None] + src_off[None, :]).ravel()
-    local = (dst_start[:, None] + dst_off[None, :]).ravel()
-    return remote, local, np.full(remote.shape[0], nheads * per_head, dtype=u)
+    return _SliceGeometry(sl.source_rank, info.agent_name, u(info.pool_base), u(src.block_bytes), src_off, dst_off,
+                          nheads * per_head)
+
+
+def _slice_extents(g: _SliceGeometry, src_ids: np.ndarray, dst_start: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Uncoalesced extents of one head slice for every matched block, block-major then slab."""
+    src_start = g.src_base + src_ids * g.src_block_bytes
+    if g.src_off is None or g.dst_off is None:
+        return src_start, dst_start, np.full(src_start.shape[0], g.extent_bytes, dtype=np.uint64)
+    remote = (src_start[:, None] + g.src_off[None, :]).ravel()
+    local = (dst_start[:, None] + g.dst_off[None, :]).ravel()
+    return remote, local, np.full(remote.shape[0], g.extent_bytes, dtype=np.uint64)
 
 
 def _coalesce(remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -81,3 +81,20 @@ def test_a_bad_plan_is_reported_failed_once_and_the_worker_goes_on(rig) -> None:
     assert [(d.load_id, d.ok) for d in reports] == [(1, False), (2, True)]
     assert "block id 99" in reports[0].error
     assert np.array_equal(dst[BB:2 * BB], src[BB:2 * BB]) and not dst[:BB].any()
+
+
+def test_a_restarted_source_is_planned_against_its_new_pool_not_the_kept_planner(rig) -> None:
+    # The worker keeps one planner per source; a new epoch (the source restarted, here with its pool
+    # elsewhere and its blocks in other places) must drop it, or READs would use the old addresses.
+    src, dst, worker, reports, info = rig
+    worker.start(_load(1, info, [3], [0]), time.monotonic())
+    moved = np.random.default_rng(9).integers(0, 256, 16 * BB, dtype=np.uint8)
+    MemcpyTransfer.unexpose(SOURCE)
+    MemcpyTransfer.expose(SOURCE, [MemoryRegion(moved.ctypes.data, moved.nbytes)])
+    new_info = RankInfo(0, SOURCE, b"memcpy", moved.ctypes.data, moved.nbytes, LAYOUT)
+    load = _load(2, new_info, [3], [1])
+    worker.start(TargetLoad(**{**{f: getattr(load, f) for f in load.__slots__}, "source_epoch": 2}),
+                 time.monotonic())
+    assert [(d.load_id, d.ok) for d in reports] == [(1, True), (2, True)]
+    assert np.array_equal(dst[:BB], src[3 * BB:4 * BB])
+    assert np.array_equal(dst[BB:2 * BB], moved[3 * BB:4 * BB])  # from the new pool

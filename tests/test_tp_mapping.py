@@ -24,6 +24,7 @@ from remote_g2.target.tp_mapping import (
     HeadSlice,
     ReadExtent,
     ReadPlan,
+    ReadPlanner,
     check_compatible,
     check_fingerprints,
     head_slices,
@@ -325,6 +326,43 @@ def test_descriptor_arrays_for_nixl():
             reads.remote_addr[0] = 1  # read-only
     assert plan.for_source(1) is plan.reads[1] and plan.for_source(7) is None
     assert len(plan.extents()) == plan.num_descriptors
+
+
+@pytest.mark.parametrize("source_tp,target_tp,is_mla", [(2, 2, False), (1, 2, False), (4, 2, False),
+                                                       (2, 4, False), (2, 1, True)])
+def test_a_kept_planner_plans_each_request_like_plan_reads(source_tp, target_tp, is_mla):
+    # One planner per (source epoch, target rank), reused across requests with other block ids.
+    total = 2 if is_mla else 4
+    sims = [make_sim(source_tp, target_tp, total_heads=total, is_mla=is_mla, n=n, seed=seed)
+            for seed, n in ((0, 5), (1, 9), (2, 1))]
+    for r in range(target_tp):
+        first = sims[0]
+        planner = ReadPlanner(source_tp=source_tp, source_ranks=first.infos, target_layout=first.tgt_layout,
+                              target_base=TGT_BASE, target_tp=target_tp, target_rank=r, is_mla=is_mla)
+        for sim in sims:  # same layouts and rank infos, other blocks each time
+            kept = planner.plan(sim.blocks, sim.dst_ids)
+            fresh = sim.plan(r)
+            assert kept.mode == fresh.mode and kept.source_ranks == fresh.source_ranks
+            assert kept.extents() == fresh.extents() and kept.extents()
+            # ... and executing it lands every byte where it belongs
+            initial = sim.rng.integers(0, 256, size=sim.tgt_layout.num_blocks * sim.tgt_layout.block_bytes,
+                                       dtype=np.uint8)
+            np.testing.assert_array_equal(sim.execute(kept, initial), sim.expected(r, initial))
+
+
+def test_a_planner_refuses_a_bad_pairing_when_built_and_bad_ids_per_request():
+    bad = make_sim(2, 2, total_heads=4)
+    with pytest.raises(ValueError, match="kv heads per rank differ at equal TP 2"):
+        ReadPlanner(source_tp=2, source_ranks=bad.infos, target_layout=make_layout(4), target_base=TGT_BASE,
+                    target_tp=2, target_rank=0)
+    planner = ReadPlanner(source_tp=2, source_ranks=bad.infos, target_layout=bad.tgt_layout, target_base=TGT_BASE,
+                          target_tp=2, target_rank=0)
+    b0, b1 = bad.blocks
+    with pytest.raises(ValueError, match="destination: block id 3 listed twice"):
+        planner.plan(bad.blocks, [3, 3, 4, 5, 6, 7])
+    with pytest.raises(ValueError, match="source rank 1: block id 99 outside 0..15"):
+        planner.plan([b0, RankBlocks(rank=1, block_ids=[99, *b1.block_ids[1:]])], bad.dst_ids)
+    assert planner.plan(bad.blocks, bad.dst_ids).extents() == bad.plan(0).extents()  # still usable
 
 
 # -- the mapping itself ------------------------------------------------------------
