@@ -242,6 +242,7 @@ def breakdown(series: dict[str, Any], events: list[list[list[Any]]]) -> tuple[di
             complete = inside(0, "complete")[0]
             done = inside(0, "rank_done")
             reads = [inside(r, "start_read")[0] for r in range(TP)]
+            plans = [inside(r, "plan")[0] for r in range(TP)]
             submits = [inside(r, "submit")[0] for r in range(TP)]
             reported = inside(1, "link_send:TargetDone"), inside(0, "link_recv:TargetDone")
         except IndexError:
@@ -265,9 +266,11 @@ def breakdown(series: dict[str, Any], events: list[list[list[Any]]]) -> tuple[di
             "rank1_decode": (handed[1][0][2] - handed[1][0][1]) if all(handed) else None,
             "rank0_handed": submits[0][1] - resolve[2],
             "rank0_wake": reads[0][1] - submits[0][1],
+            "rank0_plan": plans[0][2] - plans[0][1],  # of which: ReadPlanner.plan, in place
             "rank0_read": reads[0][2] - reads[0][1],
             "rank1_handed": submits[1][1] - resolve[2],
             "rank1_wake": reads[1][1] - submits[1][1],
+            "rank1_plan": plans[1][2] - plans[1][1],
             "rank1_read": reads[1][2] - reads[1][1],
             "link_from_rank1": (reported[1][0][2] - reported[0][0][1]) if all(reported) else None,
             # rank 1 from the end of its READ post to sending its report (state check, handle release)
@@ -391,8 +394,8 @@ def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
               "  copying: each rank's share of an e2e round spent inside its READ posts")
     phases = ["lookup", "handoff", "resolve", "reads", "finish", "notice"]
     details = ["resolve_rpc", "release_rpc", "link_to_rank1", "rank1_up", "rank1_decode", "rank0_handed", "rank0_wake",
-               "rank0_read", "rank1_handed", "rank1_wake", "rank1_read", "rank1_wrapup", "link_from_rank1",
-               "reads_overlap", "after_reads", "outside_reads"]
+               "rank0_plan", "rank0_read", "rank1_handed", "rank1_wake", "rank1_plan", "rank1_read", "rank1_wrapup",
+               "link_from_rank1", "reads_overlap", "after_reads", "outside_reads"]
     print("\nwhere a request's time goes (median ms; the first six add up to e2e):")
     print(f"{'':>12}" + "".join(f"{str(r['block_kib']) + 'K ' + k:>12}" for r in rows for k in ("full", "1-blk")))
     for p in ["e2e", *phases, *details]:

@@ -66,6 +66,7 @@ from remote_g2.adapters.nixl_transfer import NixlTransfer  # noqa: E402
 from remote_g2.adapters.secondary_pool import MemoryRegion  # noqa: E402
 from remote_g2.messages import BlockLayout  # noqa: E402
 from remote_g2.target import TargetConfig, start_target_client  # noqa: E402
+from remote_g2.target.tp_mapping import ReadPlanner  # noqa: E402
 
 CMD_TIMEOUT_S = 60.0
 RAW_TIMEOUT_S = 30.0
@@ -157,6 +158,16 @@ def instrument_client(client: Any) -> None:
         start(load, received)
 
     worker.start = timed_start
+    plan = ReadPlanner.plan
+
+    def timed_plan(self: Any, *args: Any) -> Any:  # class-wide: the worker makes its planners itself
+        t0 = time.monotonic()
+        try:
+            return plan(self, *args)
+        finally:
+            record("plan", t0, time.monotonic())
+
+    ReadPlanner.plan = timed_plan  # type: ignore[method-assign]
     if client.rank != 0:
         return
     for name in ("_begin", "_complete"):
