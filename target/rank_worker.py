@@ -160,15 +160,16 @@ class RankWorker:
         """Every source rank's info, by rank, with agent metadata remembered across loads of one epoch."""
         known = self._sources.get(load.source_worker)
         if known is None or known[0] != load.source_epoch:
-            if known is not None:  # the source restarted: its old agents are gone
+            if known is not None:  # the source restarted: its old agents, and plans against its old pools, are gone
                 for info in known[1].values():
                     if info.agent_name in self._loaded:
                         self._transfer.remove_peer(info.agent_name)
                         self._loaded.discard(info.agent_name)
+                self._drop_planners(load.source_worker)
             known = (load.source_epoch, {})
             self._sources[load.source_worker] = known
         ranks = known[1]
-        if load.metadata or not ranks:
+        if load.metadata:
             self._drop_planners(load.source_worker)  # new rank infos: plan (and check) against them
         for info in load.metadata:
             if info.agent_metadata is not None or info.rank not in ranks:
