@@ -83,12 +83,9 @@ def _worker(sock: socket.socket, blocks: int, cpu: int | None) -> None:
 
 
 def _recv_times(sock: socket.socket) -> tuple[float, float]:
-    buf = b""
-    while len(buf) < _TIME.size:
-        chunk = sock.recv(_TIME.size - len(buf))
-        if not chunk:
-            raise RuntimeError("the worker process went away")
-        buf += chunk
+    buf = sock.recv(_TIME.size, socket.MSG_WAITALL)  # the whole answer, or less only when the worker is gone
+    if len(buf) < _TIME.size:
+        raise RuntimeError("the worker process went away")
     return _TIME.unpack(buf)
 
 
