@@ -481,6 +481,7 @@ class ReadPlanner:
                              source_heads=first.num_kv_heads, target_heads=target_layout.num_kv_heads,
                              is_mla=is_mla, mla_offset=mla_offset)
         self._slices = tuple(_slice_geometry(sl, infos[sl.source_rank], target_layout) for sl in slices)
+        self._whole_blocks = all(g.src_off is None for g in self._slices)
 
     def plan(self, source_blocks: Sequence[RankBlocks], dst_block_ids: Sequence[int]) -> ReadPlan:
         """This rank's reads of one request (``source_blocks``, ``dst_block_ids`` as for :func:`plan_reads`)."""
@@ -489,6 +490,10 @@ class ReadPlanner:
         for b in blocks:
             if len(b.block_ids) != count:
                 raise ValueError(f"source rank {b.rank}: {len(b.block_ids)} block ids for {count} destination blocks")
+        if 0 < count <= SMALL_PLAN_BLOCKS and self._whole_blocks:
+            small = self._plan_small(blocks, dst_block_ids, count)
+            if small is not None:
+                return small
         tgt = self.target_layout
         dst = _ids("destination", dst_block_ids, tgt.num_blocks)
         src_ids = [_ids(f"source rank {r}", blocks[r].block_ids, self._num_blocks[r]) for r in range(self.source_tp)]
@@ -503,6 +508,57 @@ class ReadPlanner:
                                          _frozen(nbytes)))
         reads.sort(key=lambda r: r.source_rank)
         return ReadPlan(target_rank=self.target_rank, mode=self.mode, num_blocks=count, reads=tuple(reads))
+
+    def _plan_small(self, blocks: list[RankBlocks], dst_block_ids: Sequence[int], count: int) -> ReadPlan | None:
+        """:meth:`plan` for a few whole-block extents, in plain Python; None: let the array path answer.
+
+        Why: a rank plans right after it woke up, and on this kind of host
+        code that ran before a sleep runs several times slower once after it
+        (``bench/bench_wake_cost.py``). Each numpy call pays that on its own
+        (~20 of them here); a short loop over a few dozen ints pays far less.
+        ``bench/bench_wake_cost.py --plan-path both``: 32 blocks woken after
+        5-20 ms idle 0.15-0.16 ms here against 0.22-0.34 ms with numpy; warm
+        both ~30 µs. Past ~64 blocks the loop costs more than it saves.
+        Anything unusual — ids that are not plain ints, out of range, repeated
+        — goes to the array path, which raises the reason.
+        """
+        tgt = self.target_layout
+        if not _plain_unique_ids(dst_block_ids, count, tgt.num_blocks):
+            return None
+        for r, b in enumerate(blocks):  # every rank's ids, read or not, as the array path checks them
+            if not _plain_unique_ids(b.block_ids, count, self._num_blocks[r]):
+                return None
+        dst_start = [self.target_base + d * tgt.block_bytes for d in dst_block_ids]
+        reads = []
+        for g in self._slices:
+            src_ids = blocks[g.source_rank].block_ids
+            base, size, ext = int(g.src_base), int(g.src_block_bytes), g.extent_bytes
+            remote: list[int] = []
+            local: list[int] = []
+            nbytes: list[int] = []
+            for r, l in sorted(zip([base + s * size for s in src_ids], dst_start)):
+                if remote and remote[-1] + nbytes[-1] == r and local[-1] + nbytes[-1] == l:
+                    nbytes[-1] += ext  # adjacent on both sides: one descriptor
+                else:
+                    remote.append(r)
+                    local.append(l)
+                    nbytes.append(ext)
+            reads.append(SourceReads(g.source_rank, g.agent_name, _frozen(np.array(remote, dtype=np.uint64)),
+                                     _frozen(np.array(local, dtype=np.uint64)),
+                                     _frozen(np.array(nbytes, dtype=np.uint64))))
+        reads.sort(key=lambda r: r.source_rank)
+        return ReadPlan(target_rank=self.target_rank, mode=self.mode, num_blocks=count, reads=tuple(reads))
+
+
+#: Up to this many blocks, whole-block plans take the plain-Python path (see ``ReadPlanner._plan_small``).
+SMALL_PLAN_BLOCKS = 64
+
+
+def _plain_unique_ids(ids: Sequence[int], count: int, num_blocks: int) -> bool:
+    """Whether ``ids`` are ``count`` distinct plain ints in ``0..num_blocks-1`` (C-level loops only)."""
+    if len(ids) != count or not set(map(type, ids)) <= {int}:
+        return False
+    return 0 <= min(ids) and max(ids) < num_blocks and len(set(ids)) == count
 
 
 def _slice_geometry(sl: HeadSlice, info: RankInfo, tgt: BlockLayout) -> _SliceGeometry:

@@ -350,6 +350,53 @@ def test_a_kept_planner_plans_each_request_like_plan_reads(source_tp, target_tp,
             np.testing.assert_array_equal(sim.execute(kept, initial), sim.expected(r, initial))
 
 
+@pytest.mark.parametrize("source_tp,target_tp,is_mla", [(1, 1, False), (2, 2, False), (2, 1, True)])
+@pytest.mark.parametrize("n,consecutive", [(1, False), (7, False), (40, True), (128, False), (128, True)])
+def test_small_whole_block_requests_plan_in_python_exactly_as_the_array_path(monkeypatch, source_tp, target_tp,
+                                                                             is_mla, n, consecutive):
+    # Up to SMALL_PLAN_BLOCKS whole-block extents take a plain-Python path (cheaper right after a wake-up);
+    # it must give the very same descriptors, dtypes and read-only arrays as the numpy path.
+    from remote_g2.target import tp_mapping
+
+    total = 2 if is_mla else 4
+    sim = make_sim(source_tp, target_tp, total_heads=total, is_mla=is_mla, n=n, consecutive=consecutive,
+                   seed=n, num_blocks=512)
+    for r in range(target_tp):
+        planner = ReadPlanner(source_tp=source_tp, source_ranks=sim.infos, target_layout=sim.tgt_layout,
+                              target_base=TGT_BASE, target_tp=target_tp, target_rank=r, is_mla=is_mla)
+        assert planner._whole_blocks
+        small = planner.plan(sim.blocks, sim.dst_ids)
+        monkeypatch.setattr(tp_mapping, "SMALL_PLAN_BLOCKS", 0)
+        array = planner.plan(sim.blocks, sim.dst_ids)
+        monkeypatch.undo()
+        assert small.extents() == array.extents() and small.mode == array.mode
+        for a, b in zip(small.reads, array.reads, strict=True):
+            assert (a.source_rank, a.agent_name) == (b.source_rank, b.agent_name)
+            for x, y in ((a.remote_addr, b.remote_addr), (a.local_addr, b.local_addr), (a.nbytes, b.nbytes)):
+                assert x.dtype == y.dtype == np.uint64 and not x.flags.writeable
+                np.testing.assert_array_equal(x, y)
+        initial = sim.rng.integers(0, 256, size=sim.tgt_layout.num_blocks * sim.tgt_layout.block_bytes,
+                                   dtype=np.uint8)
+        np.testing.assert_array_equal(sim.execute(small, initial), sim.expected(r, initial))
+
+
+@pytest.mark.parametrize("ids,reason", [
+    ([3, 3, 4], "destination: block id 3 listed twice"),
+    ([3, 99, 4], "destination: block id 99 outside 0..15"),
+    ([True, False, True], "destination: block ids must be integers"),
+    ([1.0, 2.0, 3.0], "destination: block ids must be integers"),
+])
+def test_small_requests_with_odd_ids_get_the_array_paths_reasons(ids, reason):
+    sim = make_sim(2, 2, n=3)
+    planner = ReadPlanner(source_tp=2, source_ranks=sim.infos, target_layout=sim.tgt_layout, target_base=TGT_BASE,
+                          target_tp=2, target_rank=0)
+    with pytest.raises(ValueError, match=reason):
+        planner.plan(sim.blocks, ids)
+    # numpy integers are ids too: they go the array way and plan the same bytes
+    assert planner.plan(sim.blocks, [np.int64(x) for x in sim.dst_ids]).extents() == \
+        planner.plan(sim.blocks, sim.dst_ids).extents()
+
+
 def test_a_planner_refuses_a_bad_pairing_when_built_and_bad_ids_per_request():
     bad = make_sim(2, 2, total_heads=4)
     with pytest.raises(ValueError, match="kv heads per rank differ at equal TP 2"):
