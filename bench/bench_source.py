@@ -122,6 +122,18 @@ def throughput(endpoint: str, n_hashes: int, clients: int, seconds: float, tp: i
             "per_client_p99_ms": [round(r["p99_ms"], 3) for r in results]}
 
 
+def pins_left(worker: SourceWorker, tp: int) -> list[int]:
+    """Each rank's pins once the last releases landed (a rank rewrites its state every 50 ms, so the
+    newest file may predate them): the first fresh state with none, else what the last one says."""
+    out = []
+    for r in range(tp):
+        try:
+            out.append(worker.wait_state(r, lambda s: s["total_pins"] == 0, timeout_s=5.0)["total_pins"])
+        except AssertionError:
+            out.append(worker.state(r)["total_pins"])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hashes", type=int, default=128)
@@ -149,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             idle = (latency(worker.endpoint, args.hashes, min(args.iters, 300), args.tp, args.idle_ms / 1000)
                     if args.idle_ms > 0 else None)
             thr = throughput(worker.endpoint, args.hashes, args.clients, args.seconds, args.tp)
-            state = [worker.state(r) for r in range(args.tp)]
-            leaked = [s["total_pins"] for s in state]
+            leaked = pins_left(worker, args.tp)
             report = worker.stop()
         finally:
             worker.kill()
