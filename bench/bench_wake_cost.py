@@ -14,12 +14,12 @@ measures both parts on their own, in two processes and one Unix socket:
   parent's message woke it, back to back and after ``--idle-ms`` of idling
   (as between an engine's loads); ``again``: the call once more right after.
 
-If ``woken`` is several times ``warm``, a hop costs what the machine charges
-for switching to a process, not what its code does, and shaving the code
-saves little. ``--cpus same|split`` puts both processes on one CPU or on two.
-``--plan-path both`` times the planner's two ways side by side: ``auto`` (what
-it picks: plain Python up to ``SMALL_PLAN_BLOCKS`` whole-block extents, numpy
-above) and ``array`` (numpy always), to show what each costs warm and woken.
+If ``woken`` is several times ``warm``, a hop pays for running cold after the
+wake-up; ``--plan-path both`` shows that the price depends on the code run:
+it times the planner's two ways side by side, ``auto`` (what it picks: plain
+Python up to ``SMALL_PLAN_BLOCKS`` whole-block extents, numpy above) and
+``array`` (numpy always), warm and woken. ``--cpus same|split`` puts both
+processes on one CPU or on two.
 
     python bench/bench_wake_cost.py [--rounds 300] [--blocks 32,512] [--idle-ms 0,20] [--plan-path auto|array|both]
                                     [--json out.json]

@@ -66,6 +66,8 @@ __all__ = [
 PlanMode = Literal["same_tp", "split_heads", "gather_heads", "mla"]
 
 _ADDR_LIMIT = 1 << 64  # descriptors are u64 (address, length) pairs
+#: Up to this many blocks, whole-block plans take the plain-Python path (see ``ReadPlanner._plan_small``).
+SMALL_PLAN_BLOCKS = 64
 
 
 # --------------------------------------------------------------------------
@@ -523,10 +525,10 @@ class ReadPlanner:
         — goes to the array path, which raises the reason.
         """
         tgt = self.target_layout
-        if not _plain_unique_ids(dst_block_ids, count, tgt.num_blocks):
+        if not _plain_unique_ids(dst_block_ids, tgt.num_blocks):
             return None
         for r, b in enumerate(blocks):  # every rank's ids, read or not, as the array path checks them
-            if not _plain_unique_ids(b.block_ids, count, self._num_blocks[r]):
+            if not _plain_unique_ids(b.block_ids, self._num_blocks[r]):
                 return None
         dst_start = [self.target_base + d * tgt.block_bytes for d in dst_block_ids]
         reads = []
@@ -550,15 +552,11 @@ class ReadPlanner:
         return ReadPlan(target_rank=self.target_rank, mode=self.mode, num_blocks=count, reads=tuple(reads))
 
 
-#: Up to this many blocks, whole-block plans take the plain-Python path (see ``ReadPlanner._plan_small``).
-SMALL_PLAN_BLOCKS = 64
-
-
-def _plain_unique_ids(ids: Sequence[int], count: int, num_blocks: int) -> bool:
-    """Whether ``ids`` are ``count`` distinct plain ints in ``0..num_blocks-1`` (C-level loops only)."""
-    if len(ids) != count or not set(map(type, ids)) <= {int}:
+def _plain_unique_ids(ids: Sequence[int], num_blocks: int) -> bool:
+    """Whether ``ids`` are distinct plain ints in ``0..num_blocks-1`` (C-level loops only; not empty)."""
+    if not set(map(type, ids)) <= {int}:
         return False
-    return 0 <= min(ids) and max(ids) < num_blocks and len(set(ids)) == count
+    return 0 <= min(ids) and max(ids) < num_blocks and len(set(ids)) == len(ids)
 
 
 def _slice_geometry(sl: HeadSlice, info: RankInfo, tgt: BlockLayout) -> _SliceGeometry:

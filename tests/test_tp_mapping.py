@@ -355,7 +355,8 @@ def test_a_kept_planner_plans_each_request_like_plan_reads(source_tp, target_tp,
 def test_small_whole_block_requests_plan_in_python_exactly_as_the_array_path(monkeypatch, source_tp, target_tp,
                                                                              is_mla, n, consecutive):
     # Up to SMALL_PLAN_BLOCKS whole-block extents take a plain-Python path (cheaper right after a wake-up);
-    # it must give the very same descriptors, dtypes and read-only arrays as the numpy path.
+    # it must give the very same descriptors, dtypes and read-only arrays as the numpy path. Called directly,
+    # so that sizes past the limit (128) test the Python path too, not numpy against itself.
     from remote_g2.target import tp_mapping
 
     total = 2 if is_mla else 4
@@ -365,7 +366,10 @@ def test_small_whole_block_requests_plan_in_python_exactly_as_the_array_path(mon
         planner = ReadPlanner(source_tp=source_tp, source_ranks=sim.infos, target_layout=sim.tgt_layout,
                               target_base=TGT_BASE, target_tp=target_tp, target_rank=r, is_mla=is_mla)
         assert planner._whole_blocks
-        small = planner.plan(sim.blocks, sim.dst_ids)
+        small = planner._plan_small(sim.blocks, sim.dst_ids, n)
+        assert small is not None
+        if n <= tp_mapping.SMALL_PLAN_BLOCKS:  # plan() takes it on its own
+            assert planner.plan(sim.blocks, sim.dst_ids).extents() == small.extents()
         monkeypatch.setattr(tp_mapping, "SMALL_PLAN_BLOCKS", 0)
         array = planner.plan(sim.blocks, sim.dst_ids)
         monkeypatch.undo()
