@@ -107,6 +107,9 @@ __all__ = ["TargetClient", "TargetMatch", "maybe_start_target_client", "start_ta
 log = logging.getLogger("remote_g2.target")
 
 _LOOKUP_CACHE = 4096  # recent lookups kept so start_load reuses the scheduler's answer
+# After a load is reported done, the coordinator sleeps this long before it sends the lease's release, so
+# the engine's thread (woken by the report) gets the GIL — and on a busy or bound host the CPU — first.
+_RELEASE_AFTER_MS = 0.2
 
 
 @dataclass(frozen=True)
@@ -224,6 +227,7 @@ class TargetClient:
         self._wake_r, self._wake_w = -1, -1
         self._finished_r, self._finished_w = -1, -1  # leader: readable while get_finished has news
         self._loads: dict[int, _Load] = {}
+        self._releases: list[_Load] = []  # done loads whose release waits for the coordinator's next sleep
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._done: set[str] = set()
@@ -571,6 +575,7 @@ class TargetClient:
         while not stopping:
             try:
                 mux.run_once(self._until_next_clock_ms())
+                self._send_releases()
                 stopping = self._take_events()
                 self._check_clocks()
             except Exception:  # pragma: no cover - a bug must not stop every later load
@@ -578,6 +583,7 @@ class TargetClient:
         self._shares.put(None)  # the share thread fails (and reports) what it still has, then ends
         self._share.join(10)
         self._take_events()  # those reports
+        self._send_releases()
         for load in list(self._loads.values()):
             self._fail(load, "the target client shut down")
         deadline = time.monotonic() + min(1.0, self.config.rpc_timeout_ms / 1000.0)
@@ -600,6 +606,8 @@ class TargetClient:
                 self._rank_done(item)
 
     def _until_next_clock_ms(self) -> float:
+        if self._releases:
+            return _RELEASE_AFTER_MS
         clocks = [t for load in self._loads.values() for t in (load.report_by, load.renew_at) if t]
         if not clocks:
             return 100.0
@@ -737,8 +745,9 @@ class TargetClient:
             self._fail(load, "; ".join(load.errors))
         elif time.monotonic() < load.lease_expires:
             # Every READ ended while the pins certainly held: the bytes are good whatever the release says.
+            # The engine hears first; the release goes out once the coordinator has slept (_RELEASE_AFTER_MS).
             self._succeed(load)
-            self._send_release(load)
+            self._releases.append(load)
         else:
             self._loads.pop(load.load_id, None)
             assert self._mux is not None and load.match is not None and load.match.endpoint is not None
@@ -780,6 +789,11 @@ class TargetClient:
 
         self._mux.call(load.match.endpoint, Renew(load.lease_id, self.config.lease_ttl_ms), on_renewed)
 
+    def _send_releases(self) -> None:
+        releases, self._releases = self._releases, []
+        for load in releases:
+            self._send_release(load)
+
     def _send_release(self, load: _Load) -> None:
         """Release the lease without waiting for the outcome (the source's expiry covers a lost release)."""
         if not load.lease_id or load.match is None or load.match.endpoint is None or self._mux is None:
@@ -801,6 +815,14 @@ class TargetClient:
         self._report(load, why, ok=False)
 
     def _report(self, load: _Load, error: str | None, *, ok: bool) -> None:
+        # Counters and logs first: the fd write is the last thing before the coordinator can sleep, and
+        # whoever wakes on it finds the counters already moved.
+        self.stats["done" if ok else "failed"] += 1
+        invalid = len(load.invalid_tail) + (0 if ok else len(load.dst))
+        self.metrics.load(ok, time.monotonic() - load.started, len(load.dst) if ok else 0, invalid)
+        if error:
+            log.warning("load of %s failed after %.1f ms: %s", load.request_id,
+                        (time.monotonic() - load.started) * 1e3, error)
         with self._lock:
             if ok:
                 self._done.add(load.request_id)
@@ -813,9 +835,3 @@ class TargetClient:
                 os.write(self._finished_w, b"\0")
             except (BlockingIOError, OSError):  # full (it is readable anyway) or closed at shutdown
                 pass
-        self.stats["done" if ok else "failed"] += 1
-        invalid = len(load.invalid_tail) + (0 if ok else len(load.dst))
-        self.metrics.load(ok, time.monotonic() - load.started, len(load.dst) if ok else 0, invalid)
-        if error:
-            log.warning("load of %s failed after %.1f ms: %s", load.request_id,
-                        (time.monotonic() - load.started) * 1e3, error)
