@@ -108,7 +108,8 @@ log = logging.getLogger("remote_g2.target")
 
 _LOOKUP_CACHE = 4096  # recent lookups kept so start_load reuses the scheduler's answer
 # After a load is reported done, the coordinator sleeps this long before it sends the lease's release, so
-# the engine's thread (woken by the report) gets the GIL — and on a busy or bound host the CPU — first.
+# the engine's thread (woken by the report) gets the GIL — and on a busy or bound host the CPU — first; the
+# leader's share thread waits as long before it frees its finished READs' handles, for the coordinator.
 _RELEASE_AFTER_MS = 0.2
 
 
@@ -487,8 +488,9 @@ class TargetClient:
                                         type(load).__name__)
                 if worker.busy:
                     worker.poll()
-                    if worker.busy:
-                        time.sleep(POLL_S)
+                worker.release_retired()  # after the reports went out
+                if worker.busy:
+                    time.sleep(POLL_S)
         except Exception:  # pragma: no cover - a bug; the leader times the loads out
             log.exception("target rank %d: serving loop failed", self.rank)
         finally:
@@ -501,12 +503,19 @@ class TargetClient:
         assert worker is not None
         try:
             while True:
-                try:  # with READs to poll, only what is already queued
-                    load = self._shares.get_nowait() if worker.busy else self._shares.get()
+                try:
+                    if worker.busy:  # READs to poll: only what is already queued
+                        load = self._shares.get_nowait()
+                    elif worker.retired:  # sleep a moment first: the coordinator takes the report meanwhile
+                        load = self._shares.get(timeout=_RELEASE_AFTER_MS / 1000.0)
+                    else:
+                        load = self._shares.get()
                 except queue.Empty:
-                    worker.poll()
+                    worker.release_retired()
                     if worker.busy:
-                        time.sleep(POLL_S)
+                        worker.poll()
+                        if worker.busy:
+                            time.sleep(POLL_S)
                     continue
                 if load is None:
                     return

@@ -20,6 +20,13 @@ released (NIXL aborts what still runs) and is reported failed. Nothing is
 reported ``ok`` unless every READ of the load said ``done``; every load is
 reported exactly once, through ``report(TargetDone)``.
 
+The handles of a load that succeeded are freed after the report, when the
+driving loop calls :meth:`RankWorker.release_retired` — not inside the
+report's call chain: freeing them costs tens of microseconds, and on the
+leader the coordinator that waits for the report shares the CPU with the
+share thread. A failed load's READs are released (aborted) *before* it is
+reported, so no byte moves once the engine hears of the failure.
+
 The deadline is the leader's (``TargetLoad.deadline_ns``) when this rank
 shares the leader's monotonic clock, else ``timeout_ms`` from the message's
 arrival. No READ is posted after it — the adapter checks it right before
@@ -76,12 +83,24 @@ class RankWorker:
         self._loaded: set[str] = set()
         # (source worker, is_mla, mla_offset) -> planner for the worker's current epoch and rank infos
         self._planners: dict[tuple[str, bool, int], ReadPlanner] = {}
+        self._retired: list[Any] = []  # handles of reported, successful loads: every READ is done
         self._closed = False
 
     @property
     def busy(self) -> bool:
         """Whether READs are in flight (the driving loop should :meth:`poll` soon)."""
         return bool(self._inflight)
+
+    @property
+    def retired(self) -> bool:
+        """Whether finished READs' handles wait for :meth:`release_retired`."""
+        return bool(self._retired)
+
+    def release_retired(self) -> None:
+        """Free the handles of loads already reported done (their READs all finished)."""
+        handles, self._retired = self._retired, []
+        for h in handles:
+            self._transfer.release(h)
 
     def start(self, load: TargetLoad, received: float) -> None:
         """Plan and post this rank's READs of ``load`` (``received``: when it reached this rank, monotonic)."""
@@ -128,6 +147,7 @@ class RankWorker:
         self._closed = True
         for key in list(self._inflight):
             self._finish(key, "the target client shut down")
+        self.release_retired()
         self._transfer.close()
 
     # -- internals -------------------------------------------------------------------------
@@ -187,14 +207,14 @@ class RankWorker:
         flight = self._inflight.pop(key)
         if error is None:
             # Every READ said done: no byte moves any more, so the leader hears first (it waits for the
-            # slowest rank) and the handles are freed after.
+            # slowest rank) and the handles are freed later (release_retired).
             self._report_now(flight.load, flight.nbytes, flight.descriptors, None)
+            self._retired.extend(flight.handles)
+            return
         for h in flight.handles:
-            self._transfer.release(h)  # a READ still running is aborted here, before a failure is reported
-        if error is not None:
-            log.warning("target rank %d: load %d from %s failed: %s", self.rank, key, flight.load.source_worker,
-                        error)
-            self._report_now(flight.load, flight.nbytes, flight.descriptors, error)
+            self._transfer.release(h)  # a READ still running is aborted here, before the failure is reported
+        log.warning("target rank %d: load %d from %s failed: %s", self.rank, key, flight.load.source_worker, error)
+        self._report_now(flight.load, flight.nbytes, flight.descriptors, error)
 
     def _report_now(self, load: TargetLoad, nbytes: int, descriptors: int, error: str | None) -> None:
         try:
