@@ -16,12 +16,12 @@ measures both parts on their own, in two processes and one Unix socket:
 
 If ``woken`` is several times ``warm``, a hop pays for running cold after the
 wake-up; ``--plan-path both`` shows that the price depends on the code run:
-it times the planner's two ways side by side, ``auto`` (what it picks: plain
-Python up to ``SMALL_PLAN_BLOCKS`` whole-block extents, numpy above) and
+it times the planner's two ways side by side, ``compiled`` (what it picks for
+whole-block extents: one call into the ``_read_plan`` extension) and
 ``array`` (numpy always), warm and woken. ``--cpus same|split`` puts both
 processes on one CPU or on two.
 
-    python bench/bench_wake_cost.py [--rounds 300] [--blocks 32,512] [--idle-ms 0,20] [--plan-path auto|array|both]
+    python bench/bench_wake_cost.py [--rounds 300] [--blocks 32,512] [--idle-ms 0,20] [--plan-path compiled|array|both]
                                     [--json out.json]
 """
 
@@ -63,12 +63,11 @@ def _planner_and_request(blocks: int) -> tuple[ReadPlanner, list[RankBlocks], li
     return planner, src, list(range(blocks))
 
 
-_AUTO_SMALL = tp_mapping.SMALL_PLAN_BLOCKS
 
 
 def _use_path(path: str) -> None:
-    """``auto``: the planner's own choice; ``array``: numpy for every request."""
-    tp_mapping.SMALL_PLAN_BLOCKS = _AUTO_SMALL if path == "auto" else 0
+    """``compiled``: the planner's own choice; ``array``: numpy for every request."""
+    tp_mapping.COMPILED_WHOLE_BLOCK_PLANS = path == "compiled"
 
 
 def _pin(cpu: int | None) -> None:
@@ -116,7 +115,7 @@ def _warm_us(blocks: int, reps: int, path: str) -> float:
 
 
 def measure(blocks: int, rounds: int, idle_ms: list[float], cpus: tuple[int | None, int | None],
-            path: str = "auto") -> dict:
+            path: str = "compiled") -> dict:
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     parent.settimeout(IO_TIMEOUT_S)
     proc = mp.get_context("fork").Process(target=_worker, args=(child, blocks, cpus[1], path), daemon=True)
@@ -161,8 +160,8 @@ def main() -> int:
     ap.add_argument("--idle-ms", default="0,20", help="idle gaps before each message, ms (0: back to back)")
     ap.add_argument("--cpus", choices=["any", "same", "split"], default="any",
                     help="both processes on CPU 0 (same), on CPUs 0 and 1 (split), or wherever (any)")
-    ap.add_argument("--plan-path", choices=["auto", "array", "both"], default="auto",
-                    help="the planner's own choice (auto), numpy always (array), or both side by side")
+    ap.add_argument("--plan-path", choices=["compiled", "array", "both"], default="compiled",
+                    help="the planner's own choice (compiled), numpy always (array), or both side by side")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not 1 <= args.rounds <= 100_000:
@@ -174,20 +173,20 @@ def main() -> int:
     if any(not 0 <= g <= 1000 for g in gaps):
         ap.error("--idle-ms must be 0..1000")
     cpus = {"any": (None, None), "same": (0, 0), "split": (0, 1)}[args.cpus]
-    paths = ["auto", "array"] if args.plan_path == "both" else [args.plan_path]
+    paths = ["compiled", "array"] if args.plan_path == "both" else [args.plan_path]
     rows = [measure(b, args.rounds, gaps, cpus, path) for b in blocks for path in paths]
     print(f"one hop on this machine: {os.cpu_count()} CPUs, {platform.machine()}, processes on CPUs: {args.cpus}; "
           f"median of {args.rounds} (p90)")
-    print(f"{'blocks':>6} {'path':>5} {'idle ms':>7} {'round trip us':>15} {'plan warm us':>13} {'plan woken us':>15} "
+    print(f"{'blocks':>6} {'path':>8} {'idle ms':>7} {'round trip us':>15} {'plan warm us':>13} {'plan woken us':>15} "
           f"{'woken/warm':>10} {'again us':>8}")
     for r in rows:
         for gap, g in r["idle"].items():
-            print(f"{r['blocks']:>6} {r['path']:>5} {float(gap):>7g} {g['round_trip_us']:>7.0f} ({g['round_trip_p90_us']:>4.0f}) "
+            print(f"{r['blocks']:>6} {r['path']:>8} {float(gap):>7g} {g['round_trip_us']:>7.0f} ({g['round_trip_p90_us']:>4.0f}) "
                   f"{r['plan_warm_us']:>13.0f} {g['plan_woken_us']:>7.0f} ({g['plan_woken_p90_us']:>4.0f}) "
                   f"{g['plan_woken_us'] / r['plan_warm_us']:>10.1f} {g['plan_again_us']:>8.0f}")
     print("  round trip: two wake-ups, no work; plan: one target rank's ReadPlanner.plan for a 64 MiB TP 2->2 "
-          "fetch, warm in a loop vs right after a message woke the process\n  (path auto: the planner's choice, "
-          "plain Python up to " f"{_AUTO_SMALL} whole-block extents; array: numpy always);\n  again: the same call once more, "
+          "fetch, warm in a loop vs right after a message woke the process\n  (path compiled: the planner's choice, "
+          "one call into the _read_plan extension; array: numpy always);\n  again: the same call once more, "
           "right after the woken one")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -46,6 +46,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
+from remote_g2 import _read_plan
 from remote_g2.messages import BlockLayout, LayoutFingerprint, RankBlocks, RankInfo
 
 __all__ = [
@@ -66,8 +67,9 @@ __all__ = [
 PlanMode = Literal["same_tp", "split_heads", "gather_heads", "mla"]
 
 _ADDR_LIMIT = 1 << 64  # descriptors are u64 (address, length) pairs
-#: Up to this many blocks, whole-block plans take the plain-Python path (see ``ReadPlanner._plan_small``).
-SMALL_PLAN_BLOCKS = 64
+#: Whole-block plans (homogeneous TP, MLA) go through the compiled ``_read_plan`` (see
+#: ``ReadPlanner._plan_compiled``); False plans them with numpy like the rest (benchmarks and tests compare).
+COMPILED_WHOLE_BLOCK_PLANS = True
 
 
 # --------------------------------------------------------------------------
@@ -492,10 +494,10 @@ class ReadPlanner:
         for b in blocks:
             if len(b.block_ids) != count:
                 raise ValueError(f"source rank {b.rank}: {len(b.block_ids)} block ids for {count} destination blocks")
-        if 0 < count <= SMALL_PLAN_BLOCKS and self._whole_blocks:
-            small = self._plan_small(blocks, dst_block_ids, count)
-            if small is not None:
-                return small
+        if count and self._whole_blocks and COMPILED_WHOLE_BLOCK_PLANS:
+            compiled = self._plan_compiled(blocks, dst_block_ids, count)
+            if compiled is not None:
+                return compiled
         tgt = self.target_layout
         dst = _ids("destination", dst_block_ids, tgt.num_blocks)
         src_ids = [_ids(f"source rank {r}", blocks[r].block_ids, self._num_blocks[r]) for r in range(self.source_tp)]
@@ -511,52 +513,35 @@ class ReadPlanner:
         reads.sort(key=lambda r: r.source_rank)
         return ReadPlan(target_rank=self.target_rank, mode=self.mode, num_blocks=count, reads=tuple(reads))
 
-    def _plan_small(self, blocks: list[RankBlocks], dst_block_ids: Sequence[int], count: int) -> ReadPlan | None:
-        """:meth:`plan` for a few whole-block extents, in plain Python; None: let the array path answer.
+    def _plan_compiled(self, blocks: list[RankBlocks], dst_block_ids: Sequence[int], count: int) -> ReadPlan | None:
+        """:meth:`plan` for whole-block extents in one compiled call per slice; None: let the array path answer.
 
-        Why: a rank plans right after it woke up, and on this kind of host
-        code that ran before a sleep runs several times slower once after it
-        (``bench/bench_wake_cost.py``). Each numpy call pays that on its own
-        (~20 of them here); a short loop over a few dozen ints pays far less.
-        ``bench/bench_wake_cost.py --plan-path both``: 32 blocks woken after
-        5-20 ms idle 0.15-0.16 ms here against 0.22-0.34 ms with numpy; warm
-        both ~30 µs. Past ~64 blocks the loop costs more than it saves.
-        Anything unusual — ids that are not plain ints, out of range, repeated
-        — goes to the array path, which raises the reason.
+        Why: a rank plans right after a message woke it, and on this kind of
+        host code that ran before a sleep runs several times slower once
+        after it; the price scales with the code run (``bench/bench_wake_cost.py``).
+        The numpy path makes ~20 calls. ``bench_wake_cost.py --plan-path both``
+        (2026-11-24, woken after 5 / 20 ms idle, µs): 32 blocks 59 / 120
+        against numpy's 268 / 293 (7 against 30 warm); 512 blocks 139 / 178
+        against 282 / 380. Anything unusual — ids that are not a list of
+        plain ints, out of range, repeated — goes to the array path, which
+        raises the reason (or, for numpy integer ids, plans them).
         """
         tgt = self.target_layout
-        if not _plain_unique_ids(dst_block_ids, tgt.num_blocks):
-            return None
         for r, b in enumerate(blocks):  # every rank's ids, read or not, as the array path checks them
-            if not _plain_unique_ids(b.block_ids, self._num_blocks[r]):
+            if not _read_plan.ids_ok(b.block_ids, self._num_blocks[r]):
                 return None
-        dst_start = [self.target_base + d * tgt.block_bytes for d in dst_block_ids]
         reads = []
         for g in self._slices:
-            src_ids = blocks[g.source_rank].block_ids
-            base, size, ext = int(g.src_base), int(g.src_block_bytes), g.extent_bytes
-            remote: list[int] = []
-            local: list[int] = []
-            nbytes: list[int] = []
-            for r, l in sorted(zip([base + s * size for s in src_ids], dst_start)):
-                if remote and remote[-1] + nbytes[-1] == r and local[-1] + nbytes[-1] == l:
-                    nbytes[-1] += ext  # adjacent on both sides: one descriptor
-                else:
-                    remote.append(r)
-                    local.append(l)
-                    nbytes.append(ext)
-            reads.append(SourceReads(g.source_rank, g.agent_name, _frozen(np.array(remote, dtype=np.uint64)),
-                                     _frozen(np.array(local, dtype=np.uint64)),
-                                     _frozen(np.array(nbytes, dtype=np.uint64))))
+            out = _read_plan.plan_whole_blocks(blocks[g.source_rank].block_ids, int(g.src_base),
+                                               int(g.src_block_bytes), self._num_blocks[g.source_rank],
+                                               dst_block_ids, self.target_base, tgt.block_bytes, tgt.num_blocks,
+                                               g.extent_bytes)
+            if out is None:
+                return None
+            remote, local, nbytes = out
+            reads.append(SourceReads(g.source_rank, g.agent_name, _frozen(remote), _frozen(local), _frozen(nbytes)))
         reads.sort(key=lambda r: r.source_rank)
         return ReadPlan(target_rank=self.target_rank, mode=self.mode, num_blocks=count, reads=tuple(reads))
-
-
-def _plain_unique_ids(ids: Sequence[int], num_blocks: int) -> bool:
-    """Whether ``ids`` are distinct plain ints in ``0..num_blocks-1`` (C-level loops only; not empty)."""
-    if not set(map(type, ids)) <= {int}:
-        return False
-    return 0 <= min(ids) and max(ids) < num_blocks and len(set(ids)) == len(ids)
 
 
 def _slice_geometry(sl: HeadSlice, info: RankInfo, tgt: BlockLayout) -> _SliceGeometry:

@@ -351,12 +351,12 @@ def test_a_kept_planner_plans_each_request_like_plan_reads(source_tp, target_tp,
 
 
 @pytest.mark.parametrize("source_tp,target_tp,is_mla", [(1, 1, False), (2, 2, False), (2, 1, True)])
-@pytest.mark.parametrize("n,consecutive", [(1, False), (7, False), (40, True), (128, False), (128, True)])
-def test_small_whole_block_requests_plan_in_python_exactly_as_the_array_path(monkeypatch, source_tp, target_tp,
-                                                                             is_mla, n, consecutive):
-    # Up to SMALL_PLAN_BLOCKS whole-block extents take a plain-Python path (cheaper right after a wake-up);
-    # it must give the very same descriptors, dtypes and read-only arrays as the numpy path. Called directly,
-    # so that sizes past the limit (128) test the Python path too, not numpy against itself.
+@pytest.mark.parametrize("n,consecutive", [(1, False), (7, False), (40, True), (128, False), (128, True),
+                                           (500, False), (500, True)])
+def test_whole_block_requests_plan_in_the_extension_exactly_as_the_array_path(monkeypatch, source_tp, target_tp,
+                                                                              is_mla, n, consecutive):
+    # Whole-block extents go through the compiled _read_plan (cheaper right after a wake-up); it must give
+    # the very same descriptors, dtypes and read-only arrays as the numpy path, and land the same bytes.
     from remote_g2.target import tp_mapping
 
     total = 2 if is_mla else 4
@@ -366,22 +366,49 @@ def test_small_whole_block_requests_plan_in_python_exactly_as_the_array_path(mon
         planner = ReadPlanner(source_tp=source_tp, source_ranks=sim.infos, target_layout=sim.tgt_layout,
                               target_base=TGT_BASE, target_tp=target_tp, target_rank=r, is_mla=is_mla)
         assert planner._whole_blocks
-        small = planner._plan_small(sim.blocks, sim.dst_ids, n)
-        assert small is not None
-        if n <= tp_mapping.SMALL_PLAN_BLOCKS:  # plan() takes it on its own
-            assert planner.plan(sim.blocks, sim.dst_ids).extents() == small.extents()
-        monkeypatch.setattr(tp_mapping, "SMALL_PLAN_BLOCKS", 0)
+        compiled = planner._plan_compiled(sim.blocks, sim.dst_ids, n)
+        assert compiled is not None
+        assert planner.plan(sim.blocks, sim.dst_ids).extents() == compiled.extents()  # plan() takes it itself
+        monkeypatch.setattr(tp_mapping, "COMPILED_WHOLE_BLOCK_PLANS", False)
         array = planner.plan(sim.blocks, sim.dst_ids)
         monkeypatch.undo()
-        assert small.extents() == array.extents() and small.mode == array.mode
-        for a, b in zip(small.reads, array.reads, strict=True):
+        assert compiled.extents() == array.extents() and compiled.mode == array.mode
+        for a, b in zip(compiled.reads, array.reads, strict=True):
             assert (a.source_rank, a.agent_name) == (b.source_rank, b.agent_name)
             for x, y in ((a.remote_addr, b.remote_addr), (a.local_addr, b.local_addr), (a.nbytes, b.nbytes)):
                 assert x.dtype == y.dtype == np.uint64 and not x.flags.writeable
                 np.testing.assert_array_equal(x, y)
         initial = sim.rng.integers(0, 256, size=sim.tgt_layout.num_blocks * sim.tgt_layout.block_bytes,
                                    dtype=np.uint8)
-        np.testing.assert_array_equal(sim.execute(small, initial), sim.expected(r, initial))
+        np.testing.assert_array_equal(sim.execute(compiled, initial), sim.expected(r, initial))
+
+
+def test_the_extension_merges_runs_adjacent_on_both_sides_and_declines_what_it_does_not_plan():
+    from remote_g2 import _read_plan
+
+    # src ids 3, 1, 2 -> remote 30, 10, 20; dst 0, 5, 6 -> local 1000, 1050, 1060 (blocks of 10 bytes).
+    remote, local, nbytes = _read_plan.plan_whole_blocks([3, 1, 2], 0, 10, 8, [0, 5, 6], 1000, 10, 8, 10)
+    assert (remote.tolist(), local.tolist(), nbytes.tolist()) == ([10, 30], [1050, 1000], [20, 10])
+    assert remote.dtype == local.dtype == nbytes.dtype == np.uint64
+    # adjacent on the source side only: two descriptors
+    remote, local, nbytes = _read_plan.plan_whole_blocks([1, 2], 0, 10, 8, [6, 5], 1000, 10, 8, 10)
+    assert (remote.tolist(), local.tolist(), nbytes.tolist()) == ([10, 20], [1060, 1050], [10, 10])
+    declined = [
+        ([1, 1], [0, 1]),            # a source id twice
+        ([1, 2], [0, 0]),            # a destination id twice
+        ([1, 8], [0, 1]),            # a source id out of range
+        ([1, 2], [0, -1]),           # negative
+        ([1, 2], [0, 2**70]),        # does not fit 64 bits
+        ([1, 2], [0]),               # lengths differ
+        ([True, 2], [0, 1]),         # bool is not a block id here
+        ([np.int64(1), 2], [0, 1]),  # numpy ints: the array path plans them
+        ((1, 2), [0, 1]),            # not a list
+        (None, [0, 1]),
+    ]
+    for src, dst in declined:
+        assert _read_plan.plan_whole_blocks(src, 0, 10, 8, dst, 1000, 10, 8, 10) is None, (src, dst)
+    assert _read_plan.ids_ok([0, 7, 3], 8) and not _read_plan.ids_ok([0, 8], 8)
+    assert not _read_plan.ids_ok([2, 2], 8) and not _read_plan.ids_ok([1.0], 8) and not _read_plan.ids_ok("ab", 8)
 
 
 @pytest.mark.parametrize("ids,reason", [
@@ -390,7 +417,7 @@ def test_small_whole_block_requests_plan_in_python_exactly_as_the_array_path(mon
     ([True, False, True], "destination: block ids must be integers"),
     ([1.0, 2.0, 3.0], "destination: block ids must be integers"),
 ])
-def test_small_requests_with_odd_ids_get_the_array_paths_reasons(ids, reason):
+def test_requests_with_odd_ids_get_the_array_paths_reasons(ids, reason):
     sim = make_sim(2, 2, n=3)
     planner = ReadPlanner(source_tp=2, source_ranks=sim.infos, target_layout=sim.tgt_layout, target_base=TGT_BASE,
                           target_tp=2, target_rank=0)
