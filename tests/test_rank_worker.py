@@ -100,10 +100,8 @@ def test_a_restarted_source_is_planned_against_its_new_pool_not_the_kept_planner
     assert np.array_equal(dst[BB:2 * BB], moved[3 * BB:4 * BB])  # from the new pool
 
 
-def test_a_done_loads_handles_are_freed_after_its_report_when_the_loop_asks(rig) -> None:
-    # The report goes out first; the handles wait for release_retired (the leader's coordinator shares
-    # a CPU with the share thread, so the free is kept off the report's path), and close() frees any left.
-    src, dst, worker, reports, info = rig
+def _keep_handles(worker: RankWorker) -> list:
+    """Every READ handle the worker's adapter hands out from now on."""
     handles: list = []
     post = worker._transfer.start_read
 
@@ -112,6 +110,14 @@ def test_a_done_loads_handles_are_freed_after_its_report_when_the_loop_asks(rig)
         return handles[-1]
 
     worker._transfer.start_read = keep
+    return handles
+
+
+def test_a_done_loads_handles_are_freed_after_its_report_when_the_loop_asks(rig) -> None:
+    # The report goes out first; the handles wait for release_retired (the leader's coordinator shares
+    # a CPU with the share thread, so the free is kept off the report's path), and close() frees any left.
+    src, dst, worker, reports, info = rig
+    handles = _keep_handles(worker)
     worker.start(_load(1, info, [3], [0]), time.monotonic())
     assert [(d.load_id, d.ok) for d in reports] == [(1, True)]
     assert worker.retired and not any(h.released for h in handles)
@@ -126,14 +132,7 @@ def test_a_done_loads_handles_are_freed_after_its_report_when_the_loop_asks(rig)
 def test_a_failed_loads_reads_are_released_before_it_is_reported(rig) -> None:
     src, dst, worker, reports, info = rig
     released_at_report: list[bool] = []
-    handles: list = []
-    post = worker._transfer.start_read
-
-    def keep(*a, **kw):
-        handles.append(post(*a, **kw))
-        return handles[-1]
-
-    worker._transfer.start_read = keep
+    handles = _keep_handles(worker)
     worker._transfer.poll = lambda h: "error"  # the READ ended in ERR
     worker._report = lambda done: released_at_report.append(all(h.released for h in handles))
     worker.start(_load(1, info, [3], [0]), time.monotonic())
