@@ -486,6 +486,9 @@ class ReadPlanner:
                              is_mla=is_mla, mla_offset=mla_offset)
         self._slices = tuple(_slice_geometry(sl, infos[sl.source_rank], target_layout) for sl in slices)
         self._whole_blocks = all(g.src_off is None for g in self._slices)
+        # Source ranks no slice reads from: the compiled path checks their ids on their own (plan_whole_blocks
+        # checks the ids of the ranks it reads).
+        self._unread_ranks = tuple(sorted(set(range(source_tp)) - {g.source_rank for g in self._slices}))
 
     def plan(self, source_blocks: Sequence[RankBlocks], dst_block_ids: Sequence[int]) -> ReadPlan:
         """This rank's reads of one request (``source_blocks``, ``dst_block_ids`` as for :func:`plan_reads`)."""
@@ -510,6 +513,9 @@ class ReadPlanner:
                 remote, local, nbytes = _coalesce(remote, local, nbytes)
                 reads.append(SourceReads(g.source_rank, g.agent_name, _frozen(remote), _frozen(local),
                                          _frozen(nbytes)))
+        return self._read_plan(reads, count)
+
+    def _read_plan(self, reads: list[SourceReads], count: int) -> ReadPlan:
         reads.sort(key=lambda r: r.source_rank)
         return ReadPlan(target_rank=self.target_rank, mode=self.mode, num_blocks=count, reads=tuple(reads))
 
@@ -527,8 +533,8 @@ class ReadPlanner:
         raises the reason (or, for numpy integer ids, plans them).
         """
         tgt = self.target_layout
-        for r, b in enumerate(blocks):  # every rank's ids, read or not, as the array path checks them
-            if not _read_plan.ids_ok(b.block_ids, self._num_blocks[r]):
+        for r in self._unread_ranks:  # every rank's ids, read or not, as the array path checks them
+            if not _read_plan.ids_ok(blocks[r].block_ids, self._num_blocks[r]):
                 return None
         reads = []
         for g in self._slices:
@@ -540,8 +546,7 @@ class ReadPlanner:
                 return None
             remote, local, nbytes = out
             reads.append(SourceReads(g.source_rank, g.agent_name, _frozen(remote), _frozen(local), _frozen(nbytes)))
-        reads.sort(key=lambda r: r.source_rank)
-        return ReadPlan(target_rank=self.target_rank, mode=self.mode, num_blocks=count, reads=tuple(reads))
+        return self._read_plan(reads, count)
 
 
 def _slice_geometry(sl: HeadSlice, info: RankInfo, tgt: BlockLayout) -> _SliceGeometry:
