@@ -1,4 +1,4 @@
-"""The transport floor under a resolve: its four hops with no work at any of them, over three transports.
+"""The transport floor under a resolve: its four hops with no work at any of them, over four transports.
 
 A resolve goes target → source rank 0 (ZMQ over TCP) → its sibling (ZMQ IPC)
 → rank 0 → target. This benchmark builds the same chain out of three
@@ -7,20 +7,31 @@ real ``resolve`` of ``--hashes`` hashes and its ``sibling_pin``), so what it
 measures is what the sockets, the I/O threads and the process wake-ups cost
 on this machine — the part of ``bench_source.py``'s resolve time that no
 change to the source's handlers can remove. Each round trip follows an idle
-gap (``--idle-ms``), as between an engine's loads.
+gap (``--idle-ms``), as between an engine's loads, and with ``--copy-mib N``
+also a copy of N MiB on both CPUs (two threads, half each) right before it,
+as a fetch's READs leave the caches for the next fetch's resolve (on one
+host NIXL's READ is a CPU copy, so a 64 MiB fetch runs its successor's chain
+cold).
 
-Three chains, interleaved (each round of ``--rounds`` runs every chain in
+Four chains, interleaved (each round of ``--rounds`` runs every chain in
 turn, so a noisy minute hits all of them):
 
 * ``zmq/zmq``: what the source runs (DESIGN.md): ZMQ over TCP, then ZMQ IPC;
 * ``zmq/unix``: the sibling hop as a plain Unix stream socket with
   length-prefixed frames, as the target's ranks talk (``remote_g2/local_link.py``);
-* ``tcp/unix``: no ZMQ at all — a plain TCP socket (``TCP_NODELAY``) in front.
+* ``tcp/unix``: no ZMQ at all — a plain TCP socket (``TCP_NODELAY``) in front;
+* ``zmq/capture``: the source's transports, but rank 0 serves through a ZMQ
+  proxy (as its pooled server does) whose *capture* socket copies each
+  request, in C, to the sibling as it arrives: the sibling starts before
+  rank 0's Python has read the request. Not what the source does today; it
+  measures what that fan-out would take off the chain.
 
-The gap between the rows is what replacing a transport could save a
-resolve; the last row is the floor of the design's hop sequence itself.
+The gap between the rows is what replacing a transport (or the capture
+fan-out) could save a resolve; ``tcp/unix`` is the floor of the design's hop
+sequence itself.
 
-    python bench/bench_resolve_floor.py [--rounds 300] [--hashes 512] [--idle-ms 0,20] [--json out.json]
+    python bench/bench_resolve_floor.py [--rounds 300] [--hashes 512] [--idle-ms 0,20] [--copy-mib 0,64]
+                                        [--json out.json]
 """
 
 from __future__ import annotations
@@ -35,16 +46,18 @@ import statistics
 import struct
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import zmq
 
 from remote_g2.messages import Resolve, SiblingPin
 from remote_g2.wire import decode_frame, decode_request_body, encode_request
 
-CHAINS = ("zmq/zmq", "zmq/unix", "tcp/unix")
+CHAINS = ("zmq/zmq", "zmq/unix", "tcp/unix", "zmq/capture")
 STOP = b"stop"
 _LEN = struct.Struct(">I")
 IO_TIMEOUT_S = 10.0  # a dead chain ends the run with an error instead of hanging it
@@ -181,6 +194,48 @@ def _rank0(front_kind: str, front: object, sibling_kind: str, sibling: object) -
         down.close()
 
 
+def _sibling_capture(address: str, answer_to: str) -> None:
+    """Rank 1 of the capture chain: every frame rank 0's proxy saw arrives here; answer the resolves."""
+    ctx = zmq.Context.instance()
+    inbox, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.bind(address)
+    out.connect(answer_to)
+    try:
+        while True:
+            frames = inbox.recv_multipart()
+            if frames[-1] == STOP:
+                return
+            frame = decode_frame(frames[-1])
+            if frame.type != "resolve":
+                continue  # the proxy also copies rank 0's replies here
+            req = decode_request_body(frame)[1]
+            out.send(encode_request(1, SiblingPin(1, req.hashes, req.ttl_ms)))
+    finally:
+        inbox.close(linger=0)
+        out.close(linger=1000)
+
+
+def _rank0_capture(front: str, sibling: str, answers: str) -> None:
+    """Rank 0 of the capture chain: a ZMQ proxy in C copies each request to the sibling as it arrives."""
+    ctx = zmq.Context.instance()
+    router, back, capture = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER), ctx.socket(zmq.PUSH)
+    router.bind(front)
+    back.bind("inproc://handlers")
+    capture.connect(sibling)
+    proxy = threading.Thread(target=zmq.proxy, args=(router, back, capture), daemon=True)
+    proxy.start()
+    handler, inbox = ctx.socket(zmq.DEALER), ctx.socket(zmq.PULL)
+    handler.connect("inproc://handlers")
+    inbox.bind(answers)
+    while True:
+        peer, raw = handler.recv_multipart()
+        if raw == STOP:
+            return  # daemon proxy thread; the process ends
+        decode_request_body(decode_frame(raw))
+        decode_request_body(decode_frame(inbox.recv()))
+        handler.send_multipart([peer, raw])
+
+
 def _free_tcp_port() -> int:
     probe = socket.socket()
     probe.bind(("127.0.0.1", 0))
@@ -196,12 +251,17 @@ class Chain:
         front_kind, sibling_kind = name.split("/")
         self.name = name
         ctx = mp.get_context("spawn")
-        sibling: object = (f"ipc://{tmp}/{name.replace('/', '-')}.sock" if sibling_kind == "zmq"
+        sibling: object = (f"ipc://{tmp}/{name.replace('/', '-')}.sock" if sibling_kind in ("zmq", "capture")
                            else f"{tmp}/{name.replace('/', '-')}.sock")
         port = _free_tcp_port()
         front: object = f"tcp://127.0.0.1:{port}" if front_kind == "zmq" else ("127.0.0.1", port)
-        self.procs = [ctx.Process(target=_sibling, args=(sibling_kind, sibling), daemon=True),
-                      ctx.Process(target=_rank0, args=(front_kind, front, sibling_kind, sibling), daemon=True)]
+        if sibling_kind == "capture":
+            answers = f"ipc://{tmp}/capture-answers.sock"
+            self.procs = [ctx.Process(target=_sibling_capture, args=(sibling, answers), daemon=True),
+                          ctx.Process(target=_rank0_capture, args=(front, sibling, answers), daemon=True)]
+        else:
+            self.procs = [ctx.Process(target=_sibling, args=(sibling_kind, sibling), daemon=True),
+                          ctx.Process(target=_rank0, args=(front_kind, front, sibling_kind, sibling), daemon=True)]
         for p in self.procs:
             p.start()
         self.pipe = _connect(front_kind, front)
@@ -224,11 +284,28 @@ class Chain:
                 p.kill()
 
 
+class Copier:
+    """Copies ``mib`` MiB on two threads at once (numpy lets go of the GIL), as two target ranks' READs do."""
+
+    def __init__(self, mib: int) -> None:
+        half = (mib << 20) // 2
+        self.src = [np.ones(half, np.uint8), np.ones(half, np.uint8)]
+        self.dst = [np.zeros(half, np.uint8), np.zeros(half, np.uint8)]
+
+    def copy(self) -> None:
+        helper = threading.Thread(target=np.copyto, args=(self.dst[1], self.src[1]))
+        helper.start()
+        np.copyto(self.dst[0], self.src[0])
+        helper.join()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=300, help="round trips per chain and idle gap (at most 5000)")
     ap.add_argument("--hashes", type=int, default=512, help="hashes in the resolve (1..65536)")
     ap.add_argument("--idle-ms", default="0,20", help="sleep before each round trip, ms, comma-separated (0..100)")
+    ap.add_argument("--copy-mib", default="0",
+                    help="also copy this many MiB right before each round trip, comma-separated (0..1024)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     rounds = max(10, min(args.rounds, 5000))
@@ -236,44 +313,54 @@ def main() -> int:
     idles = [float(x) / 1000 for x in args.idle_ms.split(",") if x.strip()]
     if any(i < 0 or i > 0.1 for i in idles):
         raise SystemExit("--idle-ms: each value in 0..100")
+    copies = [int(x) for x in args.copy_mib.split(",") if x.strip()]
+    if not copies or any(c < 0 or c > 1024 for c in copies):
+        raise SystemExit("--copy-mib: each value in 0..1024")
+    cells = [(idle, mib) for mib in copies for idle in idles]
+    copiers = {mib: Copier(mib) for mib in copies if mib}
     tmp = tempfile.mkdtemp(prefix="remote-g2-floor-")
     frame = encode_request(1, Resolve([os.urandom(16) for _ in range(hashes)], 10_000, "bench"))
     chains: list[Chain] = []
-    times: dict[tuple[str, float], list[float]] = {}
+    times: dict[tuple[str, float, int], list[float]] = {}
     try:
         for name in CHAINS:
             chains.append(Chain(name, tmp))
         for chain in chains:  # connect and warm up
             for _ in range(5):
                 chain.round_trip(frame)
-        for idle in idles:
+        for idle, mib in cells:
             for _ in range(rounds):
                 for chain in chains:
                     time.sleep(idle)
-                    times.setdefault((chain.name, idle), []).append(chain.round_trip(frame))
+                    if mib:
+                        copiers[mib].copy()
+                    times.setdefault((chain.name, idle, mib), []).append(chain.round_trip(frame))
     finally:
         for chain in chains:
             chain.close()
     rows = []
-    for idle in idles:
+    for idle, mib in cells:
         for name in CHAINS:
-            ts = sorted(times[(name, idle)])
-            rows.append({"chain": name, "idle_ms": idle * 1000, "p50_us": statistics.median(ts) * 1e6,
+            ts = sorted(times[(name, idle, mib)])
+            rows.append({"chain": name, "idle_ms": idle * 1000, "copy_mib": mib,
+                         "p50_us": statistics.median(ts) * 1e6,
                          "p90_us": ts[min(len(ts) - 1, int(0.9 * len(ts)))] * 1e6})
-    base = {r["idle_ms"]: r["p50_us"] for r in rows if r["chain"] == CHAINS[0]}
+    base = {(r["idle_ms"], r["copy_mib"]): r["p50_us"] for r in rows if r["chain"] == CHAINS[0]}
     print(f"resolve-shaped chain (target -> rank 0 -> sibling and back), {hashes} hashes, frames decoded and "
           f"re-encoded, no other work; {rounds} round trips per cell, interleaved; {os.cpu_count()} CPUs, "
           f"{platform.machine()}")
-    print(f"{'chain':>9} {'idle ms':>8} {'p50 us':>8} {'p90 us':>8} {'vs zmq/zmq':>10}")
+    print(f"{'chain':>11} {'idle ms':>8} {'copy MiB':>8} {'p50 us':>8} {'p90 us':>8} {'vs zmq/zmq':>10}")
     for r in rows:
-        r["p50_vs_zmq"] = r["p50_us"] / base[r["idle_ms"]]
-        print(f"{r['chain']:>9} {r['idle_ms']:>8g} {r['p50_us']:>8.0f} {r['p90_us']:>8.0f} {r['p50_vs_zmq']:>10.2f}")
+        r["p50_vs_zmq"] = r["p50_us"] / base[(r["idle_ms"], r["copy_mib"])]
+        print(f"{r['chain']:>11} {r['idle_ms']:>8g} {r['copy_mib']:>8} {r['p50_us']:>8.0f} {r['p90_us']:>8.0f} "
+              f"{r['p50_vs_zmq']:>10.2f}")
     print("  zmq/zmq: the source's transports (ZMQ TCP in front, ZMQ IPC to the sibling); zmq/unix: the sibling hop\n"
-          "  on a Unix stream socket; tcp/unix: no ZMQ at all")
+          "  on a Unix stream socket; tcp/unix: no ZMQ at all; zmq/capture: rank 0's proxy copies each request to the\n"
+          "  sibling as it arrives (not what the source runs); copy MiB: copied on both CPUs before each round trip")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"benchmark": "resolve_floor", "hashes": hashes, "rounds": rounds,
-                                         "cpus": os.cpu_count(), "rows": rows}, indent=2))
+                                         "copy_mib": copies, "cpus": os.cpu_count(), "rows": rows}, indent=2))
         print(f"wrote {args.json}")
     return 0
 
