@@ -608,6 +608,28 @@ class SiblingPin:
     ttl_ms: _Ttl
 
 
+#: The largest ``resolve`` frame rank 0 hands its siblings as it arrives (``sibling_resolve``); a valid
+#: one of 65 536 hashes of 32 bytes is ~2.2 MiB. Larger frames take the ``sibling_pin`` path (and are
+#: refused there by the decoder), so a peer cannot make rank 0 copy 16 MiB frames to every sibling.
+MAX_FORWARDED_RESOLVE_BYTES = 4 * 1024 * 1024
+
+
+@message("sibling_resolve", reply=SiblingPinReply)
+@dataclass(frozen=True, slots=True)
+class SiblingResolve:
+    """Find-and-pin, under ``lease_id``, the hashes of ``resolve``: a target's ``resolve`` frame, as received.
+
+    Rank 0 forwards the frame before it has decoded it itself, so the
+    sibling's pinning overlaps rank 0's own decoding and bookkeeping. The
+    sibling decodes and checks the frame exactly as rank 0's server does
+    (a frame rank 0 would refuse is refused here too, and nothing is
+    pinned) and clamps its ``ttl_ms`` to the same bounds.
+    """
+
+    lease_id: Annotated[int, Limits(ge=1)]
+    resolve: Annotated[bytes, Limits(min_len=1, max_len=MAX_FORWARDED_RESOLVE_BYTES)]
+
+
 @dataclass(frozen=True, slots=True)
 class SiblingAck:
     """``known`` is False when this rank held no pins under that lease."""

@@ -60,13 +60,14 @@ from remote_g2.errors import ConfigError, ProtocolError, RemoteG2Error, RpcClose
 from remote_g2.messages import MESSAGES, MessageSpec, Ping, Pong
 from remote_g2.wire import (
     DEFAULT_MAX_FRAME_BYTES,
-    decode_frame,
-    decode_request_body,
+    decode_request,
     encode_err,
     encode_ok,
+    peek_type,
 )
 
-__all__ = ["RpcServer", "CallContext", "Handler", "BatchHandler", "Deferred", "normalize_bind_endpoint"]
+__all__ = ["RpcServer", "CallContext", "Handler", "BatchHandler", "Deferred", "Arrival", "ArrivalHook",
+           "normalize_bind_endpoint"]
 
 log = logging.getLogger("remote_g2.rpc")
 
@@ -81,9 +82,24 @@ class CallContext:
     msg_id: int          # the request's header id
     type: str            # message name
     received_at: float   # time.perf_counter() when the frame was read
+    arrival: Any = None  # what the type's arrival hook returned for this request, if it has one
 
 
 Handler = Callable[[Any, CallContext], Any]
+
+
+class Arrival(Protocol):
+    """Work an arrival hook started for a request; dropped with :meth:`abandon` if its handler never runs."""
+
+    def abandon(self) -> None: ...
+
+
+#: ``hook(peer, frame) -> Arrival | None``, registered per message type: called on the serving thread with
+#: the raw frame of a request of that type *before* it is decoded (the type is read from the envelope
+#: alone), so that work which needs only the frame starts at once. The handler finds the result in
+#: ``ctx.arrival``; if the request is refused before its handler runs, the server calls ``abandon()``.
+#: A hook must not raise (one that does is logged, and the request served as if it had none).
+ArrivalHook = Callable[[bytes, bytes], "Arrival | None"]
 
 
 class Deferred(Protocol):
@@ -133,8 +149,12 @@ class RpcServer:
         on_call: CallObserver | None = None,
         batch_handlers: Mapping[str, BatchHandler] | None = None,
         max_batch: int = 64,
+        on_arrival: Mapping[str, ArrivalHook] | None = None,
     ) -> None:
         batch_handlers = dict(batch_handlers or {})
+        on_arrival = dict(on_arrival or {})
+        if set(on_arrival) - set(handlers):
+            raise ConfigError(f"arrival hooks for types without a handler: {sorted(set(on_arrival) - set(handlers))}")
         unknown = (set(handlers) | set(batch_handlers)) - set(MESSAGES)
         if unknown:
             raise ConfigError(f"handlers for unknown message types: {sorted(unknown)}")
@@ -148,6 +168,7 @@ class RpcServer:
         self._endpoint = normalize_bind_endpoint(endpoint)
         self._handlers: dict[str, Handler] = {"ping": self._ping, **handlers}
         self._batch_handlers = batch_handlers
+        self._on_arrival = on_arrival
         self._max_batch = max_batch
         self.name = name
         self._workers = workers
@@ -382,8 +403,13 @@ class RpcServer:
         later: list[Any] = []
         grouped: dict[str, list[tuple[Any, CallContext]]] = {}
         for frames in batch:
-            call = self._decode(frames)
+            # Each request's hook runs just before it is decoded and handled, not all of a batch's first: a
+            # hook may start calls its handler then waits for, one at a time per thread (source/siblings.py).
+            arrival = self._arrive(frames) if self._on_arrival else None
+            call = self._decode(frames, arrival)
             if isinstance(call, bytes):
+                if arrival is not None:
+                    self._abandon(arrival)
                 out.append((frames[0], call))
                 continue
             spec, request, ctx = call
@@ -419,27 +445,41 @@ class RpcServer:
             return [(ctx.peer, self._answer_error(spec, ctx, e)) for _, ctx in calls]
         return [(ctx.peer, self._answer(spec, ctx, reply)) for (_, ctx), reply in zip(calls, replies)]
 
-    def _decode(self, frames: list[bytes]) -> bytes | tuple[MessageSpec, Any, CallContext]:
+    def _arrive(self, frames: list[bytes]) -> Any:
+        """Run the arrival hook of the request's type, if it has one (before the frame is decoded)."""
+        if len(frames) != 2:
+            return None
+        hook = self._on_arrival.get(peek_type(frames[1], max_frame_bytes=self._max_frame) or "")
+        if hook is None:
+            return None
+        try:
+            return hook(frames[0], frames[1])
+        except Exception:  # a bug in the hook: serve the request without it
+            log.exception("%s: arrival hook failed", self.name)
+            return None
+
+    def _abandon(self, arrival: Any) -> None:
+        try:
+            arrival.abandon()
+        except Exception:
+            log.exception("%s: abandoning an arrival failed", self.name)
+
+    def _decode(self, frames: list[bytes], arrival: Any = None) -> bytes | tuple[MessageSpec, Any, CallContext]:
         """The validated call, or the ERR frame that answers a bad one."""
         t0 = time.perf_counter()
         if len(frames) != 2:
             self._observe("?", t0, "bad_request")
             return encode_err(next(self._ids), None, "ProtocolError",
                               f"expected one frame per message, got {len(frames) - 1}")
-        frame = None
         try:
-            frame = decode_frame(frames[1], max_frame_bytes=self._max_frame)
-            if frame.re is not None:
-                raise ProtocolError("a request must not carry header.re")
-            spec, request = decode_request_body(frame)
+            frame, spec, request = decode_request(frames[1], max_frame_bytes=self._max_frame)
         except ProtocolError as e:
             self._observe("?", t0, "bad_request")
-            re = frame.id if frame is not None else e.request_id  # name the request when we can
-            return encode_err(next(self._ids), re, type(e).__name__, e.message)
+            return encode_err(next(self._ids), e.request_id, type(e).__name__, e.message)  # its id when readable
         if spec.name not in self._handlers and spec.name not in self._batch_handlers:
             self._observe(spec.name, t0, "bad_request")
             return encode_err(next(self._ids), frame.id, "UnknownMessage", f"{self.name} does not serve {spec.name!r}")
-        return spec, request, CallContext(frames[0], frame.id, spec.name, t0)
+        return spec, request, CallContext(frames[0], frame.id, spec.name, t0, arrival)
 
     def _invoke(self, handler: Handler, spec: MessageSpec, request: Any, ctx: CallContext) -> bytes:
         try:

@@ -37,7 +37,9 @@ __all__ = [
     "encode_ok",
     "encode_err",
     "decode_frame",
+    "decode_request",
     "decode_request_body",
+    "peek_type",
     "decode_reply_body",
 ]
 
@@ -134,6 +136,44 @@ def decode_frame(data: bytes, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES)
         e.request_id = msg_id
         raise
     return Frame(version, msg_id, re, type_, body)
+
+
+def peek_type(data: bytes, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> str | None:
+    """The message type a frame says it carries, read without decoding its body; None if unreadable.
+
+    A hint for routing only (rank 0 forwards ``resolve`` frames to its
+    siblings before decoding them): nothing is validated, so the frame must
+    still go through :func:`decode_request`.
+    """
+    if len(data) > max_frame_bytes:
+        return None
+    try:
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(data) or 1, max_ext_len=0)
+        unpacker.feed(data)
+        if unpacker.read_array_header() != 3:
+            return None
+        unpacker.skip()  # the header
+        type_ = unpacker.unpack()
+    except Exception:  # any malformed input: no hint
+        return None
+    return type_ if type(type_) is str else None
+
+
+def decode_request(data: bytes, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> tuple[Frame, MessageSpec, Any]:
+    """Decode and validate a whole request frame: envelope, no ``re``, a known type, a valid body.
+
+    Raises :class:`~remote_g2.errors.ProtocolError` (or a subclass) naming the
+    request's id when it could be read.
+    """
+    frame = decode_frame(data, max_frame_bytes=max_frame_bytes)
+    try:
+        if frame.re is not None:
+            raise ProtocolError("a request must not carry header.re")
+        spec, request = decode_request_body(frame)
+    except ProtocolError as e:
+        e.request_id = frame.id
+        raise
+    return frame, spec, request
 
 
 def decode_request_body(frame: Frame) -> tuple[MessageSpec, Any]:

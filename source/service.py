@@ -14,9 +14,15 @@ Start-up (every rank, :func:`start_source_service`):
 Resolve on rank 0 (no lock is held across the fan-out, so concurrent
 resolves proceed in parallel):
 
+* as the request arrives, before rank 0 decodes it, its frame goes to every
+  sibling as ``sibling_resolve`` (each decodes and checks it as rank 0 would,
+  and pins); rank 0 decodes it meanwhile — the siblings' work no longer waits
+  for rank 0's (a frame rank 0 refuses is refused by the siblings too, and
+  rank 0 releases the lease on them anyway);
 * reserve up to one budget block per asked hash (atomically; none left →
-  ``over_budget``) and cut the hash list to what was granted;
-* send ``sibling_pin`` to every sibling at once while pinning locally;
+  ``over_budget``, and the siblings' pins are released) and pin that many
+  locally while the siblings work (a sibling that pinned more is trimmed
+  below, so the budget bounds the leases once the resolve returns);
 * any sibling error or timeout → drop the lease everywhere (siblings that
   pinned get ``sibling_release``; the others' own lease tables expire it)
   and answer ``ERR SourceError`` naming the rank;
@@ -37,8 +43,8 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from remote_g2.adapters.secondary_pool import SecondaryPool
@@ -64,8 +70,10 @@ from remote_g2.messages import (
     ResolveReply,
     SiblingPin,
     SiblingPinReply,
+    MAX_FORWARDED_RESOLVE_BYTES,
     SiblingRelease,
     SiblingRenew,
+    SiblingResolve,
     SiblingTrim,
     SourceMetadataReply,
 )
@@ -76,7 +84,7 @@ from .config import ENABLE_ENV, SourceConfig
 from .leases import LeaseTable, PinBudget
 from .metrics import SourceMetrics
 from .rank_agent import RankAgent, agent_name_for
-from .siblings import SiblingLinks, sibling_handlers
+from .siblings import PendingCalls, SiblingLinks, sibling_handlers
 from .tp_group import RankRecord, TpGroup, exchange, resolve_tp_group
 
 __all__ = ["SourceService", "start_source_service", "maybe_start_source_service"]
@@ -84,6 +92,25 @@ __all__ = ["SourceService", "start_source_service", "maybe_start_source_service"
 log = logging.getLogger("remote_g2.source")
 
 STALL_WARN_S = 1.0  # a reaper this late is logged: the process did not run for that long
+
+
+@dataclass(slots=True)
+class _Forwarded:
+    """A resolve whose frame rank 0 sent its siblings as it arrived (``sibling_resolve``), not yet decoded.
+
+    ``sent``: ``time.monotonic()`` before the send, where rank 0 starts the
+    lease's clock (each sibling starts its own on receipt, later, so it
+    outlives rank 0's). :meth:`abandon` (the server refused the frame):
+    release whatever the siblings pinned.
+    """
+
+    lease_id: int
+    sent: float
+    pending: PendingCalls
+    undo: Callable[[int, dict[int, Any]], None]
+
+    def abandon(self) -> None:
+        self.undo(self.lease_id, self.pending.wait())
 
 
 def maybe_start_source_service(
@@ -226,7 +253,8 @@ class SourceService:
             sibling_endpoint = ipc_endpoint(directory, self.worker_id, self.rank)
             claim_ipc_path(sibling_endpoint)
             self._server = RpcServer(sibling_endpoint,
-                                     sibling_handlers(self.leases, max_ttl_ms=cfg.max_lease_ttl_ms,
+                                     sibling_handlers(self.leases, min_ttl_ms=cfg.min_lease_ttl_ms,
+                                                      max_ttl_ms=cfg.max_lease_ttl_ms,
                                                       on_release=self.metrics.leases_released.inc),
                                      name=f"source-{self.worker_id}-tp{self.rank}", workers=1,
                                      on_call=self.metrics.observe_call)
@@ -249,7 +277,7 @@ class SourceService:
             "renew": self._renew,
             "get_metadata": self._get_metadata,
         }, name=f"source-{self.worker_id}", workers=cfg.rpc_workers, curve=cfg.curve,
-            on_call=self.metrics.observe_call)
+            on_call=self.metrics.observe_call, on_arrival={"resolve": self._forward_resolve})
         self.endpoint = self._server.start()
         if cfg.registry_endpoint:
             self._start_publisher(cfg.advertise or self.endpoint)
@@ -288,34 +316,52 @@ class SourceService:
     def _get_metadata(self, req: GetMetadata, ctx: CallContext) -> SourceMetadataReply:
         return SourceMetadataReply(self.worker_id, self.epoch, self.tp_size, list(self._rank_infos))
 
+    def _forward_resolve(self, peer: bytes, frame: bytes) -> _Forwarded | None:
+        """The arrival hook of ``resolve``: send the undecoded frame to every sibling (None: not sent)."""
+        links = self._links
+        assert links is not None
+        if not links.ranks or len(frame) > MAX_FORWARDED_RESOLVE_BYTES or links.down():
+            return None  # the handler takes the sibling_pin path (or fails fast on a rank that is down)
+        # Random, not sequential: a reader that mixes up its ids must not be able to release
+        # (and so expose to overwriting) another reader's blocks. A clash is refused by the tables.
+        lease_id = secrets.randbits(62) + 1
+        sent = time.monotonic()
+        return _Forwarded(lease_id, sent, links.begin(lambda r: SiblingResolve(lease_id, frame), fail_fast=True),
+                          self._undo)
+
     def _resolve(self, req: Resolve, ctx: CallContext) -> ResolveReply:
         t0 = time.perf_counter()
         try:
-            reply = self._resolve_pins(req, ctx.peer)
+            reply = self._resolve_pins(req, ctx.peer, ctx.arrival)
         except Exception:
             self.metrics.resolve_outcome("error", time.perf_counter() - t0)
             raise
         self.metrics.resolve_outcome(reply.reason, time.perf_counter() - t0, reply.matched)
         return reply
 
-    def _resolve_pins(self, req: Resolve, owner: bytes) -> ResolveReply:
+    def _resolve_pins(self, req: Resolve, owner: bytes, forwarded: _Forwarded | None) -> ResolveReply:
         assert self.budget is not None and self._links is not None
         links = self._links
         ttl_ms = self._ttl(req.ttl_ms)
-        deadline = time.monotonic() + ttl_ms / 1000.0  # siblings start their clocks later: they outlive us
-        down = links.down()
-        if down:
-            raise SourceError(f"TP rank{'s' if len(down) > 1 else ''} {', '.join(map(str, down))} of "
-                              f"{self.worker_id} failed recently; failing fast for "
-                              f"{self.config.sibling_retry_after_ms} ms before trying again")
+        # The siblings start their clocks later (on receipt): they outlive us.
+        deadline = (forwarded.sent if forwarded is not None else time.monotonic()) + ttl_ms / 1000.0
+        if forwarded is None:
+            down = links.down()
+            if down:
+                raise SourceError(f"TP rank{'s' if len(down) > 1 else ''} {', '.join(map(str, down))} of "
+                                  f"{self.worker_id} failed recently; failing fast for "
+                                  f"{self.config.sibling_retry_after_ms} ms before trying again")
         granted = self.budget.reserve(len(req.hashes))
         if granted == 0:
+            if forwarded is not None:
+                self._undo(forwarded.lease_id, forwarded.pending.wait())
             return ResolveReply("over_budget", 0, 0, self.epoch, 0)
         hashes = req.hashes if granted == len(req.hashes) else req.hashes[:granted]
-        # Random, not sequential: a reader that mixes up its ids must not be able to release
-        # (and so expose to overwriting) another reader's blocks. A clash is refused by the tables.
-        lease_id = secrets.randbits(62) + 1
-        pending = links.begin(lambda r: SiblingPin(lease_id, hashes, ttl_ms), fail_fast=True)
+        if forwarded is not None:
+            lease_id, pending = forwarded.lease_id, forwarded.pending
+        else:  # no siblings, or a frame too large to forward
+            lease_id = secrets.randbits(62) + 1  # random: see _forward_resolve
+            pending = links.begin(lambda r: SiblingPin(lease_id, hashes, ttl_ms), fail_fast=True)
         try:
             local = self.leases.pin(lease_id, hashes, deadline, owner)
         except BaseException:

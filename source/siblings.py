@@ -1,7 +1,7 @@
 """Rank 0 ↔ sibling ranks: the IPC sockets, the sibling handlers, the concurrent fan-out.
 
-Every rank ``r > 0`` serves ``sibling_pin`` / ``sibling_trim`` /
-``sibling_release`` / ``sibling_renew`` on ``ipc://{dir}/{worker_id}_tp{r}.sock``
+Every rank ``r > 0`` serves ``sibling_resolve`` / ``sibling_pin`` /
+``sibling_trim`` / ``sibling_release`` / ``sibling_renew`` on ``ipc://{dir}/{worker_id}_tp{r}.sock``
 from its own :class:`~remote_g2.source.leases.LeaseTable` (see
 :func:`sibling_handlers`). The directory is private (mode 0700, owned by this
 user), checked every time a rank starts.
@@ -38,17 +38,19 @@ from remote_g2.errors import (
 )
 from remote_g2.messages import (
     ErrorReply,
+    Resolve,
     SiblingAck,
     SiblingPin,
     SiblingPinReply,
     SiblingRelease,
     SiblingRenew,
+    SiblingResolve,
     SiblingTrim,
     spec_for_request,
 )
 from remote_g2.rpc_client import error_from_reply
 from remote_g2.rpc_server import CallContext, Handler
-from remote_g2.wire import ERR, decode_frame, decode_reply_body, encode_request
+from remote_g2.wire import ERR, decode_frame, decode_reply_body, decode_request, encode_request
 
 from .leases import LeaseTable
 
@@ -67,13 +69,26 @@ class SiblingUnavailable(Exception):
     """
 
 
-def sibling_handlers(table: LeaseTable, *, max_ttl_ms: int,
+def sibling_handlers(table: LeaseTable, *, max_ttl_ms: int, min_ttl_ms: int = 1,
                      on_release: Callable[[], None] | None = None) -> dict[str, Handler]:
-    """The handlers a sibling rank serves over its IPC socket (``on_release``: a lease ended by release)."""
+    """The handlers a sibling rank serves over its IPC socket (``on_release``: a lease ended by release).
+
+    ``min_ttl_ms`` / ``max_ttl_ms``: the bounds rank 0 clamps a resolve's TTL
+    to (``sibling_resolve`` carries the target's own ``ttl_ms``).
+    """
 
     def pin(req: SiblingPin, ctx: CallContext) -> SiblingPinReply:
         ttl_s = min(req.ttl_ms, max_ttl_ms) / 1000.0
         return SiblingPinReply(table.pin(req.lease_id, req.hashes, time.monotonic() + ttl_s))
+
+    def pin_forwarded(req: SiblingResolve, ctx: CallContext) -> SiblingPinReply:
+        received = time.monotonic()  # the lease's clock starts here, after rank 0's
+        # Exactly rank 0's server's checks: a frame it refuses is refused here, and nothing is pinned.
+        _, spec, resolve = decode_request(req.resolve)
+        if not isinstance(resolve, Resolve):
+            raise ProtocolError(f"sibling_resolve carries a {spec.name!r} frame, not a resolve")
+        ttl_s = max(min_ttl_ms, min(resolve.ttl_ms, max_ttl_ms)) / 1000.0
+        return SiblingPinReply(table.pin(req.lease_id, resolve.hashes, received + ttl_s))
 
     def trim(req: SiblingTrim, ctx: CallContext) -> SiblingAck:
         return SiblingAck(table.trim(req.lease_id, req.keep))
@@ -88,7 +103,8 @@ def sibling_handlers(table: LeaseTable, *, max_ttl_ms: int,
         ttl_s = min(req.ttl_ms, max_ttl_ms) / 1000.0
         return SiblingAck(table.renew(req.lease_id, time.monotonic() + ttl_s))
 
-    return {"sibling_pin": pin, "sibling_trim": trim, "sibling_release": release, "sibling_renew": renew}
+    return {"sibling_pin": pin, "sibling_resolve": pin_forwarded, "sibling_trim": trim, "sibling_release": release,
+            "sibling_renew": renew}
 
 
 class SiblingLinks:

@@ -470,3 +470,53 @@ def test_only_a_driven_server_exposes_its_socket(serve):
         server.close()
     with pytest.raises(ConfigError, match="workers must be >= 0"):
         RpcServer("tcp://127.0.0.1:0", {}, workers=-1)
+
+
+class _Arrived:
+    def __init__(self, peer: bytes, frame: bytes) -> None:
+        self.peer, self.frame, self.abandoned = peer, frame, False
+
+    def abandon(self) -> None:
+        self.abandoned = True
+
+
+def test_arrival_hook_sees_the_raw_frame_before_the_handler_and_abandons_refused_ones(serve):
+    arrivals: list[_Arrived] = []
+    seen: list[object] = []
+
+    def hook(peer: bytes, frame: bytes) -> _Arrived:
+        arrivals.append(_Arrived(peer, frame))
+        return arrivals[-1]
+
+    def handler(req: SiblingPin, ctx) -> SiblingPinReply:
+        seen.append(ctx.arrival)
+        return SiblingPinReply([1, 2])
+
+    ep = serve({"sibling_pin": handler}, on_arrival={"sibling_pin": hook}, workers=2)
+    frame = encode_request(5, SiblingPin(9, [b"h" * 8], 1000))
+    header, kind, _ = raw_call(ep, frame)
+    assert kind == "OK" and header["re"] == 5
+    assert len(arrivals) == 1 and arrivals[0].frame == frame and seen == [arrivals[0]]
+    assert not arrivals[0].abandoned
+    # A frame of that type the decoder refuses never reaches the handler: its arrival is abandoned.
+    bad = msgpack.packb([{"v": PROTOCOL_VERSION, "id": 6}, "sibling_pin", {"lease_id": 0, "hashes": [], "ttl_ms": 1}])
+    assert raw_call(ep, bad)[1] == "ERR"
+    assert len(arrivals) == 2 and arrivals[1].frame == bad and arrivals[1].abandoned and len(seen) == 1
+    # Other types, and frames whose type cannot be read, do not call the hook.
+    assert serve.client(ep).call(Ping()).server == "test"
+    assert raw_call(ep, b"\xc1garbage")[1] == "ERR"
+    assert len(arrivals) == 2
+
+
+def test_a_failing_arrival_hook_leaves_the_request_served(serve):
+    def hook(peer: bytes, frame: bytes) -> None:
+        raise RuntimeError("hook bug")
+
+    ep = serve({"sibling_pin": lambda req, ctx: SiblingPinReply([ctx.arrival is None])},
+               on_arrival={"sibling_pin": hook}, workers=1)
+    assert serve.client(ep).call(SiblingPin(1, [b"h"], 10)).block_ids == [1]
+
+
+def test_arrival_hooks_need_a_handler_of_their_type():
+    with pytest.raises(ConfigError, match="without a handler"):
+        RpcServer("tcp://127.0.0.1:0", {}, on_arrival={"sibling_pin": lambda peer, frame: None})

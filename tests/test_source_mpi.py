@@ -287,6 +287,11 @@ def test_malformed_frames_answer_err_and_the_source_keeps_serving(shared: Source
             msgpack.packb([{"v": PROTOCOL_VERSION, "id": 8}, "resolve", {"hashes": [b""], "ttl_ms": 5}]),
             msgpack.packb([{"v": PROTOCOL_VERSION, "id": 9}, "resolve", {"hashes": [b"x" * 33], "ttl_ms": 5}]),
             msgpack.packb([{"v": PROTOCOL_VERSION, "id": 10}, "resolve", {"hashes": [b"x"], "ttl_ms": 0}]),
+            # well-formed bodies the envelope checks refuse (rank 0 forwards them before it decodes them)
+            msgpack.packb([{"v": PROTOCOL_VERSION, "id": 14, "re": 3}, "resolve",
+                           {"hashes": [_hashes(0, 1)[0]], "ttl_ms": 5000}]),
+            msgpack.packb([{"v": PROTOCOL_VERSION, "id": 15, "x": 1}, "resolve",
+                           {"hashes": [_hashes(0, 1)[0]], "ttl_ms": 5000}]),
             msgpack.packb([{"v": PROTOCOL_VERSION, "id": 11}, "no_such_message", {}]),
             msgpack.packb([{"v": PROTOCOL_VERSION, "id": 12}, "release", {"lease_id": True}]),
             msgpack.packb([{"v": PROTOCOL_VERSION + 1, "id": 13}, "ping", {}]),
@@ -522,7 +527,7 @@ def test_metrics_are_served_per_rank(make_worker) -> None:
     assert "remote_g2_source_resolve_seconds_bucket" in text0
     text1 = urllib.request.urlopen(f"http://127.0.0.1:{port + 1}/metrics", timeout=5).read().decode()
     assert "remote_g2_source_blocks_pinned 0.0" in text1
-    assert 'remote_g2_source_requests_total{outcome="ok",type="sibling_pin"}' in text1
+    assert 'remote_g2_source_requests_total{outcome="ok",type="sibling_resolve"}' in text1  # forwarded as it arrived
     worker.stop()
 
 
@@ -535,4 +540,30 @@ def test_sibling_refuses_a_pin_for_a_released_lease(shared: SourceWorker) -> Non
         assert direct.call(SiblingRelease(424242)).known is False
         with pytest.raises(SourceError, match="released"):
             direct.call(SiblingPin(424242, _hashes(0, 4), 30_000))
+    assert_no_pins(shared)
+
+
+def test_sibling_checks_a_forwarded_resolve_frame_as_rank_0_does(shared: SourceWorker) -> None:
+    """sibling_resolve pins only what a valid resolve frame asks for; any other frame pins nothing."""
+    from remote_g2.errors import ProtocolError
+    from remote_g2.messages import SiblingRelease, SiblingResolve
+    from remote_g2.wire import encode_request
+
+    sibling = f"ipc://{shared.ipc_dir}/{shared.worker_id}_tp1.sock"
+    with RpcClient(sibling, timeout_ms=5000) as direct:
+        refused = [
+            encode_request(1, Release(5)),  # a valid frame of another type
+            msgpack.packb([{"v": PROTOCOL_VERSION, "id": 2, "re": 1}, "resolve",
+                           {"hashes": _hashes(0, 2), "ttl_ms": 5000}]),
+            msgpack.packb([{"v": PROTOCOL_VERSION, "id": 3}, "resolve", {"hashes": [b"x" * 33], "ttl_ms": 5}]),
+            b"\xc1garbage",
+        ]
+        for i, frame in enumerate(refused):
+            with pytest.raises(ProtocolError):
+                direct.call(SiblingResolve(777_000 + i, frame))
+        assert_no_pins(shared, ranks=(1,))
+        reply = direct.call(SiblingResolve(777_100, encode_request(4, Resolve(_hashes(0, 3), 30_000))))
+        assert len(reply.block_ids) == 3
+        shared.wait_pins(1, 3)
+        assert direct.call(SiblingRelease(777_100)).known is True
     assert_no_pins(shared)

@@ -15,10 +15,12 @@ from remote_g2.wire import (
     PROTOCOL_VERSION,
     decode_frame,
     decode_reply_body,
+    decode_request,
     decode_request_body,
     encode_err,
     encode_ok,
     encode_request,
+    peek_type,
 )
 
 
@@ -109,3 +111,38 @@ def test_random_bytes_never_escape_as_other_errors(data):
         return
     # Random bytes that happen to form a valid ping are fine, but must really be one.
     assert frame.type == "ping"
+
+
+def test_peek_type_reads_the_type_alone_and_never_raises():
+    from remote_g2.messages import Resolve
+
+    assert peek_type(encode_request(3, Resolve([b"h" * 8] * 4, 1000))) == "resolve"
+    assert peek_type(encode_request(4, Ping())) == "ping"
+    # The body is not looked at: a frame whose body is wrong still names its type (decoding refuses it).
+    assert peek_type(pack([{"v": PROTOCOL_VERSION, "id": 1}, "resolve", {"hashes": "nope"}])) == "resolve"
+    for junk in (b"", b"\xc1garbage", pack([1, 2]), pack([{}, 5, {}]), pack({"a": 1}), pack([{}, "x"])[:3]):
+        assert peek_type(junk) is None, junk
+    assert peek_type(encode_request(5, Ping()), max_frame_bytes=4) is None
+
+
+def test_decode_request_applies_every_request_check_and_names_the_id():
+    frame, spec, request = decode_request(encode_request(9, Ping()))
+    assert (frame.id, spec.name, request) == (9, "ping", Ping())
+    with pytest.raises(ProtocolError, match="header.re") as info:
+        decode_request(pack([{"v": PROTOCOL_VERSION, "id": 11, "re": 1}, "ping", {}]))
+    assert info.value.request_id == 11
+    with pytest.raises(UnknownMessage) as unknown:
+        decode_request(pack([{"v": PROTOCOL_VERSION, "id": 12}, "no_such", {}]))
+    assert unknown.value.request_id == 12
+    with pytest.raises(FrameTooLarge):
+        decode_request(encode_request(1, Ping()), max_frame_bytes=4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_peek_type_agrees_with_decoding_on_random_bytes(data):
+    try:
+        frame, spec, _ = decode_request(data)
+    except ProtocolError:
+        return
+    assert peek_type(data) == spec.name == frame.type
