@@ -131,6 +131,10 @@ class SourceConfig:
         if self.registry_endpoint is not None and self.fingerprint is None:
             raise ConfigError("SourceConfig.registry_endpoint needs a fingerprint (LayoutFingerprint) to register")
 
+    def lease_ttl_ms(self, asked_ms: int) -> int:
+        """The TTL a lease gets: the asked one, clamped to ``[min_lease_ttl_ms, max_lease_ttl_ms]``."""
+        return max(self.min_lease_ttl_ms, min(asked_ms, self.max_lease_ttl_ms))
+
     def with_overrides(self, **changes: object) -> SourceConfig:
         """A copy with ``changes`` applied (validated again)."""
         return replace(self, **changes)  # type: ignore[arg-type]

@@ -59,6 +59,7 @@ from remote_g2.ipc_paths import (
 )
 from remote_g2.log import cpu_set_text
 from remote_g2.messages import (
+    MAX_FORWARDED_RESOLVE_BYTES,
     GetMetadata,
     RankBlocks,
     RankInfo,
@@ -70,7 +71,6 @@ from remote_g2.messages import (
     ResolveReply,
     SiblingPin,
     SiblingPinReply,
-    MAX_FORWARDED_RESOLVE_BYTES,
     SiblingRelease,
     SiblingRenew,
     SiblingResolve,
@@ -253,8 +253,8 @@ class SourceService:
             sibling_endpoint = ipc_endpoint(directory, self.worker_id, self.rank)
             claim_ipc_path(sibling_endpoint)
             self._server = RpcServer(sibling_endpoint,
-                                     sibling_handlers(self.leases, min_ttl_ms=cfg.min_lease_ttl_ms,
-                                                      max_ttl_ms=cfg.max_lease_ttl_ms,
+                                     sibling_handlers(self.leases, max_ttl_ms=cfg.max_lease_ttl_ms,
+                                                      lease_ttl_ms=cfg.lease_ttl_ms,
                                                       on_release=self.metrics.leases_released.inc),
                                      name=f"source-{self.worker_id}-tp{self.rank}", workers=1,
                                      on_call=self.metrics.observe_call)
@@ -342,7 +342,7 @@ class SourceService:
     def _resolve_pins(self, req: Resolve, owner: bytes, forwarded: _Forwarded | None) -> ResolveReply:
         assert self.budget is not None and self._links is not None
         links = self._links
-        ttl_ms = self._ttl(req.ttl_ms)
+        ttl_ms = self.config.lease_ttl_ms(req.ttl_ms)
         # The siblings start their clocks later (on receipt): they outlive us.
         deadline = (forwarded.sent if forwarded is not None else time.monotonic()) + ttl_ms / 1000.0
         if forwarded is None:
@@ -441,12 +441,8 @@ class SourceService:
             self._links.begin(lambda r: SiblingRelease(req.lease_id))
         return ReleaseReply(True)
 
-    def _ttl(self, asked_ms: int) -> int:
-        """The TTL a lease gets: the asked one, clamped to ``[min_lease_ttl_ms, max_lease_ttl_ms]``."""
-        return max(self.config.min_lease_ttl_ms, min(asked_ms, self.config.max_lease_ttl_ms))
-
     def _renew(self, req: Renew, ctx: CallContext) -> RenewReply:
-        ttl_ms = self._ttl(req.ttl_ms)
+        ttl_ms = self.config.lease_ttl_ms(req.ttl_ms)
         deadline = time.monotonic() + ttl_ms / 1000.0
         if not self.leases.renew(req.lease_id, deadline, owner=ctx.peer):
             return RenewReply(False, 0)

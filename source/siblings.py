@@ -69,12 +69,14 @@ class SiblingUnavailable(Exception):
     """
 
 
-def sibling_handlers(table: LeaseTable, *, max_ttl_ms: int, min_ttl_ms: int = 1,
+def sibling_handlers(table: LeaseTable, *, max_ttl_ms: int, lease_ttl_ms: Callable[[int], int],
                      on_release: Callable[[], None] | None = None) -> dict[str, Handler]:
     """The handlers a sibling rank serves over its IPC socket (``on_release``: a lease ended by release).
 
-    ``min_ttl_ms`` / ``max_ttl_ms``: the bounds rank 0 clamps a resolve's TTL
-    to (``sibling_resolve`` carries the target's own ``ttl_ms``).
+    ``lease_ttl_ms``: the clamp rank 0 applies to a resolve's TTL
+    (:meth:`~remote_g2.source.config.SourceConfig.lease_ttl_ms`), applied
+    here to the target's own ``ttl_ms`` that ``sibling_resolve`` carries;
+    the other messages carry rank 0's clamped TTL, capped at ``max_ttl_ms``.
     """
 
     def pin(req: SiblingPin, ctx: CallContext) -> SiblingPinReply:
@@ -87,8 +89,8 @@ def sibling_handlers(table: LeaseTable, *, max_ttl_ms: int, min_ttl_ms: int = 1,
         _, spec, resolve = decode_request(req.resolve)
         if not isinstance(resolve, Resolve):
             raise ProtocolError(f"sibling_resolve carries a {spec.name!r} frame, not a resolve")
-        ttl_s = max(min_ttl_ms, min(resolve.ttl_ms, max_ttl_ms)) / 1000.0
-        return SiblingPinReply(table.pin(req.lease_id, resolve.hashes, received + ttl_s))
+        deadline = received + lease_ttl_ms(resolve.ttl_ms) / 1000.0
+        return SiblingPinReply(table.pin(req.lease_id, resolve.hashes, deadline))
 
     def trim(req: SiblingTrim, ctx: CallContext) -> SiblingAck:
         return SiblingAck(table.trim(req.lease_id, req.keep))

@@ -179,18 +179,18 @@ class RankWorker:
     def _source_ranks(self, load: TargetLoad) -> list[RankInfo]:
         """Every source rank's info, by rank, with agent metadata remembered across loads of one epoch."""
         known = self._sources.get(load.source_worker)
-        if known is None or known[0] != load.source_epoch:
+        restarted = known is not None and known[0] != load.source_epoch
+        if known is None or restarted:
             if known is not None:  # the source restarted: its old agents, and plans against its old pools, are gone
                 for info in known[1].values():
                     if info.agent_name in self._loaded:
                         self._transfer.remove_peer(info.agent_name)
                         self._loaded.discard(info.agent_name)
-                self._drop_planners(load.source_worker)
             known = (load.source_epoch, {})
             self._sources[load.source_worker] = known
         ranks = known[1]
-        if load.metadata:
-            self._drop_planners(load.source_worker)  # new rank infos: plan (and check) against them
+        if restarted or load.metadata:  # a restarted source, or new rank infos: plan (and check) against them
+            self._drop_planners(load.source_worker)
         for info in load.metadata:
             if info.agent_metadata is not None or info.rank not in ranks:
                 ranks[info.rank] = info
