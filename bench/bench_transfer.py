@@ -150,6 +150,7 @@ def run_config(kib: int, args: argparse.Namespace, registry: str, tmp: Path) -> 
                     "--registry", registry, "--worker-id", f"bench-tgt-{kib}k-{os.getpid()}", "--block-kib", str(kib),
                     "--hashes", str(n), "--reps", str(args.reps), "--poll-us", str(args.poll_us),
                     "--ipc-dir", ipc, *(["--registry-mirror"] if args.registry_mirror else []),
+                    "--peer-resolve", args.peer_resolve,
                     "--stream-requests", str(args.stream_requests), "--stream-depth", str(args.stream_depth),
                     "--stream-rounds", str(args.stream_rounds), "--stream-poll-us", str(args.stream_poll_us)],
                    tgt_dir / "mpiexec.log")
@@ -446,6 +447,9 @@ def main() -> int:
     p.add_argument("--timeout-s", type=float, default=150.0, help="per block size, for the target worker")
     p.add_argument("--registry-mirror", action="store_true",
                    help="the target looks up in an in-process registry mirror instead of asking the server")
+    p.add_argument("--peer-resolve", choices=("on", "off"), default="on",
+                   help="on (the default): after the first request each target rank resolves its own share with "
+                        "its peer source rank (docs/target.md, \"Peer resolve\"); off: rank 0 resolves every share")
     p.add_argument("--stream-requests", type=int, default=8, help="requests per sustained-rate round (0: skip)")
     p.add_argument("--stream-depth", type=int, default=2, help="requests in flight at most in a sustained round")
     p.add_argument("--stream-rounds", type=int, default=3, help="sustained rounds (each: e2e and raw, alternating)")
@@ -489,6 +493,7 @@ def main() -> int:
             "benchmark": "transfer", "tp": TP, "mib": args.mib, "reps": args.reps,
             "source_layout": args.source_layout, "pool_pages": args.pool_pages, "bind": args.bind,
             "thp_mode": thp_mode(), "poll_us": args.poll_us, "registry_mirror": args.registry_mirror,
+            "peer_resolve": args.peer_resolve,
             "stream_requests": args.stream_requests, "stream_depth": args.stream_depth,
             "stream_rounds": args.stream_rounds, "stream_poll_us": args.stream_poll_us, "nixl": _nixl_version(),
             "cpus": os.cpu_count(), "machine": platform.machine(), "loadavg": os.getloadavg(),

@@ -497,6 +497,8 @@ class RankInfo:
     pool_base: _Addr
     pool_bytes: _Addr
     layout: BlockLayout
+    #: Where this rank answers ``peer_resolve`` itself (ranks > 0; None: it does not, ask rank 0).
+    peer_endpoint: _Endpoint | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -567,6 +569,40 @@ class Release:
     """Unpin a lease on every rank; idempotent."""
 
     lease_id: Annotated[int, Limits(ge=1)]
+
+
+@dataclass(frozen=True, slots=True)
+class PeerResolveReply:
+    """This rank's share of a lease: ``block_ids[i]`` holds ``hashes[i]``, for the first ``matched`` hashes.
+
+    ``epoch`` is the worker's (the same on every rank); ``matched`` is 0 and
+    ``block_ids`` empty when nothing was pinned (``reason`` says why).
+    """
+
+    reason: ResolveReason
+    matched: _Count
+    epoch: _Epoch
+    expires_in_ms: _Count
+    block_ids: _Ids = field(default_factory=list)
+
+
+@message("peer_resolve", reply=PeerResolveReply)
+@dataclass(frozen=True, slots=True)
+class PeerResolve:
+    """Pin, on the rank asked only, the longest prefix of ``hashes`` it holds, under the caller's ``lease_id``.
+
+    Each target rank asks its peer source rank for its own share (rank 0 at
+    the worker's endpoint, rank r at ``RankInfo.peer_endpoint``), all under
+    one lease id the target chose, so the shares resolve in parallel with no
+    hop through rank 0. ``release`` and ``renew`` at rank 0 reach every
+    rank's share (rank 0 tells its siblings); a rank's own endpoint also
+    answers ``release`` for the share it pinned.
+    """
+
+    lease_id: Annotated[int, Limits(ge=1)]
+    hashes: Annotated[list[BlockHash], Limits(min_len=1, max_len=65_536)]
+    ttl_ms: _Ttl
+    requester: _WorkerId | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -677,6 +713,15 @@ class LinkHello:
     rank: _Rank
 
 
+@dataclass(frozen=True, slots=True)
+class PeerShare:
+    """What a target rank asks its peer source rank for (``peer_resolve``)."""
+
+    lease_id: Annotated[int, Limits(ge=1)]
+    hashes: Annotated[list[BlockHash], Limits(min_len=1, max_len=65_536)]
+    ttl_ms: _Ttl
+
+
 @message("target_load", reply=None)
 @dataclass(frozen=True, slots=True)
 class TargetLoad:
@@ -701,6 +746,9 @@ class TargetLoad:
     dst_block_ids: _Ids
     timeout_ms: _Ttl
     deadline_ns: _Count = 0
+    #: Set when this rank resolves its own share (``peer_resolve`` to its peer source rank; ``ranks`` is
+    #: then empty): the lease id and hashes to ask for. It loads the prefix its peer pinned.
+    peer: PeerShare | None = None
 
 
 @message("target_done", reply=None)
@@ -714,3 +762,5 @@ class TargetDone:
     error: _Text = ""
     nbytes: _Count = 0
     descriptors: _Count = 0
+    blocks: _Count = 0  # leading destination blocks loaded (a peer-resolved share may be shorter than asked)
+    peer_failed: bool = False  # the share's peer_resolve went unanswered or answered ERR (not a miss)

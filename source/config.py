@@ -17,6 +17,7 @@ variable                                field                                   
 ``REMOTE_G2_SOURCE_PIN_BUDGET``         ``pin_budget_blocks`` (0: half the pool)     0
 ``REMOTE_G2_SOURCE_SIBLING_TIMEOUT_MS`` ``sibling_timeout_ms``                       1000
 ``REMOTE_G2_SOURCE_RPC_WORKERS``        ``rpc_workers``                              4
+``REMOTE_G2_SOURCE_PEER_RESOLVE``       ``peer_resolve`` (ranks > 0 answer their own)  on
 ``REMOTE_G2_SOURCE_METRICS_PORT``       ``metrics_port`` (rank r serves port + r)    off
 ``REMOTE_G2_SOURCE_FINGERPRINT``        ``fingerprint`` (JSON of LayoutFingerprint)  unset
 ``REMOTE_G2_SOURCE_CURVE_SECRET_KEY``   ``curve`` (server key file)                  unset
@@ -71,6 +72,11 @@ class SourceConfig:
     * ``rpc_workers`` — handler threads of rank 0's server. A sibling's server
       is always direct (one thread, no proxy hop): its handlers only touch the
       local pool and never wait on anything remote.
+    * ``peer_resolve`` — ranks > 0 also serve ``peer_resolve`` (and
+      ``release`` of those shares) on a TCP port of their own on ``bind``'s
+      host, so that each rank of a target with the same TP size resolves its
+      share with its peer rank directly (``source/peer.py``); advertised in
+      the metadata. False: only rank 0 is reachable, targets use ``resolve``.
     * ``metrics_port`` — serve Prometheus ``/metrics`` on ``metrics_addr``,
       port ``metrics_port + tp_rank``; None: not served over HTTP.
     * ``progress_interval_ms`` / ``idle_progress_interval_ms`` — how often each
@@ -97,6 +103,7 @@ class SourceConfig:
     sibling_timeout_ms: int = 1_000
     sibling_retry_after_ms: int = 1_000
     rpc_workers: int = 4
+    peer_resolve: bool = True
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
     progress_interval_ms: float = 5.0
@@ -164,6 +171,8 @@ class SourceConfig:
             value = _env_int(var, e)
             if value is not None:
                 kw[name] = value
+        if e.get("REMOTE_G2_SOURCE_PEER_RESOLVE", "").strip():
+            kw["peer_resolve"] = env_flag("REMOTE_G2_SOURCE_PEER_RESOLVE", e)
         budget = _env_int("REMOTE_G2_SOURCE_PIN_BUDGET", e)
         if budget is not None:
             kw["pin_budget_blocks"] = budget

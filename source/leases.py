@@ -12,10 +12,11 @@ left the table nobody else can reach those pins, and the pool's own calls
 are atomic. Tails are unpinned tail first, so the head of a prefix becomes
 the most recently used block and is evicted last.
 
-Rank 0 also charges a :class:`PinBudget`: a resolve reserves up to one
-block per asked hash before pinning (atomically, so concurrent resolves
-never overshoot), gives back what it did not pin, and the table gives back
-the rest as leases shrink or end.
+Every rank also charges its own :class:`PinBudget`: a pin reserves up to
+one block per asked hash first (atomically, so concurrent resolves never
+overshoot), gives back what it did not pin, and the table gives back the
+rest as leases shrink or end. A rank out of budget pins less (or nothing),
+which shortens the prefix the lease covers.
 
 Released lease ids are remembered for a while (tombstones) so that a
 ``sibling_pin`` arriving after rank 0 gave up on it and released the lease
@@ -167,6 +168,28 @@ class LeaseTable:
             self._unpin(ids, lease_id, credit=False)  # never recorded, so never charged
             raise SourceError(f"lease {lease_id} was released or is already open on this rank")
         self._changed()
+        return ids
+
+    def pin_within_budget(self, lease_id: int, hashes: Sequence[bytes], deadline: float,
+                          owner: bytes = b"") -> list[int] | None:
+        """:meth:`pin` at most as many hashes as the table's budget has room for; None: no room at all.
+
+        Reserves first (atomically, so concurrent callers never overshoot),
+        pins, and gives back what was not pinned. Without a budget it is
+        :meth:`pin`.
+        """
+        budget = self._budget
+        if budget is None:
+            return self.pin(lease_id, hashes, deadline, owner)
+        granted = budget.reserve(len(hashes))
+        if granted == 0:
+            return None
+        try:
+            ids = self.pin(lease_id, hashes[:granted], deadline, owner)
+        except BaseException:
+            budget.give_back(granted)
+            raise
+        budget.give_back(granted - len(ids))
         return ids
 
     def trim(self, lease_id: int, keep: int) -> bool:

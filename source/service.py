@@ -83,6 +83,7 @@ from remote_g2.stall_watchdog import maybe_start_stall_watchdog
 from .config import ENABLE_ENV, SourceConfig
 from .leases import LeaseTable, PinBudget
 from .metrics import SourceMetrics
+from .peer import peer_handlers
 from .rank_agent import RankAgent, agent_name_for
 from .siblings import PendingCalls, SiblingLinks, sibling_handlers
 from .tp_group import RankRecord, TpGroup, exchange, resolve_tp_group
@@ -189,15 +190,16 @@ class SourceService:
         self.metrics = SourceMetrics(self.rank)
         layout = pool.layout
         budget_blocks = config.pin_budget_blocks or max(1, layout.num_blocks // 2)
-        self.budget: PinBudget | None = None
-        if self.rank == 0:
-            self.budget = PinBudget(budget_blocks, on_change=self.metrics.budget_available.set)
-            self.metrics.budget_available.set(budget_blocks)
+        # Every rank bounds its own pins (a sibling's too: target ranks may resolve their share with it).
+        self.budget = PinBudget(budget_blocks, on_change=self.metrics.budget_available.set)
+        self.metrics.budget_available.set(budget_blocks)
         self.leases = LeaseTable(pool, budget=self.budget, tombstone_ttl_s=config.max_lease_ttl_ms / 1000 * 2,
                                  on_change=self.metrics.lease_table_changed)
         self.records: list[RankRecord] = []
         self._agent: RankAgent | None = None
         self._server: RpcServer | None = None
+        self._peer_server: RpcServer | None = None  # rank > 0: peer_resolve / release on TCP
+        self.peer_endpoint: str | None = None
         self._links: SiblingLinks | None = None
         self._publisher: Any = None
         self._registry_client: Any = None
@@ -222,6 +224,7 @@ class SourceService:
             log.exception("source rank %d failed to start", self.rank)
             error = f"{type(e).__name__}: {e}"
         self.records = exchange(self.group, record, error)
+        self.epoch = self.records[0].epoch  # rank 0's: one epoch for the whole worker
         self._reaper = threading.Thread(target=self._reap_loop, name=f"source-reaper-tp{self.rank}", daemon=True)
         self._reaper.start()
         if self.rank == 0:
@@ -259,14 +262,33 @@ class SourceService:
                                      name=f"source-{self.worker_id}-tp{self.rank}", workers=1,
                                      on_call=self.metrics.observe_call)
             self.endpoint = self._server.start()
+            if cfg.peer_resolve:
+                self._start_peer_server()
+        epoch = time.time_ns() if self.rank == 0 else 0
         return RankRecord(self.rank, self._agent.name, self._agent.metadata, regions[0].base, regions[0].nbytes,
-                          layout, sibling_endpoint)
+                          layout, sibling_endpoint, epoch, self.peer_endpoint)
+
+    def _start_peer_server(self) -> None:
+        """Rank > 0: serve ``peer_resolve`` / ``release`` of this rank's own shares on TCP (source/peer.py).
+
+        Bound on rank 0's host (``bind``) at a port of its own; advertised on
+        ``advertise``'s host when one is set. Same CURVE keys as rank 0.
+        """
+        cfg = self.config
+        host = cfg.bind[len("tcp://"):].rsplit(":", 1)[0]
+        handlers = peer_handlers(self.leases, epoch=lambda: self.epoch, lease_ttl_ms=cfg.lease_ttl_ms,
+                                 on_release=self.metrics.leases_released.inc)
+        self._peer_server = RpcServer(f"tcp://{host}:0", handlers, name=f"source-{self.worker_id}-tp{self.rank}-peer",
+                                      workers=1, curve=cfg.curve, on_call=self.metrics.observe_call)
+        bound = self._peer_server.start()
+        if cfg.advertise:
+            bound = cfg.advertise.rsplit(":", 1)[0] + ":" + bound.rsplit(":", 1)[1]
+        self.peer_endpoint = bound
 
     def _start_rank0(self) -> None:
         cfg = self.config
-        self.epoch = time.time_ns()
-        self._rank_infos = [RankInfo(r.rank, r.agent_name, r.agent_metadata, r.pool_base, r.pool_bytes, r.layout)
-                            for r in self.records]
+        self._rank_infos = [RankInfo(r.rank, r.agent_name, r.agent_metadata, r.pool_base, r.pool_bytes, r.layout,
+                                     r.peer_endpoint) for r in self.records]
         siblings = {r.rank: r.sibling_endpoint for r in self.records[1:] if r.sibling_endpoint}
         self._links = SiblingLinks(siblings, timeout_ms=cfg.sibling_timeout_ms,
                                    retry_after_s=cfg.sibling_retry_after_ms / 1000,
@@ -276,6 +298,8 @@ class SourceService:
             "release": self._release,
             "renew": self._renew,
             "get_metadata": self._get_metadata,
+            "peer_resolve": peer_handlers(self.leases, epoch=lambda: self.epoch, lease_ttl_ms=cfg.lease_ttl_ms,
+                                          observe=self.metrics.resolve_outcome)["peer_resolve"],
         }, name=f"source-{self.worker_id}", workers=cfg.rpc_workers, curve=cfg.curve,
             on_call=self.metrics.observe_call, on_arrival={"resolve": self._forward_resolve})
         self.endpoint = self._server.start()
@@ -505,7 +529,8 @@ class SourceService:
             "epoch": self.epoch,
             "leases_open": self.leases.open_leases,
             "blocks_pinned": self.leases.pinned_blocks,
-            "budget_available": None if self.budget is None else self.budget.available,
+            "budget_available": self.budget.available,
+            "peer_endpoint": self.peer_endpoint,
             "leases_expired": int(self.metrics.value("remote_g2_source_leases_expired_total")),
             "leases_released": int(self.metrics.value("remote_g2_source_leases_released_total")),
             "uptime_s": time.monotonic() - self._started_at,
@@ -541,6 +566,8 @@ class SourceService:
             self._server.close()
             if self.rank > 0 and self.endpoint and self.endpoint.startswith("ipc://"):
                 release_ipc_path(self.endpoint)
+        if self._peer_server is not None:
+            self._peer_server.close()
         if self._links is not None:
             self._links.close()
         self._stop.set()

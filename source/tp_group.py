@@ -37,6 +37,8 @@ class RankRecord:
     pool_bytes: int
     layout: BlockLayout
     sibling_endpoint: str | None  # the rank's IPC endpoint (None for rank 0)
+    epoch: int = 0  # rank 0's: the worker's epoch (the others send 0 and adopt it)
+    peer_endpoint: str | None = None  # where a rank > 0 answers peer_resolve (None: it does not)
 
     def to_wire(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -65,6 +65,7 @@ import itertools
 import logging
 import os
 import queue
+import secrets
 import select
 import threading
 import time
@@ -85,6 +86,9 @@ from remote_g2.messages import (
     GetMetadata,
     Lookup,
     LookupReply,
+    PeerResolve,
+    PeerShare,
+    RankBlocks,
     RankInfo,
     Release,
     Renew,
@@ -99,6 +103,7 @@ from remote_g2.tp_group import TpGroup, resolve_tp_group
 
 from .config import TargetConfig
 from .metrics import TargetMetrics
+from .peer_share import PeerShares
 from .rank_worker import POLL_S, RankWorker
 from .tp_mapping import check_fingerprints
 
@@ -177,6 +182,8 @@ class _Load:
     renewing: bool = False
     started: float = field(default_factory=time.monotonic)
     dispatched: float = 0.0         # when every rank was handed its share (for the "reads" phase)
+    peer: bool = False              # every rank resolves its own share (peer_resolve) under lease_id
+    loaded: dict[int, int] = field(default_factory=dict)  # rank -> leading blocks it loaded (peer loads)
 
 
 def _drain(fd: int) -> None:
@@ -214,6 +221,7 @@ class TargetClient:
         self._closed = False
         self._loop: threading.Thread | None = None  # rank > 0: takes target_load off its link, drives the worker
         self._link: MessageLink | None = None       # rank > 0: to the leader
+        self._peer_shares: PeerShares | None = None  # rank > 0: shares it resolves with its peer source rank
         # leader: to every other rank; a rank whose link dropped is gone for good (its loads fail at once)
         self._listener: LinkListener | None = None
         self._links: dict[int, MessageLink] = {}
@@ -223,6 +231,7 @@ class TargetClient:
         self._mirror: Any = None              # RegistryMirror answering them from memory, when configured
         self._mux: RpcMux | None = None       # owned by the coordinator thread
         self._source_infos: dict[str, tuple[int, dict[int, RankInfo], set[str]]] = {}  # wid -> epoch, infos, sent
+        self._peer_off: set[tuple[str, int]] = set()  # (source, epoch) whose peer resolve failed: rank 0 resolves
         self._lookups: OrderedDict[tuple[bytes, ...], TargetMatch] = OrderedDict()
         self._events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = -1, -1
@@ -235,7 +244,8 @@ class TargetClient:
         self._failed: set[str] = set()
         self._invalid: set[int] = set()
         self._stop = threading.Event()
-        self.stats = {"loads": 0, "done": 0, "failed": 0, "bytes": 0, "descriptors": 0, "mirror_lookups": 0}
+        self.stats = {"loads": 0, "done": 0, "failed": 0, "bytes": 0, "descriptors": 0, "mirror_lookups": 0,
+                      "peer_loads": 0}
         self.metrics = TargetMetrics()
 
     # -- start-up ------------------------------------------------------------------------
@@ -465,27 +475,42 @@ class TargetClient:
     # -- rank > 0 ----------------------------------------------------------------------------
 
     def _serve_rank(self) -> None:
-        """Rank > 0's loop: take ``target_load`` off the link, start it, poll the READs, report."""
+        """Rank > 0's loop: take ``target_load`` off the link, start it, poll the READs, report.
+
+        An event loop (:class:`~remote_g2.rpc_mux.RpcMux`) watching the link,
+        so that a share resolved with this rank's peer source rank
+        (:class:`~.peer_share.PeerShares`) waits for its answer without
+        holding up anything else.
+        """
         link, worker = self._link, self._worker
         assert link is not None and worker is not None
-        poller = select.poll()
-        poller.register(link.fileno(), select.POLLIN)
+        mux = RpcMux(timeout_ms=float(self.config.rpc_timeout_ms), curve=self.config.source_curve)
+        peers = PeerShares(rank=self.rank, worker_id=self.worker_id, worker=worker, mux=mux,
+                           report=self._report_to_leader)
+        self._peer_shares = peers
+        gone: list[bool] = []
+
+        def on_link() -> None:
+            try:
+                loads = link.receive()
+            except (LinkClosed, ProtocolError) as e:  # the leader is gone: nobody to report to
+                if not self._stop.is_set():
+                    log.warning("target rank %d: link to the leader lost (%s); stopping", self.rank, e)
+                gone.append(True)
+                return
+            now = time.monotonic()
+            for load in loads:
+                if not isinstance(load, TargetLoad):
+                    log.warning("target rank %d: ignoring %s from the leader", self.rank, type(load).__name__)
+                elif load.peer is not None:
+                    peers.start(load, now)
+                else:
+                    worker.start(load, now)
+
+        mux.watch(link.fileno(), on_link)
         try:
-            while not self._stop.is_set():
-                if poller.poll(0 if worker.busy else 100):
-                    try:
-                        loads = link.receive()
-                    except (LinkClosed, ProtocolError) as e:  # the leader is gone: nobody to report to
-                        if not self._stop.is_set():
-                            log.warning("target rank %d: link to the leader lost (%s); stopping", self.rank, e)
-                        return
-                    now = time.monotonic()
-                    for load in loads:
-                        if isinstance(load, TargetLoad):
-                            worker.start(load, now)
-                        else:
-                            log.warning("target rank %d: ignoring %s from the leader", self.rank,
-                                        type(load).__name__)
+            while not self._stop.is_set() and not gone:
+                mux.run_once(0 if worker.busy else 100)
                 if worker.busy:
                     worker.poll()
                 worker.release_retired()  # after the reports went out
@@ -496,6 +521,10 @@ class TargetClient:
         finally:
             worker.close()  # fails (and reports) whatever is still in flight
             link.close()
+            deadline = time.monotonic() + 0.5
+            while mux.pending() and time.monotonic() < deadline:  # let the shares' releases go out
+                mux.run_once(20)
+            mux.close()
 
     def _serve_share(self) -> None:
         """The leader's own share: take ``target_load`` off the queue, start it, poll the READs; report by event."""
@@ -532,6 +561,8 @@ class TargetClient:
             self._link.send(done)
         except (LinkClosed, ProtocolError) as e:
             log.warning("target rank %d: could not report load %d: %s", self.rank, done.load_id, e)
+        if self._peer_shares is not None:
+            self._peer_shares.reported(done)  # after the report: the release is off the load's path
 
     # -- the leader's coordinator: an event loop; every method below runs on its thread --------------
 
@@ -652,6 +683,9 @@ class TargetClient:
             return
         load.match = match
         n = min(match.matched, len(load.hashes))
+        if self._peer_ready(match.worker_id):
+            self._peer_resolve(load, match, n)
+            return
         entry = self._source_infos.get(match.worker_id)
         known = sorted(entry[2]) if entry else []
         sent = time.monotonic()
@@ -707,23 +741,79 @@ class TargetClient:
         missing = not infos or any(i.agent_metadata is None and i.agent_name not in sent for i in infos.values())
         return infos, missing
 
-    def _dispatch(self, load: _Load, reply: ResolveReply, infos: dict[int, RankInfo]) -> None:
-        """Hand every rank its share: the other ranks first (no waiting for acks), then this rank's worker."""
-        assert load.match is not None and load.match.worker_id is not None and self._mux is not None
-        sent = self._source_infos[load.match.worker_id][2]
-        first_time = {info.agent_name for info in infos.values() if info.agent_name not in sent}
-        sent.update(first_time)
+    def _peer_ready(self, worker: str) -> bool:
+        """Whether every rank can resolve its own share of a load from ``worker`` (docs/target.md, "Peer resolve").
+
+        Needs the same TP size, a dense model, a peer endpoint on every source
+        rank > 0, and the source's current metadata on every target rank
+        (sent with an earlier load); not after a peer call to that source
+        epoch failed.
+        """
+        entry = self._source_infos.get(worker)
+        if not self.config.peer_resolve or entry is None or (worker, entry[0]) in self._peer_off:
+            return False
+        _, infos, sent = entry
+        if len(infos) != self.tp_size or (self.config.fingerprint is not None and self.config.fingerprint.is_mla):
+            return False
+        return all(r in infos and (r == 0 or infos[r].peer_endpoint) and infos[r].agent_name in sent
+                   for r in range(self.tp_size))
+
+    def _peer_resolve(self, load: _Load, match: TargetMatch, n: int) -> None:
+        """Hand every other rank its peer share first, then ask source rank 0 for the leader's own."""
+        assert match.worker_id is not None and match.endpoint is not None and self._mux is not None
+        wid = match.worker_id
+        epoch, infos, _ = self._source_infos[wid]
+        load.peer = True
+        self.stats["peer_loads"] += 1
+        load.lease_id = secrets.randbits(62) + 1  # random: another reader's ids are not guessable
+        load.invalid_tail, load.dst = load.dst[n:], load.dst[:n]
+        hashes = load.hashes[:n]
+        msg = self._hand_out(load, TargetLoad(load.load_id, wid, epoch, len(infos), False, 0, [], [], load.dst,
+                                              self.config.transfer_timeout_ms, 0,
+                                              PeerShare(load.lease_id, hashes, self.config.lease_ttl_ms)))
+        sent = time.monotonic()
+        self.metrics.phase("to_resolve", sent - load.started)
+        self._mux.call(match.endpoint, PeerResolve(load.lease_id, hashes, self.config.lease_ttl_ms, self.worker_id),
+                       lambda reply: self._peer_resolved(load, reply, sent, msg))
+
+    def _peer_resolved(self, load: _Load, reply: Any, sent: float, msg: TargetLoad) -> None:
+        """Rank 0's share is resolved (or not): start it, or count rank 0 as failed (the others still report)."""
+        assert load.match is not None and load.match.worker_id is not None
+        wid = load.match.worker_id
+        self.metrics.phase("resolve", time.monotonic() - sent)
+        if load.load_id not in self._loads:
+            return  # given up meanwhile (shut down); _fail released the lease
+        where = f"peer_resolve on {wid} rank 0"
+        if isinstance(reply, Exception):
+            self._peer_failed(wid, msg.source_epoch, f"{where}: {type(reply).__name__}: {reply}")
+            self._rank_done(TargetDone(load.load_id, 0, False, f"{where}: {type(reply).__name__}: {reply}"[:4000]))
+            return
+        if reply.epoch != msg.source_epoch:  # restarted: the next load resolves classically (new metadata)
+            self._source_infos.pop(wid, None)
+            self._rank_done(TargetDone(load.load_id, 0, False, f"{where}: the source restarted"))
+            return
+        if reply.reason != "ok" or reply.matched == 0:
+            self._rank_done(TargetDone(load.load_id, 0, False, f"{where}: {reply.reason}"))
+            return
+        load.lease_expires = sent + reply.expires_in_ms / 1000.0
+        load.renew_at = sent + reply.expires_in_ms / 2000.0
+        self._shares.put(replace(msg, ranks=[RankBlocks(0, reply.block_ids)],
+                                 dst_block_ids=load.dst[:reply.matched], peer=None))
+
+    def _peer_failed(self, worker: str, epoch: int, why: str) -> None:
+        if (worker, epoch) not in self._peer_off:
+            self._peer_off.add((worker, epoch))
+            log.warning("target: peer resolve with %s failed (%s); its loads go through rank 0's resolve from now "
+                        "on (until it restarts)", worker, why)
+
+    def _hand_out(self, load: _Load, msg: TargetLoad) -> TargetLoad:
+        """Start the ranks' clocks and send every rank > 0 its ``target_load``; the message, with the deadline."""
         now = time.monotonic_ns()
         load.dispatched = now / 1e9
         load.deadline = (now + self.config.transfer_timeout_ms * 1_000_000) / 1e9
         load.report_by = load.deadline + self.config.rpc_timeout_ms / 1000.0
         load.waiting = set(range(self.tp_size))
-        mla_offset = zlib.crc32(self.worker_id.encode()) % max(1, len(infos))
-        is_mla = bool(self.config.fingerprint and self.config.fingerprint.is_mla)
-        # Ranks keep what they were sent per (source worker, epoch): only agents new to them travel.
-        msg = TargetLoad(load.load_id, load.match.worker_id, reply.epoch, len(infos), is_mla, mla_offset,
-                         reply.ranks, [info for _, info in sorted(infos.items()) if info.agent_name in first_time],
-                         load.dst, self.config.transfer_timeout_ms, now + self.config.transfer_timeout_ms * 1_000_000)
+        msg = replace(msg, deadline_ns=now + self.config.transfer_timeout_ms * 1_000_000)
         for r in range(1, self.tp_size):
             try:
                 self._links[r].send(msg)
@@ -731,6 +821,21 @@ class TargetClient:
                 self._rank_gone(r, e)
             except ProtocolError as e:  # this message cannot be sent (too large); the link is fine
                 self._rank_done(TargetDone(load.load_id, r, False, f"target_load to rank {r}: {e}"[:4000]))
+        return msg
+
+    def _dispatch(self, load: _Load, reply: ResolveReply, infos: dict[int, RankInfo]) -> None:
+        """Hand every rank its share: the other ranks first (no waiting for acks), then this rank's worker."""
+        assert load.match is not None and load.match.worker_id is not None and self._mux is not None
+        sent = self._source_infos[load.match.worker_id][2]
+        first_time = {info.agent_name for info in infos.values() if info.agent_name not in sent}
+        sent.update(first_time)
+        mla_offset = zlib.crc32(self.worker_id.encode()) % max(1, len(infos))
+        is_mla = bool(self.config.fingerprint and self.config.fingerprint.is_mla)
+        # Ranks keep what they were sent per (source worker, epoch): only agents new to them travel.
+        msg = self._hand_out(load, TargetLoad(
+            load.load_id, load.match.worker_id, reply.epoch, len(infos), is_mla, mla_offset, reply.ranks,
+            [info for _, info in sorted(infos.items()) if info.agent_name in first_time], load.dst,
+            self.config.transfer_timeout_ms))
         self._shares.put(msg)  # the others' shares are on the wire already
 
     def _rank_done(self, done: TargetDone) -> None:
@@ -741,8 +846,12 @@ class TargetClient:
         if done.ok:
             self.stats["bytes"] += done.nbytes
             self.stats["descriptors"] += done.descriptors
+            load.loaded[done.rank] = done.blocks
         else:
             load.errors.append(f"rank {done.rank}: {done.error}")
+            if done.peer_failed and load.match is not None and load.match.worker_id is not None:
+                self._peer_failed(load.match.worker_id, self._source_infos.get(load.match.worker_id, (0,))[0],
+                                  f"rank {done.rank}: {done.error}")
         if not load.waiting:
             self._complete(load)
 
@@ -750,6 +859,10 @@ class TargetClient:
         """Every rank answered (or was given up on): report, and hand the lease back."""
         if load.dispatched:
             self.metrics.phase("reads", time.monotonic() - load.dispatched)
+        if load.peer and not load.errors:
+            # Each rank loaded the prefix its own peer pinned: the request has the shortest of them.
+            m = min(load.loaded.get(r, 0) for r in range(self.tp_size))
+            load.invalid_tail, load.dst = load.dst[m:] + load.invalid_tail, load.dst[:m]
         if load.errors:
             self._fail(load, "; ".join(load.errors))
         elif time.monotonic() < load.lease_expires:

@@ -13,6 +13,7 @@ variable                                field                                   
 ``REMOTE_G2_TARGET_TIMEOUT_MS``         ``transfer_timeout_ms`` (whole load)        10000
 ``REMOTE_G2_TARGET_FINGERPRINT``        ``fingerprint`` (JSON of LayoutFingerprint) unset
 ``REMOTE_G2_TARGET_METRICS_PORT``       ``metrics_port`` (leader's /metrics)        off
+``REMOTE_G2_TARGET_PEER_RESOLVE``       ``peer_resolve`` (each rank its own share)  on
 ``REMOTE_G2_CURVE_SERVER_KEY``          ``registry_curve`` (registry's public key)  unset (plain TCP)
 ``REMOTE_G2_SOURCE_CURVE_SERVER_KEY``   ``source_curve`` (sources' public key)      unset (plain TCP)
 ``REMOTE_G2_CURVE_CLIENT_KEY``          this client's key pair (for allow-lists)    generated per process
@@ -53,6 +54,11 @@ class TargetConfig:
       outlives half of it.
     * ``transfer_timeout_ms`` — a load not finished on every rank by then fails
       (its blocks are invalid; the engine recomputes them).
+    * ``peer_resolve`` — from a source of the same TP size (dense, not
+      MLA) whose ranks serve ``peer_resolve`` and whose metadata every rank
+      already holds, each rank resolves its own share with its peer source
+      rank, in parallel, under one lease id the leader picks (docs/target.md,
+      "Peer resolve"); False: the leader always resolves every share.
     * ``metrics_port`` — the leader serves Prometheus ``/metrics`` there
       (``remote_g2_target_*``: lookups by answer, loads by outcome, blocks
       loaded and invalid, load latency); 0 picks a free port.
@@ -73,6 +79,7 @@ class TargetConfig:
     source_curve: CurveClientConfig | None = None
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
+    peer_resolve: bool = True
 
     def __post_init__(self) -> None:
         for name in ("lease_ttl_ms", "rpc_timeout_ms", "transfer_timeout_ms"):
@@ -88,6 +95,8 @@ class TargetConfig:
         env = os.environ if environ is None else environ
         values: dict[str, object] = {"enabled": env_flag(ENABLE_ENV, env),
                                      "registry_mirror": env_flag("REMOTE_G2_TARGET_REGISTRY_MIRROR", env)}
+        if env.get("REMOTE_G2_TARGET_PEER_RESOLVE", "").strip():
+            values["peer_resolve"] = env_flag("REMOTE_G2_TARGET_PEER_RESOLVE", env)
         for var, name in (("REMOTE_G2_REGISTRY", "registry_endpoint"), ("REMOTE_G2_TARGET_TRANSFER", "transfer"),
                           ("REMOTE_G2_TARGET_IPC_DIR", "ipc_dir")):
             if env.get(var):

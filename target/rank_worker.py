@@ -102,6 +102,13 @@ class RankWorker:
         for h in handles:
             self._transfer.release(h)
 
+    def source_info(self, worker: str, epoch: int, rank: int) -> RankInfo | None:
+        """What this rank holds of source ``worker``'s rank ``rank`` for ``epoch`` (None: nothing for that epoch)."""
+        known = self._sources.get(worker)
+        if known is None or known[0] != epoch:
+            return None
+        return known[1].get(rank)
+
     def start(self, load: TargetLoad, received: float) -> None:
         """Plan and post this rank's READs of ``load`` (``received``: when it reached this rank, monotonic)."""
         if self._closed:
@@ -219,6 +226,6 @@ class RankWorker:
     def _report_now(self, load: TargetLoad, nbytes: int, descriptors: int, error: str | None) -> None:
         try:
             self._report(TargetDone(load.load_id, self.rank, error is None, (error or "")[:4000], nbytes,
-                                    descriptors))
+                                    descriptors, len(load.dst_block_ids) if error is None else 0))
         except Exception as e:  # the leader times the load out on its own
             log.warning("target rank %d: could not report load %d: %s", self.rank, load.load_id, e)

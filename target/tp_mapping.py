@@ -368,7 +368,8 @@ def _check_layout(side: str, layout: BlockLayout) -> str | None:
 # --------------------------------------------------------------------------
 
 
-def _by_rank(kind: str, items: Iterable, tp: int) -> list:
+def _by_rank(kind: str, items: Iterable, tp: int, optional: Iterable[int] = ()) -> list:
+    """``items`` by their ``.rank`` (each rank once); a rank in ``optional`` may be missing (None then)."""
     out: list = [None] * tp
     for item in items:
         r = item.rank
@@ -377,7 +378,7 @@ def _by_rank(kind: str, items: Iterable, tp: int) -> list:
         if out[r] is not None:
             raise ValueError(f"{kind}: rank {r} listed twice")
         out[r] = item
-    missing = [r for r, item in enumerate(out) if item is None]
+    missing = [r for r, item in enumerate(out) if item is None and r not in optional]
     if missing:
         raise ValueError(f"{kind}: no entry for source rank(s) {missing}")
     return out
@@ -491,11 +492,17 @@ class ReadPlanner:
         self._unread_ranks = tuple(sorted(set(range(source_tp)) - {g.source_rank for g in self._slices}))
 
     def plan(self, source_blocks: Sequence[RankBlocks], dst_block_ids: Sequence[int]) -> ReadPlan:
-        """This rank's reads of one request (``source_blocks``, ``dst_block_ids`` as for :func:`plan_reads`)."""
-        blocks: list[RankBlocks] = _by_rank("source blocks", source_blocks, self.source_tp)
+        """This rank's reads of one request (``source_blocks``, ``dst_block_ids`` as for :func:`plan_reads`).
+
+        ``source_blocks`` may leave out the source ranks this rank does not
+        read from (a share resolved with its peer rank alone); those given are
+        checked all the same.
+        """
+        blocks: list[RankBlocks | None] = _by_rank("source blocks", source_blocks, self.source_tp,
+                                                   optional=self._unread_ranks)
         count = len(dst_block_ids)
         for b in blocks:
-            if len(b.block_ids) != count:
+            if b is not None and len(b.block_ids) != count:
                 raise ValueError(f"source rank {b.rank}: {len(b.block_ids)} block ids for {count} destination blocks")
         if count and self._whole_blocks and COMPILED_WHOLE_BLOCK_PLANS:
             compiled = self._plan_compiled(blocks, dst_block_ids, count)
@@ -503,7 +510,8 @@ class ReadPlanner:
                 return compiled
         tgt = self.target_layout
         dst = _ids("destination", dst_block_ids, tgt.num_blocks)
-        src_ids = [_ids(f"source rank {r}", blocks[r].block_ids, self._num_blocks[r]) for r in range(self.source_tp)]
+        src_ids = [None if b is None else _ids(f"source rank {r}", b.block_ids, self._num_blocks[r])
+                   for r, b in enumerate(blocks)]
         reads = []
         if count:
             u = np.uint64
@@ -519,7 +527,7 @@ class ReadPlanner:
         reads.sort(key=lambda r: r.source_rank)
         return ReadPlan(target_rank=self.target_rank, mode=self.mode, num_blocks=count, reads=tuple(reads))
 
-    def _plan_compiled(self, blocks: list[RankBlocks], dst_block_ids: Sequence[int], count: int) -> ReadPlan | None:
+    def _plan_compiled(self, blocks: list[RankBlocks | None], dst_block_ids: Sequence[int], count: int) -> ReadPlan | None:
         """:meth:`plan` for whole-block extents in one compiled call per slice; None: let the array path answer.
 
         Why: a rank plans right after a message woke it, and on this kind of
@@ -533,8 +541,9 @@ class ReadPlanner:
         raises the reason (or, for numpy integer ids, plans them).
         """
         tgt = self.target_layout
-        for r in self._unread_ranks:  # every rank's ids, read or not, as the array path checks them
-            if not _read_plan.ids_ok(blocks[r].block_ids, self._num_blocks[r]):
+        for r in self._unread_ranks:  # every rank's ids given, read or not, as the array path checks them
+            b = blocks[r]
+            if b is not None and not _read_plan.ids_ok(b.block_ids, self._num_blocks[r]):
                 return None
         reads = []
         for g in self._slices:

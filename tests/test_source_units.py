@@ -22,7 +22,7 @@ from source_procs.pattern import block_bytes_for, hash_of, make_layout
 
 from remote_g2.errors import ConfigError, SourceError
 from remote_g2.ipc_paths import claim_ipc_path, ipc_endpoint, prepare_ipc_dir
-from remote_g2.messages import GetMetadata, LayoutFingerprint, Release, Renew, Resolve
+from remote_g2.messages import GetMetadata, LayoutFingerprint, PeerResolve, Release, Renew, Resolve
 from remote_g2.rpc_client import RpcClient
 
 
@@ -518,3 +518,34 @@ def test_sibling_err_reply_arrives_as_its_error_class_naming_the_sibling(tmp_pat
     finally:
         links.close()
         server.close()
+
+
+def test_threaded_tp2_peer_resolve_pins_one_rank_under_the_callers_id_within_its_budget(tp2: dict) -> None:
+    services, pools, c0 = tp2["services"], tp2["pools"], tp2["client"]
+    assert services[0].peer_endpoint is None and services[1].peer_endpoint.startswith("tcp://127.0.0.1:")
+    meta = c0.call(GetMetadata())
+    assert [m.peer_endpoint for m in meta.ranks] == [None, services[1].peer_endpoint]
+    c1 = RpcClient(services[1].peer_endpoint, timeout_ms=5000)
+    other = RpcClient(services[1].peer_endpoint, timeout_ms=5000)
+    try:
+        r0 = c0.call(PeerResolve(77, _hashes(0, 16), 5_000, "tgt"))
+        assert (r0.reason, r0.matched, r0.epoch) == ("ok", 14, services[0].epoch) and _pins(pools) == [14, 0]
+        r1 = c1.call(PeerResolve(77, _hashes(0, 16), 5_000, "tgt"))
+        assert (r1.reason, r1.matched, r1.epoch) == ("ok", 12, services[0].epoch) and _pins(pools) == [14, 12]
+        assert r1.block_ids == [pools[1].lookup(h) for h in _hashes(0, 12)]
+        with pytest.raises(SourceError, match="already open"):
+            c1.call(PeerResolve(77, _hashes(0, 4), 5_000))
+        # rank 0's release reaches rank 1's share of the same lease id
+        assert c0.call(Release(77)).released
+        assert _settled_pins(pools, [0, 0]) == [0, 0]
+        # each rank's own budget (24 blocks) bounds its pins
+        assert c1.call(PeerResolve(78, _hashes(0, 16), 5_000)).matched == 12
+        assert c1.call(PeerResolve(79, _hashes(0, 16), 5_000)).matched == 12
+        assert c1.call(PeerResolve(80, _hashes(0, 16), 5_000)).reason == "over_budget"
+        # only the connection that pinned a share may release it at the rank's endpoint
+        assert other.call(Release(78)).released is False
+        assert c1.call(Release(78)).released and c1.call(Release(79)).released
+        assert _pins(pools) == [0, 0]
+    finally:
+        c1.close()
+        other.close()

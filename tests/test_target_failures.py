@@ -211,6 +211,40 @@ def test_resolve_answered_with_err_fails_the_request(tmp_path: Path, registry: s
         source.wait_pins(r, 0, timeout_s=10)
 
 
+def test_a_peer_share_left_unanswered_fails_the_request_and_stops_peer_resolve(
+        tmp_path: Path, registry: str, source: SourceWorker, targets: list[Target]) -> None:
+    # After a first (classic) load, target rank 1 asks source rank 1 for its share itself (peer_resolve);
+    # source rank 1 takes 1.5 s to pin, past the target's 1 s RPC timeout.
+    t = run_target(targets, tmp_path, registry, "peer-slow", tp=2, rpc_timeout_ms=1000,
+                   extra=["--warm-load", "--wait-go"])
+    t.wait_file("warm-done")
+    source.set_pin_delay(1, 1.5)
+    try:
+        (t.dir / "go").write_text("go")
+        leader, verify = t.result()
+    finally:
+        source.set_pin_delay(1, 0)
+    assert leader["warm"] == {"done": ["req-warm"], "failed": [], "peer_loads": 0}, leader
+    assert leader["stats"]["peer_loads"] == 1, leader["stats"]
+    why = assert_failed_after_warm(leader, verify, within_s=t.rpc_timeout_s + MARGIN_S)
+    assert f"peer_resolve on {source.worker_id} rank 1: RpcTimeout" in why, why
+    assert "its loads go through rank 0's resolve from now on" in why, why
+    for r in range(2):  # rank 0's share is released by the leader; rank 1's late pin is refused or expires
+        source.wait_pins(r, 0, timeout_s=15)
+
+
+def assert_failed_after_warm(leader: dict, verify: list[dict], *, within_s: float) -> str:
+    """:func:`assert_failed` for a run whose first load (``req-warm``) succeeded."""
+    dst = leader["dst"]
+    assert leader["done"] == [] and leader["failed"] == ["req-1"], leader
+    assert leader["invalid"] == sorted(dst), leader
+    assert leader["seconds"] < within_s, (leader["seconds"], within_s, leader)
+    assert leader["stats"]["failed"] == 1 and leader["stats"]["done"] == 1, leader
+    for r, v in enumerate(verify):
+        assert v["untouched_written"] == [], (r, v)
+    return "\n".join([*leader["log"], *(line for v in verify for line in v["log"])])
+
+
 # -- b. the source does not answer ----------------------------------------------------------------
 
 

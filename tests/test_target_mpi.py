@@ -84,6 +84,28 @@ def _assert_landed(verify: list[dict], *, untouched_clean: bool = False) -> None
             assert v["untouched_written"] == [], (r, v)
 
 
+@pytest.mark.parametrize(("source_tp", "target_tp", "peer"), [(2, 2, True), (2, 4, False), (2, 2, False)])
+def test_a_second_load_resolves_each_share_with_its_peer_rank_when_the_tp_sizes_match(
+        tmp_path: Path, registry: str, source_tp: int, target_tp: int, peer: bool) -> None:
+    """The first load from a source goes through rank 0's resolve (it brings every rank the metadata); the
+    next one from a source of the same TP size has each target rank ask its peer source rank (peer_resolve)."""
+    source = _source(tmp_path, registry, source_tp, f"peer{source_tp}to{target_tp}{peer}")
+    try:
+        leader, verify = _run_target(tmp_path, registry, tp=target_tp, source_tp=source_tp,
+                                     extra=["--warm-load", "--peer-resolve", str(int(peer))])
+        assert leader["warm"] == {"done": ["req-warm"], "failed": [], "peer_loads": 0}
+        assert leader["done"] == ["req-1"] and leader["failed"] == [] and leader["invalid"] == [], leader["log"]
+        expect_peer = peer and source_tp == target_tp
+        assert leader["stats"]["peer_loads"] == (1 if expect_peer else 0), leader["stats"]
+        assert leader["stats"]["done"] == 2, leader["stats"]
+        _assert_landed(verify, untouched_clean=True)
+        for r in range(source_tp):
+            source.wait_pins(r, 0)
+    finally:
+        report = source.stop()
+    assert all(d["total_pins"] == 0 for d in report["done"].values()), report
+
+
 @pytest.mark.parametrize(("source_tp", "target_tp"), [(2, 2), (1, 2), (2, 1), (2, 4)])
 def test_load_is_byte_exact_on_every_rank_and_pins_return_to_zero(tmp_path: Path, registry: str,
                                                                   source_tp: int, target_tp: int) -> None:

@@ -554,10 +554,10 @@ def test_bad_target_inputs_are_rejected(override, reason):
 
 def test_bad_source_inputs_are_rejected():
     sim = good_sim()
-    b0, _ = sim.blocks
+    b0, b1 = sim.blocks
     i0, i1 = sim.infos
     cases = [
-        (dict(source_blocks=[b0]), "source blocks: no entry for source rank(s) [1]"),
+        (dict(source_blocks=[b1]), "source blocks: no entry for source rank(s) [0]"),  # the rank it reads
         (dict(source_blocks=[b0, b0]), "source blocks: rank 0 listed twice"),
         (dict(source_blocks=[b0, RankBlocks(rank=2, block_ids=[1, 2, 3])]), "rank 2 outside the source's TP size 2"),
         (dict(source_ranks=[i1]), "source rank info: no entry for source rank(s) [0]"),
@@ -581,6 +581,22 @@ def test_bad_source_inputs_are_rejected():
         with pytest.raises(ValueError) as ei:
             sim.plan(0, **override)
         assert reason in str(ei.value), (override, str(ei.value))
+
+
+def test_blocks_of_a_source_rank_this_rank_does_not_read_may_be_left_out():
+    # A share resolved with the peer rank alone (peer_resolve) knows only that rank's block ids.
+    for source_tp, target_tp, total_heads in [(2, 2, 4), (2, 4, 4)]:
+        sim = make_sim(source_tp, target_tp, n=3, total_heads=total_heads)
+        for r in range(target_tp):
+            read = {s.source_rank for s in sim.plan(r).reads}
+            assert len(read) == 1
+            only = [b for b in sim.blocks if b.rank in read]
+            got, want = sim.plan(r, source_blocks=only), sim.plan(r)
+            assert [(g.source_rank, g.agent_name) for g in got.reads] == \
+                [(w.source_rank, w.agent_name) for w in want.reads]
+            for g, w in zip(got.reads, want.reads):
+                for field in ("remote_addr", "local_addr", "nbytes"):
+                    assert np.array_equal(getattr(g, field), getattr(w, field)), (r, field)
 
 
 def test_source_rank_pools_may_differ_in_size_and_padding():

@@ -537,6 +537,7 @@ def main() -> int:
     p.add_argument("--ipc-dir", required=True)
     p.add_argument("--lifetime-s", type=float, default=240.0)
     p.add_argument("--registry-mirror", action="store_true", help="look up in an in-process registry mirror")
+    p.add_argument("--peer-resolve", choices=("on", "off"), default="on", help="TargetConfig.peer_resolve")
     p.add_argument("--stream-requests", type=int, default=0, help="requests per stream round (0: no streams)")
     p.add_argument("--stream-depth", type=int, default=2, help="requests in flight at most in a stream")
     p.add_argument("--stream-rounds", type=int, default=3, help="stream rounds (each: an e2e and a raw stream)")
@@ -556,7 +557,8 @@ def main() -> int:
     instrument_rpc()
     config = TargetConfig(enabled=True, registry_endpoint=args.registry, transfer="transfer_procs.common:RecordingNixl",
                           ipc_dir=args.ipc_dir, transfer_timeout_ms=20_000, rpc_timeout_ms=5_000,
-                          fingerprint=fingerprint_for(layout, tp), registry_mirror=args.registry_mirror)
+                          fingerprint=fingerprint_for(layout, tp), registry_mirror=args.registry_mirror,
+                          peer_resolve=args.peer_resolve == "on")
     client = start_target_client(pool, worker_id=args.worker_id, config=config, comm=comm)
     instrument_client(client)
     raw = NixlTransfer(f"bench-raw-{args.worker_id}-tp{rank}")

@@ -44,6 +44,12 @@ Options for the failure tests:
   start-up and writes ``D/gone-{R}``; the leader waits for that file before
   it looks up (a rank whose client stopped: the leader must fail the load at
   once, not wait for a report that cannot come);
+* ``--warm-load``: before ``req-1``, load the same hashes into the same
+  blocks once (``req-warm``: every rank then holds the source's metadata, so
+  ``req-1`` may resolve each share with its peer rank), then every rank zeroes
+  them again; ``--wait-go``: after that, the leader waits for ``D/go``
+  (so a test can inject a fault first); ``--peer-resolve 0|1``: the
+  TargetConfig field;
 * ``--linger-s S``: once the outcome is known, every rank records which
   destination blocks hold bytes (``dst_written_at_outcome``), waits ``S``
   seconds with its client still up, and only then verifies (so a READ that
@@ -60,6 +66,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -143,6 +150,33 @@ def expected_block(block_hash: bytes, *, rank: int, tp: int, source_tp: int, tot
     return out
 
 
+def zero_blocks(pool: DestPool, blocks: list[int]) -> None:
+    for b in blocks:
+        pool.block(b)[...] = 0
+
+
+def warm_load(client: Any, hashes: list[bytes], dst: list[int], d: Path, tp: int, pool: DestPool,
+              wait_s: float) -> dict:
+    """``--warm-load``: load ``hashes`` into ``dst`` once (every rank gets the source's metadata), then have
+    every rank zero ``dst`` again, so the load the test checks starts from zeros; what the first load did."""
+    client.start_load("req-warm", hashes, dst)
+    t0 = time.monotonic()
+    done: set[str] = set()
+    failed: set[str] = set()
+    while "req-warm" not in done | failed and time.monotonic() - t0 < wait_s:
+        client.wait_finished(0.05)
+        a, b = client.get_finished()
+        done |= a
+        failed |= b
+    client.invalid_block_ids()
+    peer_loads = client.stats["peer_loads"]
+    zero_blocks(pool, dst)
+    write_whole(d / "warm-done", json.dumps(dst))
+    while not all((d / f"zeroed-{r}").exists() for r in range(1, tp)) and time.monotonic() - t0 < wait_s:
+        time.sleep(0.005)
+    return {"done": sorted(done), "failed": sorted(failed), "peer_loads": peer_loads}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--dir", required=True, type=Path)
@@ -164,6 +198,9 @@ def main() -> int:
     p.add_argument("--rank-gone", type=int, default=0)
     p.add_argument("--registry-mirror", action="store_true")
     p.add_argument("--second-miss", action="store_true")
+    p.add_argument("--warm-load", action="store_true")
+    p.add_argument("--peer-resolve", type=int, default=1)
+    p.add_argument("--wait-go", action="store_true")
     args = p.parse_args()
 
     from mpi4py import MPI
@@ -189,7 +226,8 @@ def main() -> int:
         transfer = "nixl-delayed-read"
     config = TargetConfig(enabled=True, registry_endpoint=args.registry, transfer=transfer, ipc_dir=args.ipc_dir,
                           transfer_timeout_ms=args.timeout_ms, rpc_timeout_ms=args.rpc_timeout_ms,
-                          lease_ttl_ms=args.lease_ttl_ms, fingerprint=fp, registry_mirror=args.registry_mirror)
+                          lease_ttl_ms=args.lease_ttl_ms, fingerprint=fp, registry_mirror=args.registry_mirror,
+                          peer_resolve=bool(args.peer_resolve))
     client = start_target_client(pool, worker_id="target-w", config=config, comm=comm)
     hashes = [hash_of(args.hash_offset + i) for i in range(args.hashes)]
     if args.rank_gone and rank == args.rank_gone:
@@ -203,11 +241,16 @@ def main() -> int:
                     time.sleep(0.01)
                 if args.registry_mirror and not client.wait_registry_mirror(10):
                     raise RuntimeError("the registry mirror took no snapshot in 10 s")
+                t_start = time.monotonic()
                 m = client.lookup(hashes)
                 out["match"] = {"matched": m.matched, "reason": m.reason, "worker_id": m.worker_id}
                 n = len(hashes) if args.force_load and not m.matched else m.matched
                 dst = list(range(args.dst_start, args.dst_start + n))
                 out["dst"] = dst
+                if n and args.warm_load:
+                    out["warm"] = warm_load(client, hashes[:n], dst, d, tp, pool, args.wait_s)
+                    while args.wait_go and not (d / "go").exists() and time.monotonic() - t_start < args.wait_s:
+                        time.sleep(0.005)
                 t0 = time.monotonic()
                 if n:
                     client.start_load("req-1", hashes[:n], dst)
@@ -250,7 +293,12 @@ def main() -> int:
             write_whole(d / "leader.json", json.dumps(out))
         else:
             deadline = time.monotonic() + args.wait_s + 30
+            zeroed = not args.warm_load
             while not (d / "leader.json").exists() and time.monotonic() < deadline:
+                if not zeroed and (d / "warm-done").exists():
+                    zero_blocks(pool, json.loads((d / "warm-done").read_text()))
+                    write_whole(d / f"zeroed-{rank}", "ok")
+                    zeroed = True
                 time.sleep(0.01)
         leader = json.loads((d / "leader.json").read_text())
         at_outcome = [b for b in leader.get("dst", []) if pool.block(b).any()]

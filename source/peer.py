@@ -1,0 +1,73 @@
+"""A rank's own share of a lease, asked of that rank directly: ``peer_resolve``.
+
+The classic resolve makes every target rank's share wait on the whole chain
+(target rank 0 → source rank 0 → its siblings → rank 0 → target rank 0 →
+the other target ranks). When source and target have the same TP size
+(dense, not MLA), target rank r reads only from source rank r, so it can
+ask that rank itself: each target rank sends ``peer_resolve`` to its peer
+source rank, all under one lease id the target chose, and the shares
+resolve in parallel — no hop through either rank 0.
+
+What each rank does (rank 0 on its worker endpoint, rank r > 0 on its own
+``peer_endpoint``, advertised in :class:`~remote_g2.messages.RankInfo`):
+find-and-pin, within this rank's pin budget, the longest prefix this rank
+holds under the caller's lease id (a lease id already open or released here
+is refused), and answer the block ids and the worker's epoch. Ending such a lease: ``release``
+or expiry on each rank; ``release``/``renew`` at rank 0 also reach the
+siblings' shares (same id), and a sibling's peer endpoint answers ``release``
+for the share its caller pinned (only that connection may end it).
+
+Nothing here waits on another rank, so a sibling serves it on its own
+direct (one-thread) server.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from remote_g2.messages import PeerResolve, PeerResolveReply, Release, ReleaseReply
+from remote_g2.rpc_server import CallContext, Handler
+
+from .leases import LeaseTable
+
+__all__ = ["peer_handlers", "resolve_share"]
+
+
+def resolve_share(table: LeaseTable, req: PeerResolve, owner: bytes, *, epoch: int,
+                  lease_ttl_ms: Callable[[int], int]) -> PeerResolveReply:
+    """Pin this rank's share of ``req`` within the table's budget (see the module docstring); the reply."""
+    ttl_ms = lease_ttl_ms(req.ttl_ms)
+    deadline = time.monotonic() + ttl_ms / 1000.0
+    ids = table.pin_within_budget(req.lease_id, req.hashes, deadline, owner)
+    if ids is None:
+        return PeerResolveReply("over_budget", 0, epoch, 0)
+    if not ids:
+        return PeerResolveReply("miss", 0, epoch, 0)
+    return PeerResolveReply("ok", len(ids), epoch, max(0, int((deadline - time.monotonic()) * 1000)), ids)
+
+
+def peer_handlers(table: LeaseTable, *, epoch: Callable[[], int],
+                  lease_ttl_ms: Callable[[int], int], on_release: Callable[[], None] | None = None,
+                  observe: Callable[[str, float, int], None] | None = None) -> dict[str, Handler]:
+    """The handlers of a rank's peer endpoint: ``peer_resolve``, and ``release`` of what a caller pinned here.
+
+    ``epoch()``: the worker's epoch (known once the start-up exchange is
+    done); ``lease_ttl_ms``: the source's TTL clamp; ``observe(outcome,
+    seconds, matched)``: metrics for each resolve.
+    """
+
+    def peer_resolve(req: PeerResolve, ctx: CallContext) -> PeerResolveReply:
+        t0 = time.perf_counter()
+        reply = resolve_share(table, req, ctx.peer, epoch=epoch(), lease_ttl_ms=lease_ttl_ms)
+        if observe is not None:
+            observe(reply.reason, time.perf_counter() - t0, reply.matched)
+        return reply
+
+    def release(req: Release, ctx: CallContext) -> ReleaseReply:
+        released = table.release(req.lease_id, owner=ctx.peer)
+        if released and on_release is not None:
+            on_release()
+        return ReleaseReply(released)
+
+    return {"peer_resolve": peer_resolve, "release": release}
