@@ -222,7 +222,8 @@ def breakdown(series: dict[str, Any], events: list[list[list[Any]]]) -> tuple[di
 
     The critical path (they add up to the end-to-end time): ``lookup`` (registry
     RPC), ``handoff`` (start_load until the coordinator picks it up), ``resolve``
-    (until the resolve RPC returned), ``reads`` (until the leader has heard from
+    (until the resolve RPC returned; with peer resolve, rank 0's ``peer_resolve``
+    while the other ranks ask their own peers meanwhile), ``reads`` (until the leader has heard from
     the last rank: fan-out, both ranks' READs, reports), ``finish`` (until the
     outcome is posted; the release RPC is inside it only when the lease's expiry
     came too close, else it runs after the report), ``notice`` (until the
@@ -237,7 +238,7 @@ def breakdown(series: dict[str, Any], events: list[list[list[Any]]]) -> tuple[di
 
         try:
             begin = inside(0, "begin")[0]
-            resolve = inside(0, "rpc:Resolve")[0]
+            resolve = (inside(0, "rpc:Resolve") or inside(0, "rpc:PeerResolve"))[0]  # rank 0's share (peer)
             handed = inside(0, "link_send:TargetLoad"), inside(1, "link_recv:TargetLoad")
             release = (inside(0, "rpc:Release") or [[None, None, None]])[0]
             complete = inside(0, "complete")[0]

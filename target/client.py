@@ -184,6 +184,7 @@ class _Load:
     dispatched: float = 0.0         # when every rank was handed its share (for the "reads" phase)
     peer: bool = False              # every rank resolves its own share (peer_resolve) under lease_id
     loaded: dict[int, int] = field(default_factory=dict)  # rank -> leading blocks it loaded (peer loads)
+    retry: bool = False             # a peer load that found the source restarted: resolve it again, classically
 
 
 def _drain(fd: int) -> None:
@@ -231,6 +232,7 @@ class TargetClient:
         self._mirror: Any = None              # RegistryMirror answering them from memory, when configured
         self._mux: RpcMux | None = None       # owned by the coordinator thread
         self._source_infos: dict[str, tuple[int, dict[int, RankInfo], set[str]]] = {}  # wid -> epoch, infos, sent
+        self._source_endpoints: dict[str, str | None] = {}  # wid -> the endpoint its infos came from
         self._peer_off: set[tuple[str, int]] = set()  # (source, epoch) whose peer resolve failed: rank 0 resolves
         self._lookups: OrderedDict[tuple[bytes, ...], TargetMatch] = OrderedDict()
         self._events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -683,7 +685,7 @@ class TargetClient:
             return
         load.match = match
         n = min(match.matched, len(load.hashes))
-        if self._peer_ready(match.worker_id):
+        if self._peer_ready(match.worker_id, match.endpoint):
             self._peer_resolve(load, match, n)
             return
         entry = self._source_infos.get(match.worker_id)
@@ -713,6 +715,7 @@ class TargetClient:
         m = reply.matched
         load.invalid_tail, load.dst = load.dst[m:], load.dst[:m]
         infos, missing = self._source_ranks(wid, reply.epoch, reply.metadata)
+        self._source_endpoints[wid] = load.match.endpoint
         if not missing:
             self._dispatch(load, reply, infos)
             return
@@ -741,16 +744,17 @@ class TargetClient:
         missing = not infos or any(i.agent_metadata is None and i.agent_name not in sent for i in infos.values())
         return infos, missing
 
-    def _peer_ready(self, worker: str) -> bool:
+    def _peer_ready(self, worker: str, endpoint: str) -> bool:
         """Whether every rank can resolve its own share of a load from ``worker`` (docs/target.md, "Peer resolve").
 
         Needs the same TP size, a dense model, a peer endpoint on every source
         rank > 0, and the source's current metadata on every target rank
-        (sent with an earlier load); not after a peer call to that source
-        epoch failed.
+        (sent with an earlier load, from the same endpoint: a new one is a
+        restart); not after a peer call to that source epoch failed.
         """
         entry = self._source_infos.get(worker)
-        if not self.config.peer_resolve or entry is None or (worker, entry[0]) in self._peer_off:
+        if not self.config.peer_resolve or entry is None or (worker, entry[0]) in self._peer_off \
+                or self._source_endpoints.get(worker) != endpoint:
             return False
         _, infos, sent = entry
         if len(infos) != self.tp_size or (self.config.fingerprint is not None and self.config.fingerprint.is_mla):
@@ -788,8 +792,12 @@ class TargetClient:
             self._peer_failed(wid, msg.source_epoch, f"{where}: {type(reply).__name__}: {reply}")
             self._rank_done(TargetDone(load.load_id, 0, False, f"{where}: {type(reply).__name__}: {reply}"[:4000]))
             return
-        if reply.epoch != msg.source_epoch:  # restarted: the next load resolves classically (new metadata)
+        if reply.epoch != msg.source_epoch:
+            # Restarted: once every rank has answered (the others fail their shares the same way), this load
+            # is resolved again through rank 0, which brings the new epoch's metadata.
             self._source_infos.pop(wid, None)
+            load.retry = True
+            self._send_release(load)
             self._rank_done(TargetDone(load.load_id, 0, False, f"{where}: the source restarted"))
             return
         if reply.reason != "ok" or reply.matched == 0:
@@ -857,6 +865,13 @@ class TargetClient:
 
     def _complete(self, load: _Load) -> None:
         """Every rank answered (or was given up on): report, and hand the lease back."""
+        if load.retry and load.match is not None:
+            log.info("load of %s: source %s restarted; resolving it again", load.request_id, load.match.worker_id)
+            load.dst, load.invalid_tail = load.dst + load.invalid_tail, []
+            load.retry, load.peer, load.lease_id = False, False, 0
+            load.errors, load.loaded, load.renew_at, load.report_by = [], {}, 0.0, 0.0
+            self._resolve(load, load.match)
+            return
         if load.dispatched:
             self.metrics.phase("reads", time.monotonic() - load.dispatched)
         if load.peer and not load.errors:
