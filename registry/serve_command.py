@@ -9,6 +9,7 @@ import threading
 
 from remote_g2.curve import CurveServerConfig
 from remote_g2.errors import ConfigError
+from remote_g2.rpc_server import free_port_on_host_of
 
 from .server import DEFAULT_BIND, RegistryServer
 
@@ -73,8 +74,7 @@ def feed_endpoint(bind: str, feed_bind: str) -> str | None:
         return feed_bind
     if not bind.startswith("tcp://"):
         raise ConfigError(f"--feed-bind auto needs a tcp:// --bind (got {bind!r}); give --feed-bind explicitly")
-    host = bind[len("tcp://"):].rsplit(":", 1)[0]
-    return f"tcp://{host}:0"
+    return free_port_on_host_of(bind)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -67,7 +67,7 @@ from remote_g2.wire import (
 )
 
 __all__ = ["RpcServer", "CallContext", "Handler", "BatchHandler", "Deferred", "Arrival", "ArrivalHook",
-           "normalize_bind_endpoint"]
+           "normalize_bind_endpoint", "free_port_on_host_of"]
 
 log = logging.getLogger("remote_g2.rpc")
 
@@ -115,6 +115,13 @@ class Deferred(Protocol):
 BatchHandler = Callable[[list[tuple[Any, CallContext]]], "list[Any] | Deferred"]
 #: ``on_call(message_type, seconds, outcome)``; outcome is ``ok``, ``error`` or ``bad_request``.
 CallObserver = Callable[[str, float, str], None]
+
+
+def free_port_on_host_of(endpoint: str) -> str:
+    """``tcp://HOST:0`` for the host of the TCP endpoint ``endpoint``: another server beside it, any free port."""
+    if not endpoint.startswith("tcp://"):
+        raise ConfigError(f"{endpoint!r} is not a tcp:// endpoint")
+    return f"tcp://{endpoint[len('tcp://'):].rsplit(':', 1)[0]}:0"
 
 
 def normalize_bind_endpoint(endpoint: str) -> str:

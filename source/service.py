@@ -77,7 +77,7 @@ from remote_g2.messages import (
     SiblingTrim,
     SourceMetadataReply,
 )
-from remote_g2.rpc_server import CallContext, RpcServer
+from remote_g2.rpc_server import CallContext, RpcServer, free_port_on_host_of
 from remote_g2.stall_watchdog import maybe_start_stall_watchdog
 
 from .config import ENABLE_ENV, SourceConfig
@@ -275,10 +275,9 @@ class SourceService:
         ``advertise``'s host when one is set. Same CURVE keys as rank 0.
         """
         cfg = self.config
-        host = cfg.bind[len("tcp://"):].rsplit(":", 1)[0]
         handlers = peer_handlers(self.leases, epoch=lambda: self.epoch, lease_ttl_ms=cfg.lease_ttl_ms,
                                  on_release=self.metrics.leases_released.inc)
-        self._peer_server = RpcServer(f"tcp://{host}:0", handlers, name=f"source-{self.worker_id}-tp{self.rank}-peer",
+        self._peer_server = RpcServer(free_port_on_host_of(cfg.bind), handlers, name=f"source-{self.worker_id}-tp{self.rank}-peer",
                                       workers=1, curve=cfg.curve, on_call=self.metrics.observe_call)
         bound = self._peer_server.start()
         if cfg.advertise:

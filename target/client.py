@@ -183,6 +183,7 @@ class _Load:
     started: float = field(default_factory=time.monotonic)
     dispatched: float = 0.0         # when every rank was handed its share (for the "reads" phase)
     peer: bool = False              # every rank resolves its own share (peer_resolve) under lease_id
+    peer_epoch: int = 0             # the source epoch a peer load expects
     loaded: dict[int, int] = field(default_factory=dict)  # rank -> leading blocks it loaded (peer loads)
     retry: bool = False             # a peer load that found the source restarted: resolve it again, classically
 
@@ -767,14 +768,15 @@ class TargetClient:
         assert match.worker_id is not None and match.endpoint is not None and self._mux is not None
         wid = match.worker_id
         epoch, infos, _ = self._source_infos[wid]
-        load.peer = True
+        load.peer, load.peer_epoch = True, epoch
         self.stats["peer_loads"] += 1
         load.lease_id = secrets.randbits(62) + 1  # random: another reader's ids are not guessable
         load.invalid_tail, load.dst = load.dst[n:], load.dst[:n]
         hashes = load.hashes[:n]
-        msg = self._hand_out(load, TargetLoad(load.load_id, wid, epoch, len(infos), False, 0, [], [], load.dst,
-                                              self.config.transfer_timeout_ms, 0,
-                                              PeerShare(load.lease_id, hashes, self.config.lease_ttl_ms)))
+        msg = TargetLoad(load.load_id, wid, epoch, len(infos), False, 0, [], [], load.dst,
+                         self.config.transfer_timeout_ms, self._start_clocks(load),
+                         PeerShare(load.lease_id, hashes, self.config.lease_ttl_ms))
+        self._send_to_ranks(load, msg)
         sent = time.monotonic()
         self.metrics.phase("to_resolve", sent - load.started)
         self._mux.call(match.endpoint, PeerResolve(load.lease_id, hashes, self.config.lease_ttl_ms, self.worker_id),
@@ -789,10 +791,11 @@ class TargetClient:
             return  # given up meanwhile (shut down); _fail released the lease
         where = f"peer_resolve on {wid} rank 0"
         if isinstance(reply, Exception):
-            self._peer_failed(wid, msg.source_epoch, f"{where}: {type(reply).__name__}: {reply}")
-            self._rank_done(TargetDone(load.load_id, 0, False, f"{where}: {type(reply).__name__}: {reply}"[:4000]))
+            why = f"{where}: {type(reply).__name__}: {reply}"
+            self._peer_failed(wid, load.peer_epoch, why)
+            self._rank_done(TargetDone(load.load_id, 0, False, why[:4000]))
             return
-        if reply.epoch != msg.source_epoch:
+        if reply.epoch != load.peer_epoch:
             # Restarted: once every rank has answered (the others fail their shares the same way), this load
             # is resolved again through rank 0, which brings the new epoch's metadata.
             self._source_infos.pop(wid, None)
@@ -814,14 +817,18 @@ class TargetClient:
             log.warning("target: peer resolve with %s failed (%s); its loads go through rank 0's resolve from now "
                         "on (until it restarts)", worker, why)
 
-    def _hand_out(self, load: _Load, msg: TargetLoad) -> TargetLoad:
-        """Start the ranks' clocks and send every rank > 0 its ``target_load``; the message, with the deadline."""
+    def _start_clocks(self, load: _Load) -> int:
+        """Every rank is about to get its share: start the load's clocks; the ranks' deadline (monotonic ns)."""
         now = time.monotonic_ns()
+        deadline_ns = now + self.config.transfer_timeout_ms * 1_000_000
         load.dispatched = now / 1e9
-        load.deadline = (now + self.config.transfer_timeout_ms * 1_000_000) / 1e9
+        load.deadline = deadline_ns / 1e9
         load.report_by = load.deadline + self.config.rpc_timeout_ms / 1000.0
         load.waiting = set(range(self.tp_size))
-        msg = replace(msg, deadline_ns=now + self.config.transfer_timeout_ms * 1_000_000)
+        return deadline_ns
+
+    def _send_to_ranks(self, load: _Load, msg: TargetLoad) -> None:
+        """Send every rank > 0 its ``target_load`` (no waiting for acks); a rank it cannot reach fails its share."""
         for r in range(1, self.tp_size):
             try:
                 self._links[r].send(msg)
@@ -829,7 +836,6 @@ class TargetClient:
                 self._rank_gone(r, e)
             except ProtocolError as e:  # this message cannot be sent (too large); the link is fine
                 self._rank_done(TargetDone(load.load_id, r, False, f"target_load to rank {r}: {e}"[:4000]))
-        return msg
 
     def _dispatch(self, load: _Load, reply: ResolveReply, infos: dict[int, RankInfo]) -> None:
         """Hand every rank its share: the other ranks first (no waiting for acks), then this rank's worker."""
@@ -840,10 +846,10 @@ class TargetClient:
         mla_offset = zlib.crc32(self.worker_id.encode()) % max(1, len(infos))
         is_mla = bool(self.config.fingerprint and self.config.fingerprint.is_mla)
         # Ranks keep what they were sent per (source worker, epoch): only agents new to them travel.
-        msg = self._hand_out(load, TargetLoad(
-            load.load_id, load.match.worker_id, reply.epoch, len(infos), is_mla, mla_offset, reply.ranks,
-            [info for _, info in sorted(infos.items()) if info.agent_name in first_time], load.dst,
-            self.config.transfer_timeout_ms))
+        msg = TargetLoad(load.load_id, load.match.worker_id, reply.epoch, len(infos), is_mla, mla_offset,
+                         reply.ranks, [info for _, info in sorted(infos.items()) if info.agent_name in first_time],
+                         load.dst, self.config.transfer_timeout_ms, self._start_clocks(load))
+        self._send_to_ranks(load, msg)
         self._shares.put(msg)  # the others' shares are on the wire already
 
     def _rank_done(self, done: TargetDone) -> None:
@@ -858,8 +864,7 @@ class TargetClient:
         else:
             load.errors.append(f"rank {done.rank}: {done.error}")
             if done.peer_failed and load.match is not None and load.match.worker_id is not None:
-                self._peer_failed(load.match.worker_id, self._source_infos.get(load.match.worker_id, (0,))[0],
-                                  f"rank {done.rank}: {done.error}")
+                self._peer_failed(load.match.worker_id, load.peer_epoch, f"rank {done.rank}: {done.error}")
         if not load.waiting:
             self._complete(load)
 

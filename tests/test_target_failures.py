@@ -172,14 +172,17 @@ def run_target(targets: list[Target], *args, **kw) -> Target:
     return t
 
 
-def assert_failed(leader: dict, verify: list[dict], *, within_s: float) -> str:
-    """The request failed the way the engine must see it; returns the failure log of every rank."""
+def assert_failed(leader: dict, verify: list[dict], *, within_s: float, done_before: int = 0) -> str:
+    """The request failed the way the engine must see it; returns the failure log of every rank.
+
+    ``done_before``: loads the run finished before ``req-1`` (``--warm-load``: 1).
+    """
     dst = leader["dst"]
     assert dst, leader
     assert leader["done"] == [] and leader["failed"] == ["req-1"], leader
     assert leader["invalid"] == sorted(dst), leader
     assert leader["seconds"] < within_s, (leader["seconds"], within_s, leader)
-    assert leader["stats"]["failed"] == 1 and leader["stats"]["done"] == 0, leader
+    assert leader["stats"]["failed"] == 1 and leader["stats"]["done"] == done_before, leader
     for r, v in enumerate(verify):
         assert v["untouched_written"] == [], (r, v)
     return "\n".join([*leader["log"], *(line for v in verify for line in v["log"])])
@@ -226,23 +229,11 @@ def test_a_peer_share_left_unanswered_fails_the_request_and_stops_peer_resolve(
         source.set_pin_delay(1, 0)
     assert leader["warm"] == {"done": ["req-warm"], "failed": [], "peer_loads": 0}, leader
     assert leader["stats"]["peer_loads"] == 1, leader["stats"]
-    why = assert_failed_after_warm(leader, verify, within_s=t.rpc_timeout_s + MARGIN_S)
+    why = assert_failed(leader, verify, within_s=t.rpc_timeout_s + MARGIN_S, done_before=1)
     assert f"peer_resolve on {source.worker_id} rank 1: RpcTimeout" in why, why
     assert "its loads go through rank 0's resolve from now on" in why, why
     for r in range(2):  # rank 0's share is released by the leader; rank 1's late pin is refused or expires
         source.wait_pins(r, 0, timeout_s=15)
-
-
-def assert_failed_after_warm(leader: dict, verify: list[dict], *, within_s: float) -> str:
-    """:func:`assert_failed` for a run whose first load (``req-warm``) succeeded."""
-    dst = leader["dst"]
-    assert leader["done"] == [] and leader["failed"] == ["req-1"], leader
-    assert leader["invalid"] == sorted(dst), leader
-    assert leader["seconds"] < within_s, (leader["seconds"], within_s, leader)
-    assert leader["stats"]["failed"] == 1 and leader["stats"]["done"] == 1, leader
-    for r, v in enumerate(verify):
-        assert v["untouched_written"] == [], (r, v)
-    return "\n".join([*leader["log"], *(line for v in verify for line in v["log"])])
 
 
 # -- b. the source does not answer ----------------------------------------------------------------

@@ -23,6 +23,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,19 @@ def _source(tmp_path: Path, registry: str, source_tp: int, name: str, extra: lis
         worker.stop()
         raise
     return worker
+
+
+@contextmanager
+def _source_released_every_pin(tmp_path: Path, registry: str, source_tp: int, name: str) -> Iterator[SourceWorker]:
+    """A source for the ``with`` block's loads; after them, every rank's pins must be back to zero, to its stop."""
+    source = _source(tmp_path, registry, source_tp, name)
+    try:
+        yield source
+        for r in range(source_tp):
+            source.wait_pins(r, 0)
+    finally:
+        report = source.stop()
+    assert all(d["total_pins"] == 0 for d in report["done"].values()), report
 
 
 def _run_target(tmp_path: Path, registry: str, *, tp: int, source_tp: int, hashes: int = 16,
@@ -89,8 +104,7 @@ def test_a_second_load_resolves_each_share_with_its_peer_rank_when_the_tp_sizes_
         tmp_path: Path, registry: str, source_tp: int, target_tp: int, peer: bool) -> None:
     """The first load from a source goes through rank 0's resolve (it brings every rank the metadata); the
     next one from a source of the same TP size has each target rank ask its peer source rank (peer_resolve)."""
-    source = _source(tmp_path, registry, source_tp, f"peer{source_tp}to{target_tp}{peer}")
-    try:
+    with _source_released_every_pin(tmp_path, registry, source_tp, f"peer{source_tp}to{target_tp}{peer}"):
         leader, verify = _run_target(tmp_path, registry, tp=target_tp, source_tp=source_tp,
                                      extra=["--warm-load", "--peer-resolve", str(int(peer))])
         assert leader["warm"] == {"done": ["req-warm"], "failed": [], "peer_loads": 0}
@@ -99,18 +113,12 @@ def test_a_second_load_resolves_each_share_with_its_peer_rank_when_the_tp_sizes_
         assert leader["stats"]["peer_loads"] == (1 if expect_peer else 0), leader["stats"]
         assert leader["stats"]["done"] == 2, leader["stats"]
         _assert_landed(verify, untouched_clean=True)
-        for r in range(source_tp):
-            source.wait_pins(r, 0)
-    finally:
-        report = source.stop()
-    assert all(d["total_pins"] == 0 for d in report["done"].values()), report
 
 
 @pytest.mark.parametrize(("source_tp", "target_tp"), [(2, 2), (1, 2), (2, 1), (2, 4)])
 def test_load_is_byte_exact_on_every_rank_and_pins_return_to_zero(tmp_path: Path, registry: str,
                                                                   source_tp: int, target_tp: int) -> None:
-    source = _source(tmp_path, registry, source_tp, f"{source_tp}to{target_tp}")
-    try:
+    with _source_released_every_pin(tmp_path, registry, source_tp, f"{source_tp}to{target_tp}") as source:
         leader, verify = _run_target(tmp_path, registry, tp=target_tp, source_tp=source_tp)
         assert leader["match"] == {"matched": 16, "reason": "ok", "worker_id": source.worker_id}
         assert leader["done"] == ["req-1"] and leader["failed"] == [] and leader["invalid"] == []
@@ -121,11 +129,6 @@ def test_load_is_byte_exact_on_every_rank_and_pins_return_to_zero(tmp_path: Path
         # finished_fd: readable exactly while an outcome waits for get_finished (the leader slept on it)
         assert leader["fd_ready_before_outcome"] is True and leader["fd_ready_after_outcome"] is False, leader
         _assert_landed(verify, untouched_clean=True)
-        for r in range(source_tp):
-            source.wait_pins(r, 0)
-    finally:
-        report = source.stop()
-    assert all(d["total_pins"] == 0 for d in report["done"].values()), report
 
 
 def test_a_lookup_answered_by_the_registry_mirror_loads_the_same_bytes(tmp_path: Path, registry: str) -> None:
