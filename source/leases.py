@@ -12,11 +12,16 @@ left the table nobody else can reach those pins, and the pool's own calls
 are atomic. Tails are unpinned tail first, so the head of a prefix becomes
 the most recently used block and is evicted last.
 
-Every rank also charges its own :class:`PinBudget`: a pin reserves up to
-one block per asked hash first (atomically, so concurrent resolves never
-overshoot), gives back what it did not pin, and the table gives back the
-rest as leases shrink or end. A rank out of budget pins less (or nothing),
-which shortens the prefix the lease covers.
+Every rank also charges its own :class:`PinBudget`, in one of two ways.
+A rank that decides a lease's length itself (rank 0 for a resolve, any
+rank for its ``peer_resolve`` share) reserves up to one block per asked
+hash first (atomically, so concurrent resolves never overshoot) and pins
+less, or nothing, when the budget is short. A sibling pinning for rank 0
+(``sibling_pin`` / ``sibling_resolve``) charges what it pinned without
+being refused: rank 0 already bounded that lease with its own budget, and
+a sibling's count can lag rank 0's by the releases still on their way to
+it, so refusing there would cut leases rank 0 has room for. Either way the
+table gives the pins back as leases shrink or end.
 
 Released lease ids are remembered for a while (tombstones) so that a
 ``sibling_pin`` arriving after rank 0 gave up on it and released the lease
@@ -57,8 +62,9 @@ class PinBudget:
 
     @property
     def available(self) -> int:
+        """Blocks :meth:`reserve` could grant now (0 while :meth:`charge` ran the budget over)."""
         with self._lock:
-            return self.limit - self._used
+            return max(0, self.limit - self._used)
 
     def reserve(self, wanted: int) -> int:
         """Take up to ``wanted`` blocks of the budget; return how many were granted (maybe 0)."""
@@ -67,8 +73,22 @@ class PinBudget:
             self._used += granted
             left = self.limit - self._used
         if granted and self._on_change is not None:
-            self._on_change(left)
+            self._on_change(max(0, left))
         return granted
+
+    def charge(self, n: int) -> None:
+        """Take ``n`` blocks whether or not they are left (pins another rank's budget already allowed).
+
+        The budget may run over its limit for a moment; :meth:`reserve`
+        grants nothing until enough is given back.
+        """
+        if n <= 0:
+            return
+        with self._lock:
+            self._used += n
+            left = self.limit - self._used
+        if self._on_change is not None:
+            self._on_change(max(0, left))
 
     def give_back(self, n: int) -> None:
         """Return ``n`` blocks taken by :meth:`reserve`."""
@@ -81,7 +101,7 @@ class PinBudget:
             self._used -= n
             left = self.limit - self._used
         if self._on_change is not None:
-            self._on_change(left)
+            self._on_change(max(0, left))
 
 
 @dataclass(slots=True)
@@ -190,6 +210,24 @@ class LeaseTable:
             budget.give_back(granted)
             raise
         budget.give_back(granted - len(ids))
+        return ids
+
+    def pin_charged(self, lease_id: int, hashes: Sequence[bytes], deadline: float) -> list[int]:
+        """:meth:`pin` for a lease another rank's budget bounds: charge what was pinned, refuse nothing.
+
+        How a sibling pins for rank 0 (see the module docstring).
+        """
+        budget = self._budget
+        if budget is None:
+            return self.pin(lease_id, hashes, deadline)
+        # Charged up front so that a release racing the pin never gives back pins not yet charged.
+        budget.charge(len(hashes))
+        try:
+            ids = self.pin(lease_id, hashes, deadline)
+        except BaseException:
+            budget.give_back(len(hashes))
+            raise
+        budget.give_back(len(hashes) - len(ids))
         return ids
 
     def trim(self, lease_id: int, keep: int) -> bool:

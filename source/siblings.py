@@ -81,7 +81,7 @@ def sibling_handlers(table: LeaseTable, *, max_ttl_ms: int, lease_ttl_ms: Callab
 
     def pin(req: SiblingPin, ctx: CallContext) -> SiblingPinReply:
         ttl_s = min(req.ttl_ms, max_ttl_ms) / 1000.0
-        return SiblingPinReply(table.pin_within_budget(req.lease_id, req.hashes, time.monotonic() + ttl_s) or [])
+        return SiblingPinReply(table.pin_charged(req.lease_id, req.hashes, time.monotonic() + ttl_s))
 
     def pin_forwarded(req: SiblingResolve, ctx: CallContext) -> SiblingPinReply:
         received = time.monotonic()  # the lease's clock starts here, after rank 0's
@@ -90,7 +90,7 @@ def sibling_handlers(table: LeaseTable, *, max_ttl_ms: int, lease_ttl_ms: Callab
         if not isinstance(resolve, Resolve):
             raise ProtocolError(f"sibling_resolve carries a {spec.name!r} frame, not a resolve")
         deadline = received + lease_ttl_ms(resolve.ttl_ms) / 1000.0
-        return SiblingPinReply(table.pin_within_budget(req.lease_id, resolve.hashes, deadline) or [])
+        return SiblingPinReply(table.pin_charged(req.lease_id, resolve.hashes, deadline))
 
     def trim(req: SiblingTrim, ctx: CallContext) -> SiblingAck:
         return SiblingAck(table.trim(req.lease_id, req.keep))

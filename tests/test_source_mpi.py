@@ -256,8 +256,9 @@ def test_concurrent_resolves_from_four_clients_do_not_serialise(shared: SourceWo
             with RpcClient(shared.endpoint, timeout_ms=5000) as c:
                 while time.monotonic() < stop_at:
                     reply = c.call(Resolve(_hashes(i, 10), 30_000))
-                    assert reply.reason == "ok" and reply.matched == 10
-                    assert c.call(Release(reply.lease_id)).released
+                    # released before the check, so a failure here does not leave pins to the next tests
+                    released = c.call(Release(reply.lease_id)).released if reply.lease_id else False
+                    assert (reply.reason, reply.matched, released) == ("ok", 10, True)
                     counts[i] += 1
         except BaseException as e:
             errors.append(e)

@@ -71,6 +71,16 @@ def test_budget_refuses_to_grow_past_its_limit() -> None:
     assert budget.available == 10
 
 
+def test_a_charge_is_never_refused_and_leaves_reserve_nothing_until_given_back() -> None:
+    seen: list[int] = []
+    budget = PinBudget(10, on_change=seen.append)
+    assert budget.reserve(8) == 8
+    budget.charge(5)  # another rank's budget allowed these pins: over the limit for a moment
+    assert budget.available == 0 and budget.reserve(1) == 0 and min(seen) == 0
+    budget.give_back(5)
+    assert budget.available == 2 and budget.reserve(3) == 2
+
+
 # -- LeaseTable ---------------------------------------------------------------------------------
 
 
@@ -542,6 +552,13 @@ def test_threaded_tp2_peer_resolve_pins_one_rank_under_the_callers_id_within_its
         assert c1.call(PeerResolve(78, _hashes(0, 16), 5_000)).matched == 12
         assert c1.call(PeerResolve(79, _hashes(0, 16), 5_000)).matched == 12
         assert c1.call(PeerResolve(80, _hashes(0, 16), 5_000)).reason == "over_budget"
+        # A resolve through rank 0 is bounded by rank 0's budget alone: rank 1 pins its part even
+        # with its own budget spent (its count may lag rank 0's by releases still on their way)...
+        r = c0.call(Resolve(_hashes(0, 4), 5_000))
+        assert (r.reason, r.matched) == ("ok", 4) and _pins(pools) == [4, 28]
+        # ...and charges it, so its own shares see the budget run over until the pins go back.
+        assert services[1].stats()["budget_available"] == 0
+        assert c0.call(Release(r.lease_id)).released and _settled_pins(pools, [0, 24]) == [0, 24]
         # only the connection that pinned a share may release it at the rank's endpoint
         assert other.call(Release(78)).released is False
         assert c1.call(Release(78)).released and c1.call(Release(79)).released
