@@ -23,7 +23,8 @@ transfer
     (both from ``bench_transfer.py``, same run), and **Mooncake Store**'s TCP
     ``batch_get_into`` (``peers/mooncake_store.py``: a real ``mooncake_master``
     on loopback). Goals: remote-g2 ≥ 5× Mooncake's TCP batch get and ≥ 70 % of
-    raw NIXL. Both are one request at a time; the rows also carry
+    raw NIXL. Both are one request at a time (median of ``--reps`` 20, every
+    rank bound to a core unless ``--bind none``); the rows also carry
     ``bench_transfer.py``'s sustained rate (several requests in flight) and
     its ratios to raw NIXL (posted likewise) and to Mooncake.
 
@@ -201,7 +202,7 @@ def plot(results: dict[str, Any], path: str) -> None:
     for ax, key in zip(axes[0], panels):
         rows = results[key]["rows"]
         if key == "registry":
-            names = [textwrap.fill(r["system"].replace("remote-g2 server, ", "remote-g2, "), 16) for r in rows]
+            names = [textwrap.fill(r["system"].replace("remote-g2 server, ", "remote-g2, "), 12) for r in rows]
             ax.bar(names, [r["p50_ms"] for r in rows],
                    color=["#3a7" if r["system"].startswith("remote-g2") else "#999" if "raw" in r["system"]
                           else "#c63" for r in rows])
@@ -235,7 +236,6 @@ def plot(results: dict[str, Any], path: str) -> None:
             ax.legend(fontsize=8, loc="upper left", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,9 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--blocks-kib", default="4,64,1024")
     p.add_argument("--mib", type=int, default=64)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--bind", choices=("none", "core"), default="none",
-                   help="transfer: bind every source and target rank to a core (bench_transfer.py --bind)")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--bind", choices=("none", "core"), default="core",
+                   help="transfer: bind every source and target rank to a core (bench_transfer.py --bind), as "
+                        "an MPI launch with --bind-to core does (the default); none: the kernel places them, and "
+                        "on 2 vCPUs a rank woken behind the other rank's copy starts its READ late")
     p.add_argument("--no-registry-mirror", action="store_true",
                    help="transfer: the target asks the registry server instead of its in-process mirror")
     p.add_argument("--json")
@@ -276,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {a.json}")
     if a.plot:
         plot(results, a.plot)
+        print(f"wrote {a.plot}")
     return 0
 
 
