@@ -713,15 +713,6 @@ class LinkHello:
     rank: _Rank
 
 
-@dataclass(frozen=True, slots=True)
-class PeerShare:
-    """What a target rank asks its peer source rank for (``peer_resolve``)."""
-
-    lease_id: Annotated[int, Limits(ge=1)]
-    hashes: Annotated[list[BlockHash], Limits(min_len=1, max_len=65_536)]
-    ttl_ms: _Ttl
-
-
 @message("target_load", reply=None)
 @dataclass(frozen=True, slots=True)
 class TargetLoad:
@@ -746,9 +737,9 @@ class TargetLoad:
     dst_block_ids: _Ids
     timeout_ms: _Ttl
     deadline_ns: _Count = 0
-    #: Set when this rank resolves its own share (``peer_resolve`` to its peer source rank; ``ranks`` is
-    #: then empty): the lease id and hashes to ask for. It loads the prefix its peer pinned.
-    peer: PeerShare | None = None
+    #: Set when this rank resolves its own share (``ranks`` is then empty): the ``peer_resolve`` it sends
+    #: its peer source rank, as the leader sends its own. It loads the prefix its peer pinned.
+    peer: PeerResolve | None = None
 
 
 @message("target_done", reply=None)

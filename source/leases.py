@@ -72,8 +72,8 @@ class PinBudget:
             granted = max(0, min(wanted, self.limit - self._used))
             self._used += granted
             left = self.limit - self._used
-        if granted and self._on_change is not None:
-            self._on_change(max(0, left))
+        if granted:
+            self._changed(left)
         return granted
 
     def charge(self, n: int) -> None:
@@ -87,11 +87,10 @@ class PinBudget:
         with self._lock:
             self._used += n
             left = self.limit - self._used
-        if self._on_change is not None:
-            self._on_change(max(0, left))
+        self._changed(left)
 
     def give_back(self, n: int) -> None:
-        """Return ``n`` blocks taken by :meth:`reserve`."""
+        """Return ``n`` blocks taken by :meth:`reserve` or :meth:`charge`."""
         if n <= 0:
             return
         with self._lock:
@@ -100,8 +99,11 @@ class PinBudget:
                 n = self._used
             self._used -= n
             left = self.limit - self._used
+        self._changed(left)
+
+    def _changed(self, left: int) -> None:
         if self._on_change is not None:
-            self._on_change(max(0, left))
+            self._on_change(max(0, left))  # as :attr:`available` reads it
 
 
 @dataclass(slots=True)
@@ -204,13 +206,7 @@ class LeaseTable:
         granted = budget.reserve(len(hashes))
         if granted == 0:
             return None
-        try:
-            ids = self.pin(lease_id, hashes[:granted], deadline, owner)
-        except BaseException:
-            budget.give_back(granted)
-            raise
-        budget.give_back(granted - len(ids))
-        return ids
+        return self._pin_taken(budget, granted, lease_id, hashes, deadline, owner)
 
     def pin_charged(self, lease_id: int, hashes: Sequence[bytes], deadline: float) -> list[int]:
         """:meth:`pin` for a lease another rank's budget bounds: charge what was pinned, refuse nothing.
@@ -222,12 +218,17 @@ class LeaseTable:
             return self.pin(lease_id, hashes, deadline)
         # Charged up front so that a release racing the pin never gives back pins not yet charged.
         budget.charge(len(hashes))
+        return self._pin_taken(budget, len(hashes), lease_id, hashes, deadline)
+
+    def _pin_taken(self, budget: PinBudget, taken: int, lease_id: int, hashes: Sequence[bytes], deadline: float,
+                   owner: bytes = b"") -> list[int]:
+        """:meth:`pin` the first ``taken`` hashes, for which ``budget`` was charged; give back what was not pinned."""
         try:
-            ids = self.pin(lease_id, hashes, deadline)
+            ids = self.pin(lease_id, hashes[:taken], deadline, owner)
         except BaseException:
-            budget.give_back(len(hashes))
+            budget.give_back(taken)
             raise
-        budget.give_back(len(hashes) - len(ids))
+        budget.give_back(taken - len(ids))
         return ids
 
     def trim(self, lease_id: int, keep: int) -> bool:

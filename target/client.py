@@ -87,7 +87,6 @@ from remote_g2.messages import (
     Lookup,
     LookupReply,
     PeerResolve,
-    PeerShare,
     RankBlocks,
     RankInfo,
     Release,
@@ -488,7 +487,7 @@ class TargetClient:
         link, worker = self._link, self._worker
         assert link is not None and worker is not None
         mux = RpcMux(timeout_ms=float(self.config.rpc_timeout_ms), curve=self.config.source_curve)
-        peers = PeerShares(rank=self.rank, worker_id=self.worker_id, worker=worker, mux=mux,
+        peers = PeerShares(rank=self.rank, worker=worker, mux=mux,
                            report=self._report_to_leader)
         self._peer_shares = peers
         gone: list[bool] = []
@@ -773,14 +772,13 @@ class TargetClient:
         load.lease_id = secrets.randbits(62) + 1  # random: another reader's ids are not guessable
         load.invalid_tail, load.dst = load.dst[n:], load.dst[:n]
         hashes = load.hashes[:n]
+        ask = PeerResolve(load.lease_id, hashes, self.config.lease_ttl_ms, self.worker_id)  # every rank's, alike
         msg = TargetLoad(load.load_id, wid, epoch, len(infos), False, 0, [], [], load.dst,
-                         self.config.transfer_timeout_ms, self._start_clocks(load),
-                         PeerShare(load.lease_id, hashes, self.config.lease_ttl_ms))
+                         self.config.transfer_timeout_ms, self._start_clocks(load), ask)
         self._send_to_ranks(load, msg)
         sent = time.monotonic()
         self.metrics.phase("to_resolve", sent - load.started)
-        self._mux.call(match.endpoint, PeerResolve(load.lease_id, hashes, self.config.lease_ttl_ms, self.worker_id),
-                       lambda reply: self._peer_resolved(load, reply, sent, msg))
+        self._mux.call(match.endpoint, ask, lambda reply: self._peer_resolved(load, reply, sent, msg))
 
     def _peer_resolved(self, load: _Load, reply: Any, sent: float, msg: TargetLoad) -> None:
         """Rank 0's share is resolved (or not): start it, or count rank 0 as failed (the others still report)."""

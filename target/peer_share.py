@@ -1,7 +1,8 @@
 """A target rank > 0 resolving its own share with its peer source rank (``peer_resolve``), then loading it.
 
-The leader sends such a rank a ``target_load`` whose ``peer`` field names
-the lease id and hashes, before it resolves its own share (docs/target.md,
+The leader sends such a rank a ``target_load`` whose ``peer`` field is the
+``peer_resolve`` request it sends source rank 0 for its own share (one lease
+id and the same hashes for every rank), before it sends that one (docs/target.md,
 "Peer resolve"). This rank then, on its serving loop's thread:
 
 1. asks its peer source rank (``RankInfo.peer_endpoint``, from the
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from remote_g2.messages import PeerResolve, RankBlocks, Release, TargetDone, TargetLoad
+from remote_g2.messages import RankBlocks, Release, TargetDone, TargetLoad
 from remote_g2.rpc_mux import RpcMux
 
 from .rank_worker import RankWorker
@@ -42,10 +43,9 @@ log = logging.getLogger("remote_g2.target")
 class PeerShares:
     """Peer-resolved loads of one target rank; every method runs on that rank's loop thread."""
 
-    def __init__(self, *, rank: int, worker_id: str, worker: RankWorker, mux: RpcMux,
+    def __init__(self, *, rank: int, worker: RankWorker, mux: RpcMux,
                  report: Callable[[TargetDone], None]) -> None:
         self.rank = rank
-        self.worker_id = worker_id
         self._worker = worker
         self._mux = mux
         self._report = report
@@ -53,8 +53,8 @@ class PeerShares:
 
     def start(self, load: TargetLoad, received: float) -> None:
         """Resolve ``load``'s share (``load.peer`` set) with this rank's peer; the load starts on the answer."""
-        share = load.peer
-        assert share is not None
+        ask = load.peer
+        assert ask is not None
         info = self._worker.source_info(load.source_worker, load.source_epoch, self.rank)
         if info is None or not info.peer_endpoint:
             self._fail(load, f"no peer endpoint known for rank {self.rank} of {load.source_worker} "
@@ -68,17 +68,17 @@ class PeerShares:
                 self._fail(load, f"{where}: {type(reply).__name__}: {reply}", peer_failed=True)
             elif reply.epoch != load.source_epoch:
                 if reply.matched:
-                    self._release(endpoint, share.lease_id)
+                    self._release(endpoint, ask.lease_id)
                 self._fail(load, f"{where}: the source restarted (epoch {reply.epoch}, expected "
                                  f"{load.source_epoch})")
             elif reply.reason != "ok" or reply.matched == 0:
                 self._fail(load, f"{where}: {reply.reason}")
             else:
-                self._leases[load.load_id] = (endpoint, share.lease_id)
+                self._leases[load.load_id] = (endpoint, ask.lease_id)
                 self._worker.start(replace(load, ranks=[RankBlocks(self.rank, reply.block_ids)],
                                            dst_block_ids=load.dst_block_ids[:reply.matched], peer=None), received)
 
-        self._mux.call(endpoint, PeerResolve(share.lease_id, share.hashes, share.ttl_ms, self.worker_id), on_reply)
+        self._mux.call(endpoint, ask, on_reply)  # the leader's request, as it sent it to source rank 0
 
     def reported(self, done: TargetDone) -> None:
         """The worker reported load ``done.load_id``: hand its share back to the peer rank."""
