@@ -38,18 +38,23 @@ import itertools
 import os
 import select
 import socket
-import struct
 import time
 from typing import Any
 
 from remote_g2.errors import ConfigError, ProtocolError, TransportError
 from remote_g2.ipc_paths import claim_ipc_path
 from remote_g2.messages import LinkHello
-from remote_g2.wire import DEFAULT_MAX_FRAME_BYTES, decode_frame, decode_request_body, encode_request
+from remote_g2.wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    decode_frame,
+    decode_request_body,
+    encode_request,
+    stream_frame,
+    take_stream_frames,
+)
 
 __all__ = ["MessageLink", "LinkListener", "LinkClosed", "connect_link"]
 
-_LEN = struct.Struct(">I")
 _RECV_CHUNK = 1 << 18
 _SOCK_BUFFER = 4 << 20  # asked for; the kernel caps it at net.core.{r,w}mem_max
 
@@ -95,7 +100,7 @@ class MessageLink:
         if len(frame) > self._max_frame:
             raise ProtocolError(f"{type(message).__name__} of {len(frame)} bytes exceeds the "
                                 f"{self._max_frame}-byte frame limit")
-        data = memoryview(_LEN.pack(len(frame)) + frame)
+        data = memoryview(stream_frame(frame))
         deadline: float | None = None
         while data:
             try:
@@ -152,26 +157,12 @@ class MessageLink:
             self._sock.close()
 
     def _decode_buffered(self) -> list[Any]:
-        out: list[Any] = []
-        buf, pos = self._buf, 0
         try:
-            while len(buf) - pos >= _LEN.size:
-                (size,) = _LEN.unpack_from(buf, pos)
-                if size > self._max_frame:
-                    raise ProtocolError(f"frame of {size} bytes announced on the link from {self.peer}; "
-                                        f"the limit is {self._max_frame}")
-                if len(buf) - pos - _LEN.size < size:
-                    break
-                start = pos + _LEN.size
-                frame = decode_frame(bytes(buf[start:start + size]), max_frame_bytes=self._max_frame)
-                out.append(decode_request_body(frame)[1])
-                pos = start + size
+            frames = take_stream_frames(self._buf, max_frame_bytes=self._max_frame)
+            return [decode_request_body(decode_frame(f, max_frame_bytes=self._max_frame))[1] for f in frames]
         except ProtocolError:
             self.close()
             raise
-        finally:
-            del buf[:pos]
-        return out
 
 
 class LinkListener:

@@ -11,20 +11,27 @@ A DEALER socket (not REQ) means a timed-out call leaves no stuck state: a late
 reply is recognised by its ``re`` and discarded. The client is thread-safe;
 calls from several threads are serialised on one socket — give a thread its
 own client when it needs its own pace.
+
+A ``tcp+stream://`` endpoint (:mod:`remote_g2.rpc_stream`) is called over one
+plain TCP connection instead, made on the first call and again on the call
+after one that failed; CURVE cannot be used with it.
 """
 
 from __future__ import annotations
 
 import itertools
+import select
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
 
 from remote_g2.curve import CurveClientConfig
-from remote_g2.errors import RemoteError, RpcClosed, RpcTimeout, error_class_for
+from remote_g2.errors import ConfigError, RemoteError, RpcClosed, RpcTimeout, error_class_for
 from remote_g2.messages import ErrorReply, Ping, Pong, spec_for_request
+from remote_g2.rpc_stream import StreamConnection, is_stream_endpoint
 from remote_g2.wire import (
     DEFAULT_MAX_FRAME_BYTES,
     ERR,
@@ -50,7 +57,7 @@ def error_from_reply(err: ErrorReply, endpoint: str) -> Exception:
 
 
 class RpcClient:
-    """Calls one server endpoint (``tcp://…`` or ``ipc://…``)."""
+    """Calls one server endpoint (``tcp://…``, ``ipc://…`` or ``tcp+stream://…``)."""
 
     def __init__(
         self,
@@ -64,13 +71,19 @@ class RpcClient:
         self.endpoint = endpoint
         self.timeout_ms = timeout_ms
         self._max_frame = max_frame_bytes
-        self._ctx = context or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.linger = 0
-        self._sock.maxmsgsize = 4 * max_frame_bytes
-        if curve is not None:
-            curve.apply(self._sock)
-        self._sock.connect(endpoint)
+        self._stream = is_stream_endpoint(endpoint)
+        self._conn: StreamConnection | None = None
+        self._sock: zmq.Socket | None = None
+        if self._stream:
+            if curve is not None:
+                raise ConfigError(f"{endpoint}: a stream endpoint cannot use CURVE")
+        else:
+            self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
+            self._sock.linger = 0
+            self._sock.maxmsgsize = 4 * max_frame_bytes
+            if curve is not None:
+                curve.apply(self._sock)
+            self._sock.connect(endpoint)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
@@ -83,16 +96,10 @@ class RpcClient:
             if self._closed:
                 raise RpcClosed(f"calling {spec.name} on {self.endpoint}: client is closed")
             msg_id = next(self._ids)
-            self._sock.send(encode_request(msg_id, request))
             deadline = time.monotonic() + timeout / 1000.0
-            while True:
-                left_ms = (deadline - time.monotonic()) * 1000.0
-                if left_ms <= 0 or not self._sock.poll(max(1, int(left_ms)), zmq.POLLIN):
-                    raise RpcTimeout(
-                        f"calling {spec.name} on {self.endpoint}: no reply within {timeout:g} ms",
-                        call=spec.name, endpoint=self.endpoint, timeout_ms=timeout,
-                    )
-                frame = decode_frame(self._sock.recv(), max_frame_bytes=self._max_frame)
+            frames = self._stream_call if self._stream else self._zmq_call
+            for raw in frames(encode_request(msg_id, request), deadline):
+                frame = decode_frame(raw, max_frame_bytes=self._max_frame)
                 # An ERR without ``re`` means the server could not read our id; it is
                 # about this call. Any other id is a late reply to a timed-out call.
                 if frame.re != msg_id and not (frame.re is None and frame.type == ERR):
@@ -101,6 +108,35 @@ class RpcClient:
                 if isinstance(body, ErrorReply):
                     raise error_from_reply(body, self.endpoint)
                 return body
+            raise RpcTimeout(f"calling {spec.name} on {self.endpoint}: no reply within {timeout:g} ms",
+                             call=spec.name, endpoint=self.endpoint, timeout_ms=timeout)
+
+    def _zmq_call(self, request: bytes, deadline: float) -> Iterator[bytes]:
+        """Send ``request``, then yield every frame that arrives until ``deadline``."""
+        assert self._sock is not None
+        self._sock.send(request)
+        while True:
+            left_ms = (deadline - time.monotonic()) * 1000.0
+            if left_ms <= 0 or not self._sock.poll(max(1, int(left_ms)), zmq.POLLIN):
+                return
+            yield self._sock.recv()
+
+    def _stream_call(self, request: bytes, deadline: float) -> Iterator[bytes]:
+        """As :meth:`_zmq_call`, on the stream connection (connected now if there is none)."""
+        if self._conn is None or self._conn.closed:
+            self._conn = StreamConnection(self.endpoint, max_frame_bytes=self._max_frame)
+        conn = self._conn
+        conn.send(request)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if conn.wants_write:
+                if conn.wait(select.POLLOUT, left):
+                    conn.flush()
+                continue
+            if conn.wait(select.POLLIN, left):
+                yield from conn.receive()  # TransportError once the server is gone
 
     def ping(self, *, timeout_ms: float | None = None) -> Pong:
         """Ask the server who it is; a cheap liveness check."""
@@ -112,7 +148,10 @@ class RpcClient:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self._sock.close(0)
+                if self._sock is not None:
+                    self._sock.close(0)
+                if self._conn is not None:
+                    self._conn.close()
 
     def __enter__(self) -> RpcClient:
         return self

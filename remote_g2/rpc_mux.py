@@ -25,7 +25,12 @@ Contract:
 * callbacks run on the loop's thread, never inside :meth:`call` (a callback
   may start new calls); a callback that raises is logged and the loop goes on;
 * one DEALER socket per endpoint, created on first use; a reply that arrives
-  after its call timed out is recognised by its id and dropped.
+  after its call timed out is recognised by its id and dropped;
+* ``tcp+stream://`` endpoints (:mod:`remote_g2.rpc_stream`) get one plain
+  TCP connection each instead, read and written by the loop's thread; when it
+  fails, its open calls fail with :class:`~remote_g2.errors.TransportError`
+  and the next call connects again. A mux with CURVE refuses such endpoints
+  (they would carry the call in the clear).
 
 Not thread-safe: one thread owns a mux (ZMQ sockets are single-threaded).
 """
@@ -47,6 +52,7 @@ from remote_g2.curve import CurveClientConfig
 from remote_g2.errors import ProtocolError, RpcClosed, RpcTimeout, TransportError
 from remote_g2.messages import ErrorReply, spec_for_request
 from remote_g2.rpc_client import DEFAULT_TIMEOUT_MS, error_from_reply
+from remote_g2.rpc_stream import StreamConnection, is_stream_endpoint
 from remote_g2.wire import (
     DEFAULT_MAX_FRAME_BYTES,
     ERR,
@@ -71,14 +77,18 @@ class _Call:
 
 
 class _Peer:
-    """One endpoint's socket and its open calls by message id."""
+    """One endpoint's socket (ZMQ DEALER, or a stream-lane connection) and its open calls by message id."""
 
-    __slots__ = ("endpoint", "sock", "open")
+    __slots__ = ("endpoint", "sock", "conn", "open", "key")
 
-    def __init__(self, endpoint: str, sock: zmq.Socket) -> None:
+    def __init__(self, endpoint: str, sock: zmq.Socket | None, conn: StreamConnection | None = None) -> None:
         self.endpoint = endpoint
         self.sock = sock
+        self.conn = conn
         self.open: dict[int, _Call] = {}
+        # What the poller reports this peer as: the ZMQ socket, or the connection's fd (kept: a closed
+        # connection's fileno() is -1, and its registration must still be removed).
+        self.key: Any = sock if conn is None else conn.fileno()
 
 
 class RpcMux:
@@ -94,7 +104,7 @@ class RpcMux:
         self._hwm = queue_depth
         self._ids = itertools.count(1)
         self._peers: dict[str, _Peer] = {}
-        self._by_sock: dict[zmq.Socket, _Peer] = {}
+        self._by_sock: dict[Any, _Peer] = {}  # poller key (see _Peer.key) -> peer
         self._watched: dict[Any, Callable[[], None]] = {}
         self._poller = zmq.Poller()
         self._clocks: list[tuple[float, int, str]] = []  # (deadline, msg id, endpoint): a min-heap
@@ -111,13 +121,27 @@ class RpcMux:
         if self._closed:
             self._ready.append((callback, RpcClosed(f"calling {name} on {endpoint}: the mux is closed")))
             return
-        peer = self._peer(endpoint)
-        msg_id = next(self._ids)
         try:
-            peer.sock.send(encode_request(msg_id, request), zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # queue full: the peer has not been reading for a while
+            peer = self._peer(endpoint)
+        except TransportError as e:  # a stream endpoint we cannot connect to, or may not use
             self._ready.append((callback, TransportError(f"calling {name} on {endpoint}: {e}")))
             return
+        msg_id = next(self._ids)
+        frame = encode_request(msg_id, request)
+        if peer.conn is not None:
+            try:
+                peer.conn.send(frame)
+            except (TransportError, RpcClosed) as e:
+                self._ready.append((callback, TransportError(f"calling {name} on {endpoint}: {e}")))
+                self._lost(peer, str(e))
+                return
+            self._watch_writes(peer)
+        else:
+            try:
+                peer.sock.send(frame, zmq.NOBLOCK)
+            except zmq.ZMQError as e:  # queue full: the peer has not been reading for a while
+                self._ready.append((callback, TransportError(f"calling {name} on {endpoint}: {e}")))
+                return
         deadline = time.monotonic() + timeout / 1000.0
         peer.open[msg_id] = _Call(request, callback, deadline, timeout)
         heapq.heappush(self._clocks, (deadline, msg_id, endpoint))
@@ -156,9 +180,11 @@ class RpcMux:
         nxt = self.next_deadline()
         if nxt is not None:
             wait = min(wait, max(0.0, (nxt - time.monotonic()) * 1000.0))
-        for source, _ in self._poller.poll(wait if wait > 0 else 0):
+        for source, events in self._poller.poll(wait if wait > 0 else 0):
             peer = self._by_sock.get(source)
-            if peer is not None:
+            if peer is not None and peer.conn is not None:
+                self._stream_ready(peer, events)
+            elif peer is not None:
                 self._read(peer)
             else:
                 handler = self._watched.get(source)
@@ -189,7 +215,14 @@ class RpcMux:
 
     def _peer(self, endpoint: str) -> _Peer:
         peer = self._peers.get(endpoint)
-        if peer is None:
+        if peer is None and is_stream_endpoint(endpoint):
+            if self._curve is not None:
+                raise TransportError("CURVE is configured and a stream endpoint would carry the call in the clear")
+            conn = StreamConnection(endpoint, max_frame_bytes=self._max_frame)
+            peer = self._peers[endpoint] = _Peer(endpoint, None, conn)
+            self._by_sock[peer.key] = peer
+            self._poller.register(peer.key, zmq.POLLIN)
+        elif peer is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.linger = 0
             sock.sndhwm = sock.rcvhwm = self._hwm
@@ -202,14 +235,41 @@ class RpcMux:
             self._poller.register(sock, zmq.POLLIN)
         return peer
 
-    def _drop(self, peer: _Peer, why: str) -> None:
-        self._poller.unregister(peer.sock)
-        self._by_sock.pop(peer.sock, None)
-        peer.sock.close(0)
+    def _drop(self, peer: _Peer, why: str, error: type[Exception] = RpcClosed) -> None:
+        key = peer.key
+        self._poller.unregister(key)
+        self._by_sock.pop(key, None)
+        if peer.conn is not None:
+            peer.conn.close()
+        else:
+            peer.sock.close(0)
         for call in peer.open.values():
             name = type(call.request).WIRE_NAME
-            self._ready.append((call.callback, RpcClosed(f"calling {name} on {peer.endpoint}: {why}")))
+            self._ready.append((call.callback, error(f"calling {name} on {peer.endpoint}: {why}")))
         peer.open.clear()
+
+    def _lost(self, peer: _Peer, why: str) -> None:
+        """A stream connection failed: fail its open calls; the next call to its endpoint connects again."""
+        if self._peers.get(peer.endpoint) is peer:
+            del self._peers[peer.endpoint]
+            self._drop(peer, why, TransportError)
+
+    def _watch_writes(self, peer: _Peer) -> None:
+        assert peer.conn is not None
+        self._poller.modify(peer.key, zmq.POLLIN | (zmq.POLLOUT if peer.conn.wants_write else 0))
+
+    def _stream_ready(self, peer: _Peer, events: int) -> None:
+        assert peer.conn is not None
+        try:
+            if events & zmq.POLLOUT:
+                peer.conn.flush()
+                self._watch_writes(peer)
+            raws = peer.conn.receive() if events & (zmq.POLLIN | zmq.POLLERR) else []
+        except (TransportError, RpcClosed) as e:
+            self._lost(peer, str(e))
+            return
+        for raw in raws:
+            self._take_reply(peer, raw)
 
     def _read(self, peer: _Peer) -> None:
         while True:
@@ -217,20 +277,23 @@ class RpcMux:
                 raw = peer.sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            try:
-                frame = decode_frame(raw, max_frame_bytes=self._max_frame)
-            except ProtocolError as e:
-                log.warning("dropping an unreadable reply from %s: %s", peer.endpoint, e)
-                continue
-            if frame.re is None:
-                # An ERR without ``re``: the server could not read our id. With several calls
-                # open nobody knows which one it is about; each of them will time out.
-                if frame.type == ERR and len(peer.open) == 1:
-                    self._settle(peer, next(iter(peer.open)), frame)
-                continue
-            if frame.re in peer.open:
-                self._settle(peer, frame.re, frame)
-            # otherwise a late reply to a call that already timed out
+            self._take_reply(peer, raw)
+
+    def _take_reply(self, peer: _Peer, raw: bytes) -> None:
+        try:
+            frame = decode_frame(raw, max_frame_bytes=self._max_frame)
+        except ProtocolError as e:
+            log.warning("dropping an unreadable reply from %s: %s", peer.endpoint, e)
+            return
+        if frame.re is None:
+            # An ERR without ``re``: the server could not read our id. With several calls
+            # open nobody knows which one it is about; each of them will time out.
+            if frame.type == ERR and len(peer.open) == 1:
+                self._settle(peer, next(iter(peer.open)), frame)
+            return
+        if frame.re in peer.open:
+            self._settle(peer, frame.re, frame)
+        # otherwise a late reply to a call that already timed out
 
     def _settle(self, peer: _Peer, msg_id: int, frame: Any) -> None:
         call = peer.open.pop(msg_id)

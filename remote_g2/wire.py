@@ -14,10 +14,18 @@ msgpack is told the same bounds so it cannot allocate past them, and every
 body is validated by the compiled decoder of its dataclass. Anything wrong
 raises :class:`~remote_g2.errors.ProtocolError`; servers turn that into an
 ``ERR`` reply and keep serving. No pickle, no ext types.
+
+On a plain stream socket (the worker-internal links of
+:mod:`remote_g2.local_link`, the RPC stream lane of
+:mod:`remote_g2.rpc_stream`) each frame is preceded by its length, 4 bytes
+big-endian: :func:`stream_frame` writes that, :func:`take_stream_frames`
+cuts a receive buffer into whole frames and refuses an announced length past
+the limit before any of it is read.
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +49,8 @@ __all__ = [
     "decode_request_body",
     "peek_type",
     "decode_reply_body",
+    "stream_frame",
+    "take_stream_frames",
 ]
 
 PROTOCOL_VERSION = 2  # 2: block-id lists travel packed (schema.Packed)
@@ -48,6 +58,7 @@ DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 OK = "OK"
 ERR = "ERR"
 _MAX_ID = 2**63 - 1
+_STREAM_LEN = struct.Struct(">I")
 
 _packer_kwargs = {"use_bin_type": True}
 
@@ -191,3 +202,33 @@ def decode_reply_body(frame: Frame, spec: MessageSpec) -> Any:
     if frame.type != OK:
         raise ProtocolError(f"reply to {spec.name} has type {frame.type!r}, expected OK or ERR")
     return decoder_for(spec.reply)(frame.body, f"{spec.name}.OK")
+
+
+def stream_frame(frame: bytes) -> bytes:
+    """``frame`` with its 4-byte big-endian length in front, as it travels on a stream socket."""
+    return _STREAM_LEN.pack(len(frame)) + frame
+
+
+def take_stream_frames(buf: bytearray, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> list[bytes]:
+    """Remove every whole length-prefixed frame from the front of ``buf`` and return them (raw, undecoded).
+
+    A partial frame stays in ``buf`` for the next read. An announced length
+    over ``max_frame_bytes`` raises :class:`~remote_g2.errors.FrameTooLarge`
+    (the frames before it are removed and lost with it): the stream cannot be
+    resynchronised after that, so the caller closes it.
+    """
+    out: list[bytes] = []
+    pos, end = 0, len(buf)
+    try:
+        while end - pos >= _STREAM_LEN.size:
+            (size,) = _STREAM_LEN.unpack_from(buf, pos)
+            if size > max_frame_bytes:
+                raise FrameTooLarge(f"a frame of {size} bytes was announced; the limit is {max_frame_bytes}")
+            start = pos + _STREAM_LEN.size
+            if end - start < size:
+                break
+            out.append(bytes(buf[start:start + size]))
+            pos = start + size
+    finally:
+        del buf[:pos]
+    return out
