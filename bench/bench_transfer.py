@@ -136,7 +136,8 @@ def run_config(kib: int, args: argparse.Namespace, registry: str, tmp: Path) -> 
     src = Proc([str(MPIEXEC), *bind, "-n", str(TP), py, str(PROCS / "source_rank.py"), "--dir", str(src_dir),
                 "--worker-id", worker, "--block-kib", str(kib), "--hashes", str(n), "--layout", args.source_layout,
                 "--pool-pages", args.pool_pages,
-                "--registry", registry, "--ipc-dir", ipc], src_dir / "mpiexec.log")
+                "--registry", registry, "--ipc-dir", ipc, "--peer-transport", args.peer_transport],
+               src_dir / "mpiexec.log")
     tgt: Proc | None = None
     try:
         _wait_file(src_dir / "endpoint.json", src, 90, "the source worker did not start")
@@ -363,6 +364,7 @@ def _stream_summary(st: dict[str, Any] | None) -> dict[str, Any] | None:
 def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"TP={TP}->{TP}, {args.mib} MiB per request ({args.mib // TP} MiB per rank), median of {args.reps}; "
           f"source blocks {args.source_layout} in {args.pool_pages} pages; ranks bound: {args.bind}; "
+          f"peer resolve {args.peer_resolve}" + (f" over {args.peer_transport}; " if args.peer_resolve == "on" else "; ") +
           f"NIXL {_nixl_version()} UCX; "
           f"{os.cpu_count()} CPUs, "
           f"load avg {os.getloadavg()[0]:.2f}")
@@ -451,6 +453,9 @@ def main() -> int:
     p.add_argument("--peer-resolve", choices=("on", "off"), default="on",
                    help="on (the default): after the first request each target rank resolves its own share with "
                         "its peer source rank (docs/target.md, \"Peer resolve\"); off: rank 0 resolves every share")
+    p.add_argument("--peer-transport", choices=("stream", "zmq"), default="stream",
+                   help="what the source's peer endpoints speak: stream (the default; plain TCP, "
+                        "remote_g2/rpc_stream.py) or zmq (ZMQ TCP; rank 0's share through its worker endpoint)")
     p.add_argument("--stream-requests", type=int, default=8, help="requests per sustained-rate round (0: skip)")
     p.add_argument("--stream-depth", type=int, default=2, help="requests in flight at most in a sustained round")
     p.add_argument("--stream-rounds", type=int, default=3, help="sustained rounds (each: e2e and raw, alternating)")
@@ -494,7 +499,7 @@ def main() -> int:
             "benchmark": "transfer", "tp": TP, "mib": args.mib, "reps": args.reps,
             "source_layout": args.source_layout, "pool_pages": args.pool_pages, "bind": args.bind,
             "thp_mode": thp_mode(), "poll_us": args.poll_us, "registry_mirror": args.registry_mirror,
-            "peer_resolve": args.peer_resolve,
+            "peer_resolve": args.peer_resolve, "peer_transport": args.peer_transport,
             "stream_requests": args.stream_requests, "stream_depth": args.stream_depth,
             "stream_rounds": args.stream_rounds, "stream_poll_us": args.stream_poll_us, "nixl": _nixl_version(),
             "cpus": os.cpu_count(), "machine": platform.machine(), "loadavg": os.getloadavg(),

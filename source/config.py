@@ -18,6 +18,7 @@ variable                                field                                   
 ``REMOTE_G2_SOURCE_SIBLING_TIMEOUT_MS`` ``sibling_timeout_ms``                       1000
 ``REMOTE_G2_SOURCE_RPC_WORKERS``        ``rpc_workers``                              4
 ``REMOTE_G2_SOURCE_PEER_RESOLVE``       ``peer_resolve`` (ranks > 0 answer their own)  on
+``REMOTE_G2_SOURCE_PEER_TRANSPORT``     ``peer_transport`` (``stream`` or ``zmq``)   ``stream``
 ``REMOTE_G2_SOURCE_METRICS_PORT``       ``metrics_port`` (rank r serves port + r)    off
 ``REMOTE_G2_SOURCE_FINGERPRINT``        ``fingerprint`` (JSON of LayoutFingerprint)  unset
 ``REMOTE_G2_SOURCE_CURVE_SECRET_KEY``   ``curve`` (server key file)                  unset
@@ -77,6 +78,13 @@ class SourceConfig:
       host, so that each rank of a target with the same TP size resolves its
       share with its peer rank directly (``source/peer.py``); advertised in
       the metadata. False: only rank 0 is reachable, targets use ``resolve``.
+    * ``peer_transport`` — what those peer endpoints speak. ``stream``: the
+      plain-TCP RPC lane (:mod:`remote_g2.rpc_stream`), on every rank, rank 0
+      included (a lane beside its worker endpoint for the calls of a peer
+      load: ``peer_resolve``, ``renew``, ``release``); it saves the ZMQ I/O
+      threads' wake-ups on each load's critical path. ``zmq``: ZMQ TCP on
+      ranks > 0, rank 0's worker endpoint for rank 0. With ``curve`` set the
+      lane is never used (it is plaintext): ``zmq`` whatever this says.
     * ``metrics_port`` — serve Prometheus ``/metrics`` on ``metrics_addr``,
       port ``metrics_port + tp_rank``; None: not served over HTTP.
     * ``progress_interval_ms`` / ``idle_progress_interval_ms`` — how often each
@@ -104,6 +112,7 @@ class SourceConfig:
     sibling_retry_after_ms: int = 1_000
     rpc_workers: int = 4
     peer_resolve: bool = True
+    peer_transport: str = "stream"
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
     progress_interval_ms: float = 5.0
@@ -131,12 +140,19 @@ class SourceConfig:
             raise ConfigError(f"min_lease_ttl_ms {self.min_lease_ttl_ms} > max_lease_ttl_ms {self.max_lease_ttl_ms}")
         if self.default_lease_ttl_ms > self.max_lease_ttl_ms:  # lowering the maximum lowers the default
             object.__setattr__(self, "default_lease_ttl_ms", self.max_lease_ttl_ms)
+        if self.peer_transport not in ("stream", "zmq"):
+            raise ConfigError(f"SourceConfig.peer_transport must be 'stream' or 'zmq', got {self.peer_transport!r}")
         if not self.bind.startswith("tcp://"):
             raise ConfigError(f"SourceConfig.bind must be a tcp:// endpoint, got {self.bind!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"SourceConfig.metrics_port {self.metrics_port} is not a port")
         if self.registry_endpoint is not None and self.fingerprint is None:
             raise ConfigError("SourceConfig.registry_endpoint needs a fingerprint (LayoutFingerprint) to register")
+
+    @property
+    def stream_lane(self) -> bool:
+        """Whether the peer endpoints are stream lanes (asked for, and no CURVE to keep)."""
+        return self.peer_resolve and self.peer_transport == "stream" and self.curve is None
 
     def lease_ttl_ms(self, asked_ms: int) -> int:
         """The TTL a lease gets: the asked one, clamped to ``[min_lease_ttl_ms, max_lease_ttl_ms]``."""
@@ -173,6 +189,8 @@ class SourceConfig:
                 kw[name] = value
         if e.get("REMOTE_G2_SOURCE_PEER_RESOLVE", "").strip():
             kw["peer_resolve"] = env_flag("REMOTE_G2_SOURCE_PEER_RESOLVE", e)
+        if e.get("REMOTE_G2_SOURCE_PEER_TRANSPORT", "").strip():
+            kw["peer_transport"] = e["REMOTE_G2_SOURCE_PEER_TRANSPORT"].strip().lower()
         budget = _env_int("REMOTE_G2_SOURCE_PIN_BUDGET", e)
         if budget is not None:
             kw["pin_budget_blocks"] = budget

@@ -77,7 +77,8 @@ from remote_g2.messages import (
     SiblingTrim,
     SourceMetadataReply,
 )
-from remote_g2.rpc_server import CallContext, RpcServer, free_port_on_host_of
+from remote_g2.rpc_server import CallContext, Handler, RpcServer, free_port_on_host_of
+from remote_g2.rpc_stream import StreamRpcServer, stream_endpoint_on_host_of
 from remote_g2.stall_watchdog import maybe_start_stall_watchdog
 
 from .config import ENABLE_ENV, SourceConfig
@@ -198,7 +199,7 @@ class SourceService:
         self.records: list[RankRecord] = []
         self._agent: RankAgent | None = None
         self._server: RpcServer | None = None
-        self._peer_server: RpcServer | None = None  # rank > 0: peer_resolve / release on TCP
+        self._peer_server: RpcServer | None = None  # peer_resolve / release (/ renew on rank 0); see _start_peer_server
         self.peer_endpoint: str | None = None
         self._links: SiblingLinks | None = None
         self._publisher: Any = None
@@ -263,25 +264,36 @@ class SourceService:
                                      on_call=self.metrics.observe_call)
             self.endpoint = self._server.start()
             if cfg.peer_resolve:
-                self._start_peer_server()
+                self._start_peer_server(peer_handlers(self.leases, epoch=lambda: self.epoch,
+                                                      lease_ttl_ms=cfg.lease_ttl_ms,
+                                                      on_release=self.metrics.leases_released.inc))
         epoch = time.time_ns() if self.rank == 0 else 0
         return RankRecord(self.rank, self._agent.name, self._agent.metadata, regions[0].base, regions[0].nbytes,
                           layout, sibling_endpoint, epoch, self.peer_endpoint)
 
-    def _start_peer_server(self) -> None:
-        """Rank > 0: serve ``peer_resolve`` / ``release`` of this rank's own shares on TCP (source/peer.py).
+    def _start_peer_server(self, handlers: dict[str, Handler]) -> None:
+        """Serve a peer load's calls to this rank (source/peer.py) at ``peer_endpoint``.
 
+        Rank r > 0: ``peer_resolve`` / ``release`` of its own shares. Rank 0
+        (stream lane only; otherwise its worker endpoint serves them):
+        ``peer_resolve`` and the worker's ``release`` / ``renew``, which reach
+        the siblings — a lease is ended from the connection that took it.
         Bound on rank 0's host (``bind``) at a port of its own; advertised on
-        ``advertise``'s host when one is set. Same CURVE keys as rank 0.
+        ``advertise``'s host when one is set. The stream lane when
+        ``config.stream_lane``, else ZMQ TCP with rank 0's CURVE keys.
         """
         cfg = self.config
-        handlers = peer_handlers(self.leases, epoch=lambda: self.epoch, lease_ttl_ms=cfg.lease_ttl_ms,
-                                 on_release=self.metrics.leases_released.inc)
-        self._peer_server = RpcServer(free_port_on_host_of(cfg.bind), handlers, name=f"source-{self.worker_id}-tp{self.rank}-peer",
-                                      workers=1, curve=cfg.curve, on_call=self.metrics.observe_call)
+        name = f"source-{self.worker_id}-tp{self.rank}-peer"
+        if cfg.stream_lane:
+            self._peer_server = StreamRpcServer(stream_endpoint_on_host_of(cfg.bind), handlers, name=name,
+                                                on_call=self.metrics.observe_call)
+        else:
+            self._peer_server = RpcServer(free_port_on_host_of(cfg.bind), handlers, name=name, workers=1,
+                                          curve=cfg.curve, on_call=self.metrics.observe_call)
         bound = self._peer_server.start()
-        if cfg.advertise:
-            bound = cfg.advertise.rsplit(":", 1)[0] + ":" + bound.rsplit(":", 1)[1]
+        if cfg.advertise:  # the advertised host, the bound scheme and port
+            scheme, rest = bound.split("://", 1)
+            bound = f"{scheme}://{cfg.advertise.split('://', 1)[1].rsplit(':', 1)[0]}:{rest.rsplit(':', 1)[1]}"
         self.peer_endpoint = bound
 
     def _start_rank0(self) -> None:
@@ -292,13 +304,17 @@ class SourceService:
         self._links = SiblingLinks(siblings, timeout_ms=cfg.sibling_timeout_ms,
                                    retry_after_s=cfg.sibling_retry_after_ms / 1000,
                                    on_failure=self._sibling_failed)
+        peer_resolve = peer_handlers(self.leases, epoch=lambda: self.epoch, lease_ttl_ms=cfg.lease_ttl_ms,
+                                     observe=self.metrics.resolve_outcome)["peer_resolve"]
+        if cfg.stream_lane:  # before the worker endpoint: targets learn of the lane from its metadata
+            self._start_peer_server({"peer_resolve": peer_resolve, "release": self._release, "renew": self._renew})
+            self._rank_infos[0] = replace(self._rank_infos[0], peer_endpoint=self.peer_endpoint)
         self._server = RpcServer(cfg.bind, {
             "resolve": self._resolve,
             "release": self._release,
             "renew": self._renew,
             "get_metadata": self._get_metadata,
-            "peer_resolve": peer_handlers(self.leases, epoch=lambda: self.epoch, lease_ttl_ms=cfg.lease_ttl_ms,
-                                          observe=self.metrics.resolve_outcome)["peer_resolve"],
+            "peer_resolve": peer_resolve,
         }, name=f"source-{self.worker_id}", workers=cfg.rpc_workers, curve=cfg.curve,
             on_call=self.metrics.observe_call, on_arrival={"resolve": self._forward_resolve})
         self.endpoint = self._server.start()

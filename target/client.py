@@ -171,6 +171,7 @@ class _Load:
     dst: list[int]
     match: TargetMatch | None = None
     lease_id: int = 0
+    lease_endpoint: str | None = None  # where the lease was taken: renew and release go there (its owner)
     lease_expires: float = 0.0      # monotonic; conservative (counted from the resolve's send time)
     waiting: set[int] = field(default_factory=set)
     errors: list[str] = field(default_factory=list)
@@ -693,6 +694,7 @@ class TargetClient:
         sent = time.monotonic()
         self.metrics.phase("to_resolve", sent - load.started)
         assert self._mux is not None
+        load.lease_endpoint = match.endpoint
         self._mux.call(match.endpoint, Resolve(load.hashes[:n], self.config.lease_ttl_ms, self.worker_id, known),
                        lambda reply: self._resolved(load, reply, sent))
 
@@ -778,7 +780,9 @@ class TargetClient:
         self._send_to_ranks(load, msg)
         sent = time.monotonic()
         self.metrics.phase("to_resolve", sent - load.started)
-        self._mux.call(match.endpoint, ask, lambda reply: self._peer_resolved(load, reply, sent, msg))
+        # Source rank 0's stream lane when it has one (no ZMQ I/O threads on the way), else its worker endpoint.
+        load.lease_endpoint = infos[0].peer_endpoint or match.endpoint
+        self._mux.call(load.lease_endpoint, ask, lambda reply: self._peer_resolved(load, reply, sent, msg))
 
     def _peer_resolved(self, load: _Load, reply: Any, sent: float, msg: TargetLoad) -> None:
         """Rank 0's share is resolved (or not): start it, or count rank 0 as failed (the others still report)."""
@@ -890,7 +894,7 @@ class TargetClient:
             self._releases.append(load)
         else:
             self._loads.pop(load.load_id, None)
-            assert self._mux is not None and load.match is not None and load.match.endpoint is not None
+            assert self._mux is not None and load.lease_endpoint is not None
 
             def on_release(reply: Any) -> None:
                 if isinstance(reply, Exception) or not reply.released:
@@ -898,7 +902,7 @@ class TargetClient:
                 else:
                     self._report(load, None, ok=True)
 
-            self._mux.call(load.match.endpoint, Release(load.lease_id), on_release)
+            self._mux.call(load.lease_endpoint, Release(load.lease_id), on_release)
 
     def _check_clocks(self) -> None:
         now = time.monotonic()
@@ -911,7 +915,7 @@ class TargetClient:
                 self._renew(load)
 
     def _renew(self, load: _Load) -> None:
-        assert self._mux is not None and load.match is not None and load.match.endpoint is not None
+        assert self._mux is not None and load.lease_endpoint is not None
         load.renewing = True
         sent = time.monotonic()
 
@@ -927,7 +931,7 @@ class TargetClient:
                 load.lease_expires = sent + reply.expires_in_ms / 1000.0
                 load.renew_at = sent + reply.expires_in_ms / 2000.0
 
-        self._mux.call(load.match.endpoint, Renew(load.lease_id, self.config.lease_ttl_ms), on_renewed)
+        self._mux.call(load.lease_endpoint, Renew(load.lease_id, self.config.lease_ttl_ms), on_renewed)
 
     def _send_releases(self) -> None:
         releases, self._releases = self._releases, []
@@ -936,14 +940,14 @@ class TargetClient:
 
     def _send_release(self, load: _Load) -> None:
         """Release the lease without waiting for the outcome (the source's expiry covers a lost release)."""
-        if not load.lease_id or load.match is None or load.match.endpoint is None or self._mux is None:
+        if not load.lease_id or load.lease_endpoint is None or self._mux is None:
             return
 
         def on_release(reply: Any) -> None:
             if isinstance(reply, Exception):
-                log.warning("releasing lease %d on %s: %s", load.lease_id, load.match.worker_id, reply)
+                log.warning("releasing lease %d at %s: %s", load.lease_id, load.lease_endpoint, reply)
 
-        self._mux.call(load.match.endpoint, Release(load.lease_id), on_release)
+        self._mux.call(load.lease_endpoint, Release(load.lease_id), on_release)
 
     def _succeed(self, load: _Load) -> None:
         self._loads.pop(load.load_id, None)

@@ -349,8 +349,12 @@ class FakeAgent:
 
 
 @pytest.fixture
-def tp2(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[dict]:
-    """Two ranks of one worker in this process: rank 1 lacks hash 12, rank 0 lacks hash 14."""
+def tp2(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[dict]:
+    """Two ranks of one worker in this process: rank 1 lacks hash 12, rank 0 lacks hash 14.
+
+    Indirect parameter: the peer transport (default ``stream``).
+    """
+    transport = getattr(request, "param", "stream")
     monkeypatch.setattr(service_mod, "RankAgent", FakeAgent)
     import tempfile
 
@@ -358,7 +362,7 @@ def tp2(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[dict]:
     pools = [_pool(16, 32, 0, {14}), _pool(16, 32, 1, {12})]
     comms = ThreadComm.group(2)
     cfg = SourceConfig(enabled=True, ipc_dir=ipc_dir, pin_budget_blocks=24, sibling_timeout_ms=500,
-                       max_lease_ttl_ms=5_000, reap_interval_ms=10)
+                       max_lease_ttl_ms=5_000, reap_interval_ms=10, peer_transport=transport)
     services: list[object] = [None, None]
 
     def start(r: int) -> None:
@@ -371,7 +375,7 @@ def tp2(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[dict]:
         t.join(30)
     client = RpcClient(services[0].endpoint, timeout_ms=5000)
     try:
-        yield {"services": services, "pools": pools, "client": client}
+        yield {"services": services, "pools": pools, "client": client, "transport": transport}
     finally:
         client.close()
         for s in services:
@@ -530,23 +534,33 @@ def test_sibling_err_reply_arrives_as_its_error_class_naming_the_sibling(tmp_pat
         server.close()
 
 
+@pytest.mark.parametrize("tp2", ["stream", "zmq"], indirect=True)
 def test_threaded_tp2_peer_resolve_pins_one_rank_under_the_callers_id_within_its_budget(tp2: dict) -> None:
     services, pools, c0 = tp2["services"], tp2["pools"], tp2["client"]
-    assert services[0].peer_endpoint is None and services[1].peer_endpoint.startswith("tcp://127.0.0.1:")
+    stream = tp2["transport"] == "stream"
+    scheme = "tcp+stream://127.0.0.1:" if stream else "tcp://127.0.0.1:"
+    assert services[1].peer_endpoint.startswith(scheme)
+    # Rank 0: a stream lane beside its worker endpoint, or (zmq) the worker endpoint itself.
+    assert services[0].peer_endpoint.startswith(scheme) if stream else services[0].peer_endpoint is None
     meta = c0.call(GetMetadata())
-    assert [m.peer_endpoint for m in meta.ranks] == [None, services[1].peer_endpoint]
+    assert [m.peer_endpoint for m in meta.ranks] == [services[0].peer_endpoint, services[1].peer_endpoint]
+    lane0 = RpcClient(services[0].peer_endpoint, timeout_ms=5000) if stream else c0
     c1 = RpcClient(services[1].peer_endpoint, timeout_ms=5000)
     other = RpcClient(services[1].peer_endpoint, timeout_ms=5000)
     try:
-        r0 = c0.call(PeerResolve(77, _hashes(0, 16), 5_000, "tgt"))
+        r0 = lane0.call(PeerResolve(77, _hashes(0, 16), 5_000, "tgt"))
         assert (r0.reason, r0.matched, r0.epoch) == ("ok", 14, services[0].epoch) and _pins(pools) == [14, 0]
         r1 = c1.call(PeerResolve(77, _hashes(0, 16), 5_000, "tgt"))
         assert (r1.reason, r1.matched, r1.epoch) == ("ok", 12, services[0].epoch) and _pins(pools) == [14, 12]
         assert r1.block_ids == [pools[1].lookup(h) for h in _hashes(0, 12)]
         with pytest.raises(SourceError, match="already open"):
             c1.call(PeerResolve(77, _hashes(0, 4), 5_000))
+        # rank 0's renew reaches rank 1's share too (a load that outlives half its TTL renews there)
+        assert lane0.call(Renew(77, 5_000)).renewed and _pins(pools) == [14, 12]
+        if stream:  # a lease is ended from the connection that took it, whatever the transport
+            assert c0.call(Release(77)).released is False and _pins(pools) == [14, 12]
         # rank 0's release reaches rank 1's share of the same lease id
-        assert c0.call(Release(77)).released
+        assert lane0.call(Release(77)).released
         assert _settled_pins(pools, [0, 0]) == [0, 0]
         # each rank's own budget (24 blocks) bounds its pins
         assert c1.call(PeerResolve(78, _hashes(0, 16), 5_000)).matched == 12
@@ -566,3 +580,5 @@ def test_threaded_tp2_peer_resolve_pins_one_rank_under_the_callers_id_within_its
     finally:
         c1.close()
         other.close()
+        if lane0 is not c0:
+            lane0.close()

@@ -54,9 +54,10 @@ def _source(tmp_path: Path, registry: str, source_tp: int, name: str, extra: lis
 
 
 @contextmanager
-def _source_released_every_pin(tmp_path: Path, registry: str, source_tp: int, name: str) -> Iterator[SourceWorker]:
+def _source_released_every_pin(tmp_path: Path, registry: str, source_tp: int, name: str,
+                               extra: list[str] | None = None) -> Iterator[SourceWorker]:
     """A source for the ``with`` block's loads; after them, every rank's pins must be back to zero, to its stop."""
-    source = _source(tmp_path, registry, source_tp, name)
+    source = _source(tmp_path, registry, source_tp, name, extra)
     try:
         yield source
         for r in range(source_tp):
@@ -99,12 +100,20 @@ def _assert_landed(verify: list[dict], *, untouched_clean: bool = False) -> None
             assert v["untouched_written"] == [], (r, v)
 
 
-@pytest.mark.parametrize(("source_tp", "target_tp", "peer"), [(2, 2, True), (2, 4, False), (2, 2, False)])
+@pytest.mark.parametrize(("source_tp", "target_tp", "peer", "transport"),
+                         [(2, 2, True, "stream"), (2, 2, True, "zmq"), (2, 4, False, "stream"), (2, 2, False, "stream")])
 def test_a_second_load_resolves_each_share_with_its_peer_rank_when_the_tp_sizes_match(
-        tmp_path: Path, registry: str, source_tp: int, target_tp: int, peer: bool) -> None:
+        tmp_path: Path, registry: str, source_tp: int, target_tp: int, peer: bool, transport: str) -> None:
     """The first load from a source goes through rank 0's resolve (it brings every rank the metadata); the
-    next one from a source of the same TP size has each target rank ask its peer source rank (peer_resolve)."""
-    with _source_released_every_pin(tmp_path, registry, source_tp, f"peer{source_tp}to{target_tp}{peer}"):
+    next one from a source of the same TP size has each target rank ask its peer source rank (peer_resolve),
+    over the source's stream lanes (rank 0's included) or, with ``zmq``, ZMQ (rank 0: its worker endpoint)."""
+    with _source_released_every_pin(tmp_path, registry, source_tp, f"peer{source_tp}to{target_tp}{peer}{transport}",
+                                    ["--peer-transport", transport]) as source:
+        lanes = [source.state(r)["service"]["peer_endpoint"] for r in range(source_tp)]
+        if transport == "stream":
+            assert all(e.startswith("tcp+stream://") for e in lanes), lanes
+        else:
+            assert lanes[0] is None and lanes[1].startswith("tcp://"), lanes
         leader, verify = _run_target(tmp_path, registry, tp=target_tp, source_tp=source_tp,
                                      extra=["--warm-load", "--peer-resolve", str(int(peer))])
         assert leader["warm"] == {"done": ["req-warm"], "failed": [], "peer_loads": 0}

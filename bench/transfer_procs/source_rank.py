@@ -45,6 +45,7 @@ def main() -> int:
     p.add_argument("--registry", required=True)
     p.add_argument("--ipc-dir", required=True)
     p.add_argument("--lifetime-s", type=float, default=300.0)
+    p.add_argument("--peer-transport", choices=("stream", "zmq"), default="stream")
     args = p.parse_args()
     logging.basicConfig(level="WARNING", format=f"%(asctime)s %(levelname)s [pid {os.getpid()}] %(name)s: %(message)s")
 
@@ -67,7 +68,7 @@ def main() -> int:
     config = SourceConfig(enabled=True, registry_endpoint=args.registry, ipc_dir=args.ipc_dir,
                           # room for 8 loads in flight plus releases still on their way
                           pin_budget_blocks=args.hashes * 16, max_lease_ttl_ms=60_000,
-                          fingerprint=fingerprint_for(layout, tp))
+                          fingerprint=fingerprint_for(layout, tp), peer_transport=args.peer_transport)
     service = maybe_start_source_service(pool, worker_id=args.worker_id, config=config, comm=comm)
     assert service is not None and service.rank == rank and service.tp_size == tp
     if rank == 0:

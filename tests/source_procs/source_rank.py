@@ -183,6 +183,7 @@ def main() -> int:
     p.add_argument("--sibling-timeout-ms", type=int, default=1000)
     p.add_argument("--sibling-retry-after-ms", type=int, default=1000)
     p.add_argument("--rpc-workers", type=int, default=4)
+    p.add_argument("--peer-transport", choices=["stream", "zmq"], default="stream")
     p.add_argument("--registry", default=None)
     p.add_argument("--ipc-dir", type=Path, default=None, help="default: DIR/ipc")
     p.add_argument("--metrics-port", type=int, default=None)
@@ -238,7 +239,8 @@ def main() -> int:
                           default_lease_ttl_ms=min(10_000, args.max_ttl_ms), pin_budget_blocks=args.budget,
                           sibling_timeout_ms=args.sibling_timeout_ms,
                           sibling_retry_after_ms=args.sibling_retry_after_ms, rpc_workers=args.rpc_workers,
-                          registry_endpoint=args.registry, fingerprint=fingerprint, metrics_port=args.metrics_port)
+                          registry_endpoint=args.registry, fingerprint=fingerprint, metrics_port=args.metrics_port,
+                          peer_transport=args.peer_transport)
     service = maybe_start_source_service(pool, worker_id=worker_id, config=config, tp_size=args.tp_size,
                                          comm=comm)
     assert service is not None and service.rank == rank and service.tp_size == tp

@@ -1,0 +1,158 @@
+"""One ``peer_resolve`` round trip: the stream lane (plain TCP) vs ZMQ TCP, with the real handler behind each.
+
+What a target rank pays, before its READ can start, to have its peer source
+rank pin its share (docs/target.md, "Peer resolve"). Two server processes
+serve the real ``peer_handlers`` (``source/peer.py``) over a real
+:class:`~remote_g2.adapters.host_pool.HostPool` holding ``--hashes`` blocks:
+one a :class:`~remote_g2.rpc_stream.StreamRpcServer` (``tcp+stream://``, the
+source's default), one a direct ZMQ :class:`~remote_g2.rpc_server.RpcServer`
+(``--peer-transport zmq``). This process calls ``peer_resolve`` then
+``release`` on each, alternating, and times the resolve. Three conditions,
+as a load meets them:
+
+* ``warm``: back to back;
+* ``idle``: after ``--idle-ms`` of sleep (between an engine's loads);
+* ``copy``: right after a ``--copy-mib`` MiB memcpy on this CPU (a fetch's
+  READ, which on one host is a CPU copy, leaves the caches cold for the next).
+
+Processes are pinned (``--server-cpu``, ``--client-cpu``) as MPI's
+``--bind-to core`` places ranks.
+
+    python bench/bench_peer_lane.py [--rounds 200] [--hashes 64] [--idle-ms 5] [--copy-mib 64] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TRANSPORTS = ("stream", "zmq")
+CONDITIONS = ("warm", "idle", "copy")
+
+
+def _hashes(n: int) -> list[bytes]:
+    return [i.to_bytes(8, "big") * 4 for i in range(n)]
+
+
+def _serve(transport: str, hashes: int, cpu: int | None, ready: Any, stop: Any) -> None:
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    from remote_g2.adapters.host_pool import HostPool
+    from remote_g2.messages import BlockLayout
+    from remote_g2.rpc_server import RpcServer
+    from remote_g2.rpc_stream import StreamRpcServer
+    from remote_g2.source.leases import LeaseTable, PinBudget
+    from remote_g2.source.peer import peer_handlers
+
+    layout = BlockLayout(num_blocks=2 * hashes, block_bytes=4096, num_layers=1, kv=2, num_kv_heads=1,
+                         tokens_per_block=16, head_dim=64, dtype_bytes=2, order="HND")
+    pool = HostPool(layout)
+    pool.store(_hashes(hashes), [bytes(4096)] * hashes)
+    handlers = peer_handlers(LeaseTable(pool, budget=PinBudget(1 << 20)), epoch=lambda: 1,
+                             lease_ttl_ms=lambda asked: asked)
+    server = (StreamRpcServer("tcp+stream://127.0.0.1:0", handlers, name="lane") if transport == "stream"
+              else RpcServer("tcp://127.0.0.1:0", handlers, name="lane", workers=1))
+    ready.put(server.start())
+    stop.wait(600)  # bounded: the parent sets it when done
+    server.close()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=200, help="round trips per transport and condition")
+    p.add_argument("--hashes", type=int, default=64, help="hashes per peer_resolve (64: a 64 MiB fetch in 1 MiB blocks)")
+    p.add_argument("--idle-ms", type=float, default=5.0)
+    p.add_argument("--copy-mib", type=int, default=64)
+    p.add_argument("--server-cpu", type=int, default=0)
+    p.add_argument("--client-cpu", type=int, default=0)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    if not 1 <= args.rounds <= 5000 or not 1 <= args.hashes <= 4096 or not 0 < args.copy_mib <= 1024:
+        p.error("need 1 <= --rounds <= 5000, 1 <= --hashes <= 4096, 0 < --copy-mib <= 1024")
+
+    from remote_g2.messages import PeerResolve, Release
+    from remote_g2.rpc_client import RpcClient
+
+    os.sched_setaffinity(0, {args.client_cpu})
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    procs, clients = [], {}
+    try:
+        for transport in TRANSPORTS:
+            ready = ctx.Queue()
+            proc = ctx.Process(target=_serve, args=(transport, args.hashes, args.server_cpu, ready, stop), daemon=True)
+            proc.start()
+            procs.append(proc)
+            clients[transport] = RpcClient(ready.get(timeout=60), timeout_ms=5000)
+        src = np.ones((args.copy_mib << 20) // 8)
+        dst = np.empty_like(src)
+        hashes = _hashes(args.hashes)
+        times: dict[tuple[str, str], list[float]] = {(c, t): [] for c in CONDITIONS for t in TRANSPORTS}
+        lease = 1
+        for transport in TRANSPORTS:  # connect and warm up
+            clients[transport].call(PeerResolve(lease, hashes, 5000))
+            clients[transport].call(Release(lease))
+            lease += 1
+        deadline = time.monotonic() + 600
+        for condition in CONDITIONS:
+            for i in range(args.rounds):
+                if time.monotonic() > deadline:
+                    raise SystemExit("bench_peer_lane: over 600 s; stopping")
+                for transport in (TRANSPORTS if i % 2 == 0 else TRANSPORTS[::-1]):
+                    client = clients[transport]
+                    if condition == "idle":
+                        time.sleep(args.idle_ms / 1000)
+                    elif condition == "copy":
+                        np.copyto(dst, src)
+                    t0 = time.perf_counter()
+                    reply = client.call(PeerResolve(lease, hashes, 5000))
+                    times[condition, transport].append(time.perf_counter() - t0)
+                    if reply.matched != args.hashes:
+                        raise SystemExit(f"bench_peer_lane: {transport} pinned {reply.matched} of {args.hashes}")
+                    client.call(Release(lease))
+                    lease += 1
+    finally:
+        stop.set()
+        for c in clients.values():
+            c.close()
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+    rows = []
+    for condition in CONDITIONS:
+        stream, zmq_ = (sorted(times[condition, t]) for t in TRANSPORTS)
+        rows.append({"condition": condition,
+                     "stream_p50_ms": statistics.median(stream) * 1e3, "zmq_p50_ms": statistics.median(zmq_) * 1e3,
+                     "stream_p90_ms": stream[int(0.9 * len(stream))] * 1e3,
+                     "zmq_p90_ms": zmq_[int(0.9 * len(zmq_))] * 1e3})
+    print(f"peer_resolve of {args.hashes} hashes + real handler, p50 (p90) of {args.rounds}; server CPU "
+          f"{args.server_cpu}, client CPU {args.client_cpu}; {os.cpu_count()} CPUs")
+    print(f"{'condition':>10} {'stream ms':>16} {'zmq ms':>16} {'stream/zmq':>10}")
+    for r in rows:
+        label = {"warm": "warm", "idle": f"{args.idle_ms:g} ms idle", "copy": f"{args.copy_mib} MiB copy"}[r["condition"]]
+        print(f"{label:>10} {r['stream_p50_ms']:>7.3f} ({r['stream_p90_ms']:6.3f}) "
+              f"{r['zmq_p50_ms']:>7.3f} ({r['zmq_p90_ms']:6.3f}) {r['stream_p50_ms'] / r['zmq_p50_ms']:>10.2f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"benchmark": "peer_lane", "hashes": args.hashes, "rounds": args.rounds,
+                                         "idle_ms": args.idle_ms, "copy_mib": args.copy_mib,
+                                         "cpus": os.cpu_count(), "machine": platform.machine(), "rows": rows},
+                                        indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
