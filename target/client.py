@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import queue
 import secrets
@@ -111,10 +112,10 @@ __all__ = ["TargetClient", "TargetMatch", "maybe_start_target_client", "start_ta
 log = logging.getLogger("remote_g2.target")
 
 _LOOKUP_CACHE = 4096  # recent lookups kept so start_load reuses the scheduler's answer
-# After a load is reported done, the coordinator sleeps this long before it sends the lease's release, so
-# the engine's thread (woken by the report) gets the GIL — and on a busy or bound host the CPU — first; the
-# leader's share thread waits as long before it frees its finished READs' handles, for the coordinator.
-_RELEASE_AFTER_MS = 0.2
+# After a load is reported done, its lease's release waits this long, so that the engine's thread (woken by
+# the report) gets the GIL — and on a busy or bound host the CPU, which the source rank answering the release
+# may share — first; the leader's share thread waits as long before it frees its finished READs' handles.
+_RELEASE_AFTER_MS = 1.0
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,7 @@ class TargetClient:
         self._wake_r, self._wake_w = -1, -1
         self._finished_r, self._finished_w = -1, -1  # leader: readable while get_finished has news
         self._loads: dict[int, _Load] = {}
-        self._releases: list[_Load] = []  # done loads whose release waits for the coordinator's next sleep
+        self._releases: list[tuple[float, _Load]] = []  # (when due, load): done loads whose release waits
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._done: set[str] = set()
@@ -618,7 +619,7 @@ class TargetClient:
         while not stopping:
             try:
                 mux.run_once(self._until_next_clock_ms())
-                self._send_releases()
+                self._send_releases(time.monotonic())
                 stopping = self._take_events()
                 self._check_clocks()
             except Exception:  # pragma: no cover - a bug must not stop every later load
@@ -626,7 +627,7 @@ class TargetClient:
         self._shares.put(None)  # the share thread fails (and reports) what it still has, then ends
         self._share.join(10)
         self._take_events()  # those reports
-        self._send_releases()
+        self._send_releases(float("inf"))
         for load in list(self._loads.values()):
             self._fail(load, "the target client shut down")
         deadline = time.monotonic() + min(1.0, self.config.rpc_timeout_ms / 1000.0)
@@ -649,12 +650,14 @@ class TargetClient:
                 self._rank_done(item)
 
     def _until_next_clock_ms(self) -> float:
-        if self._releases:
-            return _RELEASE_AFTER_MS
+        now = time.monotonic()
+        waits = [100.0]
         clocks = [t for load in self._loads.values() for t in (load.report_by, load.renew_at) if t]
-        if not clocks:
-            return 100.0
-        return max(0.0, min(100.0, (min(clocks) - time.monotonic()) * 1000.0 + 0.5))
+        if clocks:
+            waits.append((min(clocks) - now) * 1000.0 + 0.5)  # past the clock, not just before it
+        if self._releases:  # whole milliseconds: the poll's resolution (a shorter wait would spin)
+            waits.append(math.ceil((self._releases[0][0] - now) * 1000.0))
+        return max(0.0, min(waits))
 
     def _begin(self, request_id: str, hashes: list[bytes], dst: list[int]) -> None:
         load = _Load(next(self._ids), request_id, hashes, dst)
@@ -891,7 +894,7 @@ class TargetClient:
             # Every READ ended while the pins certainly held: the bytes are good whatever the release says.
             # The engine hears first; the release goes out once the coordinator has slept (_RELEASE_AFTER_MS).
             self._succeed(load)
-            self._releases.append(load)
+            self._releases.append((time.monotonic() + _RELEASE_AFTER_MS / 1000.0, load))
         else:
             self._loads.pop(load.load_id, None)
             assert self._mux is not None and load.lease_endpoint is not None
@@ -933,10 +936,16 @@ class TargetClient:
 
         self._mux.call(load.lease_endpoint, Renew(load.lease_id, self.config.lease_ttl_ms), on_renewed)
 
-    def _send_releases(self) -> None:
-        releases, self._releases = self._releases, []
-        for load in releases:
-            self._send_release(load)
+    def _send_releases(self, now: float) -> None:
+        """Send the releases due by ``now`` (queued in order, so they fall due in order).
+
+        Due ``_RELEASE_AFTER_MS`` after the report, however the report was
+        made: one made inside the loop's poll (a rank's link) used to have
+        its release sent at once, in the same step, and the source rank that
+        took it then ran on the CPU the engine's thread was waking on.
+        """
+        while self._releases and self._releases[0][0] <= now:
+            self._send_release(self._releases.pop(0)[1])
 
     def _send_release(self, load: _Load) -> None:
         """Release the lease without waiting for the outcome (the source's expiry covers a lost release)."""
