@@ -63,6 +63,7 @@ bench: venv redis
 	$(VPY) bench/bench_registry.py --json bench/results/registry.json
 	$(VPY) bench/bench_source.py --json bench/results/source.json
 	$(VPY) bench/bench_resolve_floor.py --json bench/results/resolve_floor.json
+	$(VPY) bench/bench_peer_lane.py --json bench/results/peer_lane.json
 	$(VPY) bench/bench_wake_cost.py --json bench/results/wake_cost.json
 	$(VPY) bench/bench_transfer.py --json bench/results/transfer.json
 	$(VPY) bench/bench_e2e.py --json bench/results/e2e.json

@@ -307,9 +307,9 @@ class StreamRpcServer(RpcServer):
                 break
             except OSError:
                 chunk = b""
-            if not chunk:  # the client is gone (what it owned here stays until released or expired)
+            if not chunk:  # the client is gone; what it sent before still runs (a last release, say)
                 conn.dead = True
-                return []
+                break
             conn.inbox += chunk
             if len(chunk) < _RECV_CHUNK:
                 break

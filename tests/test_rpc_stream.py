@@ -132,6 +132,23 @@ def test_malformed_frames_get_err_and_the_connection_and_server_keep_serving(ser
     assert clients(ep).ping().server == "lane"
 
 
+def test_requests_sent_just_before_the_client_hangs_up_are_still_handled(serve):
+    seen: list[int] = []
+
+    def note(req, ctx):
+        seen.append(req.epoch)
+        return who_calls(req, ctx)
+
+    ep = serve({"heartbeat": note})
+    host, port = parse_stream_endpoint(ep)
+    with socket.create_connection((host, port), timeout=3) as s:
+        s.sendall(b"".join(stream_frame(encode_request(i, Heartbeat("w", i))) for i in (1, 2, 3)))
+    deadline = time.monotonic() + 5
+    while len(seen) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen == [1, 2, 3]
+
+
 def test_an_oversized_length_is_answered_err_and_closes_only_that_connection(serve, clients):
     ep = serve({"heartbeat": who_calls}, max_frame_bytes=1 << 16)
     client = clients(ep)
