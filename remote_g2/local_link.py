@@ -49,13 +49,13 @@ from remote_g2.wire import (
     decode_frame,
     decode_request_body,
     encode_request,
+    read_stream,
     stream_frame,
     take_stream_frames,
 )
 
 __all__ = ["MessageLink", "LinkListener", "LinkClosed", "connect_link"]
 
-_RECV_CHUNK = 1 << 18
 _SOCK_BUFFER = 4 << 20  # asked for; the kernel caps it at net.core.{r,w}mem_max
 
 
@@ -129,21 +129,11 @@ class MessageLink:
         if self._eof or self._closed:
             self.close()
             raise LinkClosed(f"link to {self.peer}: " + ("the peer closed it" if self._eof else "closed"))
-        eof = False
-        while True:
-            try:
-                chunk = self._sock.recv(_RECV_CHUNK)
-            except BlockingIOError:
-                break
-            except OSError as e:
-                self.close()
-                raise LinkClosed(f"link to {self.peer}: {e}") from None
-            if not chunk:
-                eof = True
-                break
-            self._buf += chunk
-            if len(chunk) < _RECV_CHUNK:
-                break
+        try:
+            eof = read_stream(self._sock, self._buf)
+        except OSError as e:
+            self.close()
+            raise LinkClosed(f"link to {self.peer}: {e}") from None
         out, self.unread = self.unread + self._decode_buffered(), []
         if eof:
             self._eof = True

@@ -47,7 +47,7 @@ from typing import Any
 
 from remote_g2.errors import ConfigError, ProtocolError, RpcClosed, TransportError
 from remote_g2.rpc_server import Handler, RpcServer
-from remote_g2.wire import DEFAULT_MAX_FRAME_BYTES, encode_err, stream_frame, take_stream_frames
+from remote_g2.wire import DEFAULT_MAX_FRAME_BYTES, encode_err, read_stream, stream_frame, take_stream_frames
 
 __all__ = ["STREAM_SCHEME", "StreamRpcServer", "StreamConnection", "is_stream_endpoint",
            "parse_stream_endpoint", "stream_endpoint_on_host_of"]
@@ -55,7 +55,6 @@ __all__ = ["STREAM_SCHEME", "StreamRpcServer", "StreamConnection", "is_stream_en
 log = logging.getLogger("remote_g2.rpc")
 
 STREAM_SCHEME = "tcp+stream://"
-_RECV_CHUNK = 1 << 18
 _POLL_MS = 100  # bounds how long close() waits for the serving thread
 
 
@@ -145,19 +144,11 @@ class StreamConnection:
         """Every whole frame that has arrived (raw); never blocks. TransportError once the server is gone."""
         if self.closed:
             raise RpcClosed(f"{self.endpoint}: the connection is closed")
-        eof = False
-        while True:
-            try:
-                chunk = self._sock.recv(_RECV_CHUNK)
-            except BlockingIOError:
-                break
-            except OSError as e:
-                self.close()
-                raise TransportError(f"{self.endpoint}: {e}") from None
-            if not chunk:
-                eof = True
-                break
-            self._in += chunk
+        try:
+            eof = read_stream(self._sock, self._in)
+        except OSError as e:
+            self.close()
+            raise TransportError(f"{self.endpoint}: {e}") from None
         try:
             frames = take_stream_frames(self._in, max_frame_bytes=4 * self._max_frame)
         except ProtocolError as e:
@@ -300,19 +291,10 @@ class StreamRpcServer(RpcServer):
 
     def _read(self, conn: _ServerSide) -> list[list[bytes]]:
         """The requests that arrived whole on ``conn``, as ``[peer, frame]`` for :meth:`_dispatch`."""
-        while True:
-            try:
-                chunk = conn.sock.recv(_RECV_CHUNK)
-            except BlockingIOError:
-                break
-            except OSError:
-                chunk = b""
-            if not chunk:  # the client is gone; what it sent before still runs (a last release, say)
-                conn.dead = True
-                break
-            conn.inbox += chunk
-            if len(chunk) < _RECV_CHUNK:
-                break
+        try:
+            conn.dead = read_stream(conn.sock, conn.inbox)  # gone: what it sent before still runs (a last release)
+        except OSError:
+            conn.dead = True
         try:
             frames = take_stream_frames(conn.inbox, max_frame_bytes=self._max_frame)
         except ProtocolError as e:

@@ -51,6 +51,7 @@ __all__ = [
     "decode_reply_body",
     "stream_frame",
     "take_stream_frames",
+    "read_stream",
 ]
 
 PROTOCOL_VERSION = 2  # 2: block-id lists travel packed (schema.Packed)
@@ -207,6 +208,24 @@ def decode_reply_body(frame: Frame, spec: MessageSpec) -> Any:
 def stream_frame(frame: bytes) -> bytes:
     """``frame`` with its 4-byte big-endian length in front, as it travels on a stream socket."""
     return _STREAM_LEN.pack(len(frame)) + frame
+
+
+def read_stream(sock: Any, buf: bytearray, *, chunk: int = 1 << 18) -> bool:
+    """Append what the non-blocking stream ``sock`` has to ``buf`` without blocking; True once the peer closed it.
+
+    Stops at the first short read (nothing more queued). Socket errors other
+    than "would block" propagate (``OSError``): the caller closes the stream.
+    """
+    while True:
+        try:
+            data = sock.recv(chunk)
+        except BlockingIOError:
+            return False
+        if not data:
+            return True
+        buf += data
+        if len(data) < chunk:
+            return False
 
 
 def take_stream_frames(buf: bytearray, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> list[bytes]:
