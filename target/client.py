@@ -892,7 +892,7 @@ class TargetClient:
             self._fail(load, "; ".join(load.errors))
         elif time.monotonic() < load.lease_expires:
             # Every READ ended while the pins certainly held: the bytes are good whatever the release says.
-            # The engine hears first; the release goes out once the coordinator has slept (_RELEASE_AFTER_MS).
+            # The engine hears first; the release falls due _RELEASE_AFTER_MS later (_send_releases).
             self._succeed(load)
             self._releases.append((time.monotonic() + _RELEASE_AFTER_MS / 1000.0, load))
         else:
