@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 from remote_g2.adapters.host_pool import HostPool
 from remote_g2.source import PinBudget, SourceConfig, maybe_start_source_service
 from remote_g2.source import service as service_mod
@@ -197,6 +198,20 @@ def test_config_from_env_reads_every_setting() -> None:
     assert SourceConfig.from_env({}).enabled is False
 
 
+def test_the_stream_lane_is_the_default_unless_turned_off() -> None:
+    assert SourceConfig().stream_lane and SourceConfig().peer_transport == "stream"
+    assert not SourceConfig.from_env({"REMOTE_G2_SOURCE_PEER_TRANSPORT": "ZMQ"}).stream_lane
+    assert not SourceConfig(peer_resolve=False).stream_lane
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
+def test_the_stream_lane_is_never_offered_with_curve(tmp_path: Path) -> None:
+    from remote_g2.curve import CurveServerConfig, generate_keypair
+
+    _, secret = generate_keypair(tmp_path, "source")
+    assert not SourceConfig(curve=CurveServerConfig.from_files(secret)).stream_lane  # plaintext: never with keys
+
+
 @pytest.mark.parametrize("env, needle", [
     ({"REMOTE_G2_SOURCE": "maybe"}, "REMOTE_G2_SOURCE"),
     ({"REMOTE_G2_SOURCE_PIN_BUDGET": "lots"}, "REMOTE_G2_SOURCE_PIN_BUDGET"),
@@ -207,6 +222,7 @@ def test_config_from_env_reads_every_setting() -> None:
     ({"REMOTE_G2_SOURCE_MAX_TTL_MS": "4000000"}, "3600000"),
     ({"REMOTE_G2_SOURCE_SIBLING_TIMEOUT_MS": "0"}, "sibling_timeout_ms"),
     ({"REMOTE_G2_SOURCE_CURVE_ALLOWED": "/x"}, "CURVE_SECRET_KEY"),
+    ({"REMOTE_G2_SOURCE_PEER_TRANSPORT": "udp"}, "peer_transport"),
 ])
 def test_config_errors_name_the_setting(env: dict[str, str], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
