@@ -79,7 +79,15 @@ from typing import Any
 from remote_g2.adapters.registry import load_adapter
 from remote_g2.adapters.secondary_pool import SecondaryPool
 
-from remote_g2.errors import ConfigError, ProtocolError, RemoteG2Error, TransferError
+from remote_g2.errors import (
+    ConfigError,
+    ProtocolError,
+    RemoteG2Error,
+    RpcClosed,
+    RpcTimeout,
+    TransferError,
+    TransportError,
+)
 from remote_g2.ipc_paths import ipc_endpoint, prepare_ipc_dir
 from remote_g2.local_link import LinkClosed, LinkListener, MessageLink, connect_link
 from remote_g2.log import cpu_set_text
@@ -187,6 +195,11 @@ class _Load:
     peer_epoch: int = 0             # the source epoch a peer load expects
     loaded: dict[int, int] = field(default_factory=dict)  # rank -> leading blocks it loaded (peer loads)
     retry: bool = False             # a peer load that found the source restarted: resolve it again, classically
+
+
+def _lane_gone(error: Exception) -> bool:
+    """A call failed because its connection was refused or dropped (not a timeout, not our own shutdown)."""
+    return isinstance(error, TransportError) and not isinstance(error, (RpcTimeout, RpcClosed))
 
 
 def _drain(fd: int) -> None:
@@ -798,6 +811,12 @@ class TargetClient:
         if isinstance(reply, Exception):
             why = f"{where}: {type(reply).__name__}: {reply}"
             self._peer_failed(wid, load.peer_epoch, why)
+            if _lane_gone(reply) and load.lease_endpoint != load.match.endpoint:
+                # Rank 0's lane refused or dropped the connection: its process is gone — perhaps restarted
+                # behind the same worker endpoint (a fixed port), with new lanes. Resolve once more there,
+                # classically, as for a new epoch; a source that is really gone fails that resolve.
+                self._source_infos.pop(wid, None)
+                load.retry = True
             self._rank_done(TargetDone(load.load_id, 0, False, why[:4000]))
             return
         if reply.epoch != load.peer_epoch:

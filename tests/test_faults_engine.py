@@ -131,3 +131,43 @@ def test_source_restarted_with_the_same_id_replaces_its_old_epoch(registry: str)
     finally:
         source.stop()
         target.stop()
+
+
+@pytest.mark.parametrize("transport", ["stream", "zmq"])
+def test_a_source_restarted_on_its_fixed_port_is_resolved_again_and_read(registry: str, transport: str) -> None:
+    # The target knows the source's old epoch and reads with peer resolve. The source restarts behind the
+    # same worker endpoint (a fixed port), with new peer endpoints. The next load finds the old peers gone
+    # (stream: the lanes refuse at once; zmq: rank 0 answers with the new epoch, rank 1's old port times
+    # out) and is resolved again through rank 0: read remotely from the new epoch, not recomputed.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"REMOTE_G2_SOURCE_BIND": f"tcp://127.0.0.1:{port}", "REMOTE_G2_SOURCE_PEER_TRANSPORT": transport}
+    warm, peer, after = (engine_prompt(200, k) for k in (5, 6, 7))
+    reusable = (200 - 1) // TPB
+    target = EngineProcess("tgt", tp=2, args=["--target", "--registry", registry])
+    source = EngineProcess("src", tp=2, args=["--source", "--registry", registry], env=env)
+    try:
+        assert source.endpoint and source.client.generate("w", warm, 3, cache="local").ok
+        assert source.client.generate("p", peer, 3, cache="local").ok
+        _published(registry, "src", 2 * (200 // TPB))
+        assert target.client.generate("t-warm", warm, 3, cache="all").blocks_remote == reusable  # metadata
+        assert target.client.generate("t-peer", peer, 3, cache="all").blocks_remote == reusable  # peer resolve
+        source.kill()
+        source = EngineProcess("src", tp=2, args=["--source", "--registry", registry], env=env)
+        src_after = source.client.generate("a", after, 3, cache="local")
+        with RegistryClient(registry) as reg:  # the new epoch's blocks, not the old record's count
+            _wait(lambda: reg.lookup(chain_block_hashes(after, TPB), requester="x").matched >= reusable, 15,
+                  "the restarted source's blocks in the registry")
+        base = target.client.generate("t-base", after, 3, cache="none")
+        t0 = time.monotonic()
+        got = target.client.generate("t-after", after, 3, cache="all")
+        took = time.monotonic() - t0
+        assert got.ok and got.blocks_remote == reusable, got
+        assert (got.tokens, got.logits) == (base.tokens, base.logits) == (src_after.tokens, src_after.logits)
+        assert took < 2.0 + 10.0, f"the load after the restart took {took:.1f} s"  # at most one RPC timeout more
+    finally:
+        source.stop()
+        target.stop()
