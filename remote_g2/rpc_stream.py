@@ -81,6 +81,7 @@ def stream_endpoint_on_host_of(endpoint: str) -> str:
 
 
 def _tcp_socket(host: str, port: int) -> tuple[socket.socket, Any]:
+    # getaddrinfo blocks for a name lookup, on the caller's thread: sources advertise addresses, not names.
     family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     return sock, addr
