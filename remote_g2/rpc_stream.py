@@ -46,7 +46,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from remote_g2.errors import ConfigError, ProtocolError, RpcClosed, TransportError
-from remote_g2.rpc_server import Handler, RpcServer
+from remote_g2.rpc_server import Handler, RpcServer, free_port_on_host_of
 from remote_g2.wire import DEFAULT_MAX_FRAME_BYTES, encode_err, read_stream, stream_frame, take_stream_frames
 
 __all__ = ["STREAM_SCHEME", "StreamRpcServer", "StreamConnection", "is_stream_endpoint",
@@ -74,9 +74,7 @@ def parse_stream_endpoint(endpoint: str) -> tuple[str, int]:
 
 def stream_endpoint_on_host_of(endpoint: str) -> str:
     """``tcp+stream://HOST:0`` for the host of ``tcp://HOST:PORT``: a stream lane beside a ZMQ endpoint."""
-    if not endpoint.startswith("tcp://"):
-        raise ConfigError(f"{endpoint!r} is not a tcp:// endpoint")
-    host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
+    host = free_port_on_host_of(endpoint)[len("tcp://"):-len(":0")]  # checks the scheme too
     return f"{STREAM_SCHEME}{'0.0.0.0' if host == '*' else host}:0"
 
 
