@@ -3,12 +3,18 @@
 TensorRT-LLM cannot run here (no GPU), so these stand-ins play its Python
 ``KVCacheManager`` (sizes as attributes, the C++ binding as ``.impl``) and
 that binding (a host secondary pool tensor, hash-keyed find-and-pin, pins by
-id), in the method-name variants different builds have. The last test plugs
-the adapter into the real source service and resolves/releases over its
-real RPC socket.
+id), in the method-name variants different builds have. The fingerprint
+tests give those stand-ins pools of different dtypes and declared
+quantisations, since TensorRT-LLM itself cannot be installed here. The last
+test plugs the adapter into the real source service and resolves/releases
+over its real RPC socket.
 """
 
 from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -19,21 +25,33 @@ from remote_g2.adapters.trtllm import (
     start_remote_g2,
     tp_from_executor,
 )
+from remote_g2.adapters.trtllm.hooks import resolve_fingerprint
 from remote_g2.source import SourceConfig
+from remote_g2.target import TargetConfig
 
 from remote_g2.errors import ConfigError
 from remote_g2.hashing import u64_to_hash
-from remote_g2.messages import Release, Resolve
+from remote_g2.messages import LayoutFingerprint, Release, Resolve
 from remote_g2.rpc_client import RpcClient
 
 LAYERS, KV, HEADS, TPB, DIM, BLOCKS = 2, 2, 4, 8, 16, 12
 
 
+class DataType(enum.Enum):
+    """Stand-in for ``tensorrt_llm.bindings.DataType`` (the Python manager's ``dtype``); str() is ``DataType.FP8``."""
+
+    HALF = 1
+    BF16 = 2
+    FP8 = 3
+    INT8 = 4
+    NVFP4 = 5
+
+
 class CppManager:
     """Stand-in for the C++ BaseKVCacheManager binding, newest API."""
 
-    def __init__(self, kv_factor: int = KV) -> None:
-        self.pool = torch.zeros(BLOCKS, LAYERS * kv_factor * HEADS * TPB * DIM, dtype=torch.float16)
+    def __init__(self, kv_factor: int = KV, dtype: torch.dtype = torch.float16) -> None:
+        self.pool = torch.zeros(BLOCKS, LAYERS * kv_factor * HEADS * TPB * DIM, dtype=dtype)
         self.by_hash: dict[int, int] = {}
         self.pins = [0] * BLOCKS
 
@@ -88,6 +106,7 @@ class PyManager:
         self.tokens_per_block = TPB
         self.head_dim = DIM
         self.kv_factor = KV
+        self.dtype = DataType.HALF  # TensorRT-LLM's default, whatever the pool tensor holds
         for k, v in sizes.items():
             setattr(self, k, v)
 
@@ -189,13 +208,110 @@ def test_registered_by_name_in_the_adapter_registry() -> None:
     assert load_adapter("engine", "trtllm") is start_remote_g2
 
 
+class TpTwo:
+    """An executor whose ``mapping`` says TP rank 0 of 2."""
+
+    class mapping:  # noqa: N801 - shaped like PyExecutor.mapping
+        tp_rank, tp_size = 0, 2
+
+
+def _pool_fingerprint(tensor_dtype: torch.dtype = torch.float16, **manager: object) -> LayoutFingerprint:
+    """The fingerprint of a TP-2 rank whose pool tensor is ``tensor_dtype``; ``manager``: the manager's attributes."""
+    return resolve_fingerprint(TrtllmSecondaryPool(PyManager(CppManager(dtype=tensor_dtype), **manager)), tp_size=2,
+                               model_id="m")
+
+
+def test_fingerprint_dtype_follows_the_pool_tensor_not_the_configuration() -> None:
+    fp16, bf16 = _pool_fingerprint(torch.float16), _pool_fingerprint(torch.bfloat16)
+    assert (fp16.dtype, bf16.dtype) == ("float16", "bfloat16")
+    assert fp16.compat_key() != bf16.compat_key()  # the registry never pairs them
+    assert (fp16.num_layers, fp16.num_kv_heads, fp16.head_dim, fp16.tokens_per_block, fp16.kv_layout,
+            fp16.tp_size, fp16.is_mla) == (LAYERS, HEADS * 2, DIM, TPB, "HND", 2, False)
+    assert fp16.hash_scheme == "trtllm/u64" and fp16.model_id == "m"
+    # The manager's declared dtype is HALF in both: a plain float type adds nothing to the tensor's.
+    assert _pool_fingerprint(torch.bfloat16, dtype=DataType.BF16).dtype == "bfloat16"
+
+
+def test_declared_kv_quantisation_is_named_beside_the_storage_dtype() -> None:
+    fp8 = _pool_fingerprint(torch.float8_e4m3fn, dtype=DataType.FP8)
+    assert fp8.dtype == "float8_e4m3fn/fp8"
+    assert _pool_fingerprint(torch.uint8, kv_cache_dtype="fp8").dtype == "uint8/fp8"
+    assert _pool_fingerprint(torch.int8, dtype=DataType.INT8).dtype == "int8"
+    with pytest.raises(ConfigError, match="nvfp4 .*block scales"):
+        _pool_fingerprint(torch.uint8, dtype=DataType.NVFP4)
+
+
+def test_hash_scheme_names_the_seed_and_algorithm_when_the_manager_exposes_them() -> None:
+    seeded = _pool_fingerprint(block_hash_seed=1234)
+    assert seeded.hash_scheme.startswith("trtllm/u64/seed-") and "1234" not in seeded.hash_scheme
+    assert _pool_fingerprint(block_hash_seed=1234).hash_scheme == seeded.hash_scheme
+    assert _pool_fingerprint(block_hash_seed=99).hash_scheme != seeded.hash_scheme
+    assert _pool_fingerprint(hash_algo="xxh64").hash_scheme == "trtllm/u64/xxh64"
+
+
+def test_mla_kv_heads_are_not_multiplied_by_tp() -> None:
+    impl = CppManager(kv_factor=1)
+    fp = resolve_fingerprint(TrtllmSecondaryPool(PyManager(impl, kv_factor=1, num_kv_heads_per_layer=[1, 1],
+                                                           head_dim=HEADS * DIM)), tp_size=2, model_id="m")
+    assert (fp.is_mla, fp.num_kv_heads, fp.head_dim) == (True, 1, HEADS * DIM)
+
+
+def test_a_configured_fingerprint_that_disagrees_with_the_tensors_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("REMOTE_G2_SOURCE", "REMOTE_G2_TARGET", "REMOTE_G2_REGISTRY", "REMOTE_G2_TARGET_FINGERPRINT"):
+        monkeypatch.delenv(var, raising=False)
+    own = _pool_fingerprint(torch.float16)
+
+    def start(*, target: bool = False, model_id_arg: str | None = None, **fields: object) -> None:
+        """Start on a float16 pool, the source's (``target``: the target's) config naming ``fields``."""
+        fp = replace(own, **fields)  # type: ignore[arg-type]
+        start_remote_g2(PyManager(CppManager()), worker_id="w", executor=TpTwo(), model_id=model_id_arg,
+                        source_config=None if target else SourceConfig(enabled=True, fingerprint=fp),
+                        target_config=TargetConfig(enabled=True, fingerprint=fp) if target else None)
+
+    with pytest.raises(ConfigError, match=r"source_config.fingerprint .*dtype='bfloat16'.*pool holds dtype='float16'"):
+        start(dtype="bfloat16")
+    with pytest.raises(ConfigError, match=r"head_dim=64.*pool holds head_dim=16"):
+        start(head_dim=64)
+    with pytest.raises(ConfigError, match=r"target_config.fingerprint .*dtype='auto'"):
+        start(target=True, dtype="auto")
+    with pytest.raises(ConfigError, match=r"hash_scheme='vllm/sha256/00'.*hash_scheme='trtllm/u64'"):
+        start(hash_scheme="vllm/sha256/00")
+    with pytest.raises(ConfigError, match=r"names model 'other', model_id= names 'm'"):
+        start(model_id_arg="m", model_id="other")
+    # The environment's fingerprint is checked the same way, before anything starts.
+    monkeypatch.setenv("REMOTE_G2_SOURCE", "1")
+    monkeypatch.setenv("REMOTE_G2_SOURCE_FINGERPRINT", json.dumps(asdict(replace(own, dtype="bfloat16"))))
+    with pytest.raises(ConfigError, match=r"REMOTE_G2_SOURCE_FINGERPRINT .*dtype='bfloat16'.*dtype='float16'"):
+        start_remote_g2(PyManager(CppManager()), worker_id="w", executor=TpTwo())
+
+
+def test_the_model_id_comes_from_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("REMOTE_G2_SOURCE", "REMOTE_G2_TARGET", "REMOTE_G2_REGISTRY", "REMOTE_G2_SOURCE_FINGERPRINT",
+                "REMOTE_G2_TARGET_FINGERPRINT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ConfigError, match=r"no model id .*model_id=.*REMOTE_G2_SOURCE_FINGERPRINT"):
+        start_remote_g2(PyManager(CppManager()), worker_id="w", source_config=SourceConfig(enabled=True))
+    # Nothing enabled: nothing to announce, so no model id is needed.
+    hooks = start_remote_g2(PyManager(CppManager()), worker_id="w")
+    assert hooks.source is None and hooks.target is None
+    # A configured fingerprint names the model; its other fields must match, tp_size is the group's, and a
+    # fingerprint written without hash_scheme takes the pool's.
+    configured = replace(_pool_fingerprint(), model_id="from-config", tp_size=8, hash_scheme="")
+    fp = resolve_fingerprint(TrtllmSecondaryPool(PyManager(CppManager())), tp_size=2,
+                             configured=[("REMOTE_G2_TARGET_FINGERPRINT", configured)])
+    assert (fp.model_id, fp.tp_size, fp.hash_scheme) == ("from-config", 2, "trtllm/u64")
+
+
 def test_real_source_service_resolves_and_releases_through_the_adapter() -> None:
     impl = CppManager()
     hashes = _fill(impl, 6)
-    hooks = start_remote_g2(PyManager(impl), worker_id="trt-standin", executor=None,
+    hooks = start_remote_g2(PyManager(impl), worker_id="trt-standin", executor=None, model_id="standin-model",
                             source_config=SourceConfig(enabled=True))
     try:
         assert hooks.source is not None and hooks.target is None and (hooks.tp_rank, hooks.tp_size) == (0, 1)
+        assert hooks.source.config.fingerprint == LayoutFingerprint(
+            model_id="standin-model", dtype="float16", tokens_per_block=TPB, kv_layout="HND", num_layers=LAYERS,
+            num_kv_heads=HEADS, head_dim=DIM, tp_size=1, is_mla=False, hash_scheme="trtllm/u64")
         with RpcClient(hooks.source.endpoint, timeout_ms=5000) as client:
             reply = client.call(Resolve(hashes[:4], 10_000, "tester", []))
             assert reply.reason == "ok" and reply.matched == 4

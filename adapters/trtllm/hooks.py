@@ -3,24 +3,36 @@
 ::
 
     from remote_g2.adapters.trtllm import start_remote_g2
-    hooks = start_remote_g2(kv_cache_manager, worker_id="node7-engine0", executor=self)  # in PyExecutor.__init__
+    hooks = start_remote_g2(kv_cache_manager, worker_id="node7-engine0", executor=self,  # in PyExecutor.__init__
+                            model_id="llama-3.1-8b-instruct@<revision>")
     ...
     hooks.pool.notify("stored", u64_hashes)   # from the executor's KV-cache events for the secondary pool
     hooks.shutdown()                          # in PyExecutor.shutdown
+
+The layout fingerprint both hooks use is resolved here, from the pool
+(:func:`resolve_fingerprint`): a configured one is checked against it, never
+trusted in its place.
 
 Not run against TensorRT-LLM (no GPU here); see :mod:`.pool`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from remote_g2.messages import BlockLayout
+from remote_g2.config import env_flag
+from remote_g2.errors import ConfigError
+from remote_g2.messages import BlockLayout, LayoutFingerprint
 
 from .pool import TrtllmSecondaryPool, tp_from_executor
 
-__all__ = ["RemoteG2Hooks", "start_remote_g2"]
+__all__ = ["RemoteG2Hooks", "resolve_fingerprint", "start_remote_g2"]
+
+_SOURCE_FP_ENV = "REMOTE_G2_SOURCE_FINGERPRINT"
+_TARGET_FP_ENV = "REMOTE_G2_TARGET_FINGERPRINT"
 
 
 @dataclass
@@ -41,7 +53,7 @@ class RemoteG2Hooks:
 
 
 def start_remote_g2(kv_cache_manager: Any, *, worker_id: str, executor: Any = None, comm: Any = None,
-                    layout: BlockLayout | None = None, source_config: Any = None,
+                    layout: BlockLayout | None = None, model_id: str | None = None, source_config: Any = None,
                     target_config: Any = None) -> RemoteG2Hooks:
     """Wrap the manager's secondary pool and start the source service and target client when enabled.
 
@@ -49,12 +61,30 @@ def start_remote_g2(kv_cache_manager: Any, *, worker_id: str, executor: Any = No
     else MPI world. Each hook follows its config or, when None, the
     ``REMOTE_G2_SOURCE*`` / ``REMOTE_G2_TARGET*`` environment. Collective over
     the TP group (every rank calls it).
+
+    When either hook is enabled, both get the fingerprint
+    :func:`resolve_fingerprint` builds from the pool; ``model_id`` names the
+    model, else the configured fingerprint's does. Raises ``ConfigError``
+    before starting anything when there is no model id, or when a configured
+    fingerprint disagrees with the pool.
     """
-    from remote_g2.source import maybe_start_source_service
-    from remote_g2.target import maybe_start_target_client
+    from remote_g2.source import SourceConfig, maybe_start_source_service
+    from remote_g2.source.config import ENABLE_ENV as SOURCE_ENABLE_ENV
+    from remote_g2.target import TargetConfig, maybe_start_target_client
+    from remote_g2.target.config import ENABLE_ENV as TARGET_ENABLE_ENV
 
     pool = TrtllmSecondaryPool(kv_cache_manager, layout=layout)
     tp_rank, tp_size = tp_from_executor(executor)
+    if not (_enabled(source_config, SOURCE_ENABLE_ENV) or _enabled(target_config, TARGET_ENABLE_ENV)):
+        return RemoteG2Hooks(pool, None, None, tp_rank, tp_size)
+    fp = resolve_fingerprint(pool, tp_size=tp_size, model_id=model_id,
+                             configured=_configured_fingerprints(source_config, target_config))
+    if source_config is None:
+        source_config = SourceConfig.from_env(fingerprint=fp)
+    if target_config is None:
+        target_config = TargetConfig.from_env()
+    source_config = replace(source_config, fingerprint=fp)
+    target_config = replace(target_config, fingerprint=fp)
     source = maybe_start_source_service(pool, worker_id=worker_id, tp_rank=tp_rank, tp_size=tp_size,
                                         config=source_config, comm=comm)
     try:
@@ -65,3 +95,67 @@ def start_remote_g2(kv_cache_manager: Any, *, worker_id: str, executor: Any = No
             source.shutdown()
         raise
     return RemoteG2Hooks(pool, source, target, tp_rank, tp_size)
+
+
+def resolve_fingerprint(pool: TrtllmSecondaryPool, *, tp_size: int, model_id: str | None = None,
+                        configured: Sequence[tuple[str, LayoutFingerprint]] = ()) -> LayoutFingerprint:
+    """This worker's fingerprint: what the bytes are from the pool, the model id from configuration.
+
+    ``configured`` lists the fingerprints the configuration names, each with
+    where it was named (for errors). The model id is ``model_id``, else the
+    first configured fingerprint's; every configured one must name the same
+    model, and the same dtype, layout and hash space as the pool
+    (``tp_size`` excepted: the TP group's is announced). A configured
+    fingerprint without ``hash_scheme`` takes the pool's. Anything else is a
+    ``ConfigError`` naming both sides: a worker announcing bytes it does not
+    hold would hand targets KV that is not theirs.
+    """
+    if not model_id:
+        if not configured:
+            raise ConfigError("no model id for the layout fingerprint: pass start_remote_g2(..., model_id=...), "
+                              f"or a fingerprint in the source/target config or {_SOURCE_FP_ENV} / {_TARGET_FP_ENV}")
+        model_where, model_id = configured[0][0], configured[0][1].model_id
+    else:
+        model_where = "model_id="
+    own = pool.fingerprint(model_id=model_id, tp_size=tp_size)
+    for where, fp in configured:
+        if fp.model_id != model_id:
+            raise ConfigError(f"{where} names model {fp.model_id!r}, {model_where} names {model_id!r}")
+        differ = [f.name for f in fields(LayoutFingerprint)
+                  if f.name not in ("model_id", "tp_size") and _named(fp, f.name) != _named(own, f.name)
+                  and not (f.name == "hash_scheme" and not fp.hash_scheme)]
+        if differ:
+            raise ConfigError(f"{where} disagrees with the TensorRT-LLM pool tensors: it names "
+                              + ", ".join(f"{n}={getattr(fp, n)!r}" for n in differ) + "; the pool holds "
+                              + ", ".join(f"{n}={getattr(own, n)!r}" for n in differ)
+                              + ". Fix or drop the configured fingerprint; not sharing blocks described wrongly")
+    return own
+
+
+def _named(fp: LayoutFingerprint, name: str) -> object:
+    value = getattr(fp, name)
+    return value.removeprefix("torch.") if name == "dtype" else value
+
+
+def _enabled(config: Any, env_var: str) -> bool:
+    """Whether the hook will start: as ``maybe_start_*`` decide (the config's flag, else the environment's)."""
+    if config is not None and config.enabled:
+        return True
+    return bool(os.environ.get(env_var, "").strip()) and env_flag(env_var)
+
+
+def _configured_fingerprints(source_config: Any, target_config: Any) -> list[tuple[str, LayoutFingerprint]]:
+    """The fingerprints the configuration names: a config's own, else its environment variable's."""
+    from remote_g2.source import SourceConfig
+    from remote_g2.target import TargetConfig
+
+    found: list[tuple[str, LayoutFingerprint | None]] = []
+    # Parse only the fingerprint variable from the environment: the whole config cannot be built yet,
+    # since a registry endpoint needs the fingerprint being resolved here.
+    for config, var, cls, name in ((source_config, _SOURCE_FP_ENV, SourceConfig, "source_config.fingerprint"),
+                                   (target_config, _TARGET_FP_ENV, TargetConfig, "target_config.fingerprint")):
+        if config is not None:
+            found.append((name, config.fingerprint))
+        elif os.environ.get(var, "").strip():
+            found.append((var, cls.from_env({var: os.environ[var]}).fingerprint))
+    return [(where, fp) for where, fp in found if fp is not None]

@@ -17,6 +17,10 @@ pin by id                         ``pin_blocks_by_id(ids)``, else ``pin_blocks(i
 unpin by id                       ``unpin_blocks_by_id(ids)``, else ``unpin_blocks(ids)``
 cached hashes (resync)            ``get_secondary_block_hashes()``; else the hashes seen
                                   through :meth:`TrtllmSecondaryPool.notify`
+KV-cache quantisation (optional)  attribute ``kv_cache_dtype``, ``cache_dtype`` or ``dtype``
+                                  (e.g. ``DataType.FP8``)
+hash seed / algorithm (optional)  attributes ``block_hash_seed`` or ``hash_seed``,
+                                  ``block_hash_algorithm``, ``hash_algorithm`` or ``hash_algo``
 ================================  ==========================================================
 
 ``impl`` is the C++ ``BaseKVCacheManager`` binding the Python
@@ -31,10 +35,17 @@ from the manager (``num_local_layers`` or ``num_layers``,
 ``num_kv_heads_per_layer[0]`` or ``num_kv_heads``, ``tokens_per_block``,
 ``head_dim``, ``kv_factor``; MLA has ``kv_factor == 1``) unless the caller
 passes a :class:`~remote_g2.messages.BlockLayout`.
+
+What the bytes are (:meth:`TrtllmSecondaryPool.fingerprint`) is read from the
+pool, never from configuration: ``dtype`` is the pool tensor's dtype, with the
+quantisation the manager declares beside it (``float8_e4m3fn/fp8``), and
+``hash_scheme`` names TensorRT-LLM's u64 block-hash space (``trtllm/u64``,
+plus the algorithm and a digest of the seed when the manager exposes them).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -43,11 +54,11 @@ from typing import Any
 
 from remote_g2.errors import ConfigError
 from remote_g2.hashing import hash_to_u64, u64_to_hash
-from remote_g2.messages import BlockLayout
+from remote_g2.messages import BlockLayout, LayoutFingerprint
 
 from ..secondary_pool import MemoryRegion, PoolEventKind, PoolListener
 
-__all__ = ["TrtllmApi", "TrtllmSecondaryPool", "detect_api", "tp_from_executor"]
+__all__ = ["TrtllmApi", "TrtllmSecondaryPool", "block_hash_scheme", "detect_api", "kv_dtype_name", "tp_from_executor"]
 
 log = logging.getLogger("remote_g2.adapters.trtllm")
 
@@ -56,6 +67,13 @@ _FIND_AND_PIN = ("find_and_pin_secondary_block_by_hash",)
 _PIN = ("pin_blocks_by_id", "pin_blocks")
 _UNPIN = ("unpin_blocks_by_id", "unpin_blocks")
 _HASHES = ("get_secondary_block_hashes",)
+_KV_QUANT = ("kv_cache_dtype", "cache_dtype", "dtype")
+_HASH_SEED = ("block_hash_seed", "hash_seed")
+_HASH_ALGO = ("block_hash_algorithm", "hash_algorithm", "hash_algo")
+# Declared dtypes that are a KV-cache quantisation rather than the model's own float type.
+_QUANTISED = ("fp8", "float8", "int8", "int4", "fp4", "nvfp4", "e4m3", "e5m2")
+# Formats whose block scales live in a pool of their own, which this adapter does not share.
+_SCALES_IN_ANOTHER_POOL = ("fp4", "nvfp4")
 
 
 @dataclass(frozen=True)
@@ -146,6 +164,49 @@ def layout_from_manager(manager: Any, pool_tensor: Any) -> BlockLayout:
                        dtype_bytes=dtype_bytes, order="HND")
 
 
+def _type_name(value: Any) -> str:
+    """``torch.float16`` -> ``float16``; TensorRT-LLM's ``DataType.FP8`` -> ``fp8``."""
+    return str(value).rsplit(".", 1)[-1].lower()
+
+
+def kv_dtype_name(manager: Any, pool_tensor: Any) -> str:
+    """The fingerprint's ``dtype``: the pool tensor's dtype, plus the KV-cache quantisation the manager declares.
+
+    A quantised format keeps its name beside the storage dtype
+    (``float8_e4m3fn/fp8``, ``uint8/...``), since two formats can share a
+    storage dtype; a declared plain float type (TensorRT-LLM's
+    ``DataType.HALF``) adds nothing, the tensor already says it. ``ConfigError``
+    for an FP4 cache: its block scales live in a second pool this adapter
+    does not share, so its blocks alone are not the KV.
+    """
+    stored = _type_name(pool_tensor.dtype)
+    declared = _first_attr(manager, *_KV_QUANT)
+    quant = _type_name(declared) if declared is not None else ""
+    if not quant.startswith(_QUANTISED):
+        return stored
+    if quant.startswith(_SCALES_IN_ANOTHER_POOL):
+        raise ConfigError(f"the KV cache is {quant} (stored as {stored}): its block scales live in a pool of their "
+                          "own, which remote-g2 does not share; not sharing these blocks")
+    return stored if quant == stored else f"{stored}/{quant}"
+
+
+def block_hash_scheme(manager: Any) -> str:
+    """The fingerprint's ``hash_scheme``: TensorRT-LLM's u64 block hashes, with the seed and algorithm if exposed.
+
+    ``trtllm/u64``, then ``/<algorithm>`` and ``/seed-<digest>`` when the
+    manager names them. Only a digest of the seed is published (it reaches
+    the registry), enough to keep workers of different seeds apart.
+    """
+    scheme = "trtllm/u64"
+    algo = _first_attr(manager, *_HASH_ALGO)
+    if algo is not None:
+        scheme += "/" + _type_name(algo)[:24]
+    seed = _first_attr(manager, *_HASH_SEED)
+    if seed is not None:
+        scheme += "/seed-" + hashlib.blake2b(str(seed).encode(), digest_size=4).hexdigest()
+    return scheme
+
+
 def tp_from_executor(executor: Any = None) -> tuple[int, int]:
     """``(tp_rank, tp_size)``: from the executor's ``mapping`` or ``dist`` when it has them, else MPI world."""
     for holder in (getattr(executor, "mapping", None), getattr(executor, "dist", None), executor):
@@ -171,6 +232,7 @@ class TrtllmSecondaryPool:
 
     def __init__(self, manager: Any, *, layout: BlockLayout | None = None) -> None:
         self.api = detect_api(manager)
+        self._manager = manager
         self._tensor = self.api.pool()
         if getattr(self._tensor, "device", None) is not None and str(self._tensor.device) != "cpu":
             raise ConfigError(f"the secondary pool lives on {self._tensor.device}; remote-g2 shares host memory")
@@ -185,6 +247,31 @@ class TrtllmSecondaryPool:
     @property
     def layout(self) -> BlockLayout:
         return self._layout
+
+    @property
+    def kv_dtype(self) -> str:
+        """What the pool's bytes are (:func:`kv_dtype_name`); ``ConfigError`` for a format it cannot share."""
+        return kv_dtype_name(self._manager, self._tensor)
+
+    @property
+    def hash_scheme(self) -> str:
+        """The hash space of the u64 block hashes this pool is keyed by (:func:`block_hash_scheme`)."""
+        return block_hash_scheme(self._manager)
+
+    def fingerprint(self, *, model_id: str, tp_size: int) -> LayoutFingerprint:
+        """This worker's fingerprint as the pool states it; only ``model_id`` comes from outside.
+
+        ``num_kv_heads`` counts the whole model's heads: this rank's times
+        ``tp_size``, except with MLA (``kv == 1``), whose one latent head
+        every rank holds whole.
+        """
+        lay = self._layout
+        is_mla = lay.kv == 1
+        return LayoutFingerprint(model_id=model_id, dtype=self.kv_dtype, tokens_per_block=lay.tokens_per_block,
+                                 kv_layout=lay.order, num_layers=lay.num_layers,
+                                 num_kv_heads=lay.num_kv_heads if is_mla else lay.num_kv_heads * tp_size,
+                                 head_dim=lay.head_dim, tp_size=tp_size, is_mla=is_mla,
+                                 hash_scheme=self.hash_scheme)
 
     def regions(self) -> list[MemoryRegion]:
         t = self._tensor
