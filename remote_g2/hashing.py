@@ -25,6 +25,7 @@ __all__ = [
     "u64_to_hash",
     "hash_to_u64",
     "chain_block_hashes",
+    "chain_hash_scheme",
 ]
 
 MIN_HASH_LEN = 1
@@ -70,6 +71,11 @@ def hash_to_u64(h: bytes) -> int:
     if len(h) != 8:
         raise ValueError(f"a u64 block hash is 8 bytes, got {len(h)}")
     return int(_U64.unpack(h)[0])
+
+
+def chain_hash_scheme(digest_size: int = 8) -> str:
+    """The :attr:`~remote_g2.messages.LayoutFingerprint.hash_scheme` of :func:`chain_block_hashes`' hashes."""
+    return f"remote-g2/blake2b-{8 * digest_size}"
 
 
 def chain_block_hashes(

@@ -125,6 +125,13 @@ class LayoutFingerprint:
     ``num_kv_heads`` counts heads across the whole model (not per rank). Two
     workers are compatible when everything but ``tp_size`` matches: the target
     plans heterogeneous-TP reads for that difference.
+
+    ``dtype`` is the dtype of the KV tensors themselves (plus the KV-cache
+    quantisation where one is set), resolved by the adapter from the tensors,
+    never a configuration string such as ``"auto"``. ``hash_scheme`` names
+    the hash space the worker's block hashes live in (the engine's algorithm
+    and seed): equal hashes mean the same prefix only between workers of one
+    scheme.
     """
 
     model_id: Annotated[str, Limits(min_len=1, max_len=256)]
@@ -136,11 +143,13 @@ class LayoutFingerprint:
     head_dim: Annotated[int, Limits(ge=1)]
     tp_size: Annotated[int, Limits(ge=1, le=4096)]
     is_mla: bool = False
+    hash_scheme: _Short = ""
 
     def compat_key(self) -> str:
         """A short stable digest of every field but ``tp_size``."""
         text = "|".join(str(x) for x in (self.model_id, self.dtype, self.tokens_per_block, self.kv_layout,
-                                          self.num_layers, self.num_kv_heads, self.head_dim, self.is_mla))
+                                          self.num_layers, self.num_kv_heads, self.head_dim, self.is_mla)
+                        + ((self.hash_scheme,) if self.hash_scheme else ()))
         return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 

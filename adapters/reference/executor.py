@@ -88,7 +88,7 @@ class Executor:
         self._endpoint: str | None = None
         self._seq = 0
         self.source = self.target = None
-        fp = fingerprint(config.model, config.cache, self.tp_size)
+        fp = fingerprint(config.model, config.cache, self.tp_size, kv_dtype=self.kv.g1.dtype)
         src_cfg = config.source or SourceConfig.from_env(fingerprint=fp)
         tgt_cfg = config.target or TargetConfig.from_env()
         try:

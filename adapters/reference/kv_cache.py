@@ -35,6 +35,7 @@ import torch
 from remote_g2.adapters.host_pool import HostPool
 
 from remote_g2.errors import ConfigError
+from remote_g2.hashing import chain_hash_scheme
 from remote_g2.messages import BlockLayout, LayoutFingerprint
 
 from .model import KV, KV_DTYPE, ModelConfig
@@ -66,11 +67,17 @@ def block_layout(model: ModelConfig, cache: CacheConfig, local_kv_heads: int) ->
                        head_dim=model.head_dim, dtype_bytes=4, order="HND")
 
 
-def fingerprint(model: ModelConfig, cache: CacheConfig, tp_size: int) -> LayoutFingerprint:
-    """What a peer's blocks must match to be usable here (every field but ``tp_size``)."""
-    return LayoutFingerprint(model_id=model.model_id, dtype="float32", tokens_per_block=cache.tokens_per_block,
-                             kv_layout="HND", num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
-                             head_dim=model.head_dim, tp_size=tp_size, is_mla=model.mla)
+def fingerprint(model: ModelConfig, cache: CacheConfig, tp_size: int,
+                kv_dtype: torch.dtype = KV_DTYPE) -> LayoutFingerprint:
+    """What a peer's blocks must match to be usable here (every field but ``tp_size``).
+
+    ``kv_dtype`` is the dtype of the KV tensors as allocated (the executor
+    passes its own G1 tensor's), so the fingerprint states what the bytes are.
+    """
+    return LayoutFingerprint(model_id=model.model_id, dtype=str(kv_dtype).removeprefix("torch."),
+                             tokens_per_block=cache.tokens_per_block, kv_layout="HND",
+                             num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                             tp_size=tp_size, is_mla=model.mla, hash_scheme=chain_hash_scheme())
 
 
 class G1BlockManager:
