@@ -10,30 +10,41 @@ Enable it with::
                                                       "worker_id": "vllm-a", "g2_blocks": 2048}}
 
 Scheduler side (vLLM's scheduler process)
-  ``get_num_new_matched_tokens`` hashes the prompt's full blocks itself
-  (:func:`~remote_g2.hashing.chain_block_hashes` over the token ids:
-  deterministic in every process, unlike vLLM's own chain, which is seeded at
-  random unless ``PYTHONHASHSEED`` is set) and asks the registry how many
-  leading blocks one other worker holds; the tokens beyond vLLM's local prefix
-  hit are loaded asynchronously. ``update_state_after_alloc`` records the
-  destination blocks, ``build_connector_meta`` sends the step's loads and the
-  blocks to save (prompt blocks that became full) to the worker.
+  ``get_num_new_matched_tokens`` takes vLLM's own block hashes of the
+  prompt's full blocks (``request.block_hashes``: they fold in the LoRA
+  adapter, multimodal inputs, ``cache_salt`` and prompt embeddings; see
+  :mod:`.block_identity`) and asks the registry how many leading blocks one
+  other worker with the same layout fingerprint holds; the tokens beyond
+  vLLM's local prefix hit are loaded asynchronously.
+  ``update_state_after_alloc`` records the destination blocks,
+  ``build_connector_meta`` sends the step's loads and the blocks to save
+  (prompt blocks that became full) to the worker.
 
 Worker side (each model runner)
   ``register_kv_caches`` builds the worker's G2 pool (a
   :class:`~remote_g2.adapters.host_pool.HostPool` in remote-g2's block
-  layout, plus landing slots) and starts the source service and target
-  client on it — the same hooks an engine executor calls. ``wait_for_save``
-  copies the step's full prompt blocks into G2 (the source's pool listener
-  publishes them to the registry). ``start_load_kv`` starts each remote load
-  into landing slots; ``get_finished`` polls the target client, copies what
-  arrived into vLLM's blocks, and reports the request as received;
+  layout, plus landing slots), checks that the tensors it was given have the
+  dtype and shape the scheduler's fingerprint promised, and starts the source
+  service and target client on it — the same hooks an engine executor calls.
+  ``wait_for_save`` copies the step's full prompt blocks into G2 (the
+  source's pool listener publishes them to the registry). ``start_load_kv``
+  starts each request's load: blocks already in this worker's G2 are copied
+  at once, blocks another request is already fetching are waited for
+  (:mod:`.fetches`: one READ per block), the rest are read into landing
+  slots; ``get_finished`` polls the target client, copies what arrived into
+  vLLM's blocks, and reports the request as received;
   ``get_block_ids_with_load_errors`` lists the blocks vLLM must recompute
   (with ``kv_load_failure_policy="recompute"``).
 
-Limits: tensor_parallel_size 1 (a TP group's ranks would each need the
-load's outcome; the target client reports it to rank 0 only), uniform
-attention layers, the layouts in :mod:`.kv_blocks`.
+Abort safety: vLLM keeps the blocks of a request it finishes while that
+request waits for remote KV (``WAITING_FOR_REMOTE_KVS``) until the connector
+reports the request received; the connector reports it only once every fetch
+it waits on has ended, and copies nothing into the blocks of a request vLLM
+has finished.
+
+Limits: tensor_parallel_size 1 (refused with a ConfigError when the
+connector is built), uniform attention layers, the layouts in
+:mod:`.kv_blocks`.
 """
 
 from __future__ import annotations
@@ -47,11 +58,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from remote_g2.errors import ConfigError, RemoteG2Error
-from remote_g2.hashing import chain_block_hashes
 from remote_g2.messages import LayoutFingerprint
 
 from ..failed_sources import FailedSources
 from ..landing_slots import LandingSlots, valid_prefix
+from . import block_identity
+from .fetches import FetchTable, RequestLoad
 from .kv_blocks import VllmKvLayout
 
 try:  # vLLM is an optional dependency: `make test-vllm` installs it
@@ -71,7 +83,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["RemoteG2Connector", "RemoteG2ConnectorMetadata", "RemoteG2WorkerMetadata", "ConnectorSettings"]
+__all__ = ["RemoteG2Connector", "RemoteG2ConnectorMetadata", "RemoteG2WorkerMetadata", "ConnectorSettings",
+           "check_vllm_config"]
 
 log = logging.getLogger("remote_g2.adapters.vllm")
 
@@ -110,6 +123,23 @@ class ConnectorSettings:
         return s
 
 
+def check_vllm_config(vllm_config: VllmConfig) -> None:
+    """Refuse a configuration the connector cannot serve correctly, with what to change (``ConfigError``).
+
+    Called whenever vLLM consults the connector class and when a connector
+    is built. vLLM 0.32 builds its connectors only after the workers loaded
+    the model, so that is when an unsupported setting is refused.
+    """
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    if tp != 1:
+        raise ConfigError(f"remote-g2's vLLM connector supports tensor_parallel_size=1, got {tp}; run one "
+                          "instance per GPU (or per CPU socket) with tensor_parallel_size=1")
+    pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1))
+    if pp != 1:
+        raise ConfigError(f"remote-g2's vLLM connector supports pipeline_parallel_size=1, got {pp}")
+    block_identity.hash_scheme(str(vllm_config.cache_config.prefix_caching_hash_algo))
+
+
 @dataclass
 class _Load:
     request_id: str
@@ -145,7 +175,7 @@ class RemoteG2WorkerMetadata(KVConnectorWorkerMetadata):
 class _ReqState:
     """The scheduler side's view of one request."""
 
-    hashes: list[bytes]
+    hashes: list[bytes]  # vLLM's hash of each full prompt block
     blocks: list[int] = field(default_factory=list)
     saved: int = 0  # leading prompt blocks already sent for saving
     load_from: int = 0  # first block to load (vLLM's local hit, in blocks)
@@ -164,16 +194,17 @@ class RemoteG2Connector(KVConnectorBase_V1):
 
             configure_logging()
         self.settings = ConnectorSettings.from_extra(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
+        check_vllm_config(vllm_config)
         self.block_size = int(vllm_config.cache_config.block_size)
-        tp = int(vllm_config.parallel_config.tensor_parallel_size)
-        if tp != 1:
-            raise ConfigError(f"remote-g2's vLLM connector supports tensor_parallel_size=1, got {tp}")
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy != "recompute":
             log.warning("kv_load_failure_policy=%r: a failed remote load fails the request; set \"recompute\" to "
                         "recompute the blocks instead", policy)
-        self._model_id = self.settings.model_id or str(vllm_config.model_config.model)
-        self._dtype = str(vllm_config.cache_config.cache_dtype)
+        mc, cc = vllm_config.model_config, vllm_config.cache_config
+        self._model_id = block_identity.model_identity(str(mc.model), getattr(mc, "revision", None),
+                                                       self.settings.model_id)
+        self._cache_dtype = str(cc.cache_dtype)
+        self._hash_scheme = block_identity.hash_scheme(str(cc.prefix_caching_hash_algo))
         # scheduler side
         self._registry: Any = None
         self._reqs: dict[str, _ReqState] = {}
@@ -187,38 +218,52 @@ class RemoteG2Connector(KVConnectorBase_V1):
         self.source: Any = None
         self.target: Any = None
         self._landing: LandingSlots | None = None
-        self._inflight: dict[str, tuple[_Load, list[int]]] = {}
+        self._fetches = FetchTable()
         self._load_errors: set[int] = set()
         self._received: set[str] = set()
         self._source_failures: set[str] = set()  # for the scheduler, in the next worker metadata
-        log.info("remote-g2 connector (%s) for %s: registry %s, worker %s", role.name, self._model_id,
-                 self.settings.registry, self.settings.worker_id)
+        self.blocks_read = 0  # blocks this worker read from remote G2s (each distinct block once per fetch)
+        log.info("remote-g2 connector (%s) for %s: registry %s, worker %s, hashes %s", role.name, self._model_id,
+                 self.settings.registry, self.settings.worker_id, self._hash_scheme)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """vLLM consults this while it sets attention backends up: refuse what cannot work there as well."""
+        check_vllm_config(vllm_config)
+        return None
 
     # ======================= scheduler side =======================
 
     def _scheduler_fingerprint(self) -> LayoutFingerprint | None:
-        """The layout this worker's blocks have, as far as the scheduler knows it (from the model config)."""
+        """The layout this worker's blocks have, as the scheduler knows it (model config; dtype resolved)."""
         if self._fingerprint is None:
             mc = self._vllm_config.model_config
             try:
                 heads = int(mc.get_total_num_kv_heads())
                 layers = int(mc.get_num_layers(self._vllm_config.parallel_config))
                 head_dim = int(mc.get_head_size())
-            except Exception as e:  # a model config without these: match without a layout check
-                log.warning("no layout fingerprint for lookups (%s); relying on model_id only", e)
+            except Exception as e:  # no layout, no fingerprint: never match rather than guess
+                log.warning("no layout fingerprint for lookups (%s): not loading remote blocks", e)
                 return None
-            self._fingerprint = LayoutFingerprint(model_id=self._model_id[:256], dtype=self._dtype[:64],
-                                                  tokens_per_block=self.block_size, kv_layout="HND",
-                                                  num_layers=layers, num_kv_heads=heads, head_dim=head_dim,
-                                                  tp_size=1)
+            dtype = block_identity.resolved_kv_dtype(mc.dtype, self._cache_dtype)
+            self._fingerprint = block_identity.fingerprint(
+                model_id=self._model_id, dtype=block_identity.kv_dtype_name(dtype, self._cache_dtype),
+                block_size=self.block_size, num_layers=layers, num_kv_heads=heads, head_dim=head_dim,
+                scheme=self._hash_scheme)
         return self._fingerprint
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens past vLLM's local hit that one remote G2 holds (whole blocks; never the last prompt token)."""
-        prompt = list(request.prompt_token_ids or [])
         state = self._reqs.get(request.request_id)
         if state is None:
-            state = self._reqs[request.request_id] = _ReqState(chain_block_hashes(prompt, self.block_size))
+            prompt_len = len(request.prompt_token_ids or ())
+            hashes = block_identity.prompt_block_hashes(request.block_hashes, request.num_tokens, prompt_len,
+                                                        self.block_size)
+            if hashes is None:
+                log.warning("%s: %d block hashes for %d tokens of %d-token blocks: not sharing its blocks",
+                            request.request_id, len(request.block_hashes), request.num_tokens, self.block_size)
+                hashes = []
+            state = self._reqs[request.request_id] = _ReqState(hashes)
         if not self.settings.target or not self.settings.registry:
             return 0, False
         if state.tried:
@@ -226,9 +271,13 @@ class RemoteG2Connector(KVConnectorBase_V1):
             # asks again; matching the same source again would retry it for as long as the registry
             # names that source (seen: 21,098 retries in 2 min against a source that had stalled).
             return 0, False
-        reusable = (len(prompt) - 1) // self.block_size
+        prompt_len = len(request.prompt_token_ids or ())
+        reusable = min((prompt_len - 1) // self.block_size, len(state.hashes))
         local = num_computed_tokens // self.block_size
         if reusable <= local:
+            return 0, False
+        fp = self._scheduler_fingerprint()
+        if fp is None:
             return 0, False
         if self._registry is None:
             from remote_g2.registry import RegistryClient
@@ -237,10 +286,9 @@ class RemoteG2Connector(KVConnectorBase_V1):
 
             self._registry = RegistryClient(self.settings.registry, timeout_s=2.0,
                                             curve=CurveClientConfig.from_env("REMOTE_G2_CURVE_SERVER_KEY"))
-        fp = self._scheduler_fingerprint()
         try:
             reply = self._registry.lookup(state.hashes[:reusable], requester=self.settings.worker_id,
-                                          compat_key=fp.compat_key() if fp else None)
+                                          compat_key=fp.compat_key())
         except RemoteG2Error as e:
             log.warning("registry lookup for %s failed: %s", request.request_id, e)
             return 0, False
@@ -309,8 +357,14 @@ class RemoteG2Connector(KVConnectorBase_V1):
             state.saved = full
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Saves are synchronous (``wait_for_save``), so nothing here needs the blocks kept.
+
+        A request finished while its remote load runs is in ``WAITING_FOR_REMOTE_KVS``: vLLM itself
+        keeps its blocks until the worker reports it received, which happens only after its fetches
+        ended (and nothing is copied into them then).
+        """
         self._reqs.pop(request.request_id, None)
-        return False, None  # saves are synchronous (wait_for_save): vLLM may free the blocks now
+        return False, None
 
     # ======================= worker side =======================
 
@@ -321,12 +375,17 @@ class RemoteG2Connector(KVConnectorBase_V1):
 
         s = self.settings
         self._kv = kv = VllmKvLayout.from_kv_caches(kv_caches, self.block_size)
+        fp = block_identity.fingerprint(model_id=self._model_id,
+                                        dtype=block_identity.kv_dtype_name(kv.dtype, self._cache_dtype),
+                                        block_size=self.block_size, num_layers=len(kv.views),
+                                        num_kv_heads=kv.kv_heads, head_dim=kv.head_dim, scheme=self._hash_scheme)
+        promised = self._scheduler_fingerprint()
+        if promised is not None and promised.compat_key() != fp.compat_key():
+            raise ConfigError(f"vLLM's KV tensors ({fp}) differ from what its configuration says ({promised}): "
+                              "the scheduler's lookups would never match this worker's blocks")
         self._pool = HostPool(kv.g2_layout(s.g2_blocks + s.landing_blocks), reserved_blocks=s.landing_blocks)
         self._pool_rows = kv.pool_view(self._pool.tensor)
         self._landing = LandingSlots(self._pool.reserved_block_ids)
-        fp = LayoutFingerprint(model_id=self._model_id[:256], dtype=self._dtype[:64], tokens_per_block=self.block_size,
-                               kv_layout="HND", num_layers=len(kv.views), num_kv_heads=kv.kv_heads,
-                               head_dim=kv.head_dim, tp_size=1)
         common = {"registry_endpoint": s.registry, "fingerprint": fp}
         if s.ipc_dir:
             common["ipc_dir"] = s.ipc_dir
@@ -343,8 +402,8 @@ class RemoteG2Connector(KVConnectorBase_V1):
         except BaseException:
             self.shutdown()
             raise
-        log.info("remote-g2 worker %s: %d layers (%s layout), %d-byte blocks, G2 %d blocks + %d landing; "
-                 "source %s, target %s", s.worker_id, len(kv.views), kv.kind, kv.block_bytes, s.g2_blocks,
+        log.info("remote-g2 worker %s: %d layers (%s layout, %s), %d-byte blocks, G2 %d blocks + %d landing; "
+                 "source %s, target %s", s.worker_id, len(kv.views), kv.kind, fp.dtype, kv.block_bytes, s.g2_blocks,
                  s.landing_blocks, "on" if self.source else "off", "on" if self.target else "off")
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -354,15 +413,33 @@ class RemoteG2Connector(KVConnectorBase_V1):
             self._start_load(load)
 
     def _start_load(self, load: _Load) -> None:
-        if self.target is None or self._landing is None or self._landing.available() < len(load.hashes):
+        """Copy the blocks this worker's G2 has, wait on those already being fetched, fetch the rest once."""
+        assert self._pool is not None or self.target is None
+        local = [self._pool.lookup(h) is not None and not self._fetches.in_flight(h) for h in load.hashes] \
+            if self._pool is not None else [False] * len(load.hashes)
+        need = self._fetches.to_fetch(load.hashes, local)
+        if need and (self.target is None or self._landing is None or self._landing.available() < need):
             why = "no target client" if self.target is None else "no free landing slots"
             log.warning("%s: not loading %d blocks (%s); vLLM recomputes them", load.request_id, len(load.hashes), why)
             self._load_errors.update(load.block_ids)
             self._received.add(load.request_id)
             return
-        slots = self._landing.take(len(load.hashes))
-        self._inflight[load.request_id] = (load, slots)
-        self.target.start_load(load.request_id, load.hashes, slots)
+        if any(local):  # from our own G2 now: this thread is the only one that evicts from it
+            self._copy_local(load, local)
+        slots = self._landing.take(need) if need else []
+        _, fetch = self._fetches.add(load.request_id, load.hashes, load.block_ids, local=local, new_slots=slots)
+        if fetch is not None:
+            assert self.target is not None
+            self.target.start_load(fetch.fetch_id, fetch.hashes, fetch.slots)
+
+    def _copy_local(self, load: _Load, local: list[bool]) -> None:
+        assert self._kv is not None and self._pool_rows is not None
+        rows, dst = [], []
+        for h, b, here in zip(load.hashes, load.block_ids, local):
+            if here:
+                rows.append(self._pool.lookup(h))
+                dst.append(b)
+        self._kv.scatter(dst, self._pool_rows[torch.as_tensor(rows)])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: vLLM runs the request only after get_finished reported it
@@ -387,34 +464,58 @@ class RemoteG2Connector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(None, received)``: requests whose remote load ended (loaded or failed) since the last call."""
+        for rid in finished_req_ids:
+            if self._fetches.abort(rid):
+                log.info("%s finished by vLLM while its remote load runs: its blocks get nothing", rid)
         received, self._received = self._received, set()
-        if self.target is not None and self._inflight:
+        ready: list[RequestLoad] = self._fetches.ready_now()
+        if self.target is not None and len(self._fetches):
             done, failed = self.target.get_finished()
             invalid = self.target.invalid_block_ids()
-            for rid in done | failed:
-                entry = self._inflight.pop(rid, None)
-                if entry is None:
+            for fid in sorted(done | failed):
+                fetch = self._fetches.fetch(fid)
+                if fetch is None:
                     continue
-                load, slots = entry
-                good = valid_prefix(slots, invalid) if rid in done else 0
-                if good:
-                    assert self._kv is not None and self._pool_rows is not None
-                    rows = self._pool_rows[torch.as_tensor(slots[:good])]
-                    self._kv.scatter(load.block_ids[:good], rows)
-                    try:  # keep them in G2 too: this worker can share them in turn
-                        self._pool.store(load.hashes[:good], list(rows))
-                    except RemoteG2Error as e:
-                        log.warning("caching %d loaded blocks in G2 failed: %s", good, e)
-                self._load_errors.update(load.block_ids[good:])
-                assert self._landing is not None
-                if rid in done:
-                    self._landing.give_back(slots)
-                else:
-                    self._landing.quarantine(slots)
-                    self._source_failures.add(rid)
-                received.add(rid)
-                log.info("%s: %d of %d blocks loaded from a remote G2", rid, good, len(slots))
+                good = valid_prefix(fetch.slots, invalid) if fid in done else 0
+                ready += self._fetches.ended(fid, good, failed=fid in failed)
+                self._keep_fetched(fetch.hashes[:good], fetch.slots[:good])
+                self.blocks_read += good
+                if fid in failed:
+                    self._source_failures.add(fid)
+                log.info("fetch %s: %d of %d blocks read from a remote G2", fid, good, len(fetch.hashes))
+        for load in ready:
+            self._finish(load)
+            received.add(load.request_id)
         return None, (received or None)
+
+    def _keep_fetched(self, hashes: list[bytes], slots: list[int]) -> None:
+        """Keep what a fetch brought in G2 too: this worker can share it in turn, and reuse it locally."""
+        if not hashes:
+            return
+        assert self._pool is not None and self._pool_rows is not None
+        try:
+            self._pool.store(hashes, list(self._pool_rows[torch.as_tensor(slots)]))
+        except RemoteG2Error as e:
+            log.warning("caching %d loaded blocks in G2 failed: %s", len(hashes), e)
+
+    def _finish(self, load: RequestLoad) -> None:
+        """Copy a ready request's blocks into vLLM's (unless vLLM finished it), give back freed slots."""
+        good = load.good_blocks()
+        if load.aborted:
+            log.info("%s: dropped %d loaded blocks (vLLM finished the request)", load.request_id, good)
+        else:
+            remote = [(b, f.slots[i]) for (f, i), b in zip(load.parts[:good], load.block_ids) if f is not None]
+            if remote:
+                assert self._kv is not None and self._pool_rows is not None
+                self._kv.scatter([b for b, _ in remote], self._pool_rows[torch.as_tensor([s for _, s in remote])])
+            self._load_errors.update(load.block_ids[good:])
+            log.info("%s: %d of %d blocks loaded from a remote G2", load.request_id, good, len(load.block_ids))
+        assert self._landing is not None or not load.fetches()
+        for fetch in self._fetches.done(load):
+            if fetch.failed:
+                self._landing.quarantine(fetch.slots)
+            else:
+                self._landing.give_back(fetch.slots)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """This step's loads that failed at the source (see :class:`RemoteG2WorkerMetadata`)."""

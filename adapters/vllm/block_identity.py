@@ -1,0 +1,138 @@
+"""When a block of one vLLM instance is the same block in another: hashes, hash space, KV dtype, fingerprint.
+
+Reuse must never change an output, so two blocks are exchanged only when
+vLLM itself would treat them as the same cached block *and* their bytes mean
+the same thing:
+
+* **Which block** — vLLM's own block hashes (``request.block_hashes``):
+  32-byte chained hashes that already fold in the LoRA adapter (name and
+  path), multimodal inputs, ``cache_salt`` and prompt embeddings. Equal
+  hashes across processes need the same hash space: the algorithm
+  (``prefix_caching_hash_algo``) and the seed of the chain (vLLM derives it
+  from ``PYTHONHASHSEED`` when set; otherwise from a fixed default for the
+  SHA-256 algorithms and from random bytes for xxhash, which therefore cannot
+  be shared). :func:`hash_scheme` names that space, or refuses with a
+  :class:`~remote_g2.errors.ConfigError` saying what to set.
+* **What the bytes mean** — the model, the KV tensors' dtype (and the KV-cache
+  quantisation, if any), the block size and the per-layer shape: the
+  :class:`~remote_g2.messages.LayoutFingerprint` built by
+  :func:`fingerprint`. The scheduler builds it from the configuration
+  (:func:`kv_dtype_name` resolves ``"auto"`` the way vLLM allocates its
+  tensors); each worker builds it from the tensors it was given and refuses
+  to start when the two disagree, since lookups would then never match.
+
+Nothing here imports vLLM: the functions read vLLM's config objects by
+attribute, so they are tested without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from remote_g2.errors import ConfigError
+from remote_g2.messages import LayoutFingerprint
+
+__all__ = ["hash_scheme", "kv_dtype_name", "model_identity", "prompt_block_hashes", "fingerprint"]
+
+# vLLM's chain seed for cryptographic algorithms when PYTHONHASHSEED is unset
+# (vllm.v1.core.kv_cache_utils.DEFAULT_NONE_HASH_SEED).
+_VLLM_DEFAULT_SEED = "vllm-none-hash"
+_CRYPTO_ALGOS = frozenset({"sha256", "sha256_cbor"})
+_SEEDED_ONLY_ALGOS = frozenset({"xxhash", "xxhash_cbor"})
+
+
+def hash_scheme(algo: str, environ: Mapping[str, str] = os.environ) -> str:
+    """The hash space of this process's vLLM block hashes, e.g. ``vllm/sha256/1f0e33c2``.
+
+    For the SHA-256 algorithms the seed's digest is part of the name, so
+    instances whose seeds differ are told apart in the registry (their hashes
+    would never be equal anyway). For xxhash the seed must stay secret (it
+    is what stops precomputed collisions), so only its presence is named.
+    Raises ``ConfigError`` when the hashes would be random per process.
+    """
+    seed = environ.get("PYTHONHASHSEED")
+    if algo in _CRYPTO_ALGOS:
+        digest = hashlib.blake2b((seed if seed is not None else _VLLM_DEFAULT_SEED).encode(), digest_size=4)
+        return f"vllm/{algo}/{digest.hexdigest()}"
+    if algo in _SEEDED_ONLY_ALGOS:
+        if seed is None or seed == "random":
+            raise ConfigError(
+                f"prefix_caching_hash_algo={algo!r} without PYTHONHASHSEED: vLLM seeds its block hashes at random "
+                "in every process, so no two instances can share a block. Set PYTHONHASHSEED to one secret value "
+                "shared by every instance (in the environment of `vllm serve` / your process), or use "
+                "prefix_caching_hash_algo='sha256' (vLLM's default).")
+        return f"vllm/{algo}/seeded"
+    raise ConfigError(f"prefix_caching_hash_algo={algo!r} is not one remote-g2 knows "
+                      f"({sorted(_CRYPTO_ALGOS | _SEEDED_ONLY_ALGOS)}); not sharing blocks whose hash space is unknown")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def kv_dtype_name(tensor_dtype: torch.dtype, cache_dtype: str) -> str:
+    """The fingerprint's ``dtype``: the KV tensors' dtype, plus the quantisation when ``cache_dtype`` sets one.
+
+    ``cache_dtype="auto"`` stores the model's dtype, so the tensors' dtype says
+    it all; a quantised cache (``fp8``, ``fp8_e5m2``, ...) keeps its name
+    too, since two formats can share a storage dtype.
+    """
+    name = _dtype_name(tensor_dtype)
+    return name if cache_dtype in ("auto", "", None) else f"{name}/{cache_dtype}"
+
+
+def resolved_kv_dtype(model_dtype: Any, cache_dtype: str) -> torch.dtype:
+    """The dtype vLLM allocates its KV tensors in, from the model's dtype and ``cache_dtype`` (the scheduler's view)."""
+    if cache_dtype in ("auto", "", None):
+        if isinstance(model_dtype, torch.dtype):
+            return model_dtype
+        named = getattr(torch, str(model_dtype).removeprefix("torch."), None)
+        if isinstance(named, torch.dtype):
+            return named
+        raise ConfigError(f"cannot resolve the model dtype {model_dtype!r} to a torch dtype")
+    try:
+        from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    except ImportError as e:  # pragma: no cover - the connector only runs inside vLLM
+        raise ConfigError(f"cannot resolve kv cache dtype {cache_dtype!r} without vLLM ({e})") from e
+    if cache_dtype not in STR_DTYPE_TO_TORCH_DTYPE:
+        raise ConfigError(f"kv cache dtype {cache_dtype!r} is not one vLLM names")
+    return STR_DTYPE_TO_TORCH_DTYPE[cache_dtype]
+
+
+def model_identity(model: str, revision: str | None, override: str | None) -> str:
+    """The fingerprint's ``model_id``: the configured ``model_id`` setting, else the model and its revision."""
+    if override:
+        return override[:256]
+    return (f"{model}@{revision}" if revision else str(model))[:256]
+
+
+def prompt_block_hashes(block_hashes: Sequence[bytes], num_tokens: int, prompt_len: int,
+                        block_size: int) -> list[bytes] | None:
+    """vLLM's hash of every full prompt block of ``block_size`` tokens, or None when they cannot be told.
+
+    ``block_hashes`` is ``request.block_hashes`` for a request of ``num_tokens``
+    tokens. vLLM may hash at a finer granularity than its block size (a
+    divisor of it, for hybrid models); the hash of a block is then the last
+    fine-grained hash inside it, which chains over the whole prefix.
+    """
+    if num_tokens < block_size:
+        return []
+    for step in (d for d in range(1, block_size + 1) if block_size % d == 0):
+        hash_size = block_size // step
+        if len(block_hashes) == num_tokens // hash_size:
+            full = prompt_len // block_size
+            return [bytes(block_hashes[(i + 1) * step - 1]) for i in range(full)]
+    return None
+
+
+def fingerprint(*, model_id: str, dtype: str, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                scheme: str) -> LayoutFingerprint:
+    """This instance's layout fingerprint (tensor parallel size 1; whole-model KV heads)."""
+    return LayoutFingerprint(model_id=model_id, dtype=dtype[:64], tokens_per_block=block_size, kv_layout="HND",
+                             num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, tp_size=1,
+                             hash_scheme=scheme)
