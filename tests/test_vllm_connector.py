@@ -14,6 +14,15 @@ skips this module and says so in its summary.
   B's own prefix cache and read only their own tails;
 * instance C is plain vLLM (connector off);
 * A's, B's and C's greedy tokens are identical.
+
+Then the edges where a wrong hit would change an output: requests with and
+without a LoRA adapter, with different ``cache_salt``, and instances whose
+KV dtypes differ never share blocks (and answer as plain vLLM does), while
+the same adapter, salt and dtype do; four requests of one batch read each
+distinct remote block once; a request aborted while its (slowed) load runs
+gets nothing copied into its blocks and the others answer as before; a
+source killed mid-load means recompute; ``vllm serve`` reuses remote KV over
+HTTP; ``tensor_parallel_size=2`` is refused with a ConfigError.
 """
 
 from __future__ import annotations
@@ -21,9 +30,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -38,6 +49,30 @@ pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.registry_lease_ms(
 HERE = Path(__file__).resolve().parent
 INSTANCE = HERE / "vllm_procs" / "instance.py"
 BLOCK = 32
+SLOW_TRANSFER = "fault_procs.slow_transfer:SlowNixlTransfer"
+
+
+def _prompts(seed: int, n: int, length: int = 300) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(length)] for _ in range(n)]
+
+
+def _write(tmp: Path, name: str, entries: list) -> Path:
+    path = tmp / f"{name}.prompts.json"
+    path.write_text(json.dumps(entries))
+    return path
+
+
+def _blocks_fetched(log: str) -> int:
+    """Blocks the instance read from remote G2s, summed over its fetches (one READ per block each)."""
+    return sum(int(n) for n in re.findall(r"fetch \S+: (\d+) of \d+ blocks read from a remote G2", log))
+
+
+@pytest.fixture(scope="module")
+def lora_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from make_model import make_lora
+
+    return make_lora(model_dir, tmp_path_factory.mktemp("tiny-lora"))
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +112,15 @@ def _wait_published(registry: str, worker_id: str, want: int, inst: Instance) ->
 class Instance:
     """A vLLM instance process (instance.py); ``result()`` waits for its outputs."""
 
-    def __init__(self, tmp: Path, name: str, model: Path, prompts: Path, registry: str | None) -> None:
+    def __init__(self, tmp: Path, name: str, model: Path, prompts: Path, registry: str | None, *args: str,
+                 env: dict[str, str] | None = None) -> None:
         self.out, self.hold, self.log = tmp / f"{name}.json", tmp / f"{name}.stop", tmp / f"{name}.log"
         cmd = [sys.executable, str(INSTANCE), "--model", str(model), "--prompts", str(prompts),
-               "--out", str(self.out), "--hold-file", str(self.hold), "--worker-id", f"vllm-{name}"]
+               "--out", str(self.out), "--hold-file", str(self.hold), "--worker-id", f"vllm-{name}", *args]
         if registry:
             cmd += ["--registry", registry]
         self._log = open(self.log, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=_env(name),
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**_env(name), **(env or {})},
                                      start_new_session=True)
 
     def result(self, timeout_s: float = 240) -> list[dict]:
@@ -183,3 +219,208 @@ def test_a_dead_source_means_vllm_recomputes_and_still_generates_identically(tmp
     assert "a load from vllm-a failed" in log_b and "not loading from it for 30 s" in log_b, log_b[-4000:]
     assert [o["num_cached_tokens"] for o in out_b] == [0, 0]  # nothing counted as cached: all recomputed
     assert [o["tokens"] for o in out_b] == [o["tokens"] for o in out_a]
+
+
+def test_lora_and_cache_salt_never_share_across_identities_and_outputs_match_plain_vllm(
+        tmp_path: Path, model_dir: Path, lora_dir: Path, registry: str) -> None:
+    """A and B see the same token ids under different identities: only equal (adapter, salt) pairs are reused."""
+    p = _prompts(5, 8)
+    reusable = (300 - 1) // BLOCK * BLOCK
+    #          A serves                       B serves                       B may reuse
+    pairs = [({"ids": p[0], "lora": True},    {"ids": p[0]},                  False),  # adapter -> base
+             ({"ids": p[1]},                  {"ids": p[1], "lora": True},    False),  # base -> adapter
+             ({"ids": p[2], "salt": "ten-a"}, {"ids": p[2], "salt": "ten-b"}, False),  # salt -> other salt
+             ({"ids": p[3]},                  {"ids": p[3], "salt": "ten-b"}, False),  # no salt -> salt
+             ({"ids": p[4], "salt": "ten-a"}, {"ids": p[4]},                  False),  # salt -> no salt
+             ({"ids": p[5], "salt": "same"},  {"ids": p[5], "salt": "same"},  True),
+             ({"ids": p[6], "lora": True},    {"ids": p[6], "lora": True},    True),
+             ({"ids": p[7]},                  {"ids": p[7]},                  True)]
+    a_file = _write(tmp_path, "a", [x for x, _, _ in pairs])
+    b_file = _write(tmp_path, "b", [y for _, y, _ in pairs])
+    a = Instance(tmp_path, "a", model_dir, a_file, registry, "--lora", str(lora_dir))
+    try:
+        a.result()
+        _wait_published(registry, "vllm-a", len(pairs) * (300 // BLOCK), a)
+        b = Instance(tmp_path, "b", model_dir, b_file, registry, "--lora", str(lora_dir))
+        try:
+            out_b = b.result()
+        finally:
+            b.stop()
+    finally:
+        a.stop()
+    c = Instance(tmp_path, "c", model_dir, b_file, None, "--lora", str(lora_dir))
+    try:
+        out_c = c.result()
+    finally:
+        c.stop()
+    log_b = b.log.read_text(errors="replace")
+    assert [o["num_cached_tokens"] for o in out_b] == [reusable if ok else 0 for _, _, ok in pairs], log_b[-4000:]
+    assert [o["num_cached_tokens"] for o in out_c] == [0] * len(pairs)
+    assert [o["tokens"] for o in out_b] == [o["tokens"] for o in out_c]
+    assert _blocks_fetched(log_b) == 3 * (reusable // BLOCK)
+
+
+def test_instances_with_different_kv_dtypes_never_share(tmp_path: Path, model_dir: Path, registry: str) -> None:
+    """float16 A and bfloat16 B: same prompts, same model, no remote hit; B answers as plain bfloat16 vLLM."""
+    prompts = _write(tmp_path, "p", _prompts(6, 2))
+    a = Instance(tmp_path, "a", model_dir, prompts, registry, "--dtype", "float16")
+    try:
+        a.result()
+        _wait_published(registry, "vllm-a", 2 * (300 // BLOCK), a)
+        b = Instance(tmp_path, "b", model_dir, prompts, registry, "--dtype", "bfloat16")
+        try:
+            out_b = b.result()
+        finally:
+            b.stop()
+        with RegistryClient(registry) as reg:
+            fps = {w.worker_id: w.fingerprint for w in reg.workers()}
+    finally:
+        a.stop()
+    c = Instance(tmp_path, "c", model_dir, prompts, None, "--dtype", "bfloat16")
+    try:
+        out_c = c.result()
+    finally:
+        c.stop()
+    assert (fps["vllm-a"].dtype, fps["vllm-b"].dtype) == ("float16", "bfloat16")
+    assert fps["vllm-a"].compat_key() != fps["vllm-b"].compat_key()
+    assert [o["num_cached_tokens"] for o in out_b] == [0, 0]
+    assert _blocks_fetched(b.log.read_text(errors="replace")) == 0
+    assert [o["tokens"] for o in out_b] == [o["tokens"] for o in out_c]
+
+
+def test_a_batch_sharing_a_remote_prefix_reads_each_block_once(tmp_path: Path, model_dir: Path,
+                                                             registry: str) -> None:
+    """Four requests in one batch share a 12-block prefix: 12 + 4 distinct blocks are read, not 4 x 13."""
+    rng = random.Random(7)
+    shared = [rng.randrange(3, 500) for _ in range(12 * BLOCK)]
+    prompts = _write(tmp_path, "p", [shared + [rng.randrange(3, 500) for _ in range(40)] for _ in range(4)])
+    per_request = (12 * BLOCK + 40 - 1) // BLOCK  # 13: the shared prefix and each prompt's own next block
+    a = Instance(tmp_path, "a", model_dir, prompts, registry, "--batch")
+    try:
+        out_a = a.result()
+        _wait_published(registry, "vllm-a", 12 + 4, a)
+        b = Instance(tmp_path, "b", model_dir, prompts, registry, "--batch")
+        try:
+            out_b = b.result()
+        finally:
+            b.stop()
+    finally:
+        a.stop()
+    log_b = b.log.read_text(errors="replace")
+    assert [o["num_cached_tokens"] for o in out_b] == [per_request * BLOCK] * 4, log_b[-4000:]
+    assert log_b.count(f"{per_request} of {per_request} blocks loaded from a remote G2") == 4, log_b[-4000:]
+    assert _blocks_fetched(log_b) == 12 + 4, log_b[-4000:]
+    assert [o["tokens"] for o in out_b] == [o["tokens"] for o in out_a]
+
+
+def test_a_request_aborted_mid_load_gets_nothing_and_the_others_are_unchanged(tmp_path: Path, model_dir: Path,
+                                                                             registry: str) -> None:
+    """B's first request is aborted while its (slowed) READ runs: its late blocks are dropped, not copied."""
+    prompts = _write(tmp_path, "p", _prompts(8, 3))
+    marker = tmp_path / "reading"
+    a = Instance(tmp_path, "a", model_dir, prompts, registry)
+    try:
+        out_a = a.result()
+        _wait_published(registry, "vllm-a", 3 * (300 // BLOCK), a)
+        b = Instance(tmp_path, "b", model_dir, prompts, registry, "--abort-first", str(marker),
+                     "--transfer", SLOW_TRANSFER,
+                     env={"PYTHONPATH": str(HERE), "REMOTE_G2_TEST_READING_FILE": str(marker),
+                          "REMOTE_G2_TEST_READ_DELAY_S": "2"})
+        try:
+            out_b = b.result()
+        finally:
+            b.stop()
+    finally:
+        a.stop()
+    log_b = b.log.read_text(errors="replace")
+    blocks = (300 - 1) // BLOCK
+    assert out_b[0] == {"aborted": True}
+    assert "finished by vLLM while its remote load runs" in log_b, log_b[-4000:]
+    assert f"victim: dropped {blocks} loaded blocks (vLLM finished the request)" in log_b, log_b[-4000:]
+    assert "victim: " + f"{blocks} of {blocks} blocks loaded" not in log_b
+    # The others were loaded remotely after it and answer exactly as A (which computed them) did.
+    assert [o["num_cached_tokens"] for o in out_b[1:]] == [blocks * BLOCK] * 2, log_b[-4000:]
+    assert [o["tokens"] for o in out_b[1:]] == [o["tokens"] for o in out_a[1:]]
+
+
+def test_vllm_serve_answers_over_http_with_remote_kv(tmp_path: Path, model_dir: Path, registry: str) -> None:
+    """`vllm serve` with the documented --kv-transfer-config: a completion whose prefix A computed is read remotely."""
+    ids = _prompts(9, 1)[0]
+    prompts = _write(tmp_path, "p", [ids])
+    a = Instance(tmp_path, "a", model_dir, prompts, registry)
+    port = _free_port()
+    log_path = tmp_path / "serve.log"
+    try:
+        out_a = a.result()
+        _wait_published(registry, "vllm-a", 300 // BLOCK, a)
+        kv = {"kv_connector": "RemoteG2Connector", "kv_connector_module_path": "remote_g2.adapters.vllm",
+              "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+              "kv_connector_extra_config": {"registry": registry, "worker_id": "vllm-serve",
+                                            "g2_blocks": 64, "landing_blocks": 32}}
+        vllm_bin = str(Path(sys.executable).with_name("vllm"))
+        with open(log_path, "wb") as log:
+            srv = subprocess.Popen([vllm_bin, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+                                    "--dtype", "float32", "--block-size", str(BLOCK), "--enforce-eager",
+                                    "--max-model-len", "1024", "--seed", "0", "--kv-transfer-config", json.dumps(kv)],
+                                   stdout=log, stderr=subprocess.STDOUT, env=_env("b"), start_new_session=True)
+        try:
+            _wait_http(f"http://127.0.0.1:{port}/health", srv, log_path)
+            body = json.dumps({"model": str(model_dir), "prompt": ids, "max_tokens": 8, "temperature": 0.0,
+                               "ignore_eos": True}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                answer = json.loads(resp.read())
+        finally:
+            os.killpg(srv.pid, 15)
+            try:
+                srv.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(srv.pid, 9)
+                srv.wait(10)
+    finally:
+        a.stop()
+    log = log_path.read_text(errors="replace")
+    blocks = (300 - 1) // BLOCK
+    assert f"{blocks} of {blocks} blocks loaded from a remote G2" in log, log[-4000:]
+    text_a = out_a[0]["tokens"]
+    assert answer["usage"]["completion_tokens"] == 8
+    # the served text is the detokenized form of the same greedy tokens A generated
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert answer["choices"][0]["text"] == tok.decode(text_a)
+
+
+def test_tensor_parallel_2_is_refused_with_what_to_change(tmp_path: Path, model_dir: Path) -> None:
+    prompts = _write(tmp_path, "p", _prompts(10, 1))
+    inst = Instance(tmp_path, "tp2", model_dir, prompts, "tcp://127.0.0.1:9", "--tp", "2",
+                    env={"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, sorted(os.sched_getaffinity(0))[:2]))})
+    rc = inst.proc.wait(180)
+    inst._log.close()
+    log = inst.log.read_text(errors="replace")
+    assert rc != 0 and not inst.out.exists()
+    assert "ConfigError: remote-g2's vLLM connector supports tensor_parallel_size=1, got 2" in log, log[-4000:]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"vllm serve exited rc={proc.returncode}:\n{log_path.read_text(errors='replace')[-4000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"vllm serve never became healthy:\n{log_path.read_text(errors='replace')[-4000:]}")

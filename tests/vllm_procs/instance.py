@@ -1,11 +1,23 @@
 """One vLLM instance for the connector tests: generate greedily for the prompts, write the outputs, then wait.
 
 ``python tests/vllm_procs/instance.py --model DIR --prompts P.json --out O.json [--registry E --worker-id W]
-[--hold-file F]``. With ``--registry`` the RemoteG2Connector is enabled
-(source and target); without it this is plain vLLM. Prompts are token-id
-lists (JSON). ``O.json`` holds, per prompt, the generated token ids and
-vLLM's ``num_cached_tokens``. With ``--hold-file`` the instance stays up
-(its G2 pool keeps serving) until that file exists.
+[--hold-file F] [--dtype D] [--lora DIR] [--batch] [--abort-first MARKER] [--transfer T]``.
+
+With ``--registry`` the RemoteG2Connector is enabled (source and target);
+without it this is plain vLLM. Each prompt is a token-id list, or an object
+``{"ids": [...], "salt": "tenant-a", "lora": true}`` (``cache_salt``; the
+``--lora`` adapter). ``O.json`` holds, per prompt, the generated token ids
+and vLLM's ``num_cached_tokens``.
+
+* one prompt at a time, in order (default), or ``--batch``: all in one
+  ``generate`` call (one scheduler step sees them together);
+* ``--abort-first MARKER``: the first prompt is submitted alone, aborted as
+  soon as MARKER exists (the slowed transfer of ``--transfer`` touches it
+  when its READ is about to be posted), then the others run; its output is
+  ``{"aborted": true}``.
+
+With ``--hold-file`` the instance stays up (its G2 pool keeps serving) until
+that file exists.
 """
 
 from __future__ import annotations
@@ -15,6 +27,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 
 def main() -> None:
@@ -25,6 +38,12 @@ def main() -> None:
     p.add_argument("--registry")
     p.add_argument("--worker-id", default="vllm-test")
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--lora")
+    p.add_argument("--batch", action="store_true")
+    p.add_argument("--abort-first")
+    p.add_argument("--transfer", default="nixl")
+    p.add_argument("--tp", type=int, default=1)
     p.add_argument("--hold-file")
     p.add_argument("--hold-s", type=float, default=300)
     a = p.parse_args()
@@ -32,6 +51,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
 
     kv = None
     if a.registry:
@@ -39,16 +59,57 @@ def main() -> None:
                               kv_role="kv_both", kv_load_failure_policy="recompute",
                               kv_connector_extra_config={"registry": a.registry, "worker_id": a.worker_id,
                                                          "g2_blocks": 256, "landing_blocks": 64,
-                                                         "transfer_timeout_ms": 10000})
-    llm = LLM(model=a.model, tokenizer=a.model, dtype="float32", block_size=32, enforce_eager=True,
-              max_model_len=1024, max_num_seqs=8, kv_transfer_config=kv, seed=0)
-    prompts = json.loads(Path(a.prompts).read_text())
+                                                         "transfer": a.transfer, "transfer_timeout_ms": 10000})
+    lora_kw = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1} if a.lora else {}
+    llm = LLM(model=a.model, tokenizer=a.model, dtype=a.dtype, block_size=32, enforce_eager=True,
+              max_model_len=1024, max_num_seqs=8, kv_transfer_config=kv, seed=0, tensor_parallel_size=a.tp,
+              **lora_kw)
+    lora = LoRARequest("tiny-adapter", 1, a.lora) if a.lora else None
+    entries = [e if isinstance(e, dict) else {"ids": e} for e in json.loads(Path(a.prompts).read_text())]
+
+    def prompt(e: dict) -> Any:
+        kw = {"cache_salt": e["salt"]} if e.get("salt") else {}
+        return TokensPrompt(prompt_token_ids=e["ids"], **kw)
+
+    def lora_of(e: dict) -> Any:
+        return lora if e.get("lora") else None
+
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
-    results = []
-    # One prompt at a time, in order: the first one fetches the shared prefix, the later ones find it cached.
-    for ids in prompts:
-        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
-        results.append({"tokens": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens or 0})
+    results: list[dict] = []
+
+    def record(out: Any) -> dict:
+        return {"tokens": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens or 0}
+
+    if a.abort_first:
+        engine = llm.llm_engine
+        first, rest = entries[0], entries[1:]
+        engine.add_request("victim", prompt(first), params, lora_request=lora_of(first))
+        deadline = time.monotonic() + 60
+        while not os.path.exists(a.abort_first) and time.monotonic() < deadline:
+            engine.step()
+            time.sleep(0.01)
+        if not os.path.exists(a.abort_first):
+            raise SystemExit("the victim's remote load never started")
+        engine.abort_request(["victim"])
+        results.append({"aborted": True})
+        for i, e in enumerate(rest):
+            engine.add_request(f"after-{i}", prompt(e), params, lora_request=lora_of(e))
+        done: dict[str, Any] = {}
+        deadline = time.monotonic() + 120
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            for out in engine.step():
+                if out.finished and out.request_id.startswith("after-"):
+                    done[out.request_id] = out
+        results += [record(done[f"after-{i}"]) for i in range(len(rest))]
+    elif a.batch:
+        outs = llm.generate([prompt(e) for e in entries], params, use_tqdm=False,
+                            lora_request=[lora_of(e) for e in entries] if a.lora else None)
+        results = [record(o) for o in outs]
+    else:
+        # One prompt at a time, in order: the first one fetches a shared prefix, the later ones find it cached.
+        for e in entries:
+            out = llm.generate([prompt(e)], params, use_tqdm=False, lora_request=lora_of(e))[0]
+            results.append(record(out))
     tmp = Path(a.out + ".tmp")
     tmp.write_text(json.dumps(results))
     tmp.replace(a.out)

@@ -31,5 +31,27 @@ def make_model(out: Path, *, vocab: int = 512, seed: int = 0) -> Path:
     return out
 
 
+def make_lora(model_dir: Path, out: Path, *, seed: int = 1) -> Path:
+    """A tiny random LoRA adapter (r=8 on q/k/v/o) for the model in ``model_dir``, saved with ``peft``.
+
+    Its B matrices are random (peft starts them at zero, which would make the
+    adapter a no-op): the adapter's K and V differ from the base model's.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    base = LlamaForCausalLM.from_pretrained(model_dir)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                            lora_dropout=0.0, bias="none"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(out)
+    return out
+
+
 if __name__ == "__main__":
     print(make_model(Path(sys.argv[1])))
