@@ -38,10 +38,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mirror-peers", default="",
                    help="with --mirror-lookups: the other servers in front of the same store, "
                         "tcp://HOST:PORT[,...] (their feeds are followed too)")
-    p.add_argument("--vllm-kv-events", default=None,
-                   help="subscribe to vLLM KV-event publishers: ENDPOINT=WORKER_ID[,ENDPOINT=WORKER_ID...]")
+    p.add_argument("--vllm-kv-events", default=None, metavar="[@|>]ENDPOINT=WORKER_ID[=MODEL][,...]",
+                   help="follow vLLM workers' KV-event streams (vLLM: --kv-events-config, and "
+                        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0). ENDPOINT is connected to (vLLM binds: tcp://*:PORT "
+                        "or ipc://) or, written @tcp://HOST:PORT, bound (vLLM connects: any other tcp:// endpoint). "
+                        "A worker no source of its own registered is listed as events-only (MODEL names it) while "
+                        "its stream is up")
     p.add_argument("--vllm-all-media", action="store_true",
-                   help="take vLLM events of every medium, not only the host (CPU) tier")
+                   help="take vLLM events of every medium, not only the host (CPU) tier; needed for a CPU-backend "
+                        "vLLM, which reports its cache as GPU")
 
 
 def build_server(args: argparse.Namespace) -> RegistryServer:
@@ -78,6 +83,9 @@ def feed_endpoint(bind: str, feed_bind: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .vllm_events import VllmEventSubscriber, parse_subscriptions
+
+    vllm_subscriptions = parse_subscriptions(args.vllm_kv_events) if args.vllm_kv_events is not None else None
     server = build_server(args)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -87,12 +95,9 @@ def run(args: argparse.Namespace) -> int:
         endpoint = server.start()
         if args.metrics_port is not None:
             server.metrics.serve_http(args.metrics_port, args.metrics_addr)
-        if args.vllm_kv_events:
-            from .vllm_events import VllmEventSubscriber, parse_subscriptions
-
-            subscriber = VllmEventSubscriber(server.store, parse_subscriptions(args.vllm_kv_events),
-                                             all_media=args.vllm_all_media, metrics=server.metrics,
-                                             on_applied=server.publish).start()
+        if vllm_subscriptions:
+            subscriber = VllmEventSubscriber(server.store, vllm_subscriptions, all_media=args.vllm_all_media,
+                                             metrics=server.metrics, on_applied=server.publish).start()
         metrics = f", metrics on http://{args.metrics_addr}:{args.metrics_port}/metrics" if args.metrics_port else ""
         feed = f", change feed on {server.feed.endpoint}" if server.feed is not None else ""
         print(f"remote-g2 registry serving on {endpoint} (store: {server.store.name}{feed}{metrics})", flush=True)
