@@ -49,7 +49,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.registry_lease_ms(
 HERE = Path(__file__).resolve().parent
 INSTANCE = HERE / "vllm_procs" / "instance.py"
 BLOCK = 32
-SLOW_TRANSFER = "fault_procs.slow_transfer:SlowNixlTransfer"
+SLOW_TRANSFER = "fault_procs.slow_transfer:SlowNixlTransfer"  # blocks before it posts each READ
+LATE_TRANSFER = "fault_procs.slow_transfer:LateNixlTransfer"  # posts at once, reports done after a delay
 
 
 def _prompts(seed: int, n: int, length: int = 300) -> list[list[int]]:
@@ -192,24 +193,33 @@ def test_two_vllm_instances_share_prefix_kv_and_generate_identically(tmp_path: P
     assert [o["tokens"] for o in out_a] == [o["tokens"] for o in out_b] == [o["tokens"] for o in out_c]
 
 
-def test_a_dead_source_means_vllm_recomputes_and_still_generates_identically(tmp_path: Path, model_dir: Path,
-                                                                            registry: str) -> None:
-    """B tries dead A once for its first prompt, recomputes, and skips A for its second (cooldown)."""
+def test_a_source_killed_mid_load_means_vllm_recomputes_and_still_generates_identically(
+        tmp_path: Path, model_dir: Path, registry: str) -> None:
+    """A dies while B's (slowed) READ from it is under way: B recomputes, then skips A for its second prompt."""
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 500) for _ in range(300)] for _ in range(2)]  # nothing shared: both from A
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
+    marker = tmp_path / "reading"
     a = Instance(tmp_path, "a", model_dir, prompts_file, registry)
     try:
         out_a = a.result()
         _wait_published(registry, "vllm-a", 2 * (300 // BLOCK), a)
+        b = Instance(tmp_path, "b", model_dir, prompts_file, registry, "--transfer", SLOW_TRANSFER,
+                     env={"PYTHONPATH": str(HERE), "REMOTE_G2_TEST_READING_FILE": str(marker),
+                          "REMOTE_G2_TEST_READ_DELAY_S": "2"})
+        deadline = time.monotonic() + 240
+        while not marker.exists() and time.monotonic() < deadline and b.proc.poll() is None:
+            time.sleep(0.05)
+        assert marker.exists(), b.tail()
     finally:
-        a.kill()  # the registry still names A (its lease has not lapsed): B will try it and fail
-    b = Instance(tmp_path, "b", model_dir, prompts_file, registry)
+        a.kill()  # mid-load: B's READ is about to be posted to a source that is gone
+    t0 = time.monotonic()
     try:
         out_b = b.result()
     finally:
         b.stop()
+    assert time.monotonic() - t0 < 60  # within the transfer timeout (10 s) and a recompute, never a hang
     log_b = b.log.read_text(errors="replace")
     blocks = (300 - 1) // BLOCK
     # One attempt in all: the first prompt's load fails and is not retried (vLLM asks again after a failed
@@ -270,10 +280,10 @@ def test_instances_with_different_kv_dtypes_never_share(tmp_path: Path, model_di
         b = Instance(tmp_path, "b", model_dir, prompts, registry, "--dtype", "bfloat16")
         try:
             out_b = b.result()
+            with RegistryClient(registry) as reg:
+                fps = {w.worker_id: w.fingerprint for w in reg.list_workers(include_dead=True)}
         finally:
             b.stop()
-        with RegistryClient(registry) as reg:
-            fps = {w.worker_id: w.fingerprint for w in reg.workers()}
     finally:
         a.stop()
     c = Instance(tmp_path, "c", model_dir, prompts, None, "--dtype", "bfloat16")
@@ -323,9 +333,9 @@ def test_a_request_aborted_mid_load_gets_nothing_and_the_others_are_unchanged(tm
         out_a = a.result()
         _wait_published(registry, "vllm-a", 3 * (300 // BLOCK), a)
         b = Instance(tmp_path, "b", model_dir, prompts, registry, "--abort-first", str(marker),
-                     "--transfer", SLOW_TRANSFER,
+                     "--transfer", LATE_TRANSFER,
                      env={"PYTHONPATH": str(HERE), "REMOTE_G2_TEST_READING_FILE": str(marker),
-                          "REMOTE_G2_TEST_READ_DELAY_S": "2"})
+                          "REMOTE_G2_TEST_DONE_DELAY_S": "3"})
         try:
             out_b = b.result()
         finally:
@@ -336,8 +346,8 @@ def test_a_request_aborted_mid_load_gets_nothing_and_the_others_are_unchanged(tm
     blocks = (300 - 1) // BLOCK
     assert out_b[0] == {"aborted": True}
     assert "finished by vLLM while its remote load runs" in log_b, log_b[-4000:]
-    assert f"victim: dropped {blocks} loaded blocks (vLLM finished the request)" in log_b, log_b[-4000:]
-    assert "victim: " + f"{blocks} of {blocks} blocks loaded" not in log_b
+    assert re.search(rf"victim\S*: dropped {blocks} loaded blocks \(vLLM finished the request\)", log_b), log_b[-4000:]
+    assert not re.search(r"victim\S*: \d+ of \d+ blocks loaded", log_b), log_b[-4000:]
     # The others were loaded remotely after it and answer exactly as A (which computed them) did.
     assert [o["num_cached_tokens"] for o in out_b[1:]] == [blocks * BLOCK] * 2, log_b[-4000:]
     assert [o["tokens"] for o in out_b[1:]] == [o["tokens"] for o in out_a[1:]]
@@ -366,7 +376,7 @@ def test_vllm_serve_answers_over_http_with_remote_kv(tmp_path: Path, model_dir: 
         try:
             _wait_http(f"http://127.0.0.1:{port}/health", srv, log_path)
             body = json.dumps({"model": str(model_dir), "prompt": ids, "max_tokens": 8, "temperature": 0.0,
-                               "ignore_eos": True}).encode()
+                               "ignore_eos": True, "return_token_ids": True}).encode()
             req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                          {"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=60) as resp:
@@ -383,18 +393,13 @@ def test_vllm_serve_answers_over_http_with_remote_kv(tmp_path: Path, model_dir: 
     log = log_path.read_text(errors="replace")
     blocks = (300 - 1) // BLOCK
     assert f"{blocks} of {blocks} blocks loaded from a remote G2" in log, log[-4000:]
-    text_a = out_a[0]["tokens"]
     assert answer["usage"]["completion_tokens"] == 8
-    # the served text is the detokenized form of the same greedy tokens A generated
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    assert answer["choices"][0]["text"] == tok.decode(text_a)
+    assert answer["choices"][0]["token_ids"] == out_a[0]["tokens"]  # the tokens A computed without reuse
 
 
 def test_tensor_parallel_2_is_refused_with_what_to_change(tmp_path: Path, model_dir: Path) -> None:
     prompts = _write(tmp_path, "p", _prompts(10, 1))
-    inst = Instance(tmp_path, "tp2", model_dir, prompts, "tcp://127.0.0.1:9", "--tp", "2",
+    inst = Instance(tmp_path, "t", model_dir, prompts, "tcp://127.0.0.1:9", "--tp", "2",
                     env={"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, sorted(os.sched_getaffinity(0))[:2]))})
     rc = inst.proc.wait(180)
     inst._log.close()

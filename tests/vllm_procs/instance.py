@@ -84,9 +84,10 @@ def main() -> None:
         engine = llm.llm_engine
         first, rest = entries[0], entries[1:]
         engine.add_request("victim", prompt(first), params, lora_request=lora_of(first))
+        # The engine core runs in its own process and schedules the victim by itself; step() would block
+        # here until the victim produced a token, i.e. until its load ended.
         deadline = time.monotonic() + 60
         while not os.path.exists(a.abort_first) and time.monotonic() < deadline:
-            engine.step()
             time.sleep(0.01)
         if not os.path.exists(a.abort_first):
             raise SystemExit("the victim's remote load never started")
