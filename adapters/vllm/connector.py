@@ -123,8 +123,10 @@ class ConnectorSettings:
         return s
 
 
-def check_vllm_config(vllm_config: VllmConfig) -> None:
+def check_vllm_config(vllm_config: VllmConfig) -> str:
     """Refuse a configuration the connector cannot serve correctly, with what to change (``ConfigError``).
+
+    Returns the hash scheme of the instance's block hashes (:func:`.block_identity.hash_scheme`).
 
     Called whenever vLLM consults the connector class and when a connector
     is built. vLLM 0.32 builds its connectors only after the workers loaded
@@ -137,7 +139,7 @@ def check_vllm_config(vllm_config: VllmConfig) -> None:
     pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1))
     if pp != 1:
         raise ConfigError(f"remote-g2's vLLM connector supports pipeline_parallel_size=1, got {pp}")
-    block_identity.hash_scheme(str(vllm_config.cache_config.prefix_caching_hash_algo))
+    return block_identity.hash_scheme(str(vllm_config.cache_config.prefix_caching_hash_algo))
 
 
 @dataclass
@@ -194,7 +196,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
 
             configure_logging()
         self.settings = ConnectorSettings.from_extra(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
-        check_vllm_config(vllm_config)
+        self._hash_scheme = check_vllm_config(vllm_config)
         self.block_size = int(vllm_config.cache_config.block_size)
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy != "recompute":
@@ -204,7 +206,6 @@ class RemoteG2Connector(KVConnectorBase_V1):
         self._model_id = block_identity.model_identity(str(mc.model), getattr(mc, "revision", None),
                                                        self.settings.model_id)
         self._cache_dtype = str(cc.cache_dtype)
-        self._hash_scheme = block_identity.hash_scheme(str(cc.prefix_caching_hash_algo))
         # scheduler side
         self._registry: Any = None
         self._reqs: dict[str, _ReqState] = {}
@@ -222,7 +223,6 @@ class RemoteG2Connector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._received: set[str] = set()
         self._source_failures: set[str] = set()  # for the scheduler, in the next worker metadata
-        self.blocks_read = 0  # blocks this worker read from remote G2s (each distinct block once per fetch)
         log.info("remote-g2 connector (%s) for %s: registry %s, worker %s, hashes %s", role.name, self._model_id,
                  self.settings.registry, self.settings.worker_id, self._hash_scheme)
 
@@ -415,8 +415,10 @@ class RemoteG2Connector(KVConnectorBase_V1):
     def _start_load(self, load: _Load) -> None:
         """Copy the blocks this worker's G2 has, wait on those already being fetched, fetch the rest once."""
         assert self._pool is not None or self.target is None
-        local = [self._pool.lookup(h) is not None and not self._fetches.in_flight(h) for h in load.hashes] \
-            if self._pool is not None else [False] * len(load.hashes)
+        # this worker's G2 block of each hash another request is not already fetching
+        held = [None if self._pool is None or self._fetches.in_flight(h) else self._pool.lookup(h)
+                for h in load.hashes]
+        local = [b is not None for b in held]
         need = self._fetches.to_fetch(load.hashes, local)
         if need and (self.target is None or self._landing is None or self._landing.available() < need):
             why = "no target client" if self.target is None else "no free landing slots"
@@ -425,21 +427,18 @@ class RemoteG2Connector(KVConnectorBase_V1):
             self._received.add(load.request_id)
             return
         if any(local):  # from our own G2 now: this thread is the only one that evicts from it
-            self._copy_local(load, local)
+            self._copy_local(load, held)
         slots = self._landing.take(need) if need else []
         _, fetch = self._fetches.add(load.request_id, load.hashes, load.block_ids, local=local, new_slots=slots)
         if fetch is not None:
             assert self.target is not None
             self.target.start_load(fetch.fetch_id, fetch.hashes, fetch.slots)
 
-    def _copy_local(self, load: _Load, local: list[bool]) -> None:
+    def _copy_local(self, load: _Load, held: list[int | None]) -> None:
+        """Copy G2 blocks ``held`` (None: not held here) into the load's vLLM blocks."""
         assert self._kv is not None and self._pool_rows is not None
-        rows, dst = [], []
-        for h, b, here in zip(load.hashes, load.block_ids, local):
-            if here:
-                rows.append(self._pool.lookup(h))
-                dst.append(b)
-        self._kv.scatter(dst, self._pool_rows[torch.as_tensor(rows)])
+        pairs = [(b, row) for b, row in zip(load.block_ids, held) if row is not None]
+        self._kv.scatter([b for b, _ in pairs], self._pool_rows[torch.as_tensor([row for _, row in pairs])])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: vLLM runs the request only after get_finished reported it
@@ -479,7 +478,6 @@ class RemoteG2Connector(KVConnectorBase_V1):
                 good = valid_prefix(fetch.slots, invalid) if fid in done else 0
                 ready += self._fetches.ended(fid, good, failed=fid in failed)
                 self._keep_fetched(fetch.hashes[:good], fetch.slots[:good])
-                self.blocks_read += good
                 if fid in failed:
                     self._source_failures.add(fid)
                 log.info("fetch %s: %d of %d blocks read from a remote G2", fid, good, len(fetch.hashes))
