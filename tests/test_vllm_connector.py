@@ -36,6 +36,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -125,6 +127,13 @@ class Instance:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**_env(name), **(env or {})},
                                      start_new_session=True)
 
+    def run(self) -> list[dict]:
+        """:meth:`result`, then :meth:`stop` (also when there is no result)."""
+        try:
+            return self.result()
+        finally:
+            self.stop()
+
     def result(self, timeout_s: float = 240) -> list[dict]:
         deadline = time.monotonic() + timeout_s
         while not self.out.exists():
@@ -155,6 +164,19 @@ class Instance:
         self._log.close()
 
 
+@contextmanager
+def _source_a(tmp: Path, model: Path, prompts: Path, registry: str, blocks: int,
+              *args: str) -> Iterator[tuple[Instance, list[dict]]]:
+    """Instance A (connector on): serves ``prompts``, waits until ``blocks`` are published, stays up in the block."""
+    a = Instance(tmp, "a", model, prompts, registry, *args)
+    try:
+        out_a = a.result()
+        _wait_published(registry, "vllm-a", blocks, a)
+        yield a, out_a
+    finally:
+        a.stop()
+
+
 def test_two_vllm_instances_share_prefix_kv_and_generate_identically(tmp_path: Path, model_dir: Path,
                                                                      registry: str) -> None:
     rng = random.Random(3)
@@ -164,23 +186,11 @@ def test_two_vllm_instances_share_prefix_kv_and_generate_identically(tmp_path: P
     prompts_file.write_text(json.dumps(prompts))
     reusable = (len(prompts[0]) - 1) // BLOCK * BLOCK
 
-    a = Instance(tmp_path, "a", model_dir, prompts_file, registry)
-    try:
-        out_a = a.result()
-        _wait_published(registry, "vllm-a", len({tuple(p[:k]) for p in prompts
-                                                 for k in range(BLOCK, len(p) + 1, BLOCK)}), a)
+    published = len({tuple(p[:k]) for p in prompts for k in range(BLOCK, len(p) + 1, BLOCK)})
+    with _source_a(tmp_path, model_dir, prompts_file, registry, published) as (a, out_a):
         b = Instance(tmp_path, "b", model_dir, prompts_file, registry)
-        try:
-            out_b = b.result()
-        finally:
-            b.stop()
-    finally:
-        a.stop()
-    c = Instance(tmp_path, "c", model_dir, prompts_file, None)
-    try:
-        out_c = c.result()
-    finally:
-        c.stop()
+        out_b = b.run()
+    out_c = Instance(tmp_path, "c", model_dir, prompts_file, None).run()
 
     log_b = b.log.read_text(errors="replace")
     assert out_a[0]["num_cached_tokens"] == 0  # A computed everything itself
@@ -216,10 +226,7 @@ def test_a_source_killed_mid_load_means_vllm_recomputes_and_still_generates_iden
     finally:
         a.kill()  # mid-load: B's READ is about to be posted to a source that is gone
     t0 = time.monotonic()
-    try:
-        out_b = b.result()
-    finally:
-        b.stop()
+    out_b = b.run()
     assert time.monotonic() - t0 < 60  # within the transfer timeout (10 s) and a recompute, never a hang
     log_b = b.log.read_text(errors="replace")
     blocks = (300 - 1) // BLOCK
@@ -248,22 +255,10 @@ def test_lora_and_cache_salt_never_share_across_identities_and_outputs_match_pla
              ({"ids": p[7]},                  {"ids": p[7]},                  True)]
     a_file = _write(tmp_path, "a", [x for x, _, _ in pairs])
     b_file = _write(tmp_path, "b", [y for _, y, _ in pairs])
-    a = Instance(tmp_path, "a", model_dir, a_file, registry, "--lora", str(lora_dir))
-    try:
-        a.result()
-        _wait_published(registry, "vllm-a", len(pairs) * (300 // BLOCK), a)
+    with _source_a(tmp_path, model_dir, a_file, registry, len(pairs) * (300 // BLOCK), "--lora", str(lora_dir)):
         b = Instance(tmp_path, "b", model_dir, b_file, registry, "--lora", str(lora_dir))
-        try:
-            out_b = b.result()
-        finally:
-            b.stop()
-    finally:
-        a.stop()
-    c = Instance(tmp_path, "c", model_dir, b_file, None, "--lora", str(lora_dir))
-    try:
-        out_c = c.result()
-    finally:
-        c.stop()
+        out_b = b.run()
+    out_c = Instance(tmp_path, "c", model_dir, b_file, None, "--lora", str(lora_dir)).run()
     log_b = b.log.read_text(errors="replace")
     assert [o["num_cached_tokens"] for o in out_b] == [reusable if ok else 0 for _, _, ok in pairs], log_b[-4000:]
     assert [o["num_cached_tokens"] for o in out_c] == [0] * len(pairs)
@@ -274,10 +269,7 @@ def test_lora_and_cache_salt_never_share_across_identities_and_outputs_match_pla
 def test_instances_with_different_kv_dtypes_never_share(tmp_path: Path, model_dir: Path, registry: str) -> None:
     """float16 A and bfloat16 B: same prompts, same model, no remote hit; B answers as plain bfloat16 vLLM."""
     prompts = _write(tmp_path, "p", _prompts(6, 2))
-    a = Instance(tmp_path, "a", model_dir, prompts, registry, "--dtype", "float16")
-    try:
-        a.result()
-        _wait_published(registry, "vllm-a", 2 * (300 // BLOCK), a)
+    with _source_a(tmp_path, model_dir, prompts, registry, 2 * (300 // BLOCK), "--dtype", "float16"):
         b = Instance(tmp_path, "b", model_dir, prompts, registry, "--dtype", "bfloat16")
         try:
             out_b = b.result()
@@ -285,13 +277,7 @@ def test_instances_with_different_kv_dtypes_never_share(tmp_path: Path, model_di
                 fps = {w.worker_id: w.fingerprint for w in reg.list_workers(include_dead=True)}
         finally:
             b.stop()
-    finally:
-        a.stop()
-    c = Instance(tmp_path, "c", model_dir, prompts, None, "--dtype", "bfloat16")
-    try:
-        out_c = c.result()
-    finally:
-        c.stop()
+    out_c = Instance(tmp_path, "c", model_dir, prompts, None, "--dtype", "bfloat16").run()
     assert (fps["vllm-a"].dtype, fps["vllm-b"].dtype) == ("float16", "bfloat16")
     assert fps["vllm-a"].compat_key() != fps["vllm-b"].compat_key()
     assert [o["num_cached_tokens"] for o in out_b] == [0, 0]
@@ -306,17 +292,9 @@ def test_a_batch_sharing_a_remote_prefix_reads_each_block_once(tmp_path: Path, m
     shared = [rng.randrange(3, 500) for _ in range(12 * BLOCK)]
     prompts = _write(tmp_path, "p", [shared + [rng.randrange(3, 500) for _ in range(40)] for _ in range(4)])
     per_request = (12 * BLOCK + 40 - 1) // BLOCK  # 13: the shared prefix and each prompt's own next block
-    a = Instance(tmp_path, "a", model_dir, prompts, registry, "--batch")
-    try:
-        out_a = a.result()
-        _wait_published(registry, "vllm-a", 12 + 4, a)
+    with _source_a(tmp_path, model_dir, prompts, registry, 12 + 4, "--batch") as (_, out_a):
         b = Instance(tmp_path, "b", model_dir, prompts, registry, "--batch")
-        try:
-            out_b = b.result()
-        finally:
-            b.stop()
-    finally:
-        a.stop()
+        out_b = b.run()
     log_b = b.log.read_text(errors="replace")
     assert [o["num_cached_tokens"] for o in out_b] == [per_request * BLOCK] * 4, log_b[-4000:]
     assert log_b.count(f"{per_request} of {per_request} blocks loaded from a remote G2") == 4, log_b[-4000:]
@@ -329,20 +307,12 @@ def test_a_request_aborted_mid_load_gets_nothing_and_the_others_are_unchanged(tm
     """B's first request is aborted while its (slowed) READ runs: its late blocks are dropped, not copied."""
     prompts = _write(tmp_path, "p", _prompts(8, 3))
     marker = tmp_path / "reading"
-    a = Instance(tmp_path, "a", model_dir, prompts, registry)
-    try:
-        out_a = a.result()
-        _wait_published(registry, "vllm-a", 3 * (300 // BLOCK), a)
+    with _source_a(tmp_path, model_dir, prompts, registry, 3 * (300 // BLOCK)) as (_, out_a):
         b = Instance(tmp_path, "b", model_dir, prompts, registry, "--abort-first", str(marker),
                      "--transfer", LATE_TRANSFER,
                      env={"PYTHONPATH": str(HERE), "REMOTE_G2_TEST_READING_FILE": str(marker),
                           "REMOTE_G2_TEST_DONE_DELAY_S": "3"})
-        try:
-            out_b = b.result()
-        finally:
-            b.stop()
-    finally:
-        a.stop()
+        out_b = b.run()
     log_b = b.log.read_text(errors="replace")
     blocks = (300 - 1) // BLOCK
     assert out_b[0] == {"aborted": True}
@@ -358,12 +328,9 @@ def test_vllm_serve_answers_over_http_with_remote_kv(tmp_path: Path, model_dir: 
     """`vllm serve` with the documented --kv-transfer-config: a completion whose prefix A computed is read remotely."""
     ids = _prompts(9, 1)[0]
     prompts = _write(tmp_path, "p", [ids])
-    a = Instance(tmp_path, "a", model_dir, prompts, registry)
     port = _free_port()
     log_path = tmp_path / "serve.log"
-    try:
-        out_a = a.result()
-        _wait_published(registry, "vllm-a", 300 // BLOCK, a)
+    with _source_a(tmp_path, model_dir, prompts, registry, 300 // BLOCK) as (_, out_a):
         kv = {"kv_connector": "RemoteG2Connector", "kv_connector_module_path": "remote_g2.adapters.vllm",
               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
               "kv_connector_extra_config": {"registry": registry, "worker_id": "vllm-serve",
@@ -389,8 +356,6 @@ def test_vllm_serve_answers_over_http_with_remote_kv(tmp_path: Path, model_dir: 
             except subprocess.TimeoutExpired:
                 os.killpg(srv.pid, 9)
                 srv.wait(10)
-    finally:
-        a.stop()
     log = log_path.read_text(errors="replace")
     blocks = (300 - 1) // BLOCK
     assert f"{blocks} of {blocks} blocks loaded from a remote G2" in log, log[-4000:]

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from outputs import write_and_hold
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -111,13 +113,7 @@ def main() -> None:
         for e in entries:
             out = llm.generate([prompt(e)], params, use_tqdm=False, lora_request=lora_of(e))[0]
             results.append(record(out))
-    tmp = Path(a.out + ".tmp")
-    tmp.write_text(json.dumps(results))
-    tmp.replace(a.out)
-    if a.hold_file:
-        deadline = time.monotonic() + a.hold_s
-        while not os.path.exists(a.hold_file) and time.monotonic() < deadline:
-            time.sleep(0.1)
+    write_and_hold(a.out, results, a.hold_file, a.hold_s)
     del llm
     os._exit(0)  # vLLM's engine-core child and NIXL threads: do not wait for interpreter teardown
 

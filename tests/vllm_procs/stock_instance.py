@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
+
+from outputs import write_and_hold
 
 
 def main() -> None:
@@ -61,13 +62,7 @@ def main() -> None:
         (request_id,) = set(hashes_of) - before
         results.append({"tokens": list(out.outputs[0].token_ids),
                         "block_hashes": [bytes(h).hex() for h in hashes_of[request_id]]})
-    tmp = Path(a.out + ".tmp")
-    tmp.write_text(json.dumps(results))
-    tmp.replace(a.out)
-    if a.hold_file:
-        deadline = time.monotonic() + a.hold_s
-        while not os.path.exists(a.hold_file) and time.monotonic() < deadline:
-            time.sleep(0.1)
+    write_and_hold(a.out, results, a.hold_file, a.hold_s)
     del llm
     os._exit(0)  # do not wait for interpreter teardown (vLLM's threads)
 
