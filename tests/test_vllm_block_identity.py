@@ -55,6 +55,20 @@ def test_model_identity_includes_the_revision_or_the_override() -> None:
     assert bi.model_identity("org/m", "abc123", "my-model-v2") == "my-model-v2"
 
 
+def test_model_identity_tells_apart_configs_that_change_the_kv_and_ignores_volatile_keys() -> None:
+    cfg = {"num_hidden_layers": 2, "rope_parameters": {"rope_theta": 10000.0}, "transformers_version": "5.1",
+           "_name_or_path": "/a/m"}
+    base = bi.model_identity("org/m", None, None, config=cfg)
+    assert base.startswith("org/m#") and len(base) == len("org/m#") + 12
+    other_rope = {**cfg, "rope_parameters": {"rope_theta": 500000.0}}  # e.g. an hf_overrides on one instance
+    assert bi.model_identity("org/m", None, None, config=other_rope) != base
+    assert bi.model_identity("org/m", None, None, config=cfg, quantization="fp8") != base
+    same = {**cfg, "transformers_version": "5.2", "_name_or_path": "/b/m"}  # another install of the same model
+    assert bi.model_identity("org/m", None, None, config=same) == base
+    long = bi.model_identity("x" * 400, None, None, config=cfg)
+    assert len(long) == 256 and long.endswith(base[-13:])  # a long name is cut, never the digest
+
+
 def test_prompt_block_hashes_take_one_hash_per_block_even_when_vllm_hashes_finer() -> None:
     hashes = [bytes([i]) * 32 for i in range(10)]
     # one hash per 32-token block, 10 blocks of tokens; a 300-token prompt has 9 full blocks

@@ -18,7 +18,8 @@ is skipped with that reason.
 
 Then the edges where a wrong hit would change an output: requests with and
 without a LoRA adapter, with different ``cache_salt``, and instances whose
-KV dtypes differ never share blocks (and answer as plain vLLM does), while
+KV dtypes or model configs (another RoPE base) differ never share blocks
+(and answer as plain vLLM does), while
 the same adapter, salt and dtype do; four requests of one batch read each
 distinct remote block once; a request aborted while its (slowed) load runs
 gets nothing copied into its blocks and the others answer as before; a
@@ -280,6 +281,20 @@ def test_instances_with_different_kv_dtypes_never_share(tmp_path: Path, model_di
     out_c = Instance(tmp_path, "c", model_dir, prompts, None, "--dtype", "bfloat16").run()
     assert (fps["vllm-a"].dtype, fps["vllm-b"].dtype) == ("float16", "bfloat16")
     assert fps["vllm-a"].compat_key() != fps["vllm-b"].compat_key()
+    assert [o["num_cached_tokens"] for o in out_b] == [0, 0]
+    assert _blocks_fetched(b.log.read_text(errors="replace")) == 0
+    assert [o["tokens"] for o in out_b] == [o["tokens"] for o in out_c]
+
+
+def test_the_same_model_path_with_another_rope_base_never_shares(tmp_path: Path, model_dir: Path,
+                                                                 registry: str) -> None:
+    """B overrides the model's RoPE base (hf_overrides): its K differs for the same tokens, so no remote hit."""
+    prompts = _write(tmp_path, "p", _prompts(11, 2))
+    rope = json.dumps({"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}})
+    with _source_a(tmp_path, model_dir, prompts, registry, 2 * (300 // BLOCK)):
+        b = Instance(tmp_path, "b", model_dir, prompts, registry, "--hf-overrides", rope)
+        out_b = b.run()
+    out_c = Instance(tmp_path, "c", model_dir, prompts, None, "--hf-overrides", rope).run()
     assert [o["num_cached_tokens"] for o in out_b] == [0, 0]
     assert _blocks_fetched(b.log.read_text(errors="replace")) == 0
     assert [o["tokens"] for o in out_b] == [o["tokens"] for o in out_c]

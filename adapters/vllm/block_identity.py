@@ -28,6 +28,7 @@ attribute, so they are tested without it.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -104,11 +105,29 @@ def resolved_kv_dtype(model_dtype: Any, cache_dtype: str) -> torch.dtype:
     return STR_DTYPE_TO_TORCH_DTYPE[cache_dtype]
 
 
-def model_identity(model: str, revision: str | None, override: str | None) -> str:
-    """The fingerprint's ``model_id``: the configured ``model_id`` setting, else the model and its revision."""
-    if override:
-        return override[:256]
-    return (f"{model}@{revision}" if revision else str(model))[:256]
+# Config keys that say nothing about the computation (or differ between installs of one model).
+_VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path"})
+
+
+def model_identity(model: str, revision: str | None, override: str | None, *,
+                   config: Mapping[str, Any] | None = None, quantization: str | None = None) -> str:
+    """The fingerprint's ``model_id``: the ``model_id`` setting, else the model and its revision; then a digest.
+
+    The digest covers the model's (text) config as vLLM loaded it —
+    ``hf_overrides``, RoPE parameters, sliding windows and every other
+    architecture field — and the weight quantisation: one path served with
+    another RoPE base or quantised differently computes other K and V for the
+    same tokens, so it must not match. Keys starting with ``_`` and the
+    ``transformers_version`` are left out.
+    """
+    name = override or (f"{model}@{revision}" if revision else str(model))
+    if config is None and quantization is None:
+        return name[:256]
+    text = json.dumps({"config": {k: v for k, v in (config or {}).items()
+                                  if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS},
+                       "quantization": quantization}, sort_keys=True, default=str)
+    digest = hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
+    return f"{name[:256 - 13]}#{digest}"
 
 
 def prompt_block_hashes(block_hashes: Sequence[bytes], num_tokens: int, prompt_len: int,

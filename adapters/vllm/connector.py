@@ -203,8 +203,9 @@ class RemoteG2Connector(KVConnectorBase_V1):
             log.warning("kv_load_failure_policy=%r: a failed remote load fails the request; set \"recompute\" to "
                         "recompute the blocks instead", policy)
         mc, cc = vllm_config.model_config, vllm_config.cache_config
-        self._model_id = block_identity.model_identity(str(mc.model), getattr(mc, "revision", None),
-                                                       self.settings.model_id)
+        self._model_id = block_identity.model_identity(
+            str(mc.model), getattr(mc, "revision", None), self.settings.model_id,
+            config=mc.hf_text_config.to_dict(), quantization=getattr(mc, "quantization", None))
         self._cache_dtype = str(cc.cache_dtype)
         # scheduler side
         self._registry: Any = None

@@ -1,7 +1,8 @@
 """One vLLM instance for the connector tests: generate greedily for the prompts, write the outputs, then wait.
 
 ``python tests/vllm_procs/instance.py --model DIR --prompts P.json --out O.json [--registry E --worker-id W]
-[--hold-file F] [--dtype D] [--lora DIR] [--batch] [--abort-first MARKER] [--transfer T]``.
+[--hold-file F] [--dtype D] [--lora DIR] [--hf-overrides JSON] [--batch] [--abort-first MARKER]
+[--transfer T]``.
 
 With ``--registry`` the RemoteG2Connector is enabled (source and target);
 without it this is plain vLLM. Each prompt is a token-id list, or an object
@@ -46,6 +47,7 @@ def main() -> None:
     p.add_argument("--abort-first")
     p.add_argument("--transfer", default="nixl")
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--hf-overrides", help="JSON object: vLLM's hf_overrides (e.g. another RoPE base)")
     p.add_argument("--hold-file")
     p.add_argument("--hold-s", type=float, default=300)
     a = p.parse_args()
@@ -62,10 +64,12 @@ def main() -> None:
                               kv_connector_extra_config={"registry": a.registry, "worker_id": a.worker_id,
                                                          "g2_blocks": 256, "landing_blocks": 64,
                                                          "transfer": a.transfer, "transfer_timeout_ms": 10000})
-    lora_kw = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1} if a.lora else {}
+    engine_kw = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1} if a.lora else {}
+    if a.hf_overrides:
+        engine_kw["hf_overrides"] = json.loads(a.hf_overrides)
     llm = LLM(model=a.model, tokenizer=a.model, dtype=a.dtype, block_size=32, enforce_eager=True,
               max_model_len=1024, max_num_seqs=8, kv_transfer_config=kv, seed=0, tensor_parallel_size=a.tp,
-              **lora_kw)
+              **engine_kw)
     lora = LoRARequest("tiny-adapter", 1, a.lora) if a.lora else None
     entries = [e if isinstance(e, dict) else {"ids": e} for e in json.loads(Path(a.prompts).read_text())]
 
