@@ -24,7 +24,8 @@ the same adapter, salt and dtype do; four requests of one batch read each
 distinct remote block once; a request aborted while its (slowed) load runs
 gets nothing copied into its blocks and the others answer as before; a
 source killed mid-load means recompute; ``vllm serve`` reuses remote KV over
-HTTP; ``tensor_parallel_size=2`` is refused with a ConfigError.
+HTTP; ``tensor_parallel_size=2`` is refused with a ConfigError before the
+model loads.
 """
 
 from __future__ import annotations
@@ -378,7 +379,8 @@ def test_vllm_serve_answers_over_http_with_remote_kv(tmp_path: Path, model_dir: 
     assert answer["choices"][0]["token_ids"] == out_a[0]["tokens"]  # the tokens A computed without reuse
 
 
-def test_tensor_parallel_2_is_refused_with_what_to_change(tmp_path: Path, model_dir: Path) -> None:
+def test_tensor_parallel_2_is_refused_before_the_model_loads_once(tmp_path: Path, model_dir: Path) -> None:
+    """remote-g2's vLLM plugin checks the config where vLLM creates it: no engine process, no weights, one error."""
     prompts = _write(tmp_path, "p", _prompts(10, 1))
     inst = Instance(tmp_path, "t", model_dir, prompts, "tcp://127.0.0.1:9", "--tp", "2",
                     env={"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, sorted(os.sched_getaffinity(0))[:2]))})
@@ -386,7 +388,8 @@ def test_tensor_parallel_2_is_refused_with_what_to_change(tmp_path: Path, model_
     inst._log.close()
     log = inst.log.read_text(errors="replace")
     assert rc != 0 and not inst.out.exists()
-    assert "ConfigError: remote-g2's vLLM connector supports tensor_parallel_size=1, got 2" in log, log[-4000:]
+    assert log.count("ConfigError: remote-g2's vLLM connector supports tensor_parallel_size=1, got 2") == 1, log[-4000:]
+    assert "EngineCore" not in log and "Loading weights" not in log, log[-4000:]
 
 
 def _free_port() -> int:

@@ -42,9 +42,9 @@ reports the request received; the connector reports it only once every fetch
 it waits on has ended, and copies nothing into the blocks of a request vLLM
 has finished.
 
-Limits: tensor_parallel_size 1 (refused with a ConfigError when the
-connector is built), uniform attention layers, the layouts in
-:mod:`.kv_blocks`.
+Limits: tensor_parallel_size 1 (refused with a ConfigError by the plugin
+of :mod:`.plugin` before the model loads), uniform attention layers, the
+layouts in :mod:`.kv_blocks`.
 """
 
 from __future__ import annotations
@@ -128,9 +128,9 @@ def check_vllm_config(vllm_config: VllmConfig) -> str:
 
     Returns the hash scheme of the instance's block hashes (:func:`.block_identity.hash_scheme`).
 
-    Called whenever vLLM consults the connector class and when a connector
-    is built. vLLM 0.32 builds its connectors only after the workers loaded
-    the model, so that is when an unsupported setting is refused.
+    Called where vLLM creates its config (:mod:`.plugin`, before the model
+    loads), whenever vLLM consults the connector class, and when a connector
+    is built.
     """
     tp = int(vllm_config.parallel_config.tensor_parallel_size)
     if tp != 1:

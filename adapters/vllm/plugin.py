@@ -1,0 +1,59 @@
+"""remote-g2's vLLM plugin: refuse a configuration the connector cannot serve before vLLM loads the model.
+
+vLLM 0.32 builds its KV connectors only after its workers loaded the model,
+so a setting the connector refuses (``tensor_parallel_size > 1``, a hash
+space no other process shares) would cost a model load and end with the
+traceback printed by the engine core and again by the frontend. vLLM loads
+``vllm.general_plugins`` entry points (this package declares :func:`register`)
+in every process as soon as it builds its engine arguments; :func:`register`
+wraps ``EngineArgs.create_engine_config`` so that a config naming
+``RemoteG2Connector`` goes through
+:func:`~remote_g2.adapters.vllm.connector.check_vllm_config` the moment it
+exists: in the frontend (``LLM(...)``, ``vllm serve``), before any engine
+process starts, once. The connector checks again when it is built, for
+engines created without ``EngineArgs``.
+
+Registering twice is harmless (vLLM may load plugins more than once); with
+vLLM absent or shaped otherwise, the plugin does nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+__all__ = ["register", "uses_remote_g2"]
+
+log = logging.getLogger("remote_g2.adapters.vllm")
+
+_MARK = "_remote_g2_checks_config"
+
+
+def uses_remote_g2(kv_transfer_config: Any) -> bool:
+    """Whether vLLM's ``kv_transfer_config`` names this package's connector."""
+    return (kv_transfer_config is not None and getattr(kv_transfer_config, "kv_connector", None) == "RemoteG2Connector"
+            and str(getattr(kv_transfer_config, "kv_connector_module_path", None) or "").startswith("remote_g2"))
+
+
+def register() -> None:
+    """vLLM's entry point: check RemoteG2Connector configs where vLLM creates them."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:  # pragma: no cover - a vLLM without EngineArgs: the connector's own check remains
+        return
+    create = getattr(EngineArgs, "create_engine_config", None)
+    if create is None or getattr(create, _MARK, False):
+        return
+
+    @functools.wraps(create)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        config = create(self, *args, **kwargs)
+        if uses_remote_g2(getattr(config, "kv_transfer_config", None)):
+            from .connector import check_vllm_config
+
+            check_vllm_config(config)
+        return config
+
+    setattr(create_engine_config, _MARK, True)
+    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
