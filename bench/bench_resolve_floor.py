@@ -184,7 +184,7 @@ def _rank0(front_kind: str, front: object, sibling_kind: str, sibling: object) -
             down.send(STOP)
             return None
         req = decode_request_body(decode_frame(raw))[1]
-        down.send(encode_request(1, SiblingPin(1, req.hashes, req.ttl_ms)))
+        down.send(encode_request(1, SiblingPin(1, req.hashes, req.ttl_ms, b"bench")))
         decode_request_body(decode_frame(down.recv()))
         return raw
 
@@ -209,7 +209,7 @@ def _sibling_capture(address: str, answer_to: str) -> None:
             if frame.type != "resolve":
                 continue  # the proxy also copies rank 0's replies here
             req = decode_request_body(frame)[1]
-            out.send(encode_request(1, SiblingPin(1, req.hashes, req.ttl_ms)))
+            out.send(encode_request(1, SiblingPin(1, req.hashes, req.ttl_ms, b"bench")))
     finally:
         inbox.close(linger=0)
         out.close(linger=1000)

@@ -575,7 +575,10 @@ class ReleaseReply:
 @message("release", reply=ReleaseReply)
 @dataclass(frozen=True, slots=True)
 class Release:
-    """Unpin a lease on every rank; idempotent."""
+    """Unpin a lease on every rank that holds a share of it for this connection; idempotent.
+
+    From any other connection the answer is ``released: false``, as for an unknown lease.
+    """
 
     lease_id: Annotated[int, Limits(ge=1)]
 
@@ -603,9 +606,10 @@ class PeerResolve:
     Each target rank asks its peer source rank for its own share (rank 0 at
     the worker's endpoint, rank r at ``RankInfo.peer_endpoint``), all under
     one lease id the target chose, so the shares resolve in parallel with no
-    hop through rank 0. ``release`` and ``renew`` at rank 0 reach every
-    rank's share (rank 0 tells its siblings); a rank's own endpoint also
-    answers ``release`` for the share it pinned.
+    hop through rank 0. Each share belongs to the connection that pinned it:
+    only ``release`` / ``renew`` on that connection end or extend it (or
+    expiry); rank 0's fan-out to its siblings does not reach another
+    connection's shares.
     """
 
     lease_id: Annotated[int, Limits(ge=1)]
@@ -636,6 +640,11 @@ class Renew:
 # --------------------------------------------------------------------------
 
 
+#: The identity of the connection a lease belongs to, as rank 0's server drew it
+#: (remote_g2/connection_identity.py); rank 0 hands it to its siblings so that every share is bound to it.
+_Owner = Annotated[bytes, Limits(min_len=1, max_len=256)]
+
+
 @dataclass(frozen=True, slots=True)
 class SiblingPinReply:
     """Block ids this rank pinned under the lease, for the longest prefix it holds."""
@@ -646,11 +655,12 @@ class SiblingPinReply:
 @message("sibling_pin", reply=SiblingPinReply)
 @dataclass(frozen=True, slots=True)
 class SiblingPin:
-    """Find-and-pin ``hashes`` on this rank under ``lease_id`` until ``ttl_ms`` passes."""
+    """Find-and-pin ``hashes`` on this rank under ``lease_id`` until ``ttl_ms`` passes, for ``owner``."""
 
     lease_id: Annotated[int, Limits(ge=1)]
     hashes: Annotated[list[BlockHash], Limits(min_len=1, max_len=65_536)]
     ttl_ms: _Ttl
+    owner: _Owner
 
 
 #: The largest ``resolve`` frame rank 0 hands its siblings as it arrives (``sibling_resolve``); a valid
@@ -668,11 +678,13 @@ class SiblingResolve:
     sibling's pinning overlaps rank 0's own decoding and bookkeeping. The
     sibling decodes and checks the frame exactly as rank 0's server does
     (a frame rank 0 would refuse is refused here too, and nothing is
-    pinned) and clamps its ``ttl_ms`` to the same bounds.
+    pinned) and clamps its ``ttl_ms`` to the same bounds. The share belongs
+    to ``owner``, the connection that sent the resolve.
     """
 
     lease_id: Annotated[int, Limits(ge=1)]
     resolve: Annotated[bytes, Limits(min_len=1, max_len=MAX_FORWARDED_RESOLVE_BYTES)]
+    owner: _Owner
 
 
 @dataclass(frozen=True, slots=True)
@@ -694,18 +706,24 @@ class SiblingTrim:
 @message("sibling_release", reply=SiblingAck)
 @dataclass(frozen=True, slots=True)
 class SiblingRelease:
-    """Unpin everything this rank holds under the lease; idempotent."""
+    """Unpin everything this rank holds under the lease for ``owner``; idempotent.
+
+    A share that belongs to another connection (a peer share, say) is left
+    alone and answered as unknown.
+    """
 
     lease_id: Annotated[int, Limits(ge=1)]
+    owner: _Owner
 
 
 @message("sibling_renew", reply=SiblingAck)
 @dataclass(frozen=True, slots=True)
 class SiblingRenew:
-    """Extend this rank's copy of the lease."""
+    """Extend this rank's copy of the lease, if it belongs to ``owner``."""
 
     lease_id: Annotated[int, Limits(ge=1)]
     ttl_ms: _Ttl
+    owner: _Owner
 
 
 # --------------------------------------------------------------------------

@@ -20,6 +20,14 @@ Three ways to serve, chosen by ``workers``:
 Either way no client waits in REQ/REP lockstep behind another: replies go back
 by routing id, in any order.
 
+Who is calling: with ``identify_clients=True`` every call's
+``ctx.identity`` is the identity the server drew for the client's connection
+(:mod:`remote_g2.connection_identity`) — what leases are bound to. The
+routing id (``ctx.peer``) only addresses the reply: a client chooses it. In
+pooled mode this puts a Python thread in place of the C proxy (identities
+must be drawn in the order the socket delivered the messages), one more
+hand-off per request; servers that own nothing per client leave it off.
+
 Batching: a serving thread takes every request already queued (up to
 ``max_batch``) in one go. Requests of a type with a *batch handler* are handed
 over together, so a store can answer them with one backend round trip (the
@@ -55,6 +63,7 @@ from typing import Any, Protocol
 import zmq
 
 import remote_g2
+from remote_g2.connection_identity import ZmqConnectionIdentities
 from remote_g2.curve import CurveServerConfig
 from remote_g2.errors import ConfigError, ProtocolError, RemoteG2Error, RpcClosed
 from remote_g2.messages import MESSAGES, MessageSpec, Ping, Pong
@@ -78,11 +87,12 @@ _server_ids = itertools.count()
 class CallContext:
     """What a handler knows about the call besides the request body."""
 
-    peer: bytes          # ZMQ routing id of the client connection
+    peer: bytes          # where the reply goes: the ZMQ routing id (client-chosen!) or the lane's connection id
     msg_id: int          # the request's header id
     type: str            # message name
     received_at: float   # time.perf_counter() when the frame was read
     arrival: Any = None  # what the type's arrival hook returned for this request, if it has one
+    identity: bytes | None = None  # the connection's server-drawn identity (``identify_clients``), else None
 
 
 Handler = Callable[[Any, CallContext], Any]
@@ -94,12 +104,12 @@ class Arrival(Protocol):
     def abandon(self) -> None: ...
 
 
-#: ``hook(peer, frame) -> Arrival | None``, registered per message type: called on the serving thread with
+#: ``hook(identity, frame) -> Arrival | None``, registered per message type: called on the serving thread with
 #: the raw frame of a request of that type *before* it is decoded (the type is read from the envelope
 #: alone), so that work which needs only the frame starts at once. The handler finds the result in
 #: ``ctx.arrival``; if the request is refused before its handler runs, the server calls ``abandon()``.
 #: A hook must not raise (one that does is logged, and the request served as if it had none).
-ArrivalHook = Callable[[bytes, bytes], "Arrival | None"]
+ArrivalHook = Callable[["bytes | None", bytes], "Arrival | None"]
 
 
 class Deferred(Protocol):
@@ -157,6 +167,7 @@ class RpcServer:
         batch_handlers: Mapping[str, BatchHandler] | None = None,
         max_batch: int = 64,
         on_arrival: Mapping[str, ArrivalHook] | None = None,
+        identify_clients: bool = False,
     ) -> None:
         batch_handlers = dict(batch_handlers or {})
         on_arrival = dict(on_arrival or {})
@@ -183,6 +194,8 @@ class RpcServer:
         self._max_frame = max_frame_bytes
         self._curve = curve
         self._on_call = on_call
+        self._identify = identify_clients
+        self._identities: ZmqConnectionIdentities | None = None
         # ZAP authentication is per context, so an allow-list gets a private context.
         self._own_context = context is None and curve is not None and curve.allowed_clients_dir is not None
         self._ctx = zmq.Context() if self._own_context else (context or zmq.Context.instance())
@@ -238,6 +251,8 @@ class RpcServer:
                     self._auth.start()
                     self._auth.configure_curve(domain="*", location=str(self._curve.allowed_clients_dir))
                 self._curve.apply(front)
+            if self._identify:  # before bind: every accept is reported
+                self._identities = ZmqConnectionIdentities(front)
             front.bind(self._endpoint)
             if back is not None and control_in is not None:
                 back.bind(self._backend_addr)
@@ -245,6 +260,8 @@ class RpcServer:
                 self._control = self._ctx.socket(zmq.PAIR)
                 self._control.connect(self._control_addr)
         except zmq.ZMQError as e:
+            if self._identities is not None:
+                self._identities.close()
             for sock in sockets:
                 sock.close(0)
             if self._auth is not None:
@@ -281,12 +298,7 @@ class RpcServer:
         sock = self.socket
         total = 0
         while True:
-            batch: list[list[bytes]] = []
-            while len(batch) < self._max_batch:
-                try:
-                    batch.append(sock.recv_multipart(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
+            batch = self._read_front(sock, block=False)
             if not batch:
                 return total
             total += len(batch)
@@ -324,6 +336,8 @@ class RpcServer:
         if self._control is not None:
             self._control.close(0)
         if self._driven is not None:  # the owner's loop has stopped using it (see serve_ready)
+            if self._identities is not None:
+                self._identities.close()
             self._driven.close(0)
         if self._auth is not None:
             self._auth.stop()
@@ -343,13 +357,56 @@ class RpcServer:
 
     def _run_proxy(self, front: zmq.Socket, back: zmq.Socket, control: zmq.Socket) -> None:
         try:
-            zmq.proxy_steerable(front, back, None, control)  # in C, GIL released, until TERMINATE
+            if self._identities is None:
+                zmq.proxy_steerable(front, back, None, control)  # in C, GIL released, until TERMINATE
+            else:
+                self._run_identifying_proxy(front, back, control)
         except zmq.ZMQError as e:
             if not self._stopping.is_set():
                 log.error("%s: proxy failed: %s", self.name, e)
         finally:
+            if self._identities is not None:
+                self._identities.close()
             for sock in (front, back, control):
                 sock.close(0)
+
+    def _run_identifying_proxy(self, front: zmq.Socket, back: zmq.Socket, control: zmq.Socket) -> None:
+        """The proxy of a pooled server that identifies clients: requests go on as ``[peer, identity, frame…]``."""
+        poller = zmq.Poller()
+        for sock in (front, back, control):
+            poller.register(sock, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll())
+            if control in ready:
+                return  # TERMINATE
+            if front in ready:
+                for identity, frames in self._read_front(front, block=False):
+                    back.send_multipart([frames[0], identity or b"", *frames[1:]])
+            if back in ready:
+                while True:
+                    try:
+                        reply = back.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        front.send_multipart(reply, zmq.NOBLOCK)
+                    except zmq.ZMQError as e:  # the reply queue is full, or the client is gone
+                        log.debug("%s: reply not sent: %s", self.name, e)
+
+    def _read_front(self, sock: zmq.Socket, *, block: bool) -> list[tuple[bytes | None, list[bytes]]]:
+        """Every request queued on the ROUTER (up to ``max_batch``; ``block``: wait for the first), identified."""
+        identities = self._identities
+        raw: list[Any] = []
+        flags = 0 if block else zmq.NOBLOCK
+        while len(raw) < self._max_batch:
+            try:
+                raw.append(sock.recv_multipart(flags, copy=identities is None))
+            except zmq.Again:
+                break
+            flags = zmq.NOBLOCK
+        if identities is None:
+            return [(None, frames) for frames in raw]
+        return [(identity, [f.bytes for f in frames]) for identity, frames in zip(identities.identify(raw), raw)]
 
     def _serve_requests(self, own: zmq.Socket | None) -> None:
         """Answer requests from ``own`` (direct mode: the ROUTER itself) or from the proxy."""
@@ -368,12 +425,8 @@ class RpcServer:
                 # The timeout only bounds how long close() waits for this thread.
                 ready = dict(poller.poll(100))
                 if sock in ready:
-                    batch = [sock.recv_multipart()]
-                    while len(batch) < self._max_batch:  # everything already queued, in one go
-                        try:
-                            batch.append(sock.recv_multipart(zmq.NOBLOCK))
-                        except zmq.Again:
-                            break
+                    # Everything already queued, in one go.
+                    batch = self._read_front(sock, block=True) if own is not None else self._read_backend(sock)
                     replies, deferred = self._dispatch(batch)
                     self._send_all(sock, replies)
                     for d in deferred:
@@ -389,7 +442,23 @@ class RpcServer:
             for d in waiting.values():  # closing: answer what is still on the wire
                 self._send_all(sock, self._settle(*d))
         finally:
+            if own is not None and self._identities is not None:
+                self._identities.close()
             sock.close(0)
+
+    def _read_backend(self, sock: zmq.Socket) -> list[tuple[bytes | None, list[bytes]]]:
+        """A handler thread's batch from the proxy (``[peer, identity, frame…]`` when identifying)."""
+        batch: list[tuple[bytes | None, list[bytes]]] = []
+        while len(batch) < self._max_batch:
+            try:
+                frames = sock.recv_multipart(0 if not batch else zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if self._identify:
+                batch.append((frames[1], [frames[0], *frames[2:]]))
+            else:
+                batch.append((None, frames))
+        return batch
 
     def _send_all(self, sock: zmq.Socket, replies: list[tuple[bytes, bytes]]) -> None:
         for peer, reply in replies:
@@ -400,8 +469,8 @@ class RpcServer:
             except zmq.ZMQError as e:  # direct mode: the client's connection is gone
                 log.debug("%s: reply not sent: %s", self.name, e)
 
-    def _dispatch(self, batch: list[list[bytes]]) -> tuple[list[tuple[bytes, bytes]], list[Any]]:
-        """Validate and answer a batch of requests.
+    def _dispatch(self, batch: list[tuple[bytes | None, list[bytes]]]) -> tuple[list[tuple[bytes, bytes]], list[Any]]:
+        """Validate and answer a batch of requests: ``(identity, [peer, frame…])`` each.
 
         Returns ``(peer, reply frame)`` for every request answered now, and
         ``(deferred, spec, calls)`` for every batch a handler answered later.
@@ -409,11 +478,11 @@ class RpcServer:
         out: list[tuple[bytes, bytes]] = []
         later: list[Any] = []
         grouped: dict[str, list[tuple[Any, CallContext]]] = {}
-        for frames in batch:
+        for identity, frames in batch:
             # Each request's hook runs just before it is decoded and handled, not all of a batch's first: a
             # hook may start calls its handler then waits for, one at a time per thread (source/siblings.py).
-            arrival = self._arrive(frames) if self._on_arrival else None
-            call = self._decode(frames, arrival)
+            arrival = self._arrive(identity, frames) if self._on_arrival else None
+            call = self._decode(frames, arrival, identity)
             if isinstance(call, bytes):
                 if arrival is not None:
                     self._abandon(arrival)
@@ -452,7 +521,7 @@ class RpcServer:
             return [(ctx.peer, self._answer_error(spec, ctx, e)) for _, ctx in calls]
         return [(ctx.peer, self._answer(spec, ctx, reply)) for (_, ctx), reply in zip(calls, replies)]
 
-    def _arrive(self, frames: list[bytes]) -> Any:
+    def _arrive(self, identity: bytes | None, frames: list[bytes]) -> Any:
         """Run the arrival hook of the request's type, if it has one (before the frame is decoded)."""
         if len(frames) != 2:
             return None
@@ -460,7 +529,7 @@ class RpcServer:
         if hook is None:
             return None
         try:
-            return hook(frames[0], frames[1])
+            return hook(identity, frames[1])
         except Exception:  # a bug in the hook: serve the request without it
             log.exception("%s: arrival hook failed", self.name)
             return None
@@ -471,7 +540,8 @@ class RpcServer:
         except Exception:
             log.exception("%s: abandoning an arrival failed", self.name)
 
-    def _decode(self, frames: list[bytes], arrival: Any = None) -> bytes | tuple[MessageSpec, Any, CallContext]:
+    def _decode(self, frames: list[bytes], arrival: Any = None,
+                identity: bytes | None = None) -> bytes | tuple[MessageSpec, Any, CallContext]:
         """The validated call, or the ERR frame that answers a bad one."""
         t0 = time.perf_counter()
         if len(frames) != 2:
@@ -486,7 +556,7 @@ class RpcServer:
         if spec.name not in self._handlers and spec.name not in self._batch_handlers:
             self._observe(spec.name, t0, "bad_request")
             return encode_err(next(self._ids), frame.id, "UnknownMessage", f"{self.name} does not serve {spec.name!r}")
-        return spec, request, CallContext(frames[0], frame.id, spec.name, t0, arrival)
+        return spec, request, CallContext(frames[0], frame.id, spec.name, t0, arrival, identity)
 
     def _invoke(self, handler: Handler, spec: MessageSpec, request: Any, ctx: CallContext) -> bytes:
         try:

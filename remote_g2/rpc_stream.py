@@ -20,9 +20,10 @@ Contract (same as the ZMQ transport unless said otherwise):
   frame that fails validation is answered ``ERR`` and the connection stays
   up; an announced length over the frame limit is answered ``ERR`` (no
   ``re``: its id was never read) and that connection is closed, because the
-  stream cannot be resynchronised. ``ctx.peer`` is the connection's id, so,
-  as with ZMQ routing ids, a lease pinned on one connection can be ended only
-  from that connection;
+  stream cannot be resynchronised. ``ctx.identity`` is drawn for each
+  accepted connection (:mod:`remote_g2.connection_identity`), so a lease
+  pinned on one connection can be ended only from that connection, and no
+  client of any transport can present it; ``ctx.peer`` only routes replies;
 * a client that stops reading has its replies queued up to
   ``max_frame_bytes``; past that its connection is closed;
 * :class:`StreamConnection` is the client's end (used by
@@ -45,6 +46,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from remote_g2.connection_identity import new_identity
 from remote_g2.errors import ConfigError, ProtocolError, RpcClosed, TransportError
 from remote_g2.rpc_server import Handler, RpcServer, free_port_on_host_of
 from remote_g2.wire import DEFAULT_MAX_FRAME_BYTES, encode_err, read_stream, stream_frame, take_stream_frames
@@ -171,13 +173,14 @@ class StreamConnection:
 
 
 class _ServerSide:
-    """One accepted connection on the server: its id (``ctx.peer``), input and reply buffers."""
+    """One accepted connection on the server: its reply route (``ctx.peer``), identity, input and reply buffers."""
 
-    __slots__ = ("sock", "peer", "inbox", "outbox", "closing", "dead")
+    __slots__ = ("sock", "peer", "identity", "inbox", "outbox", "closing", "dead")
 
     def __init__(self, sock: socket.socket, peer: bytes) -> None:
         self.sock = sock
         self.peer = peer
+        self.identity = new_identity()
         self.inbox = bytearray()
         self.outbox = bytearray()
         self.closing = False  # close once the outbox is written (after a frame we could not resynchronise past)
@@ -237,7 +240,7 @@ class StreamRpcServer(RpcServer):
         by_peer: dict[bytes, _ServerSide] = {}
         try:
             while not self._stopping.is_set():
-                batch: list[list[bytes]] = []
+                batch: list[tuple[bytes | None, list[bytes]]] = []
                 for fd, ev in poller.poll(_POLL_MS):
                     if fd == listener.fileno():
                         self._accept(listener, poller, conns, by_peer)
@@ -288,8 +291,8 @@ class StreamRpcServer(RpcServer):
             by_peer[conn.peer] = conn
             poller.register(sock.fileno(), select.POLLIN)
 
-    def _read(self, conn: _ServerSide) -> list[list[bytes]]:
-        """The requests that arrived whole on ``conn``, as ``[peer, frame]`` for :meth:`_dispatch`."""
+    def _read(self, conn: _ServerSide) -> list[tuple[bytes | None, list[bytes]]]:
+        """The requests that arrived whole on ``conn``, as ``(identity, [peer, frame])`` for :meth:`_dispatch`."""
         try:
             conn.dead = read_stream(conn.sock, conn.inbox)  # gone: what it sent before still runs (a last release)
         except OSError:
@@ -303,7 +306,7 @@ class StreamRpcServer(RpcServer):
             conn.inbox.clear()
             conn.closing = True
             return []
-        return [[conn.peer, f] for f in frames]
+        return [(conn.identity, [conn.peer, f]) for f in frames]
 
     def _write(self, conn: _ServerSide) -> None:
         while conn.outbox and not conn.dead:

@@ -23,6 +23,12 @@ a sibling's count can lag rank 0's by the releases still on their way to
 it, so refusing there would cut leases rank 0 has room for. Either way the
 table gives the pins back as leases shrink or end.
 
+Every share belongs to an owner: the identity of the connection that
+resolved it (remote_g2/connection_identity.py), drawn by the server and
+never chosen by a client; rank 0 hands it to its siblings with each pin.
+Only that owner can renew or release it; anyone else is answered as for an
+unknown lease. There is no "anyone may end it" owner.
+
 Released lease ids are remembered for a while (tombstones) so that a
 ``sibling_pin`` arriving after rank 0 gave up on it and released the lease
 is refused instead of pinning blocks nobody will release.
@@ -110,13 +116,16 @@ class PinBudget:
 class Lease:
     """One lease as a rank holds it: its pinned blocks, its deadline (``time.monotonic()``) and owner.
 
-    ``owner`` (rank 0 only) is the connection that resolved it; empty means anyone may end it.
+    ``owner`` is the identity of the connection that resolved it (see the module docstring);
+    ``worker_wide`` (rank 0): a ``resolve``'s lease, whose siblings hold shares for the same owner
+    (not a ``peer_resolve`` share, which is this rank's alone).
     """
 
     lease_id: int
     block_ids: list[int]
     deadline: float
-    owner: bytes = b""
+    owner: bytes
+    worker_wide: bool = False
 
 
 class LeaseTable:
@@ -155,7 +164,8 @@ class LeaseTable:
         """A copy of the lease, or None."""
         with self._lock:
             lease = self._leases.get(lease_id)
-            return None if lease is None else Lease(lease.lease_id, list(lease.block_ids), lease.deadline, lease.owner)
+            return None if lease is None else Lease(lease.lease_id, list(lease.block_ids), lease.deadline, lease.owner,
+                                                    lease.worker_wide)
 
     def next_deadline(self) -> float | None:
         """The earliest deadline of an open lease (maybe a stale, earlier one), or None."""
@@ -164,13 +174,16 @@ class LeaseTable:
 
     # -- changing ----------------------------------------------------------------------
 
-    def pin(self, lease_id: int, hashes: Sequence[bytes], deadline: float, owner: bytes = b"") -> list[int]:
+    def pin(self, lease_id: int, hashes: Sequence[bytes], deadline: float, owner: bytes, *,
+            worker_wide: bool = False) -> list[int]:
         """Find-and-pin ``hashes`` on the pool under ``lease_id`` until ``deadline``, for ``owner``.
 
         Returns the pinned block ids (the longest present prefix). Nothing is
         recorded when nothing was pinned. :class:`SourceError` when the lease
         id is open already or was released recently (its pins are dropped).
         """
+        if not owner:
+            raise ValueError("a lease needs an owner (the identity of the connection that resolved it)")
         with self._lock:
             self._check_new(lease_id)
         ids = list(self._pool.find_and_pin(hashes))
@@ -183,7 +196,7 @@ class LeaseTable:
                 refused = True
             else:
                 refused = False
-                self._leases[lease_id] = Lease(lease_id, list(ids), deadline, owner)  # the caller keeps its own list
+                self._leases[lease_id] = Lease(lease_id, list(ids), deadline, owner, worker_wide)  # caller keeps its list
                 heapq.heappush(self._deadlines, (deadline, lease_id))
                 self._pinned += len(ids)
         if refused:
@@ -193,7 +206,7 @@ class LeaseTable:
         return ids
 
     def pin_within_budget(self, lease_id: int, hashes: Sequence[bytes], deadline: float,
-                          owner: bytes = b"") -> list[int] | None:
+                          owner: bytes) -> list[int] | None:
         """:meth:`pin` at most as many hashes as the table's budget has room for; None: no room at all.
 
         Reserves first (atomically, so concurrent callers never overshoot),
@@ -208,20 +221,20 @@ class LeaseTable:
             return None
         return self._pin_taken(budget, granted, lease_id, hashes, deadline, owner)
 
-    def pin_charged(self, lease_id: int, hashes: Sequence[bytes], deadline: float) -> list[int]:
+    def pin_charged(self, lease_id: int, hashes: Sequence[bytes], deadline: float, owner: bytes) -> list[int]:
         """:meth:`pin` for a lease another rank's budget bounds: charge what was pinned, refuse nothing.
 
         How a sibling pins for rank 0 (see the module docstring).
         """
         budget = self._budget
         if budget is None:
-            return self.pin(lease_id, hashes, deadline)
+            return self.pin(lease_id, hashes, deadline, owner)
         # Charged up front so that a release racing the pin never gives back pins not yet charged.
         budget.charge(len(hashes))
-        return self._pin_taken(budget, len(hashes), lease_id, hashes, deadline)
+        return self._pin_taken(budget, len(hashes), lease_id, hashes, deadline, owner)
 
     def _pin_taken(self, budget: PinBudget, taken: int, lease_id: int, hashes: Sequence[bytes], deadline: float,
-                   owner: bytes = b"") -> list[int]:
+                   owner: bytes) -> list[int]:
         """:meth:`pin` the first ``taken`` hashes, for which ``budget`` was charged; give back what was not pinned."""
         try:
             ids = self.pin(lease_id, hashes[:taken], deadline, owner)
@@ -234,30 +247,33 @@ class LeaseTable:
     def trim(self, lease_id: int, keep: int) -> bool:
         """Keep the first ``keep`` blocks of the lease and unpin the rest; False if unknown.
 
-        ``keep == 0`` ends the lease (as :meth:`release` does).
+        ``keep == 0`` ends the lease. Only for the rank that just pinned it
+        (rank 0 cutting a lease to the prefix every rank holds): no owner check.
         """
-        if keep <= 0:
-            return self.release(lease_id)
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None:
                 return False
-            tail = lease.block_ids[keep:]
-            del lease.block_ids[keep:]
+            if keep <= 0:
+                del self._leases[lease_id]
+                self._tombstone(lease_id)
+            tail = lease.block_ids[max(0, keep):]
+            del lease.block_ids[max(0, keep):]
             self._pinned -= len(tail)
         if tail:
             self._unpin(tail, lease_id)
             self._changed()
         return True
 
-    def release(self, lease_id: int, owner: bytes | None = None) -> bool:
-        """End the lease and drop its pins; False if it was unknown (idempotent).
+    def release(self, lease_id: int, owner: bytes) -> bool:
+        """End ``owner``'s lease and drop its pins; False if unknown or someone else's (idempotent).
 
-        With ``owner`` given, a lease owned by someone else is left alone (False).
+        Someone else's lease is left alone and not remembered as released: to
+        the caller it looks exactly like an unknown one.
         """
         with self._lock:
             lease = self._leases.get(lease_id)
-            if lease is not None and owner is not None and lease.owner and lease.owner != owner:
+            if lease is not None and lease.owner != owner:
                 return False
             lease = self._leases.pop(lease_id, None)
             self._tombstone(lease_id)
@@ -268,13 +284,11 @@ class LeaseTable:
         self._changed()
         return True
 
-    def renew(self, lease_id: int, deadline: float, owner: bytes | None = None) -> bool:
-        """Move the lease's deadline to ``deadline``; False if it is gone, expired, or (``owner`` given) not theirs."""
+    def renew(self, lease_id: int, deadline: float, owner: bytes) -> bool:
+        """Move ``owner``'s lease's deadline to ``deadline``; False if it is gone, expired or someone else's."""
         with self._lock:
             lease = self._leases.get(lease_id)
-            if lease is None or lease.deadline <= time.monotonic():
-                return False
-            if owner is not None and lease.owner and lease.owner != owner:
+            if lease is None or lease.deadline <= time.monotonic() or lease.owner != owner:
                 return False
             lease.deadline = deadline
             heapq.heappush(self._deadlines, (deadline, lease_id))

@@ -13,9 +13,11 @@ What each rank does (rank 0 on its worker endpoint, rank r > 0 on its own
 find-and-pin, within this rank's pin budget, the longest prefix this rank
 holds under the caller's lease id (a lease id already open or released here
 is refused), and answer the block ids and the worker's epoch. Ending such a lease: ``release``
-or expiry on each rank; ``release``/``renew`` at rank 0 also reach the
-siblings' shares (same id), and a sibling's peer endpoint answers ``release``
-for the share its caller pinned (only that connection may end it).
+or expiry on each rank. Each share belongs to the connection that pinned it
+(its server-drawn identity, remote_g2/connection_identity.py): only
+``release`` / ``renew`` from that connection end or extend it, on whichever
+rank it lives — rank 0's fan-out to its siblings carries rank 0's caller, so
+it never reaches a share another connection pinned.
 
 Nothing here waits on another rank, so a sibling serves it on its own
 direct (one-thread) server.
@@ -26,12 +28,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from remote_g2.messages import PeerResolve, PeerResolveReply, Release, ReleaseReply
+from remote_g2.messages import PeerResolve, PeerResolveReply, Release, ReleaseReply, Renew, RenewReply
 from remote_g2.rpc_server import CallContext, Handler
 
 from .leases import LeaseTable
 
-__all__ = ["peer_handlers", "resolve_share"]
+__all__ = ["owner_of", "peer_handlers", "resolve_share"]
 
 
 def resolve_share(table: LeaseTable, req: PeerResolve, owner: bytes, *, epoch: int,
@@ -50,7 +52,7 @@ def resolve_share(table: LeaseTable, req: PeerResolve, owner: bytes, *, epoch: i
 def peer_handlers(table: LeaseTable, *, epoch: Callable[[], int],
                   lease_ttl_ms: Callable[[int], int], on_release: Callable[[], None] | None = None,
                   observe: Callable[[str, float, int], None] | None = None) -> dict[str, Handler]:
-    """The handlers of a rank's peer endpoint: ``peer_resolve``, and ``release`` of what a caller pinned here.
+    """The handlers of a rank's peer endpoint: ``peer_resolve``, and ``release`` / ``renew`` of what a caller pinned here.
 
     ``epoch()``: the worker's epoch (known once the start-up exchange is
     done); ``lease_ttl_ms``: the source's TTL clamp; ``observe(outcome,
@@ -59,15 +61,28 @@ def peer_handlers(table: LeaseTable, *, epoch: Callable[[], int],
 
     def peer_resolve(req: PeerResolve, ctx: CallContext) -> PeerResolveReply:
         t0 = time.perf_counter()
-        reply = resolve_share(table, req, ctx.peer, epoch=epoch(), lease_ttl_ms=lease_ttl_ms)
+        reply = resolve_share(table, req, owner_of(ctx), epoch=epoch(), lease_ttl_ms=lease_ttl_ms)
         if observe is not None:
             observe(reply.reason, time.perf_counter() - t0, reply.matched)
         return reply
 
     def release(req: Release, ctx: CallContext) -> ReleaseReply:
-        released = table.release(req.lease_id, owner=ctx.peer)
+        released = table.release(req.lease_id, owner_of(ctx))
         if released and on_release is not None:
             on_release()
         return ReleaseReply(released)
 
-    return {"peer_resolve": peer_resolve, "release": release}
+    def renew(req: Renew, ctx: CallContext) -> RenewReply:
+        deadline = time.monotonic() + lease_ttl_ms(req.ttl_ms) / 1000.0
+        if not table.renew(req.lease_id, deadline, owner_of(ctx)):
+            return RenewReply(False, 0)
+        return RenewReply(True, max(0, int((deadline - time.monotonic()) * 1000)))
+
+    return {"peer_resolve": peer_resolve, "release": release, "renew": renew}
+
+
+def owner_of(ctx: CallContext) -> bytes:
+    """The identity a lease taken on this call belongs to; a server that does not identify clients is a bug."""
+    if not ctx.identity:
+        raise RuntimeError(f"{ctx.type}: this server does not identify its clients (identify_clients=True)")
+    return ctx.identity

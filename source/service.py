@@ -84,7 +84,7 @@ from remote_g2.stall_watchdog import maybe_start_stall_watchdog
 from .config import ENABLE_ENV, SourceConfig
 from .leases import LeaseTable, PinBudget
 from .metrics import SourceMetrics
-from .peer import peer_handlers
+from .peer import owner_of, peer_handlers
 from .rank_agent import RankAgent, agent_name_for
 from .siblings import PendingCalls, SiblingLinks, sibling_handlers
 from .tp_group import RankRecord, TpGroup, exchange, resolve_tp_group
@@ -107,12 +107,13 @@ class _Forwarded:
     """
 
     lease_id: int
+    owner: bytes
     sent: float
     pending: PendingCalls
-    undo: Callable[[int, dict[int, Any]], None]
+    undo: Callable[[int, dict[int, Any], bytes], None]
 
     def abandon(self) -> None:
-        self.undo(self.lease_id, self.pending.wait())
+        self.undo(self.lease_id, self.pending.wait(), self.owner)
 
 
 def maybe_start_source_service(
@@ -289,7 +290,7 @@ class SourceService:
                                                 on_call=self.metrics.observe_call)
         else:
             self._peer_server = RpcServer(free_port_on_host_of(cfg.bind), handlers, name=name, workers=1,
-                                          curve=cfg.curve, on_call=self.metrics.observe_call)
+                                          curve=cfg.curve, on_call=self.metrics.observe_call, identify_clients=True)
         bound = self._peer_server.start()
         if cfg.advertise:  # the advertised host, the bound scheme and port
             scheme, rest = bound.split("://", 1)
@@ -316,7 +317,7 @@ class SourceService:
             "get_metadata": self._get_metadata,
             "peer_resolve": peer_resolve,
         }, name=f"source-{self.worker_id}", workers=cfg.rpc_workers, curve=cfg.curve,
-            on_call=self.metrics.observe_call, on_arrival={"resolve": self._forward_resolve})
+            on_call=self.metrics.observe_call, on_arrival={"resolve": self._forward_resolve}, identify_clients=True)
         self.endpoint = self._server.start()
         if cfg.registry_endpoint:
             self._start_publisher(cfg.advertise or self.endpoint)
@@ -355,23 +356,26 @@ class SourceService:
     def _get_metadata(self, req: GetMetadata, ctx: CallContext) -> SourceMetadataReply:
         return SourceMetadataReply(self.worker_id, self.epoch, self.tp_size, list(self._rank_infos))
 
-    def _forward_resolve(self, peer: bytes, frame: bytes) -> _Forwarded | None:
-        """The arrival hook of ``resolve``: send the undecoded frame to every sibling (None: not sent)."""
+    def _forward_resolve(self, owner: bytes | None, frame: bytes) -> _Forwarded | None:
+        """The arrival hook of ``resolve``: send the undecoded frame to every sibling (None: not sent).
+
+        Each sibling's share belongs to ``owner``, the identity of the connection the frame came on.
+        """
         links = self._links
         assert links is not None
-        if not links.ranks or len(frame) > MAX_FORWARDED_RESOLVE_BYTES or links.down():
+        if not owner or not links.ranks or len(frame) > MAX_FORWARDED_RESOLVE_BYTES or links.down():
             return None  # the handler takes the sibling_pin path (or fails fast on a rank that is down)
         # Random, not sequential: a reader that mixes up its ids must not be able to release
         # (and so expose to overwriting) another reader's blocks. A clash is refused by the tables.
         lease_id = secrets.randbits(62) + 1
         sent = time.monotonic()
-        return _Forwarded(lease_id, sent, links.begin(lambda r: SiblingResolve(lease_id, frame), fail_fast=True),
-                          self._undo)
+        return _Forwarded(lease_id, owner, sent,
+                          links.begin(lambda r: SiblingResolve(lease_id, frame, owner), fail_fast=True), self._undo)
 
     def _resolve(self, req: Resolve, ctx: CallContext) -> ResolveReply:
         t0 = time.perf_counter()
         try:
-            reply = self._resolve_pins(req, ctx.peer, ctx.arrival)
+            reply = self._resolve_pins(req, owner_of(ctx), ctx.arrival)
         except Exception:
             self.metrics.resolve_outcome("error", time.perf_counter() - t0)
             raise
@@ -393,32 +397,32 @@ class SourceService:
         granted = self.budget.reserve(len(req.hashes))
         if granted == 0:
             if forwarded is not None:
-                self._undo(forwarded.lease_id, forwarded.pending.wait())
+                self._undo(forwarded.lease_id, forwarded.pending.wait(), owner)
             return ResolveReply("over_budget", 0, 0, self.epoch, 0)
         hashes = req.hashes if granted == len(req.hashes) else req.hashes[:granted]
         if forwarded is not None:
             lease_id, pending = forwarded.lease_id, forwarded.pending
         else:  # no siblings, or a frame too large to forward
             lease_id = secrets.randbits(62) + 1  # random: see _forward_resolve
-            pending = links.begin(lambda r: SiblingPin(lease_id, hashes, ttl_ms), fail_fast=True)
+            pending = links.begin(lambda r: SiblingPin(lease_id, hashes, ttl_ms, owner), fail_fast=True)
         try:
-            local = self.leases.pin(lease_id, hashes, deadline, owner)
+            local = self.leases.pin(lease_id, hashes, deadline, owner, worker_wide=True)
         except BaseException:
             self.budget.give_back(granted)
-            self._undo(lease_id, pending.wait())
+            self._undo(lease_id, pending.wait(), owner)
             raise
         self.budget.give_back(granted - len(local))
         answers = pending.wait()
         failed = {r: a for r, a in answers.items() if isinstance(a, BaseException)}
         if failed:
-            self._undo(lease_id, answers)
+            self._undo(lease_id, answers, owner)
             raise SourceError("resolve failed, lease undone on every rank: "
                               + "; ".join(f"TP rank {r}: {type(e).__name__}: {e}" for r, e in sorted(failed.items())))
         per_rank: dict[int, list[int]] = {0: local}
         per_rank.update({r: list(a.block_ids) for r, a in answers.items()})
         matched = min(len(ids) for ids in per_rank.values())
         if matched == 0:
-            self._undo(lease_id, answers)
+            self._undo(lease_id, answers, owner)
             return ResolveReply("miss", 0, 0, self.epoch, 0)
         longer = [r for r, ids in answers.items() if len(ids.block_ids) > matched]
         if len(local) > matched:
@@ -427,13 +431,13 @@ class SourceService:
             trims = links.call_all(lambda r: SiblingTrim(lease_id, matched), longer)
             failed = {r: a for r, a in trims.items() if isinstance(a, BaseException) or not a.known}
             if failed:
-                self._undo(lease_id, answers)
+                self._undo(lease_id, answers, owner)
                 raise SourceError("resolve failed while trimming, lease undone on every rank: "
                                   + "; ".join(f"TP rank {r}: {a}" for r, a in sorted(failed.items())))
         expires_in_ms = int((deadline - time.monotonic()) * 1000)
         if expires_in_ms <= 0 or self.leases.get(lease_id) is None:
             # It expired (or was released by a reader that guessed its id) while we worked.
-            self._undo(lease_id, answers)
+            self._undo(lease_id, answers, owner)
             raise SourceError(f"lease expired before the resolve finished (ttl {ttl_ms} ms); ask for a longer ttl")
         # A caller that knows an agent already holds its RankInfo for this epoch: leave it out
         # (decoding the layouts again costs the target a little on every load).
@@ -442,7 +446,7 @@ class SourceService:
         return ResolveReply("ok", lease_id, matched, self.epoch, expires_in_ms,
                             [RankBlocks(r, ids[:matched]) for r, ids in sorted(per_rank.items())], metadata)
 
-    def _undo(self, lease_id: int, answers: dict[int, Any]) -> None:
+    def _undo(self, lease_id: int, answers: dict[int, Any], owner: bytes) -> None:
         """Drop a lease everywhere: locally, and on every sibling that holds (or may hold) pins for it.
 
         Siblings that answered are released synchronously (fast, and the ERR
@@ -452,14 +456,14 @@ class SourceService:
         covers the rest).
         """
         assert self._links is not None
-        self.leases.release(lease_id)
+        self.leases.release(lease_id, owner)
         answered = [r for r, a in answers.items() if not isinstance(a, BaseException)
                     and not (isinstance(a, SiblingPinReply) and not a.block_ids)]
         unsure = [r for r, a in answers.items() if isinstance(a, TransportError)]
         if answered:
-            self._links.call_all(lambda r: SiblingRelease(lease_id), answered)
+            self._links.call_all(lambda r: SiblingRelease(lease_id, owner), answered)
         if unsure:
-            self._links.begin(lambda r: SiblingRelease(lease_id), unsure)  # not waited for
+            self._links.begin(lambda r: SiblingRelease(lease_id, owner), unsure)  # not waited for
 
     def _release(self, req: Release, ctx: CallContext) -> ReleaseReply:
         """Unpin locally, tell every sibling, answer: the siblings' acks are not waited for.
@@ -470,29 +474,33 @@ class SourceService:
         release for a guarantee no reader needs: the reader is done with the
         blocks once it releases them.
         """
-        # Only the connection that resolved a lease may end it: a reader that knows (or guesses)
-        # another's lease id cannot expose that reader's blocks to eviction mid-READ.
-        if not self.leases.release(req.lease_id, owner=ctx.peer):
+        # Only the connection that resolved a lease may end it, on any rank: a reader that knows (or
+        # guesses) another's lease id cannot expose that reader's blocks to eviction mid-READ.
+        owner = owner_of(ctx)
+        lease = self.leases.get(req.lease_id)
+        if not self.leases.release(req.lease_id, owner):
             return ReleaseReply(False)
         self.metrics.leases_released.inc()
-        assert self._links is not None
-        if self._links.ranks:
-            self._links.begin(lambda r: SiblingRelease(req.lease_id))
+        assert self._links is not None and lease is not None
+        if self._links.ranks and lease.worker_wide:  # a peer_resolve share is this rank's alone
+            self._links.begin(lambda r: SiblingRelease(req.lease_id, owner))
         return ReleaseReply(True)
 
     def _renew(self, req: Renew, ctx: CallContext) -> RenewReply:
         ttl_ms = self.config.lease_ttl_ms(req.ttl_ms)
         deadline = time.monotonic() + ttl_ms / 1000.0
-        if not self.leases.renew(req.lease_id, deadline, owner=ctx.peer):
+        owner = owner_of(ctx)
+        lease = self.leases.get(req.lease_id)
+        if not self.leases.renew(req.lease_id, deadline, owner):
             return RenewReply(False, 0)
-        assert self._links is not None
-        if self._links.ranks:
-            answers = self._links.call_all(lambda r: SiblingRenew(req.lease_id, ttl_ms))
+        assert self._links is not None and lease is not None
+        if self._links.ranks and lease.worker_wide:  # a peer_resolve share is this rank's alone
+            answers = self._links.call_all(lambda r: SiblingRenew(req.lease_id, ttl_ms, owner))
             lost = {r: a for r, a in answers.items() if isinstance(a, BaseException) or not a.known}
             if lost:
                 # A rank whose copy is gone (or may be) cannot vouch for its blocks: end the lease.
                 log.warning("lease %d: renew failed on TP rank(s) %s; releasing it", req.lease_id, sorted(lost))
-                self._undo(req.lease_id, answers)
+                self._undo(req.lease_id, answers, owner)
                 return RenewReply(False, 0)
         return RenewReply(True, max(0, int((deadline - time.monotonic()) * 1000)))
 

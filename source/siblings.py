@@ -77,11 +77,13 @@ def sibling_handlers(table: LeaseTable, *, max_ttl_ms: int, lease_ttl_ms: Callab
     (:meth:`~remote_g2.source.config.SourceConfig.lease_ttl_ms`), applied
     here to the target's own ``ttl_ms`` that ``sibling_resolve`` carries;
     the other messages carry rank 0's clamped TTL, capped at ``max_ttl_ms``.
+    Every share is pinned for, and ended or extended only for, the ``owner``
+    rank 0 names: the connection that resolved the lease.
     """
 
     def pin(req: SiblingPin, ctx: CallContext) -> SiblingPinReply:
         ttl_s = min(req.ttl_ms, max_ttl_ms) / 1000.0
-        return SiblingPinReply(table.pin_charged(req.lease_id, req.hashes, time.monotonic() + ttl_s))
+        return SiblingPinReply(table.pin_charged(req.lease_id, req.hashes, time.monotonic() + ttl_s, req.owner))
 
     def pin_forwarded(req: SiblingResolve, ctx: CallContext) -> SiblingPinReply:
         received = time.monotonic()  # the lease's clock starts here, after rank 0's
@@ -90,20 +92,20 @@ def sibling_handlers(table: LeaseTable, *, max_ttl_ms: int, lease_ttl_ms: Callab
         if not isinstance(resolve, Resolve):
             raise ProtocolError(f"sibling_resolve carries a {spec.name!r} frame, not a resolve")
         deadline = received + lease_ttl_ms(resolve.ttl_ms) / 1000.0
-        return SiblingPinReply(table.pin_charged(req.lease_id, resolve.hashes, deadline))
+        return SiblingPinReply(table.pin_charged(req.lease_id, resolve.hashes, deadline, req.owner))
 
     def trim(req: SiblingTrim, ctx: CallContext) -> SiblingAck:
         return SiblingAck(table.trim(req.lease_id, req.keep))
 
     def release(req: SiblingRelease, ctx: CallContext) -> SiblingAck:
-        known = table.release(req.lease_id)
+        known = table.release(req.lease_id, req.owner)
         if known and on_release is not None:
             on_release()
         return SiblingAck(known)
 
     def renew(req: SiblingRenew, ctx: CallContext) -> SiblingAck:
         ttl_s = min(req.ttl_ms, max_ttl_ms) / 1000.0
-        return SiblingAck(table.renew(req.lease_id, time.monotonic() + ttl_s))
+        return SiblingAck(table.renew(req.lease_id, time.monotonic() + ttl_s, req.owner))
 
     return {"sibling_pin": pin, "sibling_resolve": pin_forwarded, "sibling_trim": trim, "sibling_release": release,
             "sibling_renew": renew}

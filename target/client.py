@@ -503,7 +503,7 @@ class TargetClient:
         assert link is not None and worker is not None
         mux = RpcMux(timeout_ms=float(self.config.rpc_timeout_ms), curve=self.config.source_curve)
         peers = PeerShares(rank=self.rank, worker=worker, mux=mux,
-                           report=self._report_to_leader)
+                           report=self._report_to_leader, ttl_ms=self.config.lease_ttl_ms)
         self._peer_shares = peers
         gone: list[bool] = []
 
@@ -527,7 +527,10 @@ class TargetClient:
         mux.watch(link.fileno(), on_link)
         try:
             while not self._stop.is_set() and not gone:
-                mux.run_once(0 if worker.busy else 100)
+                due = peers.next_due()
+                wait_ms = 100 if due is None else min(100, max(1, math.ceil((due - time.monotonic()) * 1000.0)))
+                mux.run_once(0 if worker.busy else wait_ms)
+                peers.tick(time.monotonic())
                 if worker.busy:
                     worker.poll()
                 worker.release_retired()  # after the reports went out
@@ -574,6 +577,8 @@ class TargetClient:
     def _report_to_leader(self, done: TargetDone) -> None:
         # On this rank's loop thread. A report that cannot go out is timed out by the leader.
         assert self._link is not None
+        if self._peer_shares is not None:
+            done = self._peer_shares.vouch(done)  # a share that may have lapsed mid-READ is no success
         try:
             self._link.send(done)
         except (LinkClosed, ProtocolError) as e:

@@ -12,9 +12,14 @@ id and the same hashes for every rank), before it sends that one (docs/target.md
 2. on ``ok`` of the same epoch, hands the worker the load with its own
    ``RankBlocks`` and the destination blocks cut to the prefix its peer
    pinned (``TargetDone.blocks`` tells the leader how many);
-3. after the worker reported the load, releases the share on the peer rank
-   (successful or not; the leader's ``release`` at rank 0 reaches it too —
-   the second one is a no-op — but rank 0 cannot when it pinned nothing).
+3. renews the share on the peer rank when the load outlives half its TTL,
+   and reports the load failed when the share may have lapsed before the
+   READ ended (renew refused, or the share's expiry passed: its clock is
+   taken from when ``peer_resolve`` was sent, so it never runs late);
+4. after the worker reported the load, releases the share on the peer rank
+   (successful or not). Only this rank can renew or release it: the share
+   belongs to this rank's connection to its peer, and the leader's
+   ``renew`` / ``release`` at source rank 0 do not reach it (docs/security.md).
 
 Anything else — no answer within ``rpc_timeout_ms``, ``ERR``, a different
 epoch (the source restarted), a miss, no peer endpoint — reports the share
@@ -27,10 +32,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from remote_g2.messages import RankBlocks, Release, TargetDone, TargetLoad
+from remote_g2.messages import RankBlocks, Release, Renew, TargetDone, TargetLoad
 from remote_g2.rpc_mux import RpcMux
 
 from .rank_worker import RankWorker
@@ -40,16 +45,32 @@ __all__ = ["PeerShares"]
 log = logging.getLogger("remote_g2.target")
 
 
+@dataclass(slots=True)
+class _Share:
+    """A share this rank holds on its peer source rank, until its load is reported."""
+
+    endpoint: str
+    lease_id: int
+    expires: float   # time.monotonic(); counted from before the call that set it was sent
+    renew_at: float
+    renewing: bool = False
+    lapsed: str = ""  # why the pins may be gone (renew refused); the load must then fail
+
+
 class PeerShares:
-    """Peer-resolved loads of one target rank; every method runs on that rank's loop thread."""
+    """Peer-resolved loads of one target rank; every method runs on that rank's loop thread.
+
+    ``ttl_ms``: what a renewal asks for (the target's ``lease_ttl_ms``).
+    """
 
     def __init__(self, *, rank: int, worker: RankWorker, mux: RpcMux,
-                 report: Callable[[TargetDone], None]) -> None:
+                 report: Callable[[TargetDone], None], ttl_ms: int = 10_000) -> None:
         self.rank = rank
         self._worker = worker
         self._mux = mux
         self._report = report
-        self._leases: dict[int, tuple[str, int]] = {}  # load id -> (peer endpoint, lease id), until reported
+        self._ttl_ms = ttl_ms
+        self._leases: dict[int, _Share] = {}  # load id -> its share, until reported
 
     def start(self, load: TargetLoad, received: float) -> None:
         """Resolve ``load``'s share (``load.peer`` set) with this rank's peer; the load starts on the answer."""
@@ -74,17 +95,60 @@ class PeerShares:
             elif reply.reason != "ok" or reply.matched == 0:
                 self._fail(load, f"{where}: {reply.reason}")
             else:
-                self._leases[load.load_id] = (endpoint, ask.lease_id)
+                self._leases[load.load_id] = _Share(endpoint, ask.lease_id, sent + reply.expires_in_ms / 1000.0,
+                                                    sent + reply.expires_in_ms / 2000.0)
                 self._worker.start(replace(load, ranks=[RankBlocks(self.rank, reply.block_ids)],
                                            dst_block_ids=load.dst_block_ids[:reply.matched], peer=None), received)
 
+        sent = time.monotonic()
         self._mux.call(endpoint, ask, on_reply)  # the leader's request, as it sent it to source rank 0
+
+    def vouch(self, done: TargetDone) -> TargetDone:
+        """``done`` as the leader must hear it: a success whose share may have lapsed becomes a failure."""
+        share = self._leases.get(done.load_id)
+        if share is None or not done.ok:
+            return done
+        why = share.lapsed or ("" if time.monotonic() < share.expires else
+                               "the share's lease on the peer source rank expired before the load finished")
+        if not why:
+            return done
+        log.warning("target rank %d: load %d: %s", self.rank, done.load_id, why)
+        return replace(done, ok=False, error=why, nbytes=0, descriptors=0, blocks=0)
 
     def reported(self, done: TargetDone) -> None:
         """The worker reported load ``done.load_id``: hand its share back to the peer rank."""
-        lease = self._leases.pop(done.load_id, None)
-        if lease is not None:
-            self._release(*lease)
+        share = self._leases.pop(done.load_id, None)
+        if share is not None:
+            self._release(share.endpoint, share.lease_id)
+
+    def tick(self, now: float) -> None:
+        """Renew the shares whose loads outlived half their TTL (from the rank's loop, every turn)."""
+        for share in self._leases.values():
+            if not share.renewing and not share.lapsed and now >= share.renew_at:
+                self._renew(share)
+
+    def next_due(self) -> float | None:
+        """When :meth:`tick` next has work (``time.monotonic()``), or None."""
+        due = [s.renew_at for s in self._leases.values() if not s.renewing and not s.lapsed]
+        return min(due) if due else None
+
+    def _renew(self, share: _Share) -> None:
+        share.renewing = True
+        sent = time.monotonic()
+
+        def on_renewed(reply: Any) -> None:
+            share.renewing = False
+            if isinstance(reply, Exception):  # try again; the expiry check still guards the bytes
+                log.warning("target rank %d: renewing lease %d at %s: %s", self.rank, share.lease_id,
+                            share.endpoint, reply)
+                share.renew_at = time.monotonic() + self._mux.timeout_ms / 1000.0
+            elif not reply.renewed:
+                share.lapsed = "the peer source rank dropped the share before the load finished"
+            else:
+                share.expires = sent + reply.expires_in_ms / 1000.0
+                share.renew_at = sent + reply.expires_in_ms / 2000.0
+
+        self._mux.call(share.endpoint, Renew(share.lease_id, self._ttl_ms), on_renewed)
 
     def _release(self, endpoint: str, lease_id: int) -> None:
         def on_release(reply: Any) -> None:

@@ -321,11 +321,11 @@ def test_lease_table_neither_expires_nor_extends_on_a_wall_clock_jump(wall_clock
     pool = _pool()
     table = LeaseTable(pool, tombstone_ttl_s=0.3)
     t0 = time.monotonic()
-    table.pin(1, [hash_of(i) for i in range(4)], t0 + 1.0)
-    table.pin(2, [hash_of(i) for i in range(4, 8)], t0 + 60)
+    table.pin(1, [hash_of(i) for i in range(4)], t0 + 1.0, b"a")
+    table.pin(2, [hash_of(i) for i in range(4, 8)], t0 + 60, b"a")
     wall_clock(+HOURS)
     assert table.reap() == [] and table.open_leases == 2 and pool.stats()["total_pins"] == 8
-    assert table.renew(2, time.monotonic() + 60)  # still open, so renewable
+    assert table.renew(2, time.monotonic() + 60, b"a")  # still open, so renewable
     wall_clock(-HOURS)
     assert table.reap() == []
     _sleep_until(t0 + 1.05)

@@ -111,8 +111,8 @@ def test_source_rank0_and_sibling_survive_hostile_frames(tmp_path: Path, record_
                      GetMetadata()]
             _hammer(worker.endpoint, valid, 2, record_property)
             sibling = f"ipc://{worker.ipc_dir}/{worker.worker_id}_tp1.sock"
-            sib_valid = [SiblingPin(777, [hash_of(3)], 1000), SiblingTrim(777, 1), SiblingRelease(777),
-                         SiblingRenew(777, 1000)]
+            sib_valid = [SiblingPin(777, [hash_of(3)], 1000, b"o"), SiblingTrim(777, 1), SiblingRelease(777, b"o"),
+                         SiblingRenew(777, 1000, b"o")]
             _hammer(sibling, sib_valid, 3, record_property)
             # The fuzzer's releases and renews of random leases did not touch ours; it still reads as pinned.
             worker.wait_pins(0, 4)

@@ -142,9 +142,9 @@ def test_a_reply_the_wire_cannot_carry_is_internal_error_and_server_lives_on(ser
     client = serve.client(ep)
     for _ in range(2):  # ids a packed u64 list cannot hold
         with pytest.raises(RemoteError) as info:
-            client.call(SiblingPin(1, [b"h"], 1000))
+            client.call(SiblingPin(1, [b"h"], 1000, b"o"))
         assert info.value.name == "InternalError" and "pack" in str(info.value)
-    assert client.call(SiblingPin(1, [b"h"], 1000)).block_ids == [3, 4]
+    assert client.call(SiblingPin(1, [b"h"], 1000, b"o")).block_ids == [3, 4]
 
 
 def test_unexpected_exception_is_internal_error_and_server_lives_on(serve):
@@ -493,7 +493,7 @@ def test_arrival_hook_sees_the_raw_frame_before_the_handler_and_abandons_refused
         return SiblingPinReply([1, 2])
 
     ep = serve({"sibling_pin": handler}, on_arrival={"sibling_pin": hook}, workers=2)
-    frame = encode_request(5, SiblingPin(9, [b"h" * 8], 1000))
+    frame = encode_request(5, SiblingPin(9, [b"h" * 8], 1000, b"o"))
     header, kind, _ = raw_call(ep, frame)
     assert kind == "OK" and header["re"] == 5
     assert len(arrivals) == 1 and arrivals[0].frame == frame and seen == [arrivals[0]]
@@ -514,7 +514,7 @@ def test_a_failing_arrival_hook_leaves_the_request_served(serve):
 
     ep = serve({"sibling_pin": lambda req, ctx: SiblingPinReply([ctx.arrival is None])},
                on_arrival={"sibling_pin": hook}, workers=1)
-    assert serve.client(ep).call(SiblingPin(1, [b"h"], 10)).block_ids == [1]
+    assert serve.client(ep).call(SiblingPin(1, [b"h"], 10, b"o")).block_ids == [1]
 
 
 def test_arrival_hooks_need_a_handler_of_their_type():

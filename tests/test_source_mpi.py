@@ -538,9 +538,9 @@ def test_sibling_refuses_a_pin_for_a_released_lease(shared: SourceWorker) -> Non
 
     sibling = f"ipc://{shared.ipc_dir}/{shared.worker_id}_tp1.sock"
     with RpcClient(sibling, timeout_ms=5000) as direct:
-        assert direct.call(SiblingRelease(424242)).known is False
+        assert direct.call(SiblingRelease(424242, b"o")).known is False
         with pytest.raises(SourceError, match="released"):
-            direct.call(SiblingPin(424242, _hashes(0, 4), 30_000))
+            direct.call(SiblingPin(424242, _hashes(0, 4), 30_000, b"o"))
     assert_no_pins(shared)
 
 
@@ -561,10 +561,10 @@ def test_sibling_checks_a_forwarded_resolve_frame_as_rank_0_does(shared: SourceW
         ]
         for i, frame in enumerate(refused):
             with pytest.raises(ProtocolError):
-                direct.call(SiblingResolve(777_000 + i, frame))
+                direct.call(SiblingResolve(777_000 + i, frame, b"o"))
         assert_no_pins(shared, ranks=(1,))
-        reply = direct.call(SiblingResolve(777_100, encode_request(4, Resolve(_hashes(0, 3), 30_000))))
+        reply = direct.call(SiblingResolve(777_100, encode_request(4, Resolve(_hashes(0, 3), 30_000)), b"o"))
         assert len(reply.block_ids) == 3
         shared.wait_pins(1, 3)
-        assert direct.call(SiblingRelease(777_100)).known is True
+        assert direct.call(SiblingRelease(777_100, b"o")).known is True
     assert_no_pins(shared)

@@ -90,12 +90,12 @@ def test_pin_trim_release_leaves_no_pins() -> None:
     budget = PinBudget(32)
     table = LeaseTable(pool, budget=budget)
     assert budget.reserve(10) == 10
-    ids = table.pin(1, _hashes(0, 10), time.monotonic() + 10)
+    ids = table.pin(1, _hashes(0, 10), time.monotonic() + 10, b"a")
     assert len(ids) == 10 and pool.stats()["total_pins"] == 10
     assert table.trim(1, 4) is True
     assert pool.stats()["total_pins"] == 4 and budget.available == 32 - 4
     assert [pool.pin_count(b) for b in ids] == [1] * 4 + [0] * 6
-    assert table.release(1) is True and table.release(1) is False
+    assert table.release(1, b"a") is True and table.release(1, b"a") is False
     assert pool.stats()["total_pins"] == 0 and budget.available == 32
     assert table.trim(1, 2) is False and table.open_leases == 0 and table.pinned_blocks == 0
 
@@ -103,21 +103,21 @@ def test_pin_trim_release_leaves_no_pins() -> None:
 def test_pin_of_a_missing_prefix_records_nothing() -> None:
     pool = _pool()
     table = LeaseTable(pool)
-    assert table.pin(5, [hash_of(999), hash_of(0)], time.monotonic() + 10) == []
+    assert table.pin(5, [hash_of(999), hash_of(0)], time.monotonic() + 10, b"a") == []
     assert table.open_leases == 0 and pool.stats()["total_pins"] == 0
 
 
 def test_released_or_open_lease_id_cannot_pin_again() -> None:
     pool = _pool()
     table = LeaseTable(pool)
-    table.pin(1, _hashes(0, 3), time.monotonic() + 10)
+    table.pin(1, _hashes(0, 3), time.monotonic() + 10, b"a")
     with pytest.raises(SourceError):
-        table.pin(1, _hashes(0, 3), time.monotonic() + 10)
+        table.pin(1, _hashes(0, 3), time.monotonic() + 10, b"a")
     assert pool.stats()["total_pins"] == 3
-    table.release(1)
-    assert table.release(2) is False  # unknown, but remembered: a late pin for it is refused
+    table.release(1, b"a")
+    assert table.release(2, b"a") is False  # unknown, but remembered: a late pin for it is refused
     with pytest.raises(SourceError, match="released"):
-        table.pin(2, _hashes(0, 3), time.monotonic() + 10)
+        table.pin(2, _hashes(0, 3), time.monotonic() + 10, b"a")
     assert pool.stats()["total_pins"] == 0
 
 
@@ -125,23 +125,23 @@ def test_reap_drops_only_expired_leases_and_renew_moves_deadlines() -> None:
     pool = _pool()
     table = LeaseTable(pool)
     now = time.monotonic()
-    table.pin(1, _hashes(0, 2), now + 0.05)
-    table.pin(2, _hashes(2, 3), now + 100)
-    table.pin(3, _hashes(5, 4), now + 0.05)
-    assert table.renew(3, now + 200) is True
+    table.pin(1, _hashes(0, 2), now + 0.05, b"a")
+    table.pin(2, _hashes(2, 3), now + 100, b"a")
+    table.pin(3, _hashes(5, 4), now + 0.05, b"a")
+    assert table.renew(3, now + 200, b"a") is True
     assert table.reap(now + 1) and table.open_leases == 2
     assert pool.stats()["total_pins"] == 7
     expired = table.reap(now + 150)
     assert [lease.lease_id for lease in expired] == [2]
-    assert table.renew(1, now + 500) is False  # gone
+    assert table.renew(1, now + 500, b"a") is False  # gone
     assert table.release_all() == 1 and pool.stats()["total_pins"] == 0
 
 
 def test_renew_of_an_expired_but_not_yet_reaped_lease_is_refused() -> None:
     pool = _pool()
     table = LeaseTable(pool)
-    table.pin(1, _hashes(0, 2), time.monotonic() - 0.001)
-    assert table.renew(1, time.monotonic() + 10) is False
+    table.pin(1, _hashes(0, 2), time.monotonic() - 0.001, b"a")
+    assert table.renew(1, time.monotonic() + 10, b"a") is False
     assert len(table.reap()) == 1 and pool.stats()["total_pins"] == 0
 
 
@@ -157,12 +157,12 @@ def test_concurrent_pins_and_releases_balance() -> None:
             with lock:
                 lease = next(ids)
             n = budget.reserve(8)
-            got = table.pin(lease, _hashes(seed % 8, 8), time.monotonic() + (0.001 if k % 7 == 0 else 10))
+            got = table.pin(lease, _hashes(seed % 8, 8), time.monotonic() + (0.001 if k % 7 == 0 else 10), b"a")
             budget.give_back(n - len(got))
             if k % 3 == 0:
                 table.trim(lease, 3)
             if k % 7 != 0:
-                table.release(lease)
+                table.release(lease, b"a")
             if k % 50 == 0:
                 table.reap()
 
@@ -540,7 +540,7 @@ def test_sibling_err_reply_arrives_as_its_error_class_naming_the_sibling(tmp_pat
     server.start()
     links = SiblingLinks({1: endpoint}, timeout_ms=2000, retry_after_s=1.0)
     try:
-        answers = links.call_all(lambda r: SiblingPin(7, [b"\x01" * 8], 1000))
+        answers = links.call_all(lambda r: SiblingPin(7, [b"\x01" * 8], 1000, b"owner"))
         err = answers[1]
         assert isinstance(err, SourceError) and "lease 7 refused here" in str(err), err
         assert err.remote == endpoint
@@ -571,13 +571,15 @@ def test_threaded_tp2_peer_resolve_pins_one_rank_under_the_callers_id_within_its
         assert r1.block_ids == [pools[1].lookup(h) for h in _hashes(0, 12)]
         with pytest.raises(SourceError, match="already open"):
             c1.call(PeerResolve(77, _hashes(0, 4), 5_000))
-        # rank 0's renew reaches rank 1's share too (a load that outlives half its TTL renews there)
+        # Each share belongs to the connection that pinned it: rank 0's renew and release end or extend
+        # rank 0's share alone, rank 1's are answered on rank 1's own connection (and nowhere else).
         assert lane0.call(Renew(77, 5_000)).renewed and _pins(pools) == [14, 12]
         if stream:  # a lease is ended from the connection that took it, whatever the transport
             assert c0.call(Release(77)).released is False and _pins(pools) == [14, 12]
-        # rank 0's release reaches rank 1's share of the same lease id
+        assert other.call(Renew(77, 5_000)).renewed is False and other.call(Release(77)).released is False
         assert lane0.call(Release(77)).released
-        assert _settled_pins(pools, [0, 0]) == [0, 0]
+        assert _settled_pins(pools, [0, 12]) == [0, 12]
+        assert c1.call(Renew(77, 5_000)).renewed and c1.call(Release(77)).released and _pins(pools) == [0, 0]
         # each rank's own budget (24 blocks) bounds its pins
         assert c1.call(PeerResolve(78, _hashes(0, 16), 5_000)).matched == 12
         assert c1.call(PeerResolve(79, _hashes(0, 16), 5_000)).matched == 12

@@ -56,6 +56,7 @@ from source_procs.files import write_whole  # noqa: E402
 from source_procs.pattern import block_bytes_for, hash_of, make_layout  # noqa: E402
 
 from remote_g2.adapters.host_pool import HostPool  # noqa: E402
+from remote_g2.curve import CurveServerConfig  # noqa: E402
 from remote_g2.errors import PoolIndexError  # noqa: E402
 from remote_g2.messages import LayoutFingerprint  # noqa: E402
 from remote_g2.source import SourceConfig, maybe_start_source_service  # noqa: E402
@@ -201,6 +202,8 @@ def main() -> int:
     p.add_argument("--churn-batch", type=int, default=8, help="consecutive hashes per churn store")
     p.add_argument("--churn-seed", type=int, default=1, help="the runs churn draws (the same on every rank)")
     p.add_argument("--churn-rank-seeds", action="store_true", help="each rank draws its own runs (seed + rank)")
+    p.add_argument("--curve-secret", type=Path, default=None, help="serve rank 0's TCP endpoints with CURVE")
+    p.add_argument("--curve-allowed", type=Path, default=None, help="CURVE: the directory of client keys admitted")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args()
 
@@ -240,7 +243,9 @@ def main() -> int:
                           sibling_timeout_ms=args.sibling_timeout_ms,
                           sibling_retry_after_ms=args.sibling_retry_after_ms, rpc_workers=args.rpc_workers,
                           registry_endpoint=args.registry, fingerprint=fingerprint, metrics_port=args.metrics_port,
-                          peer_transport=args.peer_transport)
+                          peer_transport=args.peer_transport,
+                          curve=CurveServerConfig.from_files(args.curve_secret, args.curve_allowed)
+                          if args.curve_secret else None)
     service = maybe_start_source_service(pool, worker_id=worker_id, config=config, tp_size=args.tp_size,
                                          comm=comm)
     assert service is not None and service.rank == rank and service.tp_size == tp
