@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+import time
 from collections.abc import Iterable
 
 from remote_g2.errors import ConfigError
 
-__all__ = ["configure_logging", "cpu_set_text", "LOG_LEVEL_ENV"]
+__all__ = ["configure_logging", "cpu_set_text", "LOG_LEVEL_ENV", "RateLimitedLog"]
 
 LOG_LEVEL_ENV = "REMOTE_G2_LOG_LEVEL"
 _FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
@@ -72,3 +74,38 @@ def configure_logging(level: str | None = None) -> int:
         handler._remote_g2 = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
     return numeric
+
+
+class RateLimitedLog:
+    """Log a kind of event at most once per ``interval_s`` (per key), saying how many were held back.
+
+    For what a client can make happen at will (malformed frames, refused
+    calls): one line per interval tells the operator it is going on without
+    letting a hostile client flood the log. Thread-safe.
+    """
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 60.0) -> None:
+        self._log = logger
+        self._interval = interval_s
+        self._next: dict[object, float] = {}   # key -> when its next line may be written
+        self._held: dict[object, int] = {}     # key -> lines held back since its last one
+        self._lock = threading.Lock()
+
+    def log(self, level: int, key: object, msg: str, *args: object) -> bool:
+        """Log ``msg % args`` unless ``key`` logged within the interval; True when it was written."""
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next.get(key, 0.0):
+                self._held[key] = self._held.get(key, 0) + 1
+                return False
+            held = self._held.pop(key, 0)
+            self._next[key] = now + self._interval
+            if len(self._next) > 1024:  # keys are few in practice; never let them grow without bound
+                self._next = {k: t for k, t in self._next.items() if t > now}
+        if held:
+            msg += f" (and {held} more like it in the last {self._interval:g} s)"
+        self._log.log(level, msg, *args)
+        return True
+
+    def warning(self, key: object, msg: str, *args: object) -> bool:
+        return self.log(logging.WARNING, key, msg, *args)

@@ -26,6 +26,11 @@ class PrivateMetrics:
         v = self.registry.get_sample_value(name, labels or {})
         return 0.0 if v is None else v
 
+    def total(self, name: str, **match: str) -> float:
+        """The sum of every sample of ``name`` whose labels include ``match`` (0 when none)."""
+        return sum(sample.value for metric in self.registry.collect() for sample in metric.samples
+                   if sample.name == name and all(sample.labels.get(k) == v for k, v in match.items()))
+
     def serve_http(self, port: int, addr: str = "127.0.0.1") -> None:
         """Expose ``/metrics`` on ``addr:port`` from a daemon thread (port 0: any free port)."""
         self._http = start_http_server(port, addr=addr, registry=self.registry)

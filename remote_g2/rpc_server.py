@@ -66,6 +66,7 @@ import remote_g2
 from remote_g2.connection_identity import ZmqConnectionIdentities
 from remote_g2.curve import CurveServerConfig
 from remote_g2.errors import ConfigError, ProtocolError, RemoteG2Error, RpcClosed
+from remote_g2.log import RateLimitedLog
 from remote_g2.messages import MESSAGES, MessageSpec, Ping, Pong
 from remote_g2.wire import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -195,6 +196,7 @@ class RpcServer:
         self._curve = curve
         self._on_call = on_call
         self._identify = identify_clients
+        self._hostile = RateLimitedLog(log)
         self._identities: ZmqConnectionIdentities | None = None
         # ZAP authentication is per context, so an allow-list gets a private context.
         self._own_context = context is None and curve is not None and curve.allowed_clients_dir is not None
@@ -546,17 +548,24 @@ class RpcServer:
         t0 = time.perf_counter()
         if len(frames) != 2:
             self._observe("?", t0, "bad_request")
+            self.note_malformed(f"{len(frames) - 1} frames in one message")
             return encode_err(next(self._ids), None, "ProtocolError",
                               f"expected one frame per message, got {len(frames) - 1}")
         try:
             frame, spec, request = decode_request(frames[1], max_frame_bytes=self._max_frame)
         except ProtocolError as e:
             self._observe("?", t0, "bad_request")
+            self.note_malformed(e.message)
             return encode_err(next(self._ids), e.request_id, type(e).__name__, e.message)  # its id when readable
         if spec.name not in self._handlers and spec.name not in self._batch_handlers:
             self._observe(spec.name, t0, "bad_request")
+            self.note_malformed(f"{spec.name!r} is not served here")
             return encode_err(next(self._ids), frame.id, "UnknownMessage", f"{self.name} does not serve {spec.name!r}")
         return spec, request, CallContext(frames[0], frame.id, spec.name, t0, arrival, identity)
+
+    def note_malformed(self, what: str) -> None:
+        """Log a refused frame — at most one line a minute per server: clients can send them at will."""
+        self._hostile.warning("malformed", "%s: refused a malformed request: %s", self.name, what[:200])
 
     def _invoke(self, handler: Handler, spec: MessageSpec, request: Any, ctx: CallContext) -> bytes:
         try:

@@ -302,6 +302,7 @@ class StreamRpcServer(RpcServer):
         except ProtocolError as e:
             # Answered without ``re`` (its id was never read), then closed: nothing after it can be framed.
             self._observe("?", time.perf_counter(), "bad_request")
+            self.note_malformed(f"{e.message} (connection closed: the stream cannot be resynchronised)")
             conn.outbox += stream_frame(encode_err(next(self._ids), None, type(e).__name__, e.message))
             conn.inbox.clear()
             conn.closing = True

@@ -46,8 +46,11 @@ class SourceMetrics(PrivateMetrics):
         self.budget_available = Gauge("remote_g2_source_pin_budget_available",
                                       "Blocks remote leases may still pin (rank 0)", registry=r)
         self.sibling_failures = Counter("remote_g2_source_sibling_failures",
-                                        "Sibling calls that failed or timed out (rank 0)", ["rank", "call"],
-                                        registry=r)
+                                        "Sibling calls left unanswered: the rank hung, died or was starved "
+                                        "(rank 0)", ["rank", "call"], registry=r)
+        self.sibling_refusals = Counter("remote_g2_source_sibling_refusals",
+                                        "Sibling calls answered ERR other than a malformed target frame "
+                                        "(rank 0; the rank is alive)", ["rank", "call", "error"], registry=r)
         self.requests = Counter("remote_g2_source_requests", "Requests by message type and outcome",
                                 ["type", "outcome"], registry=r)
         self.wakeup_lag = Histogram("remote_g2_source_wakeup_lag_seconds",

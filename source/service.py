@@ -49,7 +49,7 @@ from typing import Any
 
 from remote_g2.adapters.secondary_pool import SecondaryPool
 from remote_g2.config import env_flag
-from remote_g2.errors import ConfigError, SourceError, TransportError
+from remote_g2.errors import ConfigError, ProtocolError, SourceError, TransportError
 from remote_g2.ipc_paths import (
     claim_ipc_path,
     default_ipc_dir,
@@ -57,7 +57,7 @@ from remote_g2.ipc_paths import (
     prepare_ipc_dir,
     release_ipc_path,
 )
-from remote_g2.log import cpu_set_text
+from remote_g2.log import RateLimitedLog, cpu_set_text
 from remote_g2.messages import (
     MAX_FORWARDED_RESOLVE_BYTES,
     GetMetadata,
@@ -211,6 +211,7 @@ class SourceService:
         self._shutdown_lock = threading.Lock()
         self._closed = False
         self._started_at = time.monotonic()
+        self._log_limited = RateLimitedLog(log)  # what clients can cause at will is logged once a minute
         self._max_wakeup_lag = 0.0  # seconds: the longest time the reaper woke late (see _note_wakeup_lag)
 
     # -- start-up --------------------------------------------------------------------------
@@ -304,7 +305,7 @@ class SourceService:
         siblings = {r.rank: r.sibling_endpoint for r in self.records[1:] if r.sibling_endpoint}
         self._links = SiblingLinks(siblings, timeout_ms=cfg.sibling_timeout_ms,
                                    retry_after_s=cfg.sibling_retry_after_ms / 1000,
-                                   on_failure=self._sibling_failed)
+                                   on_failure=self._sibling_failed, on_refusal=self._sibling_refused)
         peer_resolve = peer_handlers(self.leases, epoch=lambda: self.epoch, lease_ttl_ms=cfg.lease_ttl_ms,
                                      observe=self.metrics.resolve_outcome)["peer_resolve"]
         if cfg.stream_lane:  # before the worker endpoint: targets learn of the lane from its metadata
@@ -505,8 +506,19 @@ class SourceService:
         return RenewReply(True, max(0, int((deadline - time.monotonic()) * 1000)))
 
     def _sibling_failed(self, rank: int, call: str, error: Exception) -> None:
+        """A sibling left a call unanswered: it hung, died or is starved (what operators page on)."""
         self.metrics.sibling_failures.labels(str(rank), call).inc()
-        log.warning("source %s: %s on TP rank %d failed: %s", self.worker_id, call, rank, error)
+        self._log_limited.warning(("failed", rank, call), "source %s: %s on TP rank %d failed: %s", self.worker_id,
+                                  call, rank, error)
+
+    def _sibling_refused(self, rank: int, call: str, error: Exception) -> None:
+        """A sibling answered ERR: alive. A malformed target frame was refused (and counted) by rank 0 too."""
+        if isinstance(error, ProtocolError) and call == "sibling_resolve":
+            return
+        name = type(error).__name__
+        self.metrics.sibling_refusals.labels(str(rank), call, name).inc()
+        self._log_limited.warning(("refused", rank, call, name), "source %s: TP rank %d refused %s: %s: %s",
+                                  self.worker_id, rank, call, name, error)
 
     # -- every rank ----------------------------------------------------------------------------
 
@@ -556,6 +568,9 @@ class SourceService:
             "peer_endpoint": self.peer_endpoint,
             "leases_expired": int(self.metrics.value("remote_g2_source_leases_expired_total")),
             "leases_released": int(self.metrics.value("remote_g2_source_leases_released_total")),
+            "sibling_failures": int(self.metrics.total("remote_g2_source_sibling_failures_total")),
+            "sibling_refusals": int(self.metrics.total("remote_g2_source_sibling_refusals_total")),
+            "bad_requests": int(self.metrics.total("remote_g2_source_requests_total", outcome="bad_request")),
             "uptime_s": time.monotonic() - self._started_at,
             "max_wakeup_lag_s": self._max_wakeup_lag,
         }

@@ -15,6 +15,12 @@ Measured on 2 cores, this saves a thread hand-off (~70 µs) per fan-out
 against a thread pool of RpcClients. A sibling that
 did not answer is skipped for ``retry_after_s`` (calls to it fail at once),
 so a dead rank costs one timeout, not one per resolve.
+
+Only a sibling that did not answer (hung, dead, or too slow) is a *failure*
+(``on_failure``, the ``sibling_failures`` metric operators page on). A
+sibling that answered ``ERR`` is alive and well: it refused the call
+(``on_refusal``) — for ``sibling_resolve`` usually because the target's
+frame was malformed, which rank 0's own server refuses and counts too.
 """
 
 from __future__ import annotations
@@ -125,11 +131,13 @@ class SiblingLinks:
 
     def __init__(self, endpoints: dict[int, str], *, timeout_ms: float, retry_after_s: float,
                  on_failure: Callable[[int, str, Exception], None] | None = None,
+                 on_refusal: Callable[[int, str, Exception], None] | None = None,
                  context: zmq.Context | None = None) -> None:
         self.endpoints = dict(endpoints)
         self.timeout_ms = timeout_ms
         self._retry_after = retry_after_s
         self._on_failure = on_failure
+        self._on_refusal = on_refusal
         self._ctx = context or zmq.Context.instance()
         self._local = threading.local()
         self._sockets: list[zmq.Socket] = []
@@ -208,13 +216,14 @@ class SiblingLinks:
     def _settled(self, rank: int, call: str, outcome: Any) -> None:
         if isinstance(outcome, SiblingUnavailable):
             return  # not a call: the rank is already known to be down
-        if isinstance(outcome, BaseException):
-            if isinstance(outcome, TransportError):  # no answer: the rank may be gone
-                self._down_until[rank] = time.monotonic() + self._retry_after
+        if isinstance(outcome, TransportError):  # no answer: the rank may be gone
+            self._down_until[rank] = time.monotonic() + self._retry_after
             if self._on_failure is not None:
                 self._on_failure(rank, call, outcome)
-        else:
-            self._down_until.pop(rank, None)
+            return
+        self._down_until.pop(rank, None)  # it answered: alive
+        if isinstance(outcome, BaseException) and self._on_refusal is not None:
+            self._on_refusal(rank, call, outcome)
 
     def close(self) -> None:
         """Close every socket; call after the threads that used them stopped."""
