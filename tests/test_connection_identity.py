@@ -1,0 +1,117 @@
+"""Connection identities (remote_g2/connection_identity.py) on a real ROUTER: drawn by the server, per connection.
+
+What leases are bound to (docs/security.md, "Who owns a lease"): the same
+connection keeps its identity, another connection never shares it — not even
+one that presents the same routing id on the descriptor a closed connection
+freed — in direct and pooled servers, and with CURVE the client's key is part
+of it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from remote_g2.curve import CurveClientConfig, CurveServerConfig, generate_keypair
+from remote_g2.messages import Release, ReleaseReply
+from remote_g2.rpc_client import RpcClient
+from remote_g2.rpc_server import CallContext, RpcServer
+from remote_g2.wire import decode_frame, encode_request
+
+
+class Recorder:
+    """A ``release`` handler that remembers who called: lease id → identity."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, bytes | None] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, req: Release, ctx: CallContext) -> ReleaseReply:
+        with self.lock:
+            self.seen[req.lease_id] = ctx.identity
+        return ReleaseReply(True)
+
+
+def _dealer_call(endpoint: str, routing_id: bytes, lease_id: int, curve: CurveClientConfig | None = None) -> None:
+    """A call from a DEALER that names its own routing id; retried while the server still holds the last one."""
+    for _ in range(20):
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.linger = 0
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        if curve is not None:
+            curve.apply(sock)
+        try:
+            sock.connect(endpoint)
+            sock.send(encode_request(1, Release(lease_id)))
+            if sock.poll(300):
+                assert decode_frame(sock.recv()).type == "OK"
+                return
+        finally:
+            sock.close(0)
+    raise AssertionError(f"no answer for routing id {routing_id!r}")
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_identities_are_per_connection_and_never_follow_a_routing_id(workers: int) -> None:
+    rec = Recorder()
+    server = RpcServer("tcp://127.0.0.1:0", {"release": rec}, workers=workers, identify_clients=True)
+    endpoint = server.start()
+    try:
+        with RpcClient(endpoint, timeout_ms=3000) as a, RpcClient(endpoint, timeout_ms=3000) as b:
+            for i in range(5):
+                a.call(Release(100 + i))
+                b.call(Release(200 + i))
+        a_ids = {rec.seen[100 + i] for i in range(5)}
+        b_ids = {rec.seen[200 + i] for i in range(5)}
+        assert len(a_ids) == 1 and len(b_ids) == 1 and a_ids != b_ids
+        assert all(isinstance(x, bytes) and len(x) == 16 for x in a_ids | b_ids)
+        # One routing id, three connections one after another (each on the descriptor the last one freed):
+        # three identities.
+        for k in range(3):
+            _dealer_call(endpoint, b"same-id", 300 + k)
+            time.sleep(0.05)
+        assert len({rec.seen[300 + k] for k in range(3)}) == 3
+        assert rec.seen[300] not in a_ids | b_ids
+    finally:
+        server.close()
+
+
+def test_a_server_that_does_not_identify_clients_says_so() -> None:
+    rec = Recorder()
+    server = RpcServer("tcp://127.0.0.1:0", {"release": rec}, workers=1)
+    endpoint = server.start()
+    try:
+        with RpcClient(endpoint, timeout_ms=3000) as c:
+            c.call(Release(1))
+        assert rec.seen == {1: None}
+    finally:
+        server.close()
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
+def test_with_a_curve_allow_list_the_clients_key_is_part_of_its_identity(tmp_path: Path) -> None:
+    _, server_secret = generate_keypair(tmp_path / "server", "server")
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    clients = {}
+    for name in ("one", "two"):
+        public, secret = generate_keypair(tmp_path / name, name)
+        (allowed / public.name).write_bytes(public.read_bytes())
+        clients[name] = CurveClientConfig.for_server(str(tmp_path / "server" / "server.key"), str(secret))
+    rec = Recorder()
+    server = RpcServer("tcp://127.0.0.1:0", {"release": rec}, workers=1, identify_clients=True,
+                       curve=CurveServerConfig.from_files(server_secret, allowed))
+    endpoint = server.start()
+    try:
+        _dealer_call(endpoint, b"shared", 1, clients["one"])
+        time.sleep(0.05)
+        _dealer_call(endpoint, b"shared", 2, clients["two"])
+        one_key = clients["one"].public_key  # Z85, as the key files hold it and ZAP names it
+        two_key = clients["two"].public_key
+        assert rec.seen[1].startswith(one_key + b"/") and rec.seen[2].startswith(two_key + b"/")
+    finally:
+        server.close()
