@@ -124,6 +124,25 @@ def test_a_second_load_resolves_each_share_with_its_peer_rank_when_the_tp_sizes_
         _assert_landed(verify, untouched_clean=True)
 
 
+@pytest.mark.parametrize("transport", ["stream", "zmq"])
+def test_loads_that_outlive_their_lease_ttl_renew_every_share_and_land(tmp_path: Path, registry: str,
+                                                                        transport: str) -> None:
+    """READs held back for 2.5x the lease TTL: the classic load's lease is renewed on every source rank by
+    the leader; the peer load's shares each by the target rank that pinned it (only it may) — none expires."""
+    with _source_released_every_pin(tmp_path, registry, 2, f"renew-{transport}",
+                                    ["--peer-transport", transport]) as source:
+        leader, verify = _run_target(tmp_path, registry, tp=2, source_tp=2,
+                                     extra=["--warm-load", "--lease-ttl-ms", "600", "--late-read-s", "1.5"])
+        assert leader["warm"] == {"done": ["req-warm"], "failed": [], "peer_loads": 0}, leader["log"]
+        assert leader["done"] == ["req-1"] and leader["failed"] == [], leader["log"]
+        assert leader["stats"]["peer_loads"] == 1, leader["stats"]
+        _assert_landed(verify, untouched_clean=True)
+        for r in range(2):
+            source.wait_pins(r, 0)
+            stats = source.wait_state(r, lambda s: True)["service"]
+            assert stats["leases_expired"] == 0 and stats["leases_released"] >= 1, (r, stats)
+
+
 @pytest.mark.parametrize(("source_tp", "target_tp"), [(2, 2), (1, 2), (2, 1), (2, 4)])
 def test_load_is_byte_exact_on_every_rank_and_pins_return_to_zero(tmp_path: Path, registry: str,
                                                                   source_tp: int, target_tp: int) -> None:

@@ -34,6 +34,10 @@ Options for the failure tests:
   ``start_read`` first writes ``D/reading-{rank}`` and sleeps ``S`` seconds —
   a stand-in for a slow fabric, which opens a window between resolve and READ
   in which a test can kill the source or freeze the leader;
+* ``--late-read-s S``: READs are posted at once but report done only ``S``
+  seconds later (``fault_procs.slow_transfer.LateNixlTransfer``): a slow
+  fabric as the client sees it, with nothing blocked — its loops keep
+  turning (renewals, other loads) meanwhile;
 * ``--second-miss``: once rank 0's READ post for ``req-1`` has begun (with
   ``--delay-read-s``: ``D/reading-0`` exists) the leader also
   ``start_load``s ``req-miss`` for hashes no source holds (``hash_of(1000..)``),
@@ -194,6 +198,7 @@ def main() -> int:
     p.add_argument("--lease-ttl-ms", type=int, default=10_000)
     p.add_argument("--rpc-timeout-ms", type=int, default=2000)
     p.add_argument("--delay-read-s", type=float, default=0.0)
+    p.add_argument("--late-read-s", type=float, default=0.0)
     p.add_argument("--linger-s", type=float, default=0.0)
     p.add_argument("--rank-gone", type=int, default=0)
     p.add_argument("--registry-mirror", action="store_true")
@@ -224,6 +229,10 @@ def main() -> int:
         DelayedNixlTransfer.marker = d / f"reading-{rank}"
         register_adapter("transfer", "nixl-delayed-read", __name__, "DelayedNixlTransfer")
         transfer = "nixl-delayed-read"
+    elif args.late_read_s > 0:
+        os.environ["REMOTE_G2_TEST_DONE_DELAY_S"] = str(args.late_read_s)
+        register_adapter("transfer", "nixl-late-read", "fault_procs.slow_transfer", "LateNixlTransfer")
+        transfer = "nixl-late-read"
     config = TargetConfig(enabled=True, registry_endpoint=args.registry, transfer=transfer, ipc_dir=args.ipc_dir,
                           transfer_timeout_ms=args.timeout_ms, rpc_timeout_ms=args.rpc_timeout_ms,
                           lease_ttl_ms=args.lease_ttl_ms, fingerprint=fp, registry_mirror=args.registry_mirror,
