@@ -18,7 +18,15 @@ as a load meets them:
 Processes are pinned (``--server-cpu``, ``--client-cpu``) as MPI's
 ``--bind-to core`` places ranks.
 
-    python bench/bench_peer_lane.py [--rounds 200] [--hashes 64] [--idle-ms 5] [--copy-mib 64] [--json out.json]
+``--transports`` picks the servers (default ``stream,zmq``). What drawing
+connection identities costs (docs/security.md, "Who owns a lease"): ``zmq``
+and ``zmq-pooled`` (4 handler threads behind the Python proxy that draws
+them, as rank 0's worker endpoint runs) against ``zmq-by-routing-id`` and
+``zmq-pooled-by-routing-id``, the same servers keying leases by the ZMQ
+routing id instead (no identities; the C proxy) — what they did before.
+
+    python bench/bench_peer_lane.py [--rounds 200] [--hashes 64] [--idle-ms 5] [--copy-mib 64]
+        [--transports stream,zmq,zmq-by-routing-id,zmq-pooled,zmq-pooled-by-routing-id] [--json out.json]
 """
 
 from __future__ import annotations
@@ -36,7 +44,9 @@ from typing import Any
 
 import numpy as np
 
-TRANSPORTS = ("stream", "zmq")
+TRANSPORTS = ("stream", "zmq", "zmq-by-routing-id", "zmq-pooled", "zmq-pooled-by-routing-id")
+#: Ratio columns printed when both are run: (measured, baseline).
+RATIOS = (("stream", "zmq"), ("zmq", "zmq-by-routing-id"), ("zmq-pooled", "zmq-pooled-by-routing-id"))
 CONDITIONS = ("warm", "idle", "copy")
 
 
@@ -60,11 +70,26 @@ def _serve(transport: str, hashes: int, cpu: int | None, ready: Any, stop: Any) 
     pool.store(_hashes(hashes), [bytes(4096)] * hashes)
     handlers = peer_handlers(LeaseTable(pool, budget=PinBudget(1 << 20)), epoch=lambda: 1,
                              lease_ttl_ms=lambda asked: asked)
+    by_routing_id = transport.endswith("-by-routing-id")
+    if by_routing_id:  # the baseline: leases keyed by the client-chosen routing id, no identities drawn
+        handlers = {name: _keyed_by_routing_id(h) for name, h in handlers.items()}
+    workers = 4 if transport.startswith("zmq-pooled") else 1
     server = (StreamRpcServer("tcp+stream://127.0.0.1:0", handlers, name="lane") if transport == "stream"
-              else RpcServer("tcp://127.0.0.1:0", handlers, name="lane", workers=1))
+              else RpcServer("tcp://127.0.0.1:0", handlers, name="lane", workers=workers,
+                             identify_clients=not by_routing_id))
     ready.put(server.start())
     stop.wait(600)  # bounded: the parent sets it when done
     server.close()
+
+
+def _keyed_by_routing_id(handler: Any) -> Any:
+    import dataclasses
+
+    return lambda req, ctx: handler(req, dataclasses.replace(ctx, identity=ctx.peer))
+
+
+def _cell(row: dict[str, Any], transport: str) -> str:
+    return f"{row[f'{transport}_p50_ms']:.3f} ({row[f'{transport}_p90_ms']:.3f})"
 
 
 def main() -> int:
@@ -75,8 +100,12 @@ def main() -> int:
     p.add_argument("--copy-mib", type=int, default=64)
     p.add_argument("--server-cpu", type=int, default=0)
     p.add_argument("--client-cpu", type=int, default=0)
+    p.add_argument("--transports", default="stream,zmq", help=f"comma-separated, of {', '.join(TRANSPORTS)}")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    transports = tuple(t for t in args.transports.split(",") if t)
+    if not transports or set(transports) - set(TRANSPORTS):
+        p.error(f"--transports: pick from {', '.join(TRANSPORTS)}")
     if not 1 <= args.rounds <= 5000 or not 1 <= args.hashes <= 4096 or not 0 < args.copy_mib <= 1024:
         p.error("need 1 <= --rounds <= 5000, 1 <= --hashes <= 4096, 0 < --copy-mib <= 1024")
 
@@ -88,7 +117,7 @@ def main() -> int:
     stop = ctx.Event()
     procs, clients = [], {}
     try:
-        for transport in TRANSPORTS:
+        for transport in transports:
             ready = ctx.Queue()
             proc = ctx.Process(target=_serve, args=(transport, args.hashes, args.server_cpu, ready, stop), daemon=True)
             proc.start()
@@ -97,9 +126,9 @@ def main() -> int:
         src = np.ones((args.copy_mib << 20) // 8)
         dst = np.empty_like(src)
         hashes = _hashes(args.hashes)
-        times: dict[tuple[str, str], list[float]] = {(c, t): [] for c in CONDITIONS for t in TRANSPORTS}
+        times: dict[tuple[str, str], list[float]] = {(c, t): [] for c in CONDITIONS for t in transports}
         lease = 1
-        for transport in TRANSPORTS:  # connect and warm up
+        for transport in transports:  # connect and warm up
             clients[transport].call(PeerResolve(lease, hashes, 5000))
             clients[transport].call(Release(lease))
             lease += 1
@@ -108,7 +137,7 @@ def main() -> int:
             for i in range(args.rounds):
                 if time.monotonic() > deadline:
                     raise SystemExit("bench_peer_lane: over 600 s; stopping")
-                for transport in (TRANSPORTS if i % 2 == 0 else TRANSPORTS[::-1]):
+                for transport in (transports if i % 2 == 0 else transports[::-1]):
                     client = clients[transport]
                     if condition == "idle":
                         time.sleep(args.idle_ms / 1000)
@@ -131,24 +160,31 @@ def main() -> int:
                 proc.kill()
 
     rows = []
+    ratios = [(m, b) for m, b in RATIOS if m in transports and b in transports]
     for condition in CONDITIONS:
-        stream, zmq_ = (sorted(times[condition, t]) for t in TRANSPORTS)
-        rows.append({"condition": condition,
-                     "stream_p50_ms": statistics.median(stream) * 1e3, "zmq_p50_ms": statistics.median(zmq_) * 1e3,
-                     "stream_p90_ms": stream[int(0.9 * len(stream))] * 1e3,
-                     "zmq_p90_ms": zmq_[int(0.9 * len(zmq_))] * 1e3})
-    print(f"peer_resolve of {args.hashes} hashes + real handler, p50 (p90) of {args.rounds}; server CPU "
+        row: dict[str, Any] = {"condition": condition}
+        for t in transports:
+            ts = sorted(times[condition, t])
+            row[f"{t}_p50_ms"] = statistics.median(ts) * 1e3
+            row[f"{t}_p90_ms"] = ts[int(0.9 * len(ts))] * 1e3
+        for m, b in ratios:
+            row[f"{m}/{b}"] = row[f"{m}_p50_ms"] / row[f"{b}_p50_ms"]
+        rows.append(row)
+    print(f"peer_resolve of {args.hashes} hashes + real handler, p50 (p90) ms of {args.rounds}; server CPU "
           f"{args.server_cpu}, client CPU {args.client_cpu}; {os.cpu_count()} CPUs")
-    print(f"{'condition':>10} {'stream ms':>16} {'zmq ms':>16} {'stream/zmq':>10}")
+    width = max(16, *(len(t) + 1 for t in transports))
+    print(f"{'condition':>12} " + " ".join(f"{t:>{width}}" for t in transports)
+          + "".join(f" {m + '/' + b:>{len(m) + len(b) + 2}}" for m, b in ratios))
     for r in rows:
         label = {"warm": "warm", "idle": f"{args.idle_ms:g} ms idle", "copy": f"{args.copy_mib} MiB copy"}[r["condition"]]
-        print(f"{label:>10} {r['stream_p50_ms']:>7.3f} ({r['stream_p90_ms']:6.3f}) "
-              f"{r['zmq_p50_ms']:>7.3f} ({r['zmq_p90_ms']:6.3f}) {r['stream_p50_ms'] / r['zmq_p50_ms']:>10.2f}")
+        cells = " ".join(f"{_cell(r, t):>{width}}" for t in transports)
+        print(f"{label:>12} {cells}" + "".join(f" {r[m + '/' + b]:>{len(m) + len(b) + 2}.2f}" for m, b in ratios))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"benchmark": "peer_lane", "hashes": args.hashes, "rounds": args.rounds,
                                          "idle_ms": args.idle_ms, "copy_mib": args.copy_mib,
-                                         "cpus": os.cpu_count(), "machine": platform.machine(), "rows": rows},
+                                         "transports": list(transports), "cpus": os.cpu_count(),
+                                         "machine": platform.machine(), "rows": rows},
                                         indent=2))
         print(f"wrote {args.json}")
     return 0

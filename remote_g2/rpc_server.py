@@ -402,13 +402,20 @@ class RpcServer:
         flags = 0 if block else zmq.NOBLOCK
         while len(raw) < self._max_batch:
             try:
-                raw.append(sock.recv_multipart(flags, copy=identities is None))
+                if identities is None:
+                    raw.append(sock.recv_multipart(flags))
+                else:  # only the routing-id frame as a zmq.Frame: its descriptor is all identify() reads
+                    frames = [sock.recv(flags, copy=False)]
+                    while sock.rcvmore:
+                        frames.append(sock.recv())
+                    raw.append(frames)
             except zmq.Again:
                 break
             flags = zmq.NOBLOCK
         if identities is None:
             return [(None, frames) for frames in raw]
-        return [(identity, [f.bytes for f in frames]) for identity, frames in zip(identities.identify(raw), raw)]
+        return [(identity, [frames[0].bytes, *frames[1:]])
+                for identity, frames in zip(identities.identify(raw), raw)]
 
     def _serve_requests(self, own: zmq.Socket | None) -> None:
         """Answer requests from ``own`` (direct mode: the ROUTER itself) or from the proxy."""
