@@ -6,9 +6,10 @@ progress thread (with no delay configured it spins a core). Progress is
 driven by :meth:`NixlTransfer.poll` instead, so a caller must keep polling
 an open transfer until it is no longer ``"pending"``.
 
-Measured here (one host, UCX ``cma``): NIXL copies DRAM inside the post, so
-:meth:`~NixlTransfer.start_read` returns after the bytes landed (64 MiB:
-~12 ms as 16 descriptors, ~40 ms as 16384) and the first poll says ``"done"``;
+On one host (UCX ``cma``) NIXL copies DRAM inside the post, so
+:meth:`~NixlTransfer.start_read` returns after the bytes landed (how long, by
+descriptor count: docs/benchmarks.md, "descriptor cost") and the first poll
+says ``"done"``;
 across hosts (RDMA) the post returns at once and polling does the waiting.
 
 Remote extents are DRAM on device 0 (the source pools are host memory);

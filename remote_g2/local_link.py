@@ -8,10 +8,9 @@ is (``link_hello``); from then on either side sends typed one-way messages
 
 Why not ZMQ IPC, which the RPC layer uses: a ZMQ message is handed from the
 sending thread to the sender's I/O thread and from the receiver's I/O thread
-to the receiving thread — three threads to wake per hop instead of one. On
-the 2-vCPU development VM a round trip costs 143 / 242 / 370 µs over ZMQ IPC
-against 16 / 54 / 80 µs over a Unix socket, after 0 / 2 / 10 ms idle
-(``bench/bench_local_link.py``). The target's hand-off to its ranks and their
+to the receiving thread — three threads to wake per hop instead of one
+(what that costs a round trip: ``bench/bench_local_link.py``;
+docs/benchmarks.md, "local links"). The target's hand-off to its ranks and their
 reports sit on every load's critical path.
 
 Contract:

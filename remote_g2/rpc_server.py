@@ -10,7 +10,7 @@ Three ways to serve, chosen by ``workers``:
 * ``workers=N>1`` (pooled): a ZMQ proxy running in C (no GIL) hands each
   request to one of N handler threads over inproc and carries the replies
   back. One slow request holds up only its own thread; each request pays one
-  extra thread wake-up for it (measured here: ~30 µs a request).
+  extra thread wake-up for it (docs/benchmarks.md, "One-off measurements").
 
 * ``workers=0`` (driven): no thread at all. The owner's own event loop polls
   :attr:`RpcServer.socket` and calls :meth:`RpcServer.serve_ready`; handlers

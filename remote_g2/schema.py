@@ -65,9 +65,10 @@ class Packed:
 
     Decoded back to a ``list[int]``, so the dataclass field is an ordinary
     list. Why: ids ride every hop of a load (resolve reply, sibling replies,
-    the hand-off to each target rank), and a msgpack array of 511 ints costs
-    ~25 µs to unpack and ~20 µs to check in Python; the packed bin ~5 µs for
-    both (``np.frombuffer``, min/max, ``tolist``). The sender gets a
+    the hand-off to each target rank), and a msgpack array of ints costs several
+    times more to unpack and check in Python than the packed bin
+    (``np.frombuffer``, min/max, ``tolist``; docs/benchmarks.md, "One-off
+    measurements"). The sender gets a
     :class:`ValueError` for a value the width cannot hold.
     """
 

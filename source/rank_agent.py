@@ -1,8 +1,8 @@
 """This rank's NIXL agent: the pool registered for remote READs, and the progress it needs.
 
 The agent runs with neither NIXL's listen thread (metadata travels in the
-RPCs) nor its progress thread (with no delay configured it spins a core:
-measured 1 s of CPU per second per process). But a reader's READs do not
+RPCs) nor its progress thread (with no delay configured it spins a core;
+docs/benchmarks.md, "One-off measurements"). But a reader's READs do not
 complete until the source side makes progress at least once for the UCX
 wire-up (measured: without it the reader's transfer stays ``PROC`` and the
 connection is dropped), so a small thread here drives the agent by polling

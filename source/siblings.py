@@ -11,8 +11,8 @@ sends one request to every sibling at once from the calling thread (its own
 DEALER socket per sibling, so concurrent resolves never share a socket or a
 lock) and yields the CPU once so that they leave at once, rank 0 pins locally
 meanwhile, and :meth:`PendingCalls.wait` polls all the sockets together.
-Measured on 2 cores, this saves a thread hand-off (~70 µs) per fan-out
-against a thread pool of RpcClients. A sibling that
+This saves a thread hand-off per fan-out against a thread pool of
+RpcClients (docs/benchmarks.md, "One-off measurements"). A sibling that
 did not answer is skipped for ``retry_after_s`` (calls to it fail at once),
 so a dead rank costs one timeout, not one per resolve.
 
@@ -189,7 +189,7 @@ class SiblingLinks:
             # Let this process's ZMQ I/O thread push the requests out now. It was woken by the sends, but
             # on a core it shares with this thread (ranks bound to cores) it would run only once this
             # thread blocks — after rank 0's own pinning, which is meant to overlap the siblings' work
-            # (perf sched, bound: the sibling's request left ~0.3 ms after the send; resolve ~0.1 ms less).
+            # (a perf sched trace with ranks bound showed the request leaving only after that pinning).
             os.sched_yield()
         return pending
 

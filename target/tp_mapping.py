@@ -533,10 +533,9 @@ class ReadPlanner:
         Why: a rank plans right after a message woke it, and on this kind of
         host code that ran before a sleep runs several times slower once
         after it; the price scales with the code run (``bench/bench_wake_cost.py``).
-        The numpy path makes ~20 calls. ``bench_wake_cost.py --plan-path both``
-        (2026-11-24, woken after 5 / 20 ms idle, µs): 32 blocks 59 / 120
-        against numpy's 268 / 293 (7 against 30 warm); 512 blocks 139 / 178
-        against 282 / 380. Anything unusual — ids that are not a list of
+        The numpy path makes ~20 calls; the two compared:
+        ``bench_wake_cost.py --plan-path both`` (docs/benchmarks.md, "Wake
+        cost"). Anything unusual — ids that are not a list of
         plain ints, out of range, repeated — goes to the array path, which
         raises the reason (or, for numpy integer ids, plans them).
         """
