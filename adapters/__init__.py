@@ -1,6 +1,10 @@
-"""Pluggable adapters, chosen by name (see :mod:`.registry`, the one place naming them all).
+"""Pluggable adapters, chosen by name in the adapter table (:mod:`remote_g2.plugins`, the one place naming them).
 
-* :mod:`.secondary_pool` — the ``SecondaryPool`` contract a rank's G2 pool meets;
-* :mod:`.host_pool` — ``HostPool``, a ``PoolIndex`` over one host buffer;
-* :mod:`.registry` — ``load_adapter(kind, name)``, lazy, with module-path override.
+* engines: :mod:`.reference` (our reference engine and its demo), :mod:`.vllm`, :mod:`.trtllm`;
+* transfers (:class:`~remote_g2.transfer.TransferAdapter`): :mod:`.nixl_transfer`, :mod:`.memcpy_transfer`;
+* pools (:class:`~remote_g2.secondary_pool.SecondaryPool`): :mod:`.host_pool` — ``HostPool``, a
+  ``PoolIndex`` over one host buffer.
+
+Adapters depend on the parts they wire together (``source``, ``target``,
+``registry``); nothing in those parts or in the core imports this package.
 """

@@ -36,7 +36,7 @@ from remote_g2.errors import PoolIndexError
 from remote_g2.pool_index import PoolIndex
 
 from .host_memory import huge_page_buffer, thp_mode
-from .secondary_pool import BlockLayout, MemoryRegion, PoolEventKind, PoolListener
+from remote_g2.secondary_pool import BlockLayout, MemoryRegion, PoolEventKind, PoolListener
 
 __all__ = ["HostPool"]
 
@@ -62,7 +62,7 @@ def _say_once_if_thp_is_off() -> None:
 
 
 class HostPool:
-    """A :class:`~remote_g2.adapters.secondary_pool.SecondaryPool` over one host buffer.
+    """A :class:`~remote_g2.secondary_pool.SecondaryPool` over one host buffer.
 
     ``HostPool(layout)`` allocates ``layout.num_blocks * layout.block_bytes``
     bytes (uninitialised). The buffer is page-locked when CUDA is available and

@@ -25,8 +25,8 @@ import numpy as np
 
 from remote_g2.errors import TransferError
 
-from .secondary_pool import MemoryRegion
-from .transfer import TransferState
+from remote_g2.secondary_pool import MemoryRegion
+from remote_g2.transfer import TransferState
 
 __all__ = ["MemcpyTransfer"]
 
@@ -60,7 +60,7 @@ class _Copy:
 
 
 class MemcpyTransfer:
-    """:class:`~remote_g2.adapters.transfer.TransferAdapter` copying within this process."""
+    """:class:`~remote_g2.transfer.TransferAdapter` copying within this process."""
 
     _exposed: ClassVar[dict[str, _Spans]] = {}
     _exposed_lock: ClassVar[threading.Lock] = threading.Lock()  # sources and targets may run in threads

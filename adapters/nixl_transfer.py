@@ -14,7 +14,7 @@ across hosts (RDMA) the post returns at once and polling does the waiting.
 
 Remote extents are DRAM on device 0 (the source pools are host memory);
 local extents take the memory type and device of the registered regions.
-One thread uses an instance (see :mod:`remote_g2.adapters.transfer`).
+One thread uses an instance (see :mod:`remote_g2.transfer`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import numpy as np
 
 from remote_g2.errors import TransferError
 
-from .secondary_pool import MemoryRegion
-from .transfer import TransferState
+from remote_g2.secondary_pool import MemoryRegion
+from remote_g2.transfer import TransferState
 
 __all__ = ["NixlTransfer"]
 
@@ -51,7 +51,7 @@ class _Read:
 
 
 class NixlTransfer:
-    """:class:`~remote_g2.adapters.transfer.TransferAdapter` over one NIXL agent called ``agent_name``."""
+    """:class:`~remote_g2.transfer.TransferAdapter` over one NIXL agent called ``agent_name``."""
 
     def __init__(self, agent_name: str) -> None:
         try:

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import numpy as np  # noqa: E402
 from source_procs.nixl_source_peer import PeerProcess, pattern_bytes  # noqa: E402
 
-from remote_g2.adapters.secondary_pool import MemoryRegion  # noqa: E402
+from remote_g2.secondary_pool import MemoryRegion  # noqa: E402
 
 SEED = 3
 READ_TIMEOUT_S = 30.0

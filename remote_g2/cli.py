@@ -5,9 +5,14 @@ prints data takes ``--json`` (one JSON document on stdout, for scripts) and
 otherwise prints a table for people. Errors print one line on stderr and exit
 non-zero: 2 for usage/config errors, 1 for everything else.
 
-Subcommands are declared in :data:`COMMANDS` (name → module path); a module
-provides ``add_arguments(parser)`` and ``run(args) -> int`` and is imported
-only when its command runs, so ``remote-g2 --version`` stays instant.
+Subcommands come from a table, not from this module: the entry points of
+group ``remote_g2.commands`` in ``pyproject.toml`` (name → module), so the
+core names none of the parts that provide commands (the registry's
+``serve``/``admin``, the reference engine's ``demo``) and another package can
+add its own. A command's module provides ``add_arguments(parser)`` and
+``run(args) -> int`` and is imported only when its command runs, so
+``remote-g2 --version`` stays instant. :data:`HELP` holds the one-line help
+of the commands this package ships, so ``--help`` imports nothing either.
 """
 
 from __future__ import annotations
@@ -17,22 +22,35 @@ import importlib
 import json
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 from typing import Any
 
 import remote_g2
 from remote_g2.errors import ConfigError, RemoteG2Error
 
-__all__ = ["main", "COMMANDS", "print_table", "print_json"]
+__all__ = ["main", "commands", "COMMAND_GROUP", "HELP", "print_table", "print_json"]
 
-#: command → (module, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("remote_g2.registry.serve_command", "run the block registry server"),
-    "admin": ("remote_g2.registry.admin_command", "query and manage the registry (workers, who-has, prefix, ...)"),
-    "ping": ("remote_g2.commands.ping", "check that a remote-g2 server answers, and who it is"),
-    "keygen": ("remote_g2.commands.keygen", "write a CURVE key pair for authenticated TCP endpoints"),
-    "bench": ("remote_g2.commands.bench", "run a benchmark (pool, registry, source, transfer, e2e, peers) with --json/--plot"),
-    "demo": ("remote_g2.demo", "two reference engines on one box: remote KV reuse, checked bit for bit"),
+#: The entry-point group that lists the commands (pyproject.toml, ``[project.entry-points."remote_g2.commands"]``).
+COMMAND_GROUP = "remote_g2.commands"
+
+#: command → one-line help, in the order ``--help`` lists them (commands of other packages follow, sorted)
+HELP: dict[str, str] = {
+    "serve": "run the block registry server",
+    "admin": "query and manage the registry (workers, who-has, prefix, ...)",
+    "ping": "check that a remote-g2 server answers, and who it is",
+    "keygen": "write a CURVE key pair for authenticated TCP endpoints",
+    "bench": "run a benchmark (pool, registry, source, transfer, e2e, peers) with --json/--plot",
+    "demo": "two reference engines on one box: remote KV reuse, checked bit for bit",
 }
+
+
+def commands() -> dict[str, str]:
+    """Every command: name → the module that implements it, from the installed entry-point table."""
+    found = {ep.name: ep.value for ep in entry_points(group=COMMAND_GROUP)}
+    if not found:
+        raise ConfigError(f"no {COMMAND_GROUP!r} entry points: remote-g2 is not installed (pip install -e .)")
+    order = [n for n in HELP if n in found] + sorted(n for n in found if n not in HELP)
+    return {name: found[name] for name in order}
 
 
 def print_json(obj: Any) -> None:
@@ -68,8 +86,9 @@ def build_parser(modules: dict[str, Any] | None = None) -> argparse.ArgumentPars
     parser.add_argument("--version", action="version", version=f"remote-g2 {remote_g2.__version__}")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING, ERROR (env: REMOTE_G2_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module_path, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+    for name in commands():
+        help_text = HELP.get(name, "")
+        p = sub.add_parser(name, help=help_text, description=help_text or None)
         if modules is not None and name in modules:
             modules[name].add_arguments(p)
     return parser
@@ -79,8 +98,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; return the process exit code."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     # Only the chosen command's module is imported (its imports may be heavy).
-    chosen = next((a for a in args_list if a in COMMANDS), None)
-    modules = {chosen: importlib.import_module(COMMANDS[chosen][0])} if chosen else {}
+    try:
+        table = commands()
+    except ConfigError as e:
+        print(f"remote-g2: {e}", file=sys.stderr)
+        return 2
+    chosen = next((a for a in args_list if a in table), None)
+    modules = {chosen: importlib.import_module(table[chosen])} if chosen else {}
     parser = build_parser(modules)
     args = parser.parse_args(args_list)
     if args.command is None:

@@ -767,6 +767,8 @@ class TargetLoad:
     #: Set when this rank resolves its own share (``ranks`` is then empty): the ``peer_resolve`` it sends
     #: its peer source rank, as the leader sends its own. It loads the prefix its peer pinned.
     peer: PeerResolve | None = None
+    #: The engine's request id, so that every rank can tell its engine how its own share ended.
+    request_id: _Text = ""
 
 
 @message("target_done", reply=None)

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from remote_g2.adapters.transfer import TransferAdapter
+from remote_g2.transfer import TransferAdapter
 
 from remote_g2.messages import BlockLayout, RankInfo, TargetDone, TargetLoad
 

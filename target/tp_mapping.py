@@ -31,147 +31,37 @@ descriptor, whatever order the hashes listed them in). Block padding
 (``block_bytes`` beyond the slabs) is never read, so padded pools do not merge
 across blocks.
 
-Validation comes before any address is computed: :func:`check_fingerprints`
-(what a lookup knows: both fingerprints) and :func:`check_compatible` (the
-source's per-rank layout, known after ``get_metadata``/``resolve``) return the
-reason a pairing cannot be served, or ``None``; :func:`plan_reads` raises
-:class:`ValueError` with such a reason, also for bad block ids.
+Validation comes before any address is computed (:mod:`.layout_compat`):
+:func:`plan_reads` raises :class:`ValueError` with the reason a pairing cannot
+be served, also for bad block ids.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from remote_g2 import _read_plan
-from remote_g2.messages import BlockLayout, LayoutFingerprint, RankBlocks, RankInfo
+from remote_g2.messages import BlockLayout, RankBlocks, RankInfo
+
+from .layout_compat import check_compatible, check_layout, check_tp, layout_shape
+from .read_plan import PlanMode, ReadPlan, SourceReads, frozen
 
 __all__ = [
-    "PlanMode",
-    "ReadExtent",
-    "SourceReads",
-    "ReadPlan",
     "HeadSlice",
     "plan_mode",
     "head_slices",
     "source_ranks_for",
-    "check_fingerprints",
-    "check_compatible",
     "plan_reads",
     "ReadPlanner",
 ]
-
-PlanMode = Literal["same_tp", "split_heads", "gather_heads", "mla"]
 
 _ADDR_LIMIT = 1 << 64  # descriptors are u64 (address, length) pairs
 #: Whole-block plans (homogeneous TP, MLA) go through the compiled ``_read_plan`` (see
 #: ``ReadPlanner._plan_compiled``); False plans them with numpy like the rest (benchmarks and tests compare).
 COMPILED_WHOLE_BLOCK_PLANS = True
-
-
-# --------------------------------------------------------------------------
-# The plan
-# --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ReadExtent:
-    """One contiguous READ: ``nbytes`` from ``remote_addr`` on ``source_rank`` to ``local_addr``."""
-
-    source_rank: int
-    remote_addr: int
-    local_addr: int
-    nbytes: int
-
-
-def _frozen(a: np.ndarray) -> np.ndarray:
-    a.flags.writeable = False
-    return a
-
-
-@dataclass(frozen=True, eq=False)
-class SourceReads:
-    """Every extent one target rank reads from one source rank: one READ per request.
-
-    The three arrays are ``uint64``, read-only, equally long, sorted by
-    ``remote_addr``; row ``i`` is one descriptor.
-    """
-
-    source_rank: int
-    agent_name: str
-    remote_addr: np.ndarray
-    local_addr: np.ndarray
-    nbytes: np.ndarray
-
-    @property
-    def num_descriptors(self) -> int:
-        return int(self.nbytes.shape[0])
-
-    @property
-    def total_bytes(self) -> int:
-        return int(self.nbytes.sum(dtype=np.uint64))
-
-    def remote_descs(self, dev_id: int = 0) -> np.ndarray:
-        """An ``(N, 3)`` ``uint64`` array of ``(address, nbytes, dev_id)``: NIXL's descriptor-list form."""
-        return _descs(self.remote_addr, self.nbytes, dev_id)
-
-    def local_descs(self, dev_id: int = 0) -> np.ndarray:
-        """The local side of :meth:`remote_descs`, row for row."""
-        return _descs(self.local_addr, self.nbytes, dev_id)
-
-    def extents(self) -> list[ReadExtent]:
-        """The descriptors as objects (for tests and logs; the arrays are the fast path)."""
-        r = self.source_rank
-        return [ReadExtent(r, a, b, n) for a, b, n in
-                zip(self.remote_addr.tolist(), self.local_addr.tolist(), self.nbytes.tolist())]
-
-
-def _descs(addr: np.ndarray, nbytes: np.ndarray, dev_id: int) -> np.ndarray:
-    out = np.empty((addr.shape[0], 3), dtype=np.uint64)
-    out[:, 0] = addr
-    out[:, 1] = nbytes
-    out[:, 2] = dev_id
-    return out
-
-
-@dataclass(frozen=True, eq=False)
-class ReadPlan:
-    """What one target rank reads for one request, grouped by source rank.
-
-    ``reads`` holds one :class:`SourceReads` per source rank this target rank
-    reads from (ascending rank), none when there is nothing to read.
-    """
-
-    target_rank: int
-    mode: PlanMode
-    num_blocks: int
-    reads: tuple[SourceReads, ...]
-
-    @property
-    def source_ranks(self) -> tuple[int, ...]:
-        return tuple(r.source_rank for r in self.reads)
-
-    @property
-    def num_descriptors(self) -> int:
-        return sum(r.num_descriptors for r in self.reads)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(r.total_bytes for r in self.reads)
-
-    def for_source(self, source_rank: int) -> SourceReads | None:
-        """The reads from ``source_rank``, or None when this target rank reads nothing there."""
-        for r in self.reads:
-            if r.source_rank == source_rank:
-                return r
-        return None
-
-    def extents(self) -> list[ReadExtent]:
-        """Every descriptor as an object, grouped by source rank."""
-        return [e for r in self.reads for e in r.extents()]
 
 
 # --------------------------------------------------------------------------
@@ -229,138 +119,6 @@ def source_ranks_for(target_rank: int, *, source_tp: int, target_tp: int, is_mla
         return (target_rank // (target_tp // source_tp),)
     k = source_tp // target_tp
     return tuple(range(target_rank * k, target_rank * k + k))
-
-
-# --------------------------------------------------------------------------
-# Compatibility
-# --------------------------------------------------------------------------
-
-
-class _Shape(NamedTuple):
-    """What must line up between two sides, per rank."""
-
-    num_layers: int
-    kv: int | None  # a fingerprint does not say
-    heads: int  # kv heads per rank
-    tokens_per_block: int
-    head_dim: int
-    dtype: int | str  # dtype_bytes from a layout, the dtype name from a fingerprint
-    order: str
-
-    @property
-    def head_major(self) -> bool:
-        return self.order == "HND" or self.heads == 1
-
-
-def _layout_shape(layout: BlockLayout) -> _Shape:
-    return _Shape(layout.num_layers, layout.kv, layout.num_kv_heads, layout.tokens_per_block, layout.head_dim,
-                  layout.dtype_bytes, layout.order)
-
-
-def _check_tp(source_tp: int, target_tp: int) -> str | None:
-    for side, tp in (("source", source_tp), ("target", target_tp)):
-        if not isinstance(tp, (int, np.integer)) or tp < 1:
-            return f"{side} TP size must be a positive integer, got {tp!r}"
-    return None
-
-
-def _check_shapes(src: _Shape, source_tp: int, tgt: _Shape, target_tp: int, *, is_mla: bool) -> str | None:
-    for name in ("num_layers", "kv", "tokens_per_block", "head_dim", "dtype"):
-        a, b = getattr(src, name), getattr(tgt, name)
-        if a != b:
-            label = "dtype_bytes" if name == "dtype" and isinstance(a, int) else name
-            return f"{label} differs: source {a}, target {b}"
-    if is_mla:
-        # Every rank holds the whole (replicated) latent cache.
-        if src.heads != tgt.heads:
-            return f"MLA kv heads per rank differ: source {src.heads}, target {tgt.heads}"
-        return _check_same_order(src, tgt)
-    if source_tp == target_tp:
-        if src.heads != tgt.heads:
-            return f"kv heads per rank differ at equal TP {source_tp}: source {src.heads}, target {tgt.heads}"
-        return _check_same_order(src, tgt)
-    hi, lo = max(source_tp, target_tp), min(source_tp, target_tp)
-    if hi % lo:
-        return f"TP ratio {source_tp}:{target_tp} (source:target) is not an integer either way"
-    if src.heads * source_tp != tgt.heads * target_tp:
-        return (f"total kv heads differ: source {src.heads} per rank x TP {source_tp} = {src.heads * source_tp}, "
-                f"target {tgt.heads} per rank x TP {target_tp} = {tgt.heads * target_tp}")
-    for side, s in (("source", src), ("target", tgt)):
-        if not s.head_major:
-            return (f"heterogeneous TP ({source_tp} -> {target_tp}) needs a head-major (HND) layout on both sides; "
-                    f"the {side} is {s.order} with {s.heads} kv heads per rank")
-    return None
-
-
-def _check_same_order(src: _Shape, tgt: _Shape) -> str | None:
-    if src.order != tgt.order and not (src.heads == 1 and tgt.heads == 1):
-        return f"layout order differs: source {src.order}, target {tgt.order}"
-    return None
-
-
-def check_fingerprints(source: LayoutFingerprint, target: LayoutFingerprint) -> str | None:
-    """Why a target with fingerprint ``target`` cannot read from ``source``, or None when it can.
-
-    What lookup time knows: the registry matched ``compat_key`` (every field
-    but ``tp_size``), so a caller holding only the best holder's ``tp_size``
-    can pass ``dataclasses.replace(own_fingerprint, tp_size=holder.tp_size)``.
-    This also rejects what the registry cannot see: a TP pairing the layout
-    cannot serve (heads that do not split over a TP size, a non-integer ratio,
-    heterogeneous TP without a head-major layout).
-    """
-    reason = _check_tp(source.tp_size, target.tp_size)
-    if reason:
-        return reason
-    if source.model_id != target.model_id:
-        return f"model differs: source {source.model_id!r}, target {target.model_id!r}"
-    if source.is_mla != target.is_mla:
-        return f"MLA differs: source is_mla={source.is_mla}, target is_mla={target.is_mla}"
-    if source.kv_layout != target.kv_layout:
-        return f"kv layout differs: source {source.kv_layout}, target {target.kv_layout}"
-    if source.num_kv_heads != target.num_kv_heads:
-        return f"num_kv_heads differs: source {source.num_kv_heads}, target {target.num_kv_heads}"
-    shapes = []
-    for side, fp in (("source", source), ("target", target)):
-        if source.is_mla:
-            heads = fp.num_kv_heads
-        elif fp.num_kv_heads % fp.tp_size:
-            return (f"{side}: {fp.num_kv_heads} kv heads do not split evenly over TP {fp.tp_size} "
-                    f"(replicated kv heads are not supported)")
-        else:
-            heads = fp.num_kv_heads // fp.tp_size
-        shapes.append(_Shape(fp.num_layers, None, heads, fp.tokens_per_block, fp.head_dim, fp.dtype,
-                             fp.kv_layout.upper()))
-    return _check_shapes(shapes[0], source.tp_size, shapes[1], target.tp_size, is_mla=source.is_mla)
-
-
-def check_compatible(source_layout: BlockLayout, source_tp: int, target_layout: BlockLayout, target_tp: int, *,
-                     is_mla: bool) -> str | None:
-    """Why a target rank with ``target_layout`` cannot read a source rank's ``source_layout``, or None.
-
-    Layouts are per rank (``num_kv_heads`` per rank); ``is_mla`` is both
-    sides' ``LayoutFingerprint.is_mla``. Checks each layout holds its slabs,
-    that the geometry matches (layers, k/v, tokens per block, head dim, dtype
-    size), and that the TP pairing can be served (see the module docstring).
-    """
-    reason = _check_tp(source_tp, target_tp)
-    if reason:
-        return reason
-    for side, layout in (("source", source_layout), ("target", target_layout)):
-        reason = _check_layout(side, layout)
-        if reason:
-            return reason
-    return _check_shapes(_layout_shape(source_layout), source_tp, _layout_shape(target_layout), target_tp,
-                         is_mla=is_mla)
-
-
-def _check_layout(side: str, layout: BlockLayout) -> str | None:
-    payload = layout.num_layers * layout.kv * layout.slab_bytes
-    if payload > layout.block_bytes:
-        return (f"{side} layout: {layout.num_layers} layers x {layout.kv} x slab {layout.slab_bytes} B = "
-                f"{payload} B do not fit a block of {layout.block_bytes} B")
-    if layout.order not in ("HND", "NHD"):
-        return f"{side} layout: unknown order {layout.order!r}"
-    return None
 
 
 # --------------------------------------------------------------------------
@@ -453,7 +211,7 @@ class ReadPlanner:
     def __init__(self, *, source_tp: int, source_ranks: Sequence[RankInfo], target_layout: BlockLayout,
                  target_base: int, target_tp: int, target_rank: int, is_mla: bool = False,
                  mla_offset: int = 0) -> None:
-        reason = _check_tp(source_tp, target_tp)
+        reason = check_tp(source_tp, target_tp)
         if reason:
             raise ValueError(reason)
         if not isinstance(target_rank, (int, np.integer)) or not 0 <= target_rank < target_tp:
@@ -464,10 +222,10 @@ class ReadPlanner:
         if reason:
             raise ValueError(reason)
         for info in infos:
-            if _layout_shape(info.layout) != _layout_shape(first):
+            if layout_shape(info.layout) != layout_shape(first):
                 raise ValueError(f"source ranks disagree on the block layout: rank {info.rank} has {info.layout}, "
                                  f"rank 0 has {first}")
-            reason = _check_layout(f"source rank {info.rank}", info.layout)
+            reason = check_layout(f"source rank {info.rank}", info.layout)
             if reason:
                 raise ValueError(reason)
             if info.layout.num_blocks * info.layout.block_bytes > info.pool_bytes:
@@ -519,8 +277,8 @@ class ReadPlanner:
             for g in self._slices:
                 remote, local, nbytes = _slice_extents(g, src_ids[g.source_rank], dst_start)
                 remote, local, nbytes = _coalesce(remote, local, nbytes)
-                reads.append(SourceReads(g.source_rank, g.agent_name, _frozen(remote), _frozen(local),
-                                         _frozen(nbytes)))
+                reads.append(SourceReads(g.source_rank, g.agent_name, frozen(remote), frozen(local),
+                                         frozen(nbytes)))
         return self._read_plan(reads, count)
 
     def _read_plan(self, reads: list[SourceReads], count: int) -> ReadPlan:
@@ -553,7 +311,7 @@ class ReadPlanner:
             if out is None:
                 return None
             remote, local, nbytes = out
-            reads.append(SourceReads(g.source_rank, g.agent_name, _frozen(remote), _frozen(local), _frozen(nbytes)))
+            reads.append(SourceReads(g.source_rank, g.agent_name, frozen(remote), frozen(local), frozen(nbytes)))
         return self._read_plan(reads, count)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from remote_g2.adapters.host_pool import HostPool
-from remote_g2.adapters.secondary_pool import SecondaryPool
+from remote_g2.secondary_pool import SecondaryPool
 from remote_g2.errors import PoolIndexError
 from remote_g2.messages import BlockLayout
 from remote_g2.pool_index import MAX_BLOCKS

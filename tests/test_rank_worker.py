@@ -16,7 +16,7 @@ import pytest
 from source_procs.pattern import make_layout
 
 from remote_g2.adapters.memcpy_transfer import MemcpyTransfer
-from remote_g2.adapters.secondary_pool import MemoryRegion
+from remote_g2.secondary_pool import MemoryRegion
 from remote_g2.messages import RankBlocks, RankInfo, TargetDone, TargetLoad
 from remote_g2.target.rank_worker import RankWorker
 

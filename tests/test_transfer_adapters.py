@@ -21,9 +21,9 @@ import pytest
 from source_procs.nixl_source_peer import PeerProcess, pattern_bytes
 
 from remote_g2.adapters.memcpy_transfer import MemcpyTransfer
-from remote_g2.adapters.registry import load_adapter
-from remote_g2.adapters.secondary_pool import MemoryRegion
-from remote_g2.adapters.transfer import TransferAdapter
+from remote_g2.plugins import load_adapter
+from remote_g2.secondary_pool import MemoryRegion
+from remote_g2.transfer import TransferAdapter
 from remote_g2.errors import TransferError
 
 U64 = np.uint64

@@ -18,7 +18,7 @@ from dataclasses import asdict, replace
 
 import pytest
 import torch
-from remote_g2.adapters.registry import load_adapter
+from remote_g2.plugins import load_adapter
 from remote_g2.adapters.trtllm import (
     TrtllmSecondaryPool,
     detect_api,

@@ -1,4 +1,4 @@
-"""TensorRT-LLM's host secondary pool as a remote-g2 :class:`~remote_g2.adapters.secondary_pool.SecondaryPool`.
+"""TensorRT-LLM's host secondary pool as a remote-g2 :class:`~remote_g2.secondary_pool.SecondaryPool`.
 
 **Not run against TensorRT-LLM** (it needs a GPU; this machine has none).
 Written against the public shape of its KV cache manager as an engine
@@ -56,7 +56,7 @@ from remote_g2.errors import ConfigError
 from remote_g2.hashing import hash_to_u64, u64_to_hash
 from remote_g2.messages import BlockLayout, LayoutFingerprint
 
-from ..secondary_pool import MemoryRegion, PoolEventKind, PoolListener
+from remote_g2.secondary_pool import MemoryRegion, PoolEventKind, PoolListener
 
 __all__ = ["TrtllmApi", "TrtllmSecondaryPool", "block_hash_scheme", "detect_api", "kv_dtype_name", "tp_from_executor"]
 

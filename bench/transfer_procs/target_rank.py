@@ -63,7 +63,7 @@ from transfer_procs.common import (  # noqa: E402
 )
 
 from remote_g2.adapters.nixl_transfer import NixlTransfer  # noqa: E402
-from remote_g2.adapters.secondary_pool import MemoryRegion  # noqa: E402
+from remote_g2.secondary_pool import MemoryRegion  # noqa: E402
 from remote_g2.messages import BlockLayout  # noqa: E402
 from remote_g2.target import TargetConfig, start_target_client  # noqa: E402
 from remote_g2.target.tp_mapping import ReadPlanner  # noqa: E402
@@ -170,8 +170,9 @@ def instrument_client(client: Any) -> None:
     ReadPlanner.plan = timed_plan  # type: ignore[method-assign]
     if client.rank != 0:
         return
+    coordinator = client.coordinator
     for name in ("_begin", "_complete"):
-        orig = getattr(client, name)
+        orig = getattr(coordinator, name)
 
         def wrapped(*a: Any, _orig: Any = orig, _name: str = name) -> Any:
             t0 = time.monotonic()
@@ -180,14 +181,14 @@ def instrument_client(client: Any) -> None:
             finally:
                 record(_name.lstrip("_"), t0, time.monotonic())
 
-        setattr(client, name, wrapped)
-    rank_done = client._rank_done
+        setattr(coordinator, name, wrapped)
+    rank_done = coordinator.rank_done
 
     def timed_rank_done(done: Any) -> None:
         record("rank_done", time.monotonic(), None, [done.rank, done.load_id, done.ok])
         rank_done(done)
 
-    client._rank_done = timed_rank_done  # rank 0's own share reaches it through the coordinator's events too
+    coordinator.rank_done = timed_rank_done  # rank 0's own share reaches it through the coordinator's events too
 
 
 def wait_until(t: float) -> None:

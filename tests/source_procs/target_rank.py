@@ -79,8 +79,8 @@ from source_procs.files import write_whole  # noqa: E402
 from source_procs.pattern import block_bytes_for, hash_of, make_layout  # noqa: E402
 
 from remote_g2.adapters.nixl_transfer import NixlTransfer  # noqa: E402
-from remote_g2.adapters.registry import register_adapter  # noqa: E402
-from remote_g2.adapters.secondary_pool import MemoryRegion  # noqa: E402
+from remote_g2.plugins import register_adapter  # noqa: E402
+from remote_g2.secondary_pool import MemoryRegion  # noqa: E402
 from remote_g2.messages import BlockLayout, LayoutFingerprint  # noqa: E402
 from remote_g2.target import TargetConfig, start_target_client  # noqa: E402
 from remote_g2.target.metrics import PHASES  # noqa: E402

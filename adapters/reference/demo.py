@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m remote_g2.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m remote_g2.adapters.reference.demo", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

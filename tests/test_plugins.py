@@ -1,4 +1,4 @@
-"""adapters/registry.py: adapters by kind and name, imported only when loaded."""
+"""remote_g2/plugins.py: the adapter table — adapters by kind and name, imported only when loaded."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import uuid
 
 import pytest
 
-from remote_g2.adapters import registry
-from remote_g2.adapters.registry import available_adapters, load_adapter, register_adapter
+from remote_g2 import plugins
 from remote_g2.errors import ConfigError
+from remote_g2.plugins import available_adapters, load_adapter, register_adapter
 
 
 @pytest.fixture(autouse=True)
 def private_registry(monkeypatch):
     """Each test registers into a copy, so the shipped table is never polluted."""
-    monkeypatch.setattr(registry, "_entries", dict(registry._entries))
+    monkeypatch.setattr(plugins, "_entries", dict(plugins._entries))
 
 
 @pytest.fixture
@@ -38,10 +38,10 @@ def test_shipped_adapters_are_listed():
 
 
 def test_host_pool_loads_lazily():
-    # A fresh interpreter: importing the registry must not import the adapter or torch.
+    # A fresh interpreter: importing the adapter table must not import the adapter or torch.
     code = textwrap.dedent("""
         import sys
-        from remote_g2.adapters.registry import load_adapter
+        from remote_g2.plugins import load_adapter
         assert "remote_g2.adapters.host_pool" not in sys.modules
         assert "torch" not in sys.modules
         cls = load_adapter("pool", "host")
