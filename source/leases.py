@@ -44,7 +44,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from remote_g2.adapters.secondary_pool import SecondaryPool
+from remote_g2.secondary_pool import SecondaryPool
 from remote_g2.errors import SourceError
 
 __all__ = ["Lease", "LeaseTable", "PinBudget"]

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from remote_g2.adapters.secondary_pool import MemoryRegion
+from remote_g2.secondary_pool import MemoryRegion
 from remote_g2.errors import SourceError
 
 __all__ = ["RankAgent", "agent_name_for"]

@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from remote_g2.adapters.secondary_pool import SecondaryPool
+from remote_g2.secondary_pool import SecondaryPool
 from remote_g2.config import env_flag
 from remote_g2.errors import ConfigError, ProtocolError, SourceError, TransportError
 from remote_g2.ipc_paths import (
