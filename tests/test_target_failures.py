@@ -283,6 +283,9 @@ def test_source_killed_between_resolve_and_read_fails_the_request(tmp_path: Path
     # Each rank's READ could not start (TransferError) or ended in ERR; never "done".
     assert "TransferError" in why or "transfer state ERR" in why, why
     assert "did not answer in time" not in why, why  # every rank reported its failure itself
+    # ...and told its own engine: each rank's share of req-1 failed, every destination block of it invalid.
+    assert all(v["shares_failed"] == ["req-1"] and v["shares_done"] == [] for v in verify), verify
+    assert all(v["share_invalid"] == leader["dst"] for v in verify), verify
 
 
 # -- d. the lease expires on the source mid-load -------------------------------------------------------

@@ -122,6 +122,8 @@ def test_a_second_load_resolves_each_share_with_its_peer_rank_when_the_tp_sizes_
         assert leader["stats"]["peer_loads"] == (1 if expect_peer else 0), leader["stats"]
         assert leader["stats"]["done"] == 2, leader["stats"]
         _assert_landed(verify, untouched_clean=True)
+        # Every rank learned how its own share of each load ended, by the engine's request id.
+        assert all(v["shares_done"] == ["req-1", "req-warm"] and v["shares_failed"] == [] for v in verify), verify
 
 
 @pytest.mark.parametrize("transport", ["stream", "zmq"])

@@ -329,7 +329,11 @@ def main() -> int:
         untouched = [b for b in range(layout.num_blocks) if b not in leader.get("dst", [])
                      and pool.block(b).any()]
         dst_written = [b for b in leader.get("dst", []) if pool.block(b).any()]
+        shares_done, shares_failed = client.get_finished_shares()  # how this rank's own shares ended
         (d / f"verify-{rank}.json").write_text(json.dumps({"checked": checked, "mismatches": mismatches,
+                                                           "shares_done": sorted(shares_done),
+                                                           "shares_failed": sorted(shares_failed),
+                                                           "share_invalid": sorted(client.share_invalid_block_ids()),
                                                            "untouched_written": untouched,
                                                            "dst_written": dst_written,
                                                            "dst_written_at_outcome": at_outcome,
