@@ -1,7 +1,11 @@
 """Settings shared by the parts, read from the environment with clear errors.
 
 Every variable is ``REMOTE_G2_*``. Parts take explicit arguments first and fall
-back to these, so a deployment can configure a worker without code changes:
+back to these, so a deployment can configure a worker without code changes.
+Every part reads its variables with the same helpers (:func:`env_str`,
+:func:`env_int`, :func:`env_flag`, :func:`env_float`, :func:`env_fingerprint`), from ``os.environ`` or
+the ``env`` mapping its ``from_env(env=...)`` was given; a set but malformed
+variable is a :class:`~remote_g2.errors.ConfigError` naming it. The shared ones:
 
 =============================  ===================================================
 ``REMOTE_G2_REGISTRY``         registry endpoint, e.g. ``tcp://10.0.0.5:7450``
@@ -13,22 +17,50 @@ back to these, so a deployment can configure a worker without code changes:
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from remote_g2.errors import ConfigError
+from remote_g2.messages import LayoutFingerprint
 
-__all__ = ["ClientSettings", "env_flag", "env_float", "DEFAULT_REGISTRY_ENDPOINT"]
+__all__ = ["ClientSettings", "env_str", "env_int", "env_flag", "env_float", "env_fingerprint", "DEFAULT_REGISTRY_ENDPOINT"]
 
 DEFAULT_REGISTRY_ENDPOINT = "tcp://127.0.0.1:7450"
 _TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+_FALSE = {"0", "false", "no", "off"}
 
 
-def env_flag(name: str, env: Mapping[str, str] | None = None) -> bool:
-    """A boolean variable; anything but the usual spellings is a :class:`ConfigError`."""
-    raw = (env if env is not None else os.environ).get(name, "").strip().lower()
+def _environ(env: Mapping[str, str] | None) -> Mapping[str, str]:
+    return env if env is not None else os.environ
+
+
+def env_str(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """A string variable as it is set, or None when unset or empty."""
+    return _environ(env).get(name) or None
+
+
+def env_int(name: str, env: Mapping[str, str] | None = None) -> int | None:
+    """An integer variable, or None when unset or blank; anything else is a :class:`ConfigError`."""
+    raw = _environ(env).get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+def env_flag(name: str, env: Mapping[str, str] | None = None, default: bool | None = False) -> bool | None:
+    """A boolean variable, or ``default`` when unset or blank.
+
+    Anything but the usual spellings is a :class:`ConfigError`. ``default=None``
+    tells an unset variable from one set to a false value.
+    """
+    raw = _environ(env).get(name, "").strip().lower()
+    if not raw:
+        return default
     if raw in _TRUE:
         return True
     if raw in _FALSE:
@@ -38,7 +70,7 @@ def env_flag(name: str, env: Mapping[str, str] | None = None) -> bool:
 
 def env_float(name: str, default: float, env: Mapping[str, str] | None = None) -> float:
     """A positive number variable, or ``default`` when unset."""
-    raw = (env if env is not None else os.environ).get(name)
+    raw = _environ(env).get(name)
     if raw is None or raw.strip() == "":
         return default
     try:
@@ -48,6 +80,24 @@ def env_float(name: str, default: float, env: Mapping[str, str] | None = None) -
     if value <= 0:
         raise ConfigError(f"{name} must be positive, got {value}")
     return value
+
+
+def env_fingerprint(name: str, env: Mapping[str, str] | None = None) -> LayoutFingerprint | None:
+    """A :class:`~remote_g2.messages.LayoutFingerprint` given as a JSON object, or None when unset or blank."""
+    raw = _environ(env).get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{name} is not JSON: {e}") from None
+    known = {f.name for f in fields(LayoutFingerprint)}
+    if not isinstance(data, dict) or set(data) - known:
+        raise ConfigError(f"{name} must be an object with fields {sorted(known)}")
+    try:
+        return LayoutFingerprint(**data)
+    except TypeError as e:
+        raise ConfigError(f"{name}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -60,9 +110,8 @@ class ClientSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ClientSettings:
-        e = env if env is not None else os.environ
         return cls(
-            registry_endpoint=e.get("REMOTE_G2_REGISTRY") or DEFAULT_REGISTRY_ENDPOINT,
-            rpc_timeout_ms=env_float("REMOTE_G2_RPC_TIMEOUT_MS", 5000.0, e),
-            curve_server_key=e.get("REMOTE_G2_CURVE_SERVER_KEY") or None,
+            registry_endpoint=env_str("REMOTE_G2_REGISTRY", env) or DEFAULT_REGISTRY_ENDPOINT,
+            rpc_timeout_ms=env_float("REMOTE_G2_RPC_TIMEOUT_MS", 5000.0, env),
+            curve_server_key=env_str("REMOTE_G2_CURVE_SERVER_KEY", env),
         )

@@ -29,12 +29,11 @@ variable                                field                                   
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
-from remote_g2.config import env_flag
+from remote_g2.config import env_fingerprint, env_flag, env_int, env_str
 from remote_g2.curve import CurveClientConfig, CurveServerConfig
 from remote_g2.errors import ConfigError
 from remote_g2.messages import LayoutFingerprint
@@ -170,33 +169,26 @@ class SourceConfig:
         """
         e = env if env is not None else os.environ
         kw: dict[str, object] = dict(defaults)
-        if e.get(ENABLE_ENV, "").strip():
-            kw["enabled"] = env_flag(ENABLE_ENV, e)
-        if e.get("REMOTE_G2_REGISTRY"):
-            kw["registry_endpoint"] = e["REMOTE_G2_REGISTRY"]
-        for var, name in (("REMOTE_G2_SOURCE_BIND", "bind"), ("REMOTE_G2_SOURCE_ADVERTISE", "advertise"),
-                          ("REMOTE_G2_SOURCE_IPC_DIR", "ipc_dir")):
-            if e.get(var):
-                kw[name] = e[var]
+        for var, name in (("REMOTE_G2_REGISTRY", "registry_endpoint"), ("REMOTE_G2_SOURCE_BIND", "bind"),
+                          ("REMOTE_G2_SOURCE_ADVERTISE", "advertise"), ("REMOTE_G2_SOURCE_IPC_DIR", "ipc_dir")):
+            if (text := env_str(var, e)) is not None:
+                kw[name] = text
         for var, name in (("REMOTE_G2_SOURCE_DEFAULT_TTL_MS", "default_lease_ttl_ms"),
                           ("REMOTE_G2_SOURCE_MAX_TTL_MS", "max_lease_ttl_ms"),
                           ("REMOTE_G2_SOURCE_MIN_TTL_MS", "min_lease_ttl_ms"),
                           ("REMOTE_G2_SOURCE_SIBLING_TIMEOUT_MS", "sibling_timeout_ms"),
                           ("REMOTE_G2_SOURCE_RPC_WORKERS", "rpc_workers"),
-                          ("REMOTE_G2_SOURCE_METRICS_PORT", "metrics_port")):
-            value = _env_int(var, e)
-            if value is not None:
-                kw[name] = value
-        if e.get("REMOTE_G2_SOURCE_PEER_RESOLVE", "").strip():
-            kw["peer_resolve"] = env_flag("REMOTE_G2_SOURCE_PEER_RESOLVE", e)
+                          ("REMOTE_G2_SOURCE_METRICS_PORT", "metrics_port"),
+                          ("REMOTE_G2_SOURCE_PIN_BUDGET", "pin_budget_blocks")):
+            if (number := env_int(var, e)) is not None:
+                kw[name] = number
+        for var, name in ((ENABLE_ENV, "enabled"), ("REMOTE_G2_SOURCE_PEER_RESOLVE", "peer_resolve")):
+            if (flag := env_flag(var, e, default=None)) is not None:
+                kw[name] = flag
         if e.get("REMOTE_G2_SOURCE_PEER_TRANSPORT", "").strip():
             kw["peer_transport"] = e["REMOTE_G2_SOURCE_PEER_TRANSPORT"].strip().lower()
-        budget = _env_int("REMOTE_G2_SOURCE_PIN_BUDGET", e)
-        if budget is not None:
-            kw["pin_budget_blocks"] = budget
-        raw_fp = e.get("REMOTE_G2_SOURCE_FINGERPRINT", "").strip()
-        if raw_fp:
-            kw["fingerprint"] = _fingerprint_from_json(raw_fp)
+        if (fingerprint := env_fingerprint("REMOTE_G2_SOURCE_FINGERPRINT", e)) is not None:
+            kw["fingerprint"] = fingerprint
         secret = e.get("REMOTE_G2_SOURCE_CURVE_SECRET_KEY")
         if secret:
             kw["curve"] = CurveServerConfig.from_files(secret, e.get("REMOTE_G2_SOURCE_CURVE_ALLOWED") or None)
@@ -206,27 +198,3 @@ class SourceConfig:
         if registry_curve is not None:
             kw["registry_curve"] = registry_curve
         return cls(**kw)  # type: ignore[arg-type]
-
-
-def _env_int(name: str, env: Mapping[str, str]) -> int | None:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from None
-
-
-def _fingerprint_from_json(text: str) -> LayoutFingerprint:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"REMOTE_G2_SOURCE_FINGERPRINT is not JSON: {e}") from None
-    known = {f.name for f in fields(LayoutFingerprint)}
-    if not isinstance(data, dict) or set(data) - known:
-        raise ConfigError(f"REMOTE_G2_SOURCE_FINGERPRINT must be an object with fields {sorted(known)}")
-    try:
-        return LayoutFingerprint(**data)
-    except TypeError as e:
-        raise ConfigError(f"REMOTE_G2_SOURCE_FINGERPRINT: {e}") from None

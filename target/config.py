@@ -22,12 +22,11 @@ variable                                field                                   
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from remote_g2.config import env_flag
+from remote_g2.config import env_fingerprint, env_flag, env_int, env_str
 from remote_g2.curve import CurveClientConfig
 from remote_g2.errors import ConfigError
 from remote_g2.ipc_paths import default_ipc_dir
@@ -91,38 +90,31 @@ class TargetConfig:
         return self.ipc_dir or default_ipc_dir()
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> TargetConfig:
-        env = os.environ if environ is None else environ
-        values: dict[str, object] = {"enabled": env_flag(ENABLE_ENV, env),
-                                     "registry_mirror": env_flag("REMOTE_G2_TARGET_REGISTRY_MIRROR", env)}
-        if env.get("REMOTE_G2_TARGET_PEER_RESOLVE", "").strip():
-            values["peer_resolve"] = env_flag("REMOTE_G2_TARGET_PEER_RESOLVE", env)
+    def from_env(cls, env: Mapping[str, str] | None = None) -> TargetConfig:
+        """Read ``REMOTE_G2_TARGET*`` (see the module docstring); a malformed variable is a :class:`ConfigError`."""
+        e = os.environ if env is None else env
+        values: dict[str, object] = {"enabled": env_flag(ENABLE_ENV, e),
+                                     "registry_mirror": env_flag("REMOTE_G2_TARGET_REGISTRY_MIRROR", e)}
+        if (peer_resolve := env_flag("REMOTE_G2_TARGET_PEER_RESOLVE", e, default=None)) is not None:
+            values["peer_resolve"] = peer_resolve
         for var, name in (("REMOTE_G2_REGISTRY", "registry_endpoint"), ("REMOTE_G2_TARGET_TRANSFER", "transfer"),
                           ("REMOTE_G2_TARGET_IPC_DIR", "ipc_dir")):
-            if env.get(var):
-                values[name] = env[var]
+            if (text := env_str(var, e)) is not None:
+                values[name] = text
         for var, name in (("REMOTE_G2_TARGET_LEASE_TTL_MS", "lease_ttl_ms"),
                           ("REMOTE_G2_TARGET_RPC_TIMEOUT_MS", "rpc_timeout_ms"),
                           ("REMOTE_G2_TARGET_TIMEOUT_MS", "transfer_timeout_ms"),
                           ("REMOTE_G2_TARGET_METRICS_PORT", "metrics_port")):
-            if env.get(var):
-                try:
-                    values[name] = int(env[var])
-                except ValueError:
-                    raise ConfigError(f"{var} must be an integer, got {env[var]!r}") from None
-        if env.get("REMOTE_G2_TARGET_FINGERPRINT"):
-            try:
-                values["fingerprint"] = LayoutFingerprint(**json.loads(env["REMOTE_G2_TARGET_FINGERPRINT"]))
-            except (ValueError, TypeError) as e:
-                raise ConfigError(f"REMOTE_G2_TARGET_FINGERPRINT is not a LayoutFingerprint JSON: {e}") from None
-        values["registry_curve"] = CurveClientConfig.from_env("REMOTE_G2_CURVE_SERVER_KEY", dict(env))
-        values["source_curve"] = CurveClientConfig.from_env("REMOTE_G2_SOURCE_CURVE_SERVER_KEY", dict(env))
+            if (number := env_int(var, e)) is not None:
+                values[name] = number
+        if (fingerprint := env_fingerprint("REMOTE_G2_TARGET_FINGERPRINT", e)) is not None:
+            values["fingerprint"] = fingerprint
+        values["registry_curve"] = CurveClientConfig.from_env("REMOTE_G2_CURVE_SERVER_KEY", dict(e))
+        values["source_curve"] = CurveClientConfig.from_env("REMOTE_G2_SOURCE_CURVE_SERVER_KEY", dict(e))
         return cls(**values)  # type: ignore[arg-type]
 
     def with_env_enable(self) -> TargetConfig:
         """This config, enabled when ``REMOTE_G2_TARGET=1`` is set."""
-        if not self.enabled and os.environ.get(ENABLE_ENV, "").strip() and env_flag(ENABLE_ENV):
+        if not self.enabled and env_flag(ENABLE_ENV):
             return replace(self, enabled=True)
         return self
-
-

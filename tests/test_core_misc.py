@@ -8,7 +8,7 @@ import os
 import pytest
 
 from remote_g2 import errors
-from remote_g2.config import ClientSettings, env_flag, env_float
+from remote_g2.config import ClientSettings, env_fingerprint, env_flag, env_float, env_int, env_str
 from remote_g2.hashing import (
     chain_block_hashes,
     check_block_hash,
@@ -79,6 +79,32 @@ def test_env_parsing_is_strict():
         env_float("T", 5.0, {"T": "-1"})
     s = ClientSettings.from_env({"REMOTE_G2_REGISTRY": "tcp://127.0.0.1:9", "REMOTE_G2_RPC_TIMEOUT_MS": "250"})
     assert s.registry_endpoint == "tcp://127.0.0.1:9" and s.rpc_timeout_ms == 250.0
+
+
+def test_env_helpers_tell_unset_from_set_and_name_the_variable():
+    assert env_int("N", {}) is None and env_int("N", {"N": " "}) is None and env_int("N", {"N": " 42 "}) == 42
+    with pytest.raises(errors.ConfigError, match="N='4x' is not an integer"):
+        env_int("N", {"N": "4x"})
+    assert env_str("S", {}) is None and env_str("S", {"S": ""}) is None and env_str("S", {"S": "a"}) == "a"
+    assert env_flag("F", {}, default=None) is None and env_flag("F", {"F": "off"}, default=None) is False
+    assert env_fingerprint("FP", {}) is None
+    with pytest.raises(errors.ConfigError, match="FP is not JSON"):
+        env_fingerprint("FP", {"FP": "{"})
+    with pytest.raises(errors.ConfigError, match="FP must be an object with fields"):
+        env_fingerprint("FP", {"FP": '{"colour": 1}'})
+
+
+def test_target_config_reads_integers_and_fingerprint_from_env():
+    from remote_g2.target import TargetConfig
+
+    fp = ('{"model_id": "m", "dtype": "bf16", "tokens_per_block": 16, "kv_layout": "HND", "num_layers": 2, '
+          '"num_kv_heads": 8, "head_dim": 64, "tp_size": 2}')
+    cfg = TargetConfig.from_env(env={"REMOTE_G2_TARGET_LEASE_TTL_MS": "5000", "REMOTE_G2_TARGET_PEER_RESOLVE": "0",
+                                     "REMOTE_G2_TARGET_FINGERPRINT": fp})
+    assert cfg.lease_ttl_ms == 5000 and cfg.peer_resolve is False and cfg.fingerprint.model_id == "m"
+    assert TargetConfig.from_env(env={}).peer_resolve is True
+    with pytest.raises(errors.ConfigError, match="REMOTE_G2_TARGET_TIMEOUT_MS"):
+        TargetConfig.from_env(env={"REMOTE_G2_TARGET_TIMEOUT_MS": "soon"})
 
 
 def test_log_level_override(monkeypatch):
