@@ -44,17 +44,17 @@ _entries: dict[tuple[str, str], _Entry] = {}
 def register_adapter(kind: str, name: str, module_path: str, attr: str) -> None:
     """Name ``module_path:attr`` as adapter ``name`` of ``kind``; nothing is imported.
 
-    Raises ``ValueError`` for an unknown kind, an empty name or path, or a
-    ``(kind, name)`` that is already registered (two adapters answering to
-    one name would make a setting ambiguous).
+    Raises :class:`~remote_g2.errors.ConfigError` (like :func:`load_adapter`)
+    for an unknown kind, an empty name or path, or a ``(kind, name)`` that is
+    already registered (two adapters answering to one name would make a
+    setting ambiguous).
     """
-    if kind not in ADAPTER_KINDS:
-        raise ValueError(f"unknown adapter kind {kind!r}; kinds are {', '.join(ADAPTER_KINDS)}")
+    _check_kind(kind)
     if not name or ":" in name or not module_path or not attr:
-        raise ValueError(f"bad adapter registration {kind}/{name!r} -> {module_path!r}:{attr!r}")
+        raise ConfigError(f"bad adapter registration {kind}/{name!r} -> {module_path!r}:{attr!r}")
     with _lock:
         if (kind, name) in _entries:
-            raise ValueError(f"{kind} adapter {name!r} is already registered")
+            raise ConfigError(f"{kind} adapter {name!r} is already registered")
         _entries[(kind, name)] = _Entry(module_path, attr)
 
 
@@ -74,8 +74,7 @@ def load_adapter(kind: str, name: str, module_path: str | None = None) -> Any:
     kind, chained to the underlying error. Safe to call from any thread and
     any number of times (Python caches the import).
     """
-    if kind not in ADAPTER_KINDS:
-        raise ConfigError(f"unknown adapter kind {kind!r}; kinds are {', '.join(ADAPTER_KINDS)}")
+    _check_kind(kind)
     with _lock:
         entry = _entries.get((kind, name))
     if entry is None:
@@ -107,14 +106,18 @@ def available_adapters(kind: None = None) -> dict[str, list[str]]: ...
 def available_adapters(kind: str | None = None) -> list[str] | dict[str, list[str]]:
     """Registered names: sorted for one ``kind``, or ``{kind: names}`` for every kind.
 
-    Nothing is imported. ``ValueError`` for an unknown kind.
+    Nothing is imported. :class:`~remote_g2.errors.ConfigError` for an unknown kind.
     """
     if kind is not None:
-        if kind not in ADAPTER_KINDS:
-            raise ValueError(f"unknown adapter kind {kind!r}; kinds are {', '.join(ADAPTER_KINDS)}")
+        _check_kind(kind)
         with _lock:
             return sorted(n for k, n in _entries if k == kind)
     return {k: available_adapters(k) for k in ADAPTER_KINDS}
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in ADAPTER_KINDS:
+        raise ConfigError(f"unknown adapter kind {kind!r}; kinds are {', '.join(ADAPTER_KINDS)}")
 
 
 def _parse_spec(kind: str, spec: str) -> _Entry:

@@ -74,14 +74,14 @@ def test_unknown_name_lists_known_names():
 def test_unknown_kind():
     with pytest.raises(ConfigError, match="kinds are pool, engine, transfer"):
         load_adapter("storage", "host")
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="kinds are pool, engine, transfer"):
         register_adapter("storage", "x", "m", "A")
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="kinds are pool, engine, transfer"):
         available_adapters("storage")
 
 
 def test_duplicate_registration_is_an_error():
-    with pytest.raises(ValueError, match="already registered"):
+    with pytest.raises(ConfigError, match="already registered"):
         register_adapter("pool", "host", "somewhere.else", "Other")
     # The same name under another kind is a different adapter.
     register_adapter("transfer", "host", "remote_g2.adapters.host_pool", "HostPool")
@@ -90,7 +90,7 @@ def test_duplicate_registration_is_an_error():
 
 @pytest.mark.parametrize("bad", [("", "m", "A"), ("a:b", "m", "A"), ("x", "", "A"), ("x", "m", "")])
 def test_malformed_registration(bad):
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="bad adapter registration"):
         register_adapter("pool", *bad)
 
 
