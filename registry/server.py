@@ -64,7 +64,7 @@ from remote_g2.rpc_server import CallContext, RpcServer
 from .feed import DEFAULT_TICK_S, FeedPublisher
 from .metrics import RegistryMetrics
 from .mirror import RegistryMirror
-from .store import PendingLookups, RegistryStore
+from .store import ConvertedLookups, RegistryStore
 
 __all__ = ["RegistryServer", "DEFAULT_BIND"]
 
@@ -236,7 +236,7 @@ class RegistryServer:
             self.metrics.events_ingested.labels("resync").inc(len(req.hashes))
         return reply
 
-    def _lookups_batch(self, calls: list[tuple[Lookup, CallContext]]) -> list[LookupReply] | _CountedLookups:
+    def _lookups_batch(self, calls: list[tuple[Lookup, CallContext]]) -> list[LookupReply] | ConvertedLookups:
         """Every lookup that queued up together, handed to the store in one go.
 
         A Redis store answers later (the batch is on the wire): the RPC layer
@@ -253,7 +253,16 @@ class RegistryServer:
         if isinstance(started, list):
             self._count_lookups(started, calls)
             return started
-        return _CountedLookups(self, started, calls)
+        return ConvertedLookups(started, lambda replies: self._counted(replies, calls), errors=(StoreUnavailable,),
+                                on_error=self._store_unavailable)
+
+    def _counted(self, replies: list[LookupReply], calls: list[tuple[Lookup, CallContext]]) -> list[LookupReply]:
+        self._count_lookups(replies, calls)
+        return replies
+
+    def _store_unavailable(self, e: BaseException) -> BaseException:
+        self.metrics.errors.labels("store_unavailable").inc()
+        return e
 
     def _count_lookups(self, replies: list[LookupReply], calls: list[tuple[Lookup, CallContext]]) -> None:
         now = time.perf_counter()
@@ -308,22 +317,3 @@ class RegistryServer:
         """Put a write the store accepted on the change feed (no-op without one)."""
         if self.feed is not None:
             self.feed.publish(req)
-
-
-class _CountedLookups:
-    """A store's pending lookups; counts them in the server's metrics once they are read."""
-
-    def __init__(self, server: RegistryServer, pending: PendingLookups, calls: list[tuple[Lookup, CallContext]]):
-        self._server, self._pending, self._calls = server, pending, calls
-
-    def fileno(self) -> int:
-        return self._pending.fileno()
-
-    def result(self) -> list[LookupReply]:
-        try:
-            replies = self._pending.result()
-        except StoreUnavailable:
-            self._server.metrics.errors.labels("store_unavailable").inc()
-            raise
-        self._server._count_lookups(replies, self._calls)
-        return replies

@@ -88,8 +88,8 @@ non-``RemoteG2Error``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from remote_g2.messages import (
     DrainWorkerReply,
@@ -106,7 +106,7 @@ from remote_g2.messages import (
     WorkerRecord,
 )
 
-__all__ = ["PendingLookups", "RegistryStore", "DEFAULT_LEASE_TTL_MS"]
+__all__ = ["PendingLookups", "ConvertedLookups", "RegistryStore", "DEFAULT_LEASE_TTL_MS"]
 
 DEFAULT_LEASE_TTL_MS = 10_000
 
@@ -117,6 +117,32 @@ class PendingLookups(Protocol):
     def fileno(self) -> int: ...
 
     def result(self) -> list[LookupReply]: ...
+
+
+class ConvertedLookups:
+    """Pending answers of ``inner`` (anything with ``fileno()`` and ``result()``) passed through ``convert``.
+
+    An exception of a type in ``errors`` from ``inner.result()`` is handed to
+    ``on_error``, which returns the exception to raise instead (or re-raises).
+    """
+
+    def __init__(self, inner: Any, convert: Callable[[Any], list[LookupReply]], *,
+                 errors: tuple[type[BaseException], ...] = (),
+                 on_error: Callable[[BaseException], BaseException] | None = None) -> None:
+        self._inner, self._convert, self._errors, self._on_error = inner, convert, errors, on_error
+
+    def fileno(self) -> int:
+        return self._inner.fileno()
+
+    def result(self) -> list[LookupReply]:
+        try:
+            raw = self._inner.result()
+        except self._errors as e:
+            error = e if self._on_error is None else self._on_error(e)
+            if error is e:
+                raise
+            raise error from e
+        return self._convert(raw)
 
 
 class RegistryStore(ABC):

@@ -86,7 +86,7 @@ from remote_g2.messages import (
     WorkerRecord,
 )
 
-from .store import DEFAULT_LEASE_TTL_MS, PendingLookups, RegistryStore
+from .store import DEFAULT_LEASE_TTL_MS, ConvertedLookups, PendingLookups, RegistryStore
 
 __all__ = ["RedisStore", "RedisClusterStore", "DEFAULT_KEY_PREFIX"]
 
@@ -652,7 +652,10 @@ class _LookupCommands(_RedisBase):
                 for r in requests])
         except _ERRORS as e:
             raise _unavailable(self, e) from e
-        return _PendingLookups(self, pending, list(tie_breakers))
+        ties = list(tie_breakers)
+        return ConvertedLookups(pending, lambda replies: [_lookup_reply(raw, t) for raw, t in
+                                                          zip(replies, ties, strict=True)],
+                                errors=_ERRORS, on_error=lambda e: _unavailable(self, e))
 
     def _lookup_args(self, payload: Sequence[bytes], kinds: bytes, requester: str | None,
                      compat_key: str | None, want_all_holders: bool) -> list[Any]:
@@ -818,23 +821,6 @@ _KIND = {"stored": b"s", "removed": b"r", "cleared": b"c"}
 def _fp_json(fp: LayoutFingerprint) -> str:
     """Canonical text of a fingerprint: equal fingerprints give equal strings (compared inside Lua)."""
     return json.dumps(dataclasses.asdict(fp), sort_keys=True, separators=(",", ":"))
-
-
-class _PendingLookups:
-    """Lookups on the wire to one Redis; ``result()`` reads and parses their replies."""
-
-    def __init__(self, store: _RedisBase, pending: _PendingScripts, tie_breakers: list[int]) -> None:
-        self._store, self._pending, self._tie_breakers = store, pending, tie_breakers
-
-    def fileno(self) -> int:
-        return self._pending.fileno()
-
-    def result(self) -> list[LookupReply]:
-        try:
-            replies = self._pending.result()
-        except _ERRORS as e:
-            raise _unavailable(self._store, e) from e
-        return [_lookup_reply(raw, t) for raw, t in zip(replies, self._tie_breakers, strict=True)]
 
 
 def _lookup_reply(reply: Any, tie_breaker: int) -> LookupReply:
