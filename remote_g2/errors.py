@@ -6,7 +6,8 @@ Everything the project raises on purpose derives from :class:`RemoteG2Error`::
     ├── ConfigError                  bad settings or environment
     ├── TransportError               the bytes did not get there (or back)
     │   ├── RpcTimeout               no reply within the call's timeout
-    │   └── RpcClosed                the RPC object was used after close()
+    │   ├── RpcClosed                the RPC object was used after close()
+    │   └── LinkClosed               a local link's peer went away or stopped reading
     ├── ProtocolError                a frame or message failed validation
     │   ├── FrameTooLarge
     │   └── UnknownMessage
@@ -16,6 +17,7 @@ Everything the project raises on purpose derives from :class:`RemoteG2Error`::
     │   ├── StoreUnavailable         Redis is unreachable (the server answers, the store does not)
     │   └── MirrorNotReady           a registry mirror is (re)taking its snapshot; ask the server
     ├── SourceError                  source semantics (unknown lease, pin budget, ...)
+    │   └── SiblingUnavailable       rank 0 does not wait again for a sibling that failed recently
     ├── TransferError                a data-plane transfer failed; the caller recomputes
     └── PoolIndexError               misuse of the secondary-pool index
         └── BlockPinnedError         the operation would disturb a pinned block
@@ -35,6 +37,7 @@ __all__ = [
     "TransportError",
     "RpcTimeout",
     "RpcClosed",
+    "LinkClosed",
     "ProtocolError",
     "FrameTooLarge",
     "UnknownMessage",
@@ -44,6 +47,7 @@ __all__ = [
     "StoreUnavailable",
     "MirrorNotReady",
     "SourceError",
+    "SiblingUnavailable",
     "TransferError",
     "PoolIndexError",
     "BlockPinnedError",
@@ -106,6 +110,13 @@ class RpcClosed(TransportError):
     """The client or server was used after it was closed."""
 
 
+class LinkClosed(TransportError):
+    """A local link's peer (:mod:`remote_g2.local_link`) went away (EOF, reset) or stopped reading.
+
+    Nothing more can be sent or received on that link.
+    """
+
+
 class ProtocolError(RemoteG2Error):
     """A frame or message body failed validation (type, size, version, shape).
 
@@ -153,6 +164,15 @@ class MirrorNotReady(RegistryError):
 
 class SourceError(RemoteG2Error):
     """Source semantics: unknown lease, pin budget exhausted, sibling failure, ..."""
+
+
+class SiblingUnavailable(SourceError):
+    """A sibling TP rank failed recently; rank 0 does not wait for it again yet.
+
+    Internal to rank 0: it never crosses the wire (the resolve answers
+    ``ERR SourceError`` naming the rank). Not a :class:`TransportError`: the
+    rank was not called, so it is not counted as one that did not answer.
+    """
 
 
 class TransferError(RemoteG2Error):

@@ -40,7 +40,7 @@ import socket
 import time
 from typing import Any
 
-from remote_g2.errors import ConfigError, ProtocolError, TransportError
+from remote_g2.errors import ConfigError, LinkClosed, ProtocolError, TransportError
 from remote_g2.ipc_paths import claim_ipc_path
 from remote_g2.messages import LinkHello
 from remote_g2.wire import (
@@ -53,13 +53,9 @@ from remote_g2.wire import (
     take_stream_frames,
 )
 
-__all__ = ["MessageLink", "LinkListener", "LinkClosed", "connect_link"]
+__all__ = ["MessageLink", "LinkListener", "LinkClosed", "connect_link"]  # LinkClosed: from remote_g2.errors
 
 _SOCK_BUFFER = 4 << 20  # asked for; the kernel caps it at net.core.{r,w}mem_max
-
-
-class LinkClosed(TransportError):
-    """The link's peer went away (EOF, reset) or stopped reading; nothing more can be sent or received."""
 
 
 class MessageLink:

@@ -39,6 +39,7 @@ import zmq
 from remote_g2.errors import (
     ProtocolError,
     RpcTimeout,
+    SiblingUnavailable,
     SourceError,
     TransportError,
 )
@@ -60,19 +61,9 @@ from remote_g2.wire import ERR, decode_frame, decode_reply_body, decode_request,
 
 from .leases import LeaseTable
 
-__all__ = ["SiblingLinks", "PendingCalls", "SiblingUnavailable", "sibling_handlers"]
+__all__ = ["SiblingLinks", "PendingCalls", "sibling_handlers"]
 
 log = logging.getLogger("remote_g2.source.siblings")
-
-
-
-class SiblingUnavailable(Exception):
-    """A sibling rank failed recently; rank 0 does not wait for it again yet.
-
-    Internal to rank 0 (it never crosses the wire: the resolve answers
-    ``ERR SourceError`` naming the rank), hence not part of the
-    :mod:`remote_g2.errors` tree, whose names must stay unique.
-    """
 
 
 def sibling_handlers(table: LeaseTable, *, max_ttl_ms: int, lease_ttl_ms: Callable[[int], int],

@@ -27,6 +27,10 @@ def test_every_error_is_a_remote_g2_error_and_registered_by_name():
             assert issubclass(obj, errors.RemoteG2Error)
             assert errors.error_class_for(name) is obj
     assert issubclass(errors.RpcTimeout, errors.TransportError)
+    assert issubclass(errors.LinkClosed, errors.TransportError)
+    # Not a TransportError: the sibling was not called, so it must not count as one that did not answer.
+    assert issubclass(errors.SiblingUnavailable, errors.SourceError)
+    assert not issubclass(errors.SiblingUnavailable, errors.TransportError)
     assert issubclass(errors.BlockPinnedError, ValueError)
 
 

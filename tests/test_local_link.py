@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from remote_g2.errors import ConfigError, ProtocolError, TransportError
-from remote_g2.local_link import LinkClosed, LinkListener, MessageLink, connect_link
+from remote_g2.errors import ConfigError, LinkClosed, ProtocolError, TransportError
+from remote_g2.local_link import LinkListener, MessageLink, connect_link
 from remote_g2.messages import LinkHello, Ping, RankBlocks, TargetDone, TargetLoad
 from remote_g2.rpc_client import RpcClient
 from remote_g2.rpc_server import RpcServer
@@ -202,7 +202,8 @@ def test_a_send_to_a_vanished_peer_raises_even_with_sigpipe_at_its_default(tmp_p
     script = f"""
 import signal, sys, threading, time
 signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-from remote_g2.local_link import LinkClosed, LinkListener, connect_link
+from remote_g2.errors import LinkClosed
+from remote_g2.local_link import LinkListener, connect_link
 from remote_g2.messages import TargetDone
 path = {str(tmp_path / "pipe.sock")!r}
 listener = LinkListener(path)
