@@ -13,31 +13,9 @@ from collections.abc import Sequence
 
 from remote_g2.curve import CurveClientConfig
 from remote_g2.messages import (
-    BlockEvent,
-    DrainWorker,
-    DrainWorkerReply,
-    Events,
-    EventsReply,
-    FeedInfo,
-    FeedInfoReply,
-    Heartbeat,
-    HeartbeatReply,
-    LayoutFingerprint,
-    ListWorkers,
-    Lookup,
-    LookupReply,
-    Pong,
-    RegisterWorker,
-    RegisterWorkerReply,
-    Resync,
-    ResyncReply,
-    ScanWorker,
-    ScanWorkerReply,
-    Stats,
-    StatsReply,
-    WhoHas,
-    WorkerInfo,
-    WorkerRecord,
+    BlockEvent, DrainWorker, DrainWorkerReply, Events, EventsReply, FeedInfo, FeedInfoReply, Heartbeat,
+    HeartbeatReply, LayoutFingerprint, ListWorkers, Lookup, LookupReply, Pong, RegisterWorker, RegisterWorkerReply,
+    Resync, ResyncReply, ScanWorker, ScanWorkerReply, Stats, StatsReply, WhoHas, WorkerInfo, WorkerRecord,
 )
 from remote_g2.rpc_client import RpcClient
 

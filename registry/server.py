@@ -34,30 +34,9 @@ from typing import Any
 from remote_g2.curve import CurveClientConfig, CurveServerConfig
 from remote_g2.errors import ConfigError, StoreUnavailable
 from remote_g2.messages import (
-    DrainWorker,
-    DrainWorkerReply,
-    Events,
-    EventsReply,
-    FeedInfo,
-    FeedInfoReply,
-    Heartbeat,
-    HeartbeatReply,
-    ListWorkers,
-    ListWorkersReply,
-    Lookup,
-    LookupReply,
-    RegisterWorker,
-    RegisterWorkerReply,
-    Resync,
-    ResyncReply,
-    ScanWorker,
-    ScanWorkerReply,
-    Stats,
-    StatsReply,
-    WhoHas,
-    WhoHasReply,
-    WorkerInfo,
-    WorkerInfoReply,
+    DrainWorker, DrainWorkerReply, Events, EventsReply, FeedInfo, FeedInfoReply, Heartbeat, HeartbeatReply,
+    ListWorkers, ListWorkersReply, Lookup, LookupReply, RegisterWorker, RegisterWorkerReply, Resync, ResyncReply,
+    ScanWorker, ScanWorkerReply, Stats, StatsReply, WhoHas, WhoHasReply, WorkerInfo, WorkerInfoReply,
 )
 from remote_g2.rpc_server import CallContext, RpcServer
 

@@ -92,18 +92,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from remote_g2.messages import (
-    DrainWorkerReply,
-    Events,
-    EventsReply,
-    Heartbeat,
-    HeartbeatReply,
-    Lookup,
-    LookupReply,
-    RegisterWorker,
-    RegisterWorkerReply,
-    Resync,
-    ResyncReply,
-    WorkerRecord,
+    DrainWorkerReply, Events, EventsReply, Heartbeat, HeartbeatReply, Lookup, LookupReply, RegisterWorker,
+    RegisterWorkerReply, Resync, ResyncReply, WorkerRecord,
 )
 
 __all__ = ["PendingLookups", "ConvertedLookups", "RegistryStore", "DEFAULT_LEASE_TTL_MS"]

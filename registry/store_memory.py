@@ -25,19 +25,8 @@ from dataclasses import dataclass, field
 from remote_g2.errors import StaleEpoch
 from remote_g2.holder_index import HolderIndex
 from remote_g2.messages import (
-    DrainWorkerReply,
-    Events,
-    EventsReply,
-    Heartbeat,
-    HeartbeatReply,
-    Holder,
-    LayoutFingerprint,
-    LookupReply,
-    RegisterWorker,
-    RegisterWorkerReply,
-    Resync,
-    ResyncReply,
-    WorkerRecord,
+    DrainWorkerReply, Events, EventsReply, Heartbeat, HeartbeatReply, Holder, LayoutFingerprint, LookupReply,
+    RegisterWorker, RegisterWorkerReply, Resync, ResyncReply, WorkerRecord,
 )
 
 from .store import DEFAULT_LEASE_TTL_MS, RegistryStore

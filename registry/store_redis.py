@@ -69,21 +69,8 @@ from redis.retry import Retry
 
 from remote_g2.errors import RegistryError, StaleEpoch, StoreUnavailable
 from remote_g2.messages import (
-    BlockEvent,
-    DrainWorkerReply,
-    Events,
-    EventsReply,
-    Heartbeat,
-    HeartbeatReply,
-    Holder,
-    LayoutFingerprint,
-    Lookup,
-    LookupReply,
-    RegisterWorker,
-    RegisterWorkerReply,
-    Resync,
-    ResyncReply,
-    WorkerRecord,
+    BlockEvent, DrainWorkerReply, Events, EventsReply, Heartbeat, HeartbeatReply, Holder, LayoutFingerprint, Lookup,
+    LookupReply, RegisterWorker, RegisterWorkerReply, Resync, ResyncReply, WorkerRecord,
 )
 
 from .store import DEFAULT_LEASE_TTL_MS, ConvertedLookups, PendingLookups, RegistryStore
