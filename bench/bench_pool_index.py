@@ -5,7 +5,7 @@ One op = pin the blocks of a ``--prefix``-hash prefix (all present) and unpin
 them again, on an index of ``--blocks`` blocks with 8-byte hashes. Three
 implementations, measured in the same run on the same requests:
 
-- ``pure-python``: ``remote_g2._pool_index_reference`` (dict + OrderedDict +
+- ``pure-python``: ``tests/pool_index_reference.py`` (dict + OrderedDict +
   threading.Lock), list in, list out;
 - ``cpp-list``: ``PoolIndex.find_and_pin(list_of_bytes)`` +
   ``unpin_blocks_by_id(list)``;
@@ -30,11 +30,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from remote_g2._pool_index_reference import ReferencePoolIndex
-from remote_g2.pool_index import PoolIndex
+import numpy as np  # noqa: E402
+from pool_index_reference import ReferencePoolIndex  # noqa: E402  (the test suite's model of the index)
+
+from remote_g2.pool_index import PoolIndex  # noqa: E402
 
 NUM_REQUESTS = 512  # distinct prefixes cycled through, so caches do not flatter
 

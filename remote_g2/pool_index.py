@@ -34,7 +34,7 @@ Contracts shared by every method:
   ``OverflowError`` and changes nothing.
 
 The compiled core is the private ``remote_g2._pool_index``; the pure-Python
-``remote_g2._pool_index_reference`` implements the same contracts and is the
+``tests/pool_index_reference.py`` implements the same contracts and is the
 model the property tests compare against.
 """
 

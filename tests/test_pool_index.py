@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from remote_g2._pool_index_reference import ReferencePoolIndex
 from remote_g2.errors import BlockPinnedError, PoolIndexError
+from pool_index_reference import ReferencePoolIndex
 from remote_g2.pool_index import MAX_BLOCKS, PoolIndex
 
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from remote_g2._pool_index_reference import ReferencePoolIndex
+from pool_index_reference import ReferencePoolIndex
 from remote_g2.pool_index import PoolIndex
 
 # Valid hashes chosen to collide if anything compared less than the full key:

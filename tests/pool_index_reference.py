@@ -1,4 +1,4 @@
-"""Pure-Python reference for :class:`remote_g2.pool_index.PoolIndex`.
+"""Pure-Python reference for :class:`remote_g2.pool_index.PoolIndex` (a test oracle, not part of the package).
 
 Same API and same contracts (see :mod:`remote_g2.pool_index`), built the
 straightforward way: a dict from hash to block, per-block lists, an
