@@ -15,7 +15,6 @@ Modules::
     config.py      SourceConfig (code or REMOTE_G2_SOURCE* environment)
     leases.py      LeaseTable (per-rank pins per lease, expiry), PinBudget
     siblings.py    sibling IPC sockets, handlers, rank 0's concurrent fan-out
-    tp_group.py    the TP-group communicator and the one start-up allgather
     rank_agent.py  the rank's NIXL agent, registered pool, progress thread
     metrics.py     Prometheus metrics (one private registry per service)
 

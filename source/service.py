@@ -80,6 +80,7 @@ from remote_g2.messages import (
 from remote_g2.rpc_server import CallContext, Handler, RpcServer, free_port_on_host_of
 from remote_g2.rpc_stream import StreamRpcServer, stream_endpoint_on_host_of
 from remote_g2.stall_watchdog import maybe_start_stall_watchdog
+from remote_g2.tp_group import RankRecord, TpGroup, exchange, resolve_tp_group
 
 from .config import ENABLE_ENV, SourceConfig
 from .leases import LeaseTable, PinBudget
@@ -87,7 +88,6 @@ from .metrics import SourceMetrics
 from .peer import owner_of, peer_handlers
 from .rank_agent import RankAgent, agent_name_for
 from .siblings import PendingCalls, SiblingLinks, sibling_handlers
-from .tp_group import RankRecord, TpGroup, exchange, resolve_tp_group
 
 __all__ = ["SourceService", "start_source_service", "maybe_start_source_service"]
 

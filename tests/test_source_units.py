@@ -18,7 +18,7 @@ from remote_g2.adapters.host_pool import HostPool
 from remote_g2.source import PinBudget, SourceConfig, maybe_start_source_service
 from remote_g2.source import service as service_mod
 from remote_g2.source.leases import LeaseTable
-from remote_g2.source.tp_group import RankRecord, TpGroup, exchange
+from remote_g2.tp_group import RankRecord, TpGroup, exchange
 from source_procs.pattern import block_bytes_for, hash_of, make_layout
 
 from remote_g2.errors import ConfigError, SourceError
@@ -518,7 +518,7 @@ def test_tp1_service_without_mpi_serves_curve_only_clients(monkeypatch: pytest.M
 
 
 def test_tp_rank_that_disagrees_with_the_communicator_is_refused() -> None:
-    from remote_g2.source.tp_group import resolve_tp_group
+    from remote_g2.tp_group import resolve_tp_group
 
     comm = ThreadComm.group(2)[1]
     assert resolve_tp_group(None, None, comm).rank == 1
