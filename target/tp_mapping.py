@@ -290,7 +290,7 @@ class ReadPlanner:
 
         Why: a rank plans right after a message woke it, and on this kind of
         host code that ran before a sleep runs several times slower once
-        after it; the price scales with the code run (``bench/bench_wake_cost.py``).
+        after it; the price scales with the code run (``bench/diagnostics/bench_wake_cost.py``).
         The numpy path makes ~20 calls; the two compared:
         ``bench_wake_cost.py --plan-path both`` (docs/benchmarks.md, "Wake
         cost"). Anything unusual — ids that are not a list of

@@ -21,7 +21,7 @@ whole-block extents: one call into the ``_read_plan`` extension) and
 ``array`` (numpy always), warm and woken. ``--cpus same|split`` puts both
 processes on one CPU or on two.
 
-    python bench/bench_wake_cost.py [--rounds 300] [--blocks 32,512] [--idle-ms 0,20] [--plan-path compiled|array|both]
+    python bench/diagnostics/bench_wake_cost.py [--rounds 300] [--blocks 32,512] [--idle-ms 0,20] [--plan-path compiled|array|both]
                                     [--json out.json]
 """
 

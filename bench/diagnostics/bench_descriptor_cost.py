@@ -19,7 +19,7 @@ whose bytes are checked): ``start`` = ``start_read`` (descriptor lists,
 request creation, post), ``total`` = until ``poll`` says done. A numpy copy
 of the same bytes in this process is the baseline.
 
-    python bench/bench_descriptor_cost.py [--mib 64] [--reps 5] [--counts 16,256,4096,16384] [--json out.json]
+    python bench/diagnostics/bench_descriptor_cost.py [--mib 64] [--reps 5] [--counts 16,256,4096,16384] [--json out.json]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 import numpy as np  # noqa: E402
 from source_procs.nixl_source_peer import PeerProcess, pattern_bytes  # noqa: E402

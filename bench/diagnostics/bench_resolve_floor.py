@@ -30,7 +30,7 @@ The gap between the rows is what replacing a transport (or the capture
 fan-out) could save a resolve; ``tcp/unix`` is the floor of the design's hop
 sequence itself.
 
-    python bench/bench_resolve_floor.py [--rounds 300] [--hashes 512] [--idle-ms 0,20] [--copy-mib 0,64]
+    python bench/diagnostics/bench_resolve_floor.py [--rounds 300] [--hashes 512] [--idle-ms 0,20] [--copy-mib 0,64]
                                         [--json out.json]
 """
 
