@@ -36,24 +36,10 @@ from typing import Any
 
 import zmq
 
-from remote_g2.errors import (
-    ProtocolError,
-    RpcTimeout,
-    SiblingUnavailable,
-    SourceError,
-    TransportError,
-)
+from remote_g2.errors import ProtocolError, RpcTimeout, SiblingUnavailable, SourceError, TransportError
 from remote_g2.messages import (
-    ErrorReply,
-    Resolve,
-    SiblingAck,
-    SiblingPin,
-    SiblingPinReply,
-    SiblingRelease,
-    SiblingRenew,
-    SiblingResolve,
-    SiblingTrim,
-    spec_for_request,
+    ErrorReply, Resolve, SiblingAck, SiblingPin, SiblingPinReply, SiblingRelease, SiblingRenew, SiblingResolve,
+    SiblingTrim, spec_for_request,
 )
 from remote_g2.rpc_client import error_from_reply
 from remote_g2.rpc_server import CallContext, Handler
