@@ -116,15 +116,9 @@ class _Forwarded:
         self.undo(self.lease_id, self.pending.wait(), self.owner)
 
 
-def maybe_start_source_service(
-    pool: SecondaryPool,
-    *,
-    worker_id: str,
-    tp_rank: int | None = None,
-    tp_size: int | None = None,
-    config: SourceConfig | None = None,
-    comm: Any = None,
-) -> SourceService | None:
+def maybe_start_source_service(pool: SecondaryPool, *, worker_id: str, tp_rank: int | None = None,
+                               tp_size: int | None = None, config: SourceConfig | None = None,
+                               comm: Any = None) -> SourceService | None:
     """Start this rank's source service when enabled; otherwise do nothing and return None.
 
     Enabled by ``config.enabled`` or ``REMOTE_G2_SOURCE=1`` (``config=None``
@@ -149,15 +143,9 @@ def maybe_start_source_service(
                                 comm=comm)
 
 
-def start_source_service(
-    pool: SecondaryPool,
-    *,
-    worker_id: str,
-    tp_rank: int | None = None,
-    tp_size: int | None = None,
-    config: SourceConfig | None = None,
-    comm: Any = None,
-) -> SourceService:
+def start_source_service(pool: SecondaryPool, *, worker_id: str, tp_rank: int | None = None,
+                         tp_size: int | None = None, config: SourceConfig | None = None,
+                         comm: Any = None) -> SourceService:
     """Start this rank's source service unconditionally (see :func:`maybe_start_source_service`)."""
     if not worker_id or len(worker_id) > 128:
         raise ConfigError(f"worker_id must be 1..128 characters, got {worker_id!r}")
