@@ -64,6 +64,8 @@ class SourceWorker:
             cmds = [cmd + ["-n", str(np), *script]]
         elif launcher == "plain":  # one process per rank, no MPI (start-up exchange through files)
             cmds = [script + ["--file-comm", f"{r}:{np}"] for r in range(np)]
+        elif launcher == "torch":  # one process per rank, start-up exchange over a torch.distributed group
+            cmds = [script + ["--torch-comm", f"{r}:{np}"] for r in range(np)]
         else:
             raise ValueError(f"unknown launcher {launcher!r}")
         self.procs = [subprocess.Popen(c, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,

@@ -12,6 +12,8 @@ Each rank fills a HostPool with hashes ``hash_of(0..N-1)`` (bytes from
 * a file ``D/cmd-{rank}.json`` (``[{"op": "store"|"remove", "hashes": [i, ...]}]``)
   is applied and renamed to ``.done``;
 * ``--file-comm RANK:SIZE`` starts a rank without mpiexec (see :class:`FileComm`);
+  ``--torch-comm RANK:SIZE`` without MPI too, over a real ``torch.distributed``
+  gloo group (:class:`remote_g2.torch_group.TorchGroupComm`, as vLLM's workers);
 * a file ``D/delay-pin-{rank}`` makes this rank's find_and_pin sleep that many
   seconds first (to kill or freeze a rank in the middle of a resolve);
 * ``--mla`` makes the worker an MLA one: the fingerprint says ``is_mla=True``
@@ -194,6 +196,8 @@ def main() -> int:
                         "WORKER_ID-gG and its files carry -gG after their stem")
     p.add_argument("--file-comm", default=None, metavar="RANK:SIZE",
                    help="run without MPI: exchange start-up records through files in DIR/comm")
+    p.add_argument("--torch-comm", default=None, metavar="RANK:SIZE",
+                   help="run without MPI: exchange start-up records over a torch.distributed gloo group")
     p.add_argument("--mla", action="store_true",
                    help="MLA worker: 1 kv head per rank, is_mla fingerprint, rank 0's bytes on every rank")
     p.add_argument("--churn-hashes", type=int, default=0, metavar="M",
@@ -212,6 +216,15 @@ def main() -> int:
     if args.file_comm:
         r, n = (int(x) for x in args.file_comm.split(":"))
         comm = FileComm(args.dir / "comm", r, n)
+        world_rank, world_size = r, n
+    elif args.torch_comm:
+        import torch.distributed as dist
+
+        from remote_g2.torch_group import TorchGroupComm
+
+        r, n = (int(x) for x in args.torch_comm.split(":"))
+        dist.init_process_group("gloo", init_method=f"file://{args.dir / 'torch-init'}", rank=r, world_size=n)
+        comm = TorchGroupComm(dist.new_group(list(range(n)), backend="gloo"))
         world_rank, world_size = r, n
     else:
         from mpi4py import MPI
