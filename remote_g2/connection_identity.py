@@ -19,8 +19,9 @@ a connection that has gone, or of another transport's connection. Instead:
   message is delivered, so the reports are always there by then.)
 * the stream lane draws one per accepted socket
   (:mod:`remote_g2.rpc_stream`);
-* with CURVE and an allow-list, the client's public key (ZAP ``User-Id``)
-  is part of the identity as well.
+* with CURVE, the client's public key (ZAP ``User-Id``; an identifying
+  server runs a ZAP handler even without an allow-list) is part of the
+  identity as well.
 
 Identities never leave the server and are never reused: an owner from one
 transport can never equal an owner from another.

@@ -198,8 +198,11 @@ class RpcServer:
         self._identify = identify_clients
         self._hostile = RateLimitedLog(log)
         self._identities: ZmqConnectionIdentities | None = None
-        # ZAP authentication is per context, so an allow-list gets a private context.
-        self._own_context = context is None and curve is not None and curve.allowed_clients_dir is not None
+        # ZAP is per context, so a server that runs it gets a private context: with an allow-list (it admits
+        # only those keys), and when it identifies clients under CURVE (a ZAP that admits any key tells the
+        # server each connection's key, which becomes part of the connection's identity).
+        self._zap = curve is not None and (curve.allowed_clients_dir is not None or identify_clients)
+        self._own_context = context is None and self._zap
         self._ctx = zmq.Context() if self._own_context else (context or zmq.Context.instance())
         tag = f"{id(self):x}-{next(_server_ids)}"
         self._backend_addr = f"inproc://remote-g2-rpc-{tag}"
@@ -246,12 +249,15 @@ class RpcServer:
             # clean ERR; only absurd ones make libzmq drop the connection.
             front.maxmsgsize = 4 * self._max_frame
             if self._curve is not None:
-                if self._curve.allowed_clients_dir is not None:
+                if self._zap:
+                    from zmq.auth import CURVE_ALLOW_ANY
                     from zmq.auth.thread import ThreadAuthenticator
 
+                    allowed = self._curve.allowed_clients_dir
                     self._auth = ThreadAuthenticator(self._ctx)
                     self._auth.start()
-                    self._auth.configure_curve(domain="*", location=str(self._curve.allowed_clients_dir))
+                    self._auth.configure_curve(domain="*", location=CURVE_ALLOW_ANY if allowed is None
+                                               else str(allowed))
                 self._curve.apply(front)
             if self._identify:  # before bind: every accept is reported
                 self._identities = ZmqConnectionIdentities(front)

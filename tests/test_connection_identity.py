@@ -115,3 +115,22 @@ def test_with_a_curve_allow_list_the_clients_key_is_part_of_its_identity(tmp_pat
         assert rec.seen[1].startswith(one_key + b"/") and rec.seen[2].startswith(two_key + b"/")
     finally:
         server.close()
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
+def test_with_curve_and_no_allow_list_the_clients_key_is_still_part_of_its_identity(tmp_path: Path) -> None:
+    _, server_secret = generate_keypair(tmp_path / "server", "server")
+    _, secret = generate_keypair(tmp_path / "client", "client")
+    client = CurveClientConfig.for_server(str(tmp_path / "server" / "server.key"), str(secret))
+    anonymous = CurveClientConfig.for_server(str(tmp_path / "server" / "server.key"))  # a key drawn per socket
+    rec = Recorder()
+    server = RpcServer("tcp://127.0.0.1:0", {"release": rec}, workers=2, identify_clients=True,
+                       curve=CurveServerConfig.from_files(server_secret))
+    endpoint = server.start()
+    try:
+        _dealer_call(endpoint, b"a", 1, client)
+        _dealer_call(endpoint, b"b", 2, anonymous)
+        assert rec.seen[1].startswith(client.public_key + b"/")
+        assert len(rec.seen[2]) == 40 + 1 + 16 and not rec.seen[2].startswith(client.public_key)
+    finally:
+        server.close()
