@@ -41,7 +41,7 @@ from .config import TargetConfig
 from .load import Load, LoadState
 from .metrics import TargetMetrics
 from .outcomes import Outcomes, drain
-from .resolve_strategies import ClassicResolve, PeerResolve
+from .resolve_strategies import ClassicResolve, PeerResolve, ResolveStrategy
 from .source_directory import SourceDirectory
 
 if TYPE_CHECKING:
@@ -190,8 +190,18 @@ class Coordinator:
             self.fail(load, f"lookup: {match.reason}")
             return
         load.match = match
-        load.strategy = self._peer if self._peer.ready(match) else self._classic
-        load.strategy.start(load, match, min(match.matched, len(load.hashes)))
+        self._start(load, self._peer if self._peer.ready(match) else self._classic)
+
+    def _start(self, load: Load, strategy: ResolveStrategy) -> None:
+        """Take the load's lease with ``strategy``; a bug in it fails the load instead of stranding it."""
+        assert load.match is not None
+        load.strategy = strategy
+        try:
+            strategy.start(load, load.match, min(load.match.matched, len(load.hashes)))
+        except Exception as e:  # pragma: no cover - a bug; the engine must still hear of the load
+            log.exception("load of %s: the %s strategy failed to start", load.request_id, strategy.name)
+            if self.alive(load):
+                self.fail(load, f"internal error starting the {strategy.name} resolve: {type(e).__name__}: {e}")
 
     def rank_done(self, done: TargetDone) -> None:
         """Rank ``done.rank`` finished its share of a load (or was given up on)."""
@@ -213,9 +223,11 @@ class Coordinator:
     def _complete(self, load: Load) -> None:
         """Every rank answered (or was given up on): resolve again, report, or let the release decide."""
         if load.resolve_again and load.match is not None:
+            # Classically, through rank 0, as the restart was noticed: its reply brings the new epoch's
+            # metadata where the ranks lack it.
             log.info("load of %s: source %s restarted; resolving it again", load.request_id, load.match.worker_id)
             load.hand_back_tail()
-            self._resolve(load, load.match)
+            self._start(load, self._classic)
             return
         if load.dispatched:
             self.metrics.phase("reads", time.monotonic() - load.dispatched)
@@ -327,8 +339,16 @@ class Coordinator:
         self._finish(load, why)
 
     def _finish(self, load: Load, error: str | None) -> None:
-        """Report the load to the engine (``error`` None: done) and forget it."""
-        load.enter(LoadState.FAILED if error else LoadState.DONE)
+        """Report the load to the engine (``error`` None: done) and forget it; never raises, never twice."""
+        if load.state.finished:
+            log.error("load %d of %s: reported twice (%s, then %s)", load.load_id, load.request_id,
+                      load.state.name, error or "done")
+            return
+        try:
+            load.enter(LoadState.FAILED if error else LoadState.DONE)
+        except RuntimeError:  # pragma: no cover - a bug in the table; the engine must still hear
+            log.exception("load %d: finishing from %s", load.load_id, load.state.name)
+            load.state = LoadState.FAILED if error else LoadState.DONE
         self._loads.pop(load.load_id, None)
         ok = error is None
         # Counters and logs first: whoever wakes on the outcome finds them already moved.
