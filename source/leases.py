@@ -271,18 +271,22 @@ class LeaseTable:
         Someone else's lease is left alone and not remembered as released: to
         the caller it looks exactly like an unknown one.
         """
+        return self.release_lease(lease_id, owner) is not None
+
+    def release_lease(self, lease_id: int, owner: bytes) -> Lease | None:
+        """:meth:`release`, answering with the lease it ended (its pins already dropped), or None."""
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is not None and lease.owner != owner:
-                return False
+                return None
             lease = self._leases.pop(lease_id, None)
             self._tombstone(lease_id)
             if lease is None:
-                return False
+                return None
             self._pinned -= len(lease.block_ids)
         self._unpin(lease.block_ids, lease_id)
         self._changed()
-        return True
+        return lease
 
     def renew(self, lease_id: int, deadline: float, owner: bytes) -> bool:
         """Move ``owner``'s lease's deadline to ``deadline``; False if it is gone, expired or someone else's."""

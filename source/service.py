@@ -466,11 +466,11 @@ class SourceService:
         # Only the connection that resolved a lease may end it, on any rank: a reader that knows (or
         # guesses) another's lease id cannot expose that reader's blocks to eviction mid-READ.
         owner = owner_of(ctx)
-        lease = self.leases.get(req.lease_id)
-        if not self.leases.release(req.lease_id, owner):
+        lease = self.leases.release_lease(req.lease_id, owner)
+        if lease is None:
             return ReleaseReply(False)
         self.metrics.leases_released.inc()
-        assert self._links is not None and lease is not None
+        assert self._links is not None
         if self._links.ranks and lease.worker_wide:  # a peer_resolve share is this rank's alone
             self._links.begin(lambda r: SiblingRelease(req.lease_id, owner))
         return ReleaseReply(True)
