@@ -391,15 +391,14 @@ class RpcServer:
                 for identity, frames in self._read_front(front, block=False):
                     back.send_multipart([frames[0], identity or b"", *frames[1:]])
             if back in ready:
+                replies: list[tuple[bytes, bytes]] = []
                 while True:
                     try:
-                        reply = back.recv_multipart(zmq.NOBLOCK)
+                        peer, reply = back.recv_multipart(zmq.NOBLOCK)  # a handler thread's [peer, reply]
                     except zmq.Again:
                         break
-                    try:
-                        front.send_multipart(reply, zmq.NOBLOCK)
-                    except zmq.ZMQError as e:  # the reply queue is full, or the client is gone
-                        log.debug("%s: reply not sent: %s", self.name, e)
+                    replies.append((peer, reply))
+                self._send_all(front, replies)
 
     def _read_front(self, sock: zmq.Socket, *, block: bool) -> list[tuple[bytes | None, list[bytes]]]:
         """Every request queued on the ROUTER (up to ``max_batch``; ``block``: wait for the first), identified."""
