@@ -63,8 +63,8 @@ class ShareBook:
             entry = self._open.pop(done.load_id, None)
         if entry is not None:
             request_id, dst = entry
-            self.outcomes.add(request_id, done.ok, dst[done.blocks:] if done.ok and done.blocks else
-                              ([] if done.ok else dst))
+            # A share that loaded says how many leading blocks it loaded (a peer share may be shorter).
+            self.outcomes.add(request_id, done.ok, dst[done.blocks:] if done.ok else dst)
 
 
 class RankLoop:
