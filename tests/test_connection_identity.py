@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import zmq
+from zmq_clients import call_with_routing_id
 
 from remote_g2.curve import CurveClientConfig, CurveServerConfig, generate_keypair
 from remote_g2.messages import Release, ReleaseReply
 from remote_g2.rpc_client import RpcClient
 from remote_g2.rpc_server import CallContext, RpcServer
-from remote_g2.wire import decode_frame, encode_request
 
 
 class Recorder:
@@ -37,22 +37,8 @@ class Recorder:
 
 
 def _dealer_call(endpoint: str, routing_id: bytes, lease_id: int, curve: CurveClientConfig | None = None) -> None:
-    """A call from a DEALER that names its own routing id; retried while the server still holds the last one."""
-    for _ in range(20):
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.linger = 0
-        sock.setsockopt(zmq.ROUTING_ID, routing_id)
-        if curve is not None:
-            curve.apply(sock)
-        try:
-            sock.connect(endpoint)
-            sock.send(encode_request(1, Release(lease_id)))
-            if sock.poll(300):
-                assert decode_frame(sock.recv()).type == "OK"
-                return
-        finally:
-            sock.close(0)
-    raise AssertionError(f"no answer for routing id {routing_id!r}")
+    """A ``release`` from a DEALER that names its own routing id; the recorder answers it released."""
+    assert call_with_routing_id(endpoint, routing_id, Release(lease_id), curve) == ReleaseReply(True)
 
 
 @pytest.mark.parametrize("workers", [1, 3])

@@ -16,13 +16,13 @@ import itertools
 import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import zmq
 
 from source_procs.harness import SourceWorker, have_mpiexec
 from source_procs.pattern import hash_of
+from zmq_clients import call_with_routing_id
 
 from remote_g2.curve import CurveClientConfig, generate_keypair
 from remote_g2.messages import (
@@ -34,10 +34,8 @@ from remote_g2.messages import (
     RenewReply,
     Resolve,
     ResolveReply,
-    spec_for_request,
 )
 from remote_g2.rpc_client import RpcClient
-from remote_g2.wire import decode_frame, decode_reply_body, encode_request
 
 pytestmark = [
     pytest.mark.mpi,
@@ -178,29 +176,6 @@ def test_a_share_on_rank_0_taken_under_a_victims_id_cannot_end_the_victims_sibli
     setup.worker.wait_pins(1, 0)
 
 
-def _raw_call(endpoint: str, routing_id: bytes, request: object, curve: CurveClientConfig | None) -> object:
-    """One call from a ZMQ DEALER that presents ``routing_id`` (a client may choose any).
-
-    While the server still holds an earlier connection under that id (it learns of a close a moment
-    later) it ignores the new one, so an unanswered attempt is made again on a new connection.
-    """
-    ctx = zmq.Context.instance()
-    for _ in range(10):
-        sock = ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        sock.setsockopt(zmq.ROUTING_ID, routing_id)
-        if curve is not None:
-            curve.apply(sock)
-        try:
-            sock.connect(endpoint)
-            sock.send(encode_request(1, request))
-            if sock.poll(500):
-                return decode_reply_body(decode_frame(sock.recv()), spec_for_request(type(request)))
-        finally:
-            sock.close(0)
-    raise AssertionError(f"no reply from {endpoint} to a client with routing id {routing_id!r}")
-
-
 def test_a_crafted_routing_id_cannot_touch_a_lane_connections_lease(setup: Setup) -> None:
     if setup.worker.endpoint == setup.rank0_peer:
         pytest.skip("no stream lane in this set-up")
@@ -211,7 +186,7 @@ def test_a_crafted_routing_id_cannot_touch_a_lane_connections_lease(setup: Setup
     # Whatever the lane calls its connections (formerly b"s" + an 8-byte counter), no routing id reaches them.
     for n in range(1, 40):
         for routing_id in (b"s" + n.to_bytes(8, "big"), b"s" + n.to_bytes(4, "big"), f"s{n}".encode()):
-            assert _raw_call(setup.worker.endpoint, routing_id, Release(lease_id), None) == ReleaseReply(False)
+            assert call_with_routing_id(setup.worker.endpoint, routing_id, Release(lease_id), None) == ReleaseReply(False)
     setup.assert_pins_hold([5, 0])
     assert lane.call(Release(lease_id)).released
     setup.worker.wait_pins(0, 0)
@@ -222,12 +197,12 @@ def test_a_gone_owners_routing_id_does_not_carry_its_lease_and_pins_last_until_e
     owner's connection freed) must not inherit the lease. It ends at its expiry."""
     curve = None if setup.keys is None else setup.keys["owner"]
     routing_id = b"victim-%d" % next(_ids)
-    reply = _raw_call(setup.worker.endpoint, routing_id, Resolve(_hashes(6, start=2), 2_000), curve)
+    reply = call_with_routing_id(setup.worker.endpoint, routing_id, Resolve(_hashes(6, start=2), 2_000), curve)
     assert isinstance(reply, ResolveReply) and reply.reason == "ok"
     setup.worker.wait_pins(0, 6)
     for _ in range(3):
-        assert _raw_call(setup.worker.endpoint, routing_id, Release(reply.lease_id), curve) == ReleaseReply(False)
-        assert _raw_call(setup.worker.endpoint, routing_id, Renew(reply.lease_id, 30_000), curve) == RenewReply(False, 0)
+        assert call_with_routing_id(setup.worker.endpoint, routing_id, Release(reply.lease_id), curve) == ReleaseReply(False)
+        assert call_with_routing_id(setup.worker.endpoint, routing_id, Renew(reply.lease_id, 30_000), curve) == RenewReply(False, 0)
     assert setup.pins() == [6, 6]
     setup.worker.wait_pins(0, 0, timeout_s=10)
     setup.worker.wait_pins(1, 0, timeout_s=10)
