@@ -38,6 +38,7 @@ from typing import Any
 from remote_g2.messages import RankBlocks, Release, Renew, TargetDone, TargetLoad
 from remote_g2.rpc_mux import RpcMux
 
+from .load import LeaseClock
 from .rank_worker import RankWorker
 
 __all__ = ["PeerShares"]
@@ -45,16 +46,12 @@ __all__ = ["PeerShares"]
 log = logging.getLogger("remote_g2.target")
 
 
-@dataclass(slots=True)
-class _Share:
-    """A share this rank holds on its peer source rank, until its load is reported."""
+@dataclass
+class _Share(LeaseClock):
+    """A share this rank holds on its peer source rank, until its load is reported: its lease's clock
+    (as the leader keeps one per load) and why its pins may be gone (renew refused: the load must fail)."""
 
-    endpoint: str
-    lease_id: int
-    expires: float   # time.monotonic(); counted from before the call that set it was sent
-    renew_at: float
-    renewing: bool = False
-    lapsed: str = ""  # why the pins may be gone (renew refused); the load must then fail
+    lapsed: str = ""
 
 
 class PeerShares:
@@ -95,8 +92,8 @@ class PeerShares:
             elif reply.reason != "ok" or reply.matched == 0:
                 self._fail(load, f"{where}: {reply.reason}")
             else:
-                self._leases[load.load_id] = _Share(endpoint, ask.lease_id, sent + reply.expires_in_ms / 1000.0,
-                                                    sent + reply.expires_in_ms / 2000.0)
+                share = self._leases[load.load_id] = _Share(ask.lease_id, endpoint)
+                share.granted(sent, reply.expires_in_ms)
                 self._worker.start(replace(load, ranks=[RankBlocks(self.rank, reply.block_ids)],
                                            dst_block_ids=load.dst_block_ids[:reply.matched], peer=None), received)
 
@@ -145,8 +142,7 @@ class PeerShares:
             elif not reply.renewed:
                 share.lapsed = "the peer source rank dropped the share before the load finished"
             else:
-                share.expires = sent + reply.expires_in_ms / 1000.0
-                share.renew_at = sent + reply.expires_in_ms / 2000.0
+                share.granted(sent, reply.expires_in_ms)
 
         self._mux.call(share.endpoint, Renew(share.lease_id, self._ttl_ms), on_renewed)
 
