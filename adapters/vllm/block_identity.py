@@ -150,8 +150,11 @@ def prompt_block_hashes(block_hashes: Sequence[bytes], num_tokens: int, prompt_l
 
 
 def fingerprint(*, model_id: str, dtype: str, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                scheme: str) -> LayoutFingerprint:
-    """This instance's layout fingerprint (tensor parallel size 1; whole-model KV heads)."""
+                scheme: str, tp_size: int = 1, is_mla: bool = False) -> LayoutFingerprint:
+    """This instance's layout fingerprint: ``num_kv_heads`` counts the whole model's KV heads (every rank's).
+
+    For MLA, ``num_kv_heads`` is 1 and ``head_dim`` the latent width: every rank holds the same latent cache.
+    """
     return LayoutFingerprint(model_id=model_id, dtype=dtype[:64], tokens_per_block=block_size, kv_layout="HND",
-                             num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, tp_size=1,
-                             hash_scheme=scheme)
+                             num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, tp_size=tp_size,
+                             is_mla=is_mla, hash_scheme=scheme)

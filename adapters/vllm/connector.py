@@ -20,12 +20,18 @@ Scheduler side (vLLM's scheduler process)
   ``build_connector_meta`` sends the step's loads and the blocks to save
   (prompt blocks that became full) to the worker.
 
-Worker side (each model runner)
-  ``register_kv_caches`` builds the worker's G2 pool (a
+Worker side (each model runner; one per TP rank)
+  ``register_kv_caches`` builds the rank's G2 pool (a
   :class:`~remote_g2.adapters.host_pool.HostPool` in remote-g2's block
-  layout, plus landing slots), checks that the tensors it was given have the
-  dtype and shape the scheduler's fingerprint promised, and starts the source
-  service and target client on it — the same hooks an engine executor calls.
+  layout, over the rank's own KV heads, plus landing slots), checks that the
+  tensors it was given have the dtype and shape the scheduler's fingerprint
+  promised, and starts the source service and target client on it — the same
+  hooks an engine executor calls. At ``tensor_parallel_size > 1`` their
+  start-up exchange runs over vLLM's CPU TP group
+  (:class:`~remote_g2.torch_group.TorchGroupComm`), rank 0's target client
+  resolves each load and hands every rank its share (heterogeneous TP as the
+  core plans it), and the ranks agree on what each step decides
+  (:mod:`.tp_sync`).
   ``wait_for_save`` copies the step's full prompt blocks into G2 (the
   source's pool listener publishes them to the registry). ``start_load_kv``
   starts each request's load: blocks already in this worker's G2 are copied
@@ -42,9 +48,10 @@ reports the request received; the connector reports it only once every fetch
 it waits on has ended, and copies nothing into the blocks of a request vLLM
 has finished.
 
-Limits: tensor_parallel_size 1 (refused with a ConfigError by the plugin
-of :mod:`.plugin` before the model loads), uniform attention layers, the
-layouts in :mod:`.kv_blocks`.
+Limits (refused with a ConfigError by the plugin of :mod:`.plugin`
+before the model loads): pipeline_parallel_size 1; at tensor_parallel_size
+> 1 the model's KV heads must divide among the ranks (vLLM replicates them
+otherwise). Uniform attention layers, the layouts in :mod:`.kv_blocks`.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ from ..landing_slots import LandingSlots, valid_prefix
 from . import block_identity
 from .fetches import FetchTable, RequestLoad
 from .kv_blocks import VllmKvLayout
+from .tp_sync import FetchOutcome, TpSync
 
 try:  # vLLM is an optional dependency: `make test-vllm` installs it
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -106,7 +114,9 @@ class ConnectorSettings:
     failed_source_cooldown_s: float = 30.0
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
+    def from_extra(cls, extra: dict[str, Any], *, default_worker_id: str | None = None) -> ConnectorSettings:
+        """``default_worker_id``: the name when ``worker_id`` is not set (the same in every process of the
+        instance: its scheduler and every TP rank must agree on it)."""
         known = {f for f in cls.__dataclass_fields__}
         unknown = set(extra) - known
         if unknown:
@@ -114,13 +124,28 @@ class ConnectorSettings:
                               f"(known: {sorted(known)})")
         values = dict(extra)
         values.setdefault("registry", os.environ.get("REMOTE_G2_REGISTRY"))
-        values.setdefault("worker_id", f"vllm-{socket.gethostname()}-{os.getpid()}")
+        values.setdefault("worker_id", default_worker_id or f"vllm-{socket.gethostname()}-{os.getpid()}")
         s = cls(**values)
         if s.g2_blocks < 1 or s.landing_blocks < 1:
             raise ConfigError("g2_blocks and landing_blocks must be >= 1")
         if not s.failed_source_cooldown_s >= 0:
             raise ConfigError(f"failed_source_cooldown_s must be >= 0, not {s.failed_source_cooldown_s}")
         return s
+
+
+def _tp_comm(tp_size: int) -> Any:
+    """vLLM's CPU TP group as the TP-group communicator (None at TP 1)."""
+    if tp_size == 1:
+        return None
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from remote_g2.torch_group import TorchGroupComm
+
+    group = get_tp_group()
+    comm = TorchGroupComm(group.cpu_group)
+    if comm.Get_size() != tp_size:
+        raise ConfigError(f"vLLM's TP group has {comm.Get_size()} ranks, tensor_parallel_size is {tp_size}")
+    return comm
 
 
 def check_vllm_config(vllm_config: VllmConfig) -> str:
@@ -133,12 +158,17 @@ def check_vllm_config(vllm_config: VllmConfig) -> str:
     is built.
     """
     tp = int(vllm_config.parallel_config.tensor_parallel_size)
-    if tp != 1:
-        raise ConfigError(f"remote-g2's vLLM connector supports tensor_parallel_size=1, got {tp}; run one "
-                          "instance per GPU (or per CPU socket) with tensor_parallel_size=1")
     pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1))
     if pp != 1:
         raise ConfigError(f"remote-g2's vLLM connector supports pipeline_parallel_size=1, got {pp}")
+    mc = vllm_config.model_config
+    if tp > 1 and not getattr(mc, "use_mla", False):
+        heads = int(mc.get_total_num_kv_heads())
+        if heads % tp:
+            # vLLM then replicates KV heads across ranks: no rank holds a slice the TP planner can address.
+            raise ConfigError(f"remote-g2's vLLM connector needs the model's {heads} KV heads to divide among "
+                              f"tensor_parallel_size={tp} ranks (vLLM would replicate them); use a TP size that "
+                              f"divides {heads}")
     return block_identity.hash_scheme(str(vllm_config.cache_config.prefix_caching_hash_algo))
 
 
@@ -195,8 +225,14 @@ class RemoteG2Connector(KVConnectorBase_V1):
             from remote_g2.log import configure_logging
 
             configure_logging()
-        self.settings = ConnectorSettings.from_extra(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
+        # The scheduler and every TP rank run in processes of their own: the default name comes from the
+        # engine id they all share.
+        engine_id = str(getattr(self._kv_transfer_config, "engine_id", None) or "")
+        self.settings = ConnectorSettings.from_extra(
+            dict(self._kv_transfer_config.kv_connector_extra_config or {}),
+            default_worker_id=f"vllm-{socket.gethostname()}-{engine_id[:12]}" if engine_id else None)
         self._hash_scheme = check_vllm_config(vllm_config)
+        self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.block_size = int(vllm_config.cache_config.block_size)
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy != "recompute":
@@ -221,6 +257,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
         self.target: Any = None
         self._landing: LandingSlots | None = None
         self._fetches = FetchTable()
+        self._sync = TpSync()
         self._load_errors: set[int] = set()
         self._received: set[str] = set()
         self._source_failures: set[str] = set()  # for the scheduler, in the next worker metadata
@@ -239,8 +276,9 @@ class RemoteG2Connector(KVConnectorBase_V1):
         """The layout this worker's blocks have, as the scheduler knows it (model config; dtype resolved)."""
         if self._fingerprint is None:
             mc = self._vllm_config.model_config
+            mla = bool(getattr(mc, "use_mla", False))
             try:
-                heads = int(mc.get_total_num_kv_heads())
+                heads = 1 if mla else int(mc.get_total_num_kv_heads())
                 layers = int(mc.get_num_layers(self._vllm_config.parallel_config))
                 head_dim = int(mc.get_head_size())
             except Exception as e:  # no layout, no fingerprint: never match rather than guess
@@ -250,7 +288,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
             self._fingerprint = block_identity.fingerprint(
                 model_id=self._model_id, dtype=block_identity.kv_dtype_name(dtype, self._cache_dtype),
                 block_size=self.block_size, num_layers=layers, num_kv_heads=heads, head_dim=head_dim,
-                scheme=self._hash_scheme)
+                scheme=self._hash_scheme, tp_size=self._tp_size, is_mla=mla)
         return self._fingerprint
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -299,6 +337,14 @@ class RemoteG2Connector(KVConnectorBase_V1):
         source = reply.best.worker_id if reply.best is not None else None
         if source is not None and self._failed_sources.remaining(source) > 0:
             return 0, False  # a load from it failed moments ago: recompute now rather than wait it out
+        if reply.best is not None:
+            from remote_g2.target.layout_compat import check_fingerprints
+
+            why = check_fingerprints(replace(fp, tp_size=reply.best.tp_size), fp)
+            if why:  # e.g. TP 2 and TP 3: the same blocks, but no plan reads one from the other
+                log.info("%s: %s holds %d blocks this instance cannot read (%s)", request.request_id, source,
+                         matched, why)
+                return 0, False
         state.load_from, state.load_blocks, state.source = local, matched - local, source
         return (matched - local) * self.block_size, True
 
@@ -375,50 +421,66 @@ class RemoteG2Connector(KVConnectorBase_V1):
         from remote_g2.target import TargetConfig, maybe_start_target_client
 
         s = self.settings
+        comm = _tp_comm(self._tp_size)
+        self._sync = TpSync(comm)
+        rank, tp = self._sync.rank, self._sync.size
         self._kv = kv = VllmKvLayout.from_kv_caches(kv_caches, self.block_size)
         fp = block_identity.fingerprint(model_id=self._model_id,
                                         dtype=block_identity.kv_dtype_name(kv.dtype, self._cache_dtype),
                                         block_size=self.block_size, num_layers=len(kv.views),
-                                        num_kv_heads=kv.kv_heads, head_dim=kv.head_dim, scheme=self._hash_scheme)
+                                        num_kv_heads=kv.kv_heads * tp, head_dim=kv.head_dim,
+                                        scheme=self._hash_scheme, tp_size=tp)
         promised = self._scheduler_fingerprint()
         if promised is not None and promised.compat_key() != fp.compat_key():
-            raise ConfigError(f"vLLM's KV tensors ({fp}) differ from what its configuration says ({promised}): "
-                              "the scheduler's lookups would never match this worker's blocks")
+            raise ConfigError(f"vLLM's KV tensors on TP rank {rank} ({fp}) differ from what its configuration "
+                              f"says ({promised}): the scheduler's lookups would never match this worker's blocks")
         self._pool = HostPool(kv.g2_layout(s.g2_blocks + s.landing_blocks), reserved_blocks=s.landing_blocks)
         self._pool_rows = kv.pool_view(self._pool.tensor)
-        self._landing = LandingSlots(self._pool.reserved_block_ids)
+        self._landing = LandingSlots(self._pool.reserved_block_ids, clock=self._sync.now)
         common = {"registry_endpoint": s.registry, "fingerprint": fp}
         if s.ipc_dir:
             common["ipc_dir"] = s.ipc_dir
-        try:
+        try:  # both collective over the TP group: every rank starts both, in this order
             if s.source:
                 self.source = maybe_start_source_service(
-                    self._pool, worker_id=s.worker_id, tp_rank=0, tp_size=1,
+                    self._pool, worker_id=s.worker_id, tp_rank=rank, tp_size=tp, comm=comm,
                     config=replace(SourceConfig.from_env(fingerprint=fp), enabled=True, **common))
             if s.target and s.registry:
                 self.target = maybe_start_target_client(
-                    self._pool, worker_id=s.worker_id, tp_rank=0, tp_size=1,
+                    self._pool, worker_id=s.worker_id, tp_rank=rank, tp_size=tp, comm=comm,
                     config=replace(TargetConfig.from_env(), enabled=True, transfer=s.transfer,
                                    transfer_timeout_ms=s.transfer_timeout_ms, **common))
         except BaseException:
             self.shutdown()
             raise
-        log.info("remote-g2 worker %s: %d layers (%s layout, %s), %d-byte blocks, G2 %d blocks + %d landing; "
-                 "source %s, target %s", s.worker_id, len(kv.views), kv.kind, fp.dtype, kv.block_bytes, s.g2_blocks,
-                 s.landing_blocks, "on" if self.source else "off", "on" if self.target else "off")
+        log.info("remote-g2 worker %s rank %d/%d: %d layers (%s layout, %s, %d of %d KV heads), %d-byte blocks, "
+                 "G2 %d blocks + %d landing; source %s, target %s", s.worker_id, rank, tp, len(kv.views), kv.kind,
+                 fp.dtype, kv.kv_heads, fp.num_kv_heads, kv.block_bytes, s.g2_blocks, s.landing_blocks,
+                 "on" if self.source else "off", "on" if self.target else "off")
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, RemoteG2ConnectorMetadata)
+        if not meta.loads:
+            return
+        # A block is copied from this instance's own G2 only if every rank holds it (one exchange a step).
+        wanted = list(dict.fromkeys(h for load in meta.loads for h in load.hashes))
+        here = [self._pool is not None and self._pool.lookup(h) is not None for h in wanted]
+        everywhere = {h for h, ok in zip(wanted, self._sync.held_everywhere(here)) if ok}
         for load in meta.loads:
-            self._start_load(load)
+            self._start_load(load, everywhere)
 
-    def _start_load(self, load: _Load) -> None:
-        """Copy the blocks this worker's G2 has, wait on those already being fetched, fetch the rest once."""
+    def _start_load(self, load: _Load, held_everywhere: set[bytes]) -> None:
+        """Copy the blocks this worker's G2 has, wait on those already being fetched, fetch the rest once.
+
+        Every rank takes the same decisions here (``held_everywhere`` is agreed, the fetch table and the
+        landing slots are kept alike by :mod:`.tp_sync`); only the leader starts the fetch, whose shares its
+        target client hands to the other ranks, into the same landing slots.
+        """
         assert self._pool is not None or self.target is None
         # this worker's G2 block of each hash another request is not already fetching
-        held = [None if self._pool is None or self._fetches.in_flight(h) else self._pool.lookup(h)
-                for h in load.hashes]
+        held = [None if self._pool is None or self._fetches.in_flight(h) or h not in held_everywhere
+                else self._pool.lookup(h) for h in load.hashes]
         local = [b is not None for b in held]
         need = self._fetches.to_fetch(load.hashes, local)
         if need and (self.target is None or self._landing is None or self._landing.available() < need):
@@ -431,7 +493,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
             self._copy_local(load, held)
         slots = self._landing.take(need) if need else []
         _, fetch = self._fetches.add(load.request_id, load.hashes, load.block_ids, local=local, new_slots=slots)
-        if fetch is not None:
+        if fetch is not None and self._sync.rank == 0:
             assert self.target is not None
             self.target.start_load(fetch.fetch_id, fetch.hashes, fetch.slots)
 
@@ -470,8 +532,8 @@ class RemoteG2Connector(KVConnectorBase_V1):
         received, self._received = self._received, set()
         ready: list[RequestLoad] = self._fetches.ready_now()
         if self.target is not None and len(self._fetches):
-            done, failed = self.target.get_finished()
-            invalid = self.target.invalid_block_ids()
+            ended = self._sync.leader_outcome(self._leader_outcome())
+            done, failed, invalid = ended.done, ended.failed, ended.invalid
             for fid in sorted(done | failed):
                 fetch = self._fetches.fetch(fid)
                 if fetch is None:
@@ -486,6 +548,17 @@ class RemoteG2Connector(KVConnectorBase_V1):
             self._finish(load)
             received.add(load.request_id)
         return None, (received or None)
+
+    def _leader_outcome(self) -> FetchOutcome | None:
+        """Rank 0: the fetches its target client finished (every rank's share ended, or timed out). Other
+        ranks: None; they drain their own shares' outcomes, which the leader has already counted."""
+        assert self.target is not None
+        if self._sync.rank != 0:
+            self.target.get_finished_shares()
+            self.target.share_invalid_block_ids()
+            return None
+        done, failed = self.target.get_finished()
+        return FetchOutcome(done, failed, self.target.invalid_block_ids())
 
     def _keep_fetched(self, hashes: list[bytes], slots: list[int]) -> None:
         """Keep what a fetch brought in G2 too: this worker can share it in turn, and reuse it locally."""

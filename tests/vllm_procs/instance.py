@@ -2,7 +2,7 @@
 
 ``python tests/vllm_procs/instance.py --model DIR --prompts P.json --out O.json [--registry E --worker-id W]
 [--hold-file F] [--dtype D] [--lora DIR] [--hf-overrides JSON] [--batch] [--abort-first MARKER]
-[--transfer T]``.
+[--transfer T] [--tp N] [--dump-g2 PREFIX]``.
 
 With ``--registry`` the RemoteG2Connector is enabled (source and target);
 without it this is plain vLLM. Each prompt is a token-id list, or an object
@@ -16,6 +16,11 @@ and vLLM's ``num_cached_tokens``.
   soon as MARKER exists (the slowed transfer of ``--transfer`` touches it
   when its READ is about to be posted), then the others run; its output is
   ``{"aborted": true}``.
+
+With ``--dump-g2 PREFIX``, once the prompts ran every TP rank writes its G2
+pool (block hash hex → the block as ``[layers, 2, rank's kv heads,
+block_size, head_dim]``) to ``PREFIX.rank{R}.pt`` (torch.save), read in the
+worker process through vLLM's ``collective_rpc``.
 
 With ``--hold-file`` the instance stays up (its G2 pool keeps serving) until
 that file exists.
@@ -48,10 +53,13 @@ def main() -> None:
     p.add_argument("--transfer", default="nixl")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--hf-overrides", help="JSON object: vLLM's hf_overrides (e.g. another RoPE base)")
+    p.add_argument("--dump-g2")
     p.add_argument("--hold-file")
     p.add_argument("--hold-s", type=float, default=300)
     a = p.parse_args()
 
+    if a.dump_g2:
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of a function (this test's own)
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -117,9 +125,24 @@ def main() -> None:
         for e in entries:
             out = llm.generate([prompt(e)], params, use_tqdm=False, lora_request=lora_of(e))[0]
             results.append(record(out))
+    if a.dump_g2:
+        llm.collective_rpc(dump_g2, args=(a.dump_g2,))
     write_and_hold(a.out, results, a.hold_file, a.hold_s)
     del llm
     os._exit(0)  # vLLM's engine-core child and NIXL threads: do not wait for interpreter teardown
+
+
+def dump_g2(worker: Any, prefix: str) -> int:
+    """In a vLLM worker: write this rank's G2 pool to ``PREFIX.rank{R}.pt``; how many blocks it holds."""
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.distributed.parallel_state import get_tp_group
+
+    conn = get_kv_transfer_group()
+    pool, rows = conn._pool, conn._pool_rows
+    blocks = {h.hex(): rows[pool.lookup(h)].clone() for h in pool.block_hashes()}
+    torch.save(blocks, f"{prefix}.rank{get_tp_group().rank_in_group}.pt")
+    return len(blocks)
 
 
 if __name__ == "__main__":

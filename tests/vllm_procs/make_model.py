@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 
-def make_model(out: Path, *, vocab: int = 512, seed: int = 0, max_positions: int = 2048) -> Path:
+def make_model(out: Path, *, vocab: int = 512, seed: int = 0, max_positions: int = 2048, heads: int = 2,
+               kv_heads: int = 2) -> Path:
     import torch
     from tokenizers import ByteLevelBPETokenizer
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -24,7 +25,7 @@ def make_model(out: Path, *, vocab: int = 512, seed: int = 0, max_positions: int
     fast.save_pretrained(out)
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
                          initializer_range=0.2, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
                          torch_dtype="float32")
     LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)

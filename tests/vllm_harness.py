@@ -1,0 +1,153 @@
+"""What the real-vLLM tests share: the instance process, its environment, prompts, and how to read its log.
+
+An :class:`Instance` is ``tests/vllm_procs/instance.py`` in a process group
+of its own (its engine core and TP workers with it), pinned to this box's
+cores the way vLLM's CPU backend wants (``VLLM_CPU_OMP_THREADS_BIND``: one
+core per TP rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from remote_g2.registry import RegistryClient
+
+__all__ = ["HERE", "INSTANCE", "BLOCK", "Instance", "make_model", "prompts", "write_prompts", "blocks_fetched", "instance_env",
+           "wait_published", "source_a"]
+
+HERE = Path(__file__).resolve().parent
+INSTANCE = HERE / "vllm_procs" / "instance.py"
+BLOCK = 32
+
+
+def make_model(out: Path, **kw: int) -> Path:
+    """A tiny random-weight Llama (``tests/vllm_procs/make_model.py``; ``heads``, ``kv_heads``...) in ``out``."""
+    if str(HERE / "vllm_procs") not in sys.path:
+        sys.path.insert(0, str(HERE / "vllm_procs"))
+    from make_model import make_model as make
+
+    return make(out, **kw)
+
+
+def prompts(seed: int, n: int, length: int = 300) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(length)] for _ in range(n)]
+
+
+def write_prompts(tmp: Path, name: str, entries: list) -> Path:
+    path = tmp / f"{name}.prompts.json"
+    path.write_text(json.dumps(entries))
+    return path
+
+
+def blocks_fetched(log: str) -> int:
+    """Blocks the instance read from remote G2s, summed over its fetches (one READ per block each)."""
+    return sum(int(n) for n in re.findall(r"fetch \S+: (\d+) of \d+ blocks read from a remote G2", log))
+
+
+def cores(name: str, tp: int = 1) -> str:
+    """The CPU(s) instance ``name``'s TP ranks pin to (``VLLM_CPU_OMP_THREADS_BIND``: ranks split by ``|``).
+
+    vLLM's CPU backend pins each worker process to cores; left at ``auto``
+    every instance on a box picks the same one (core 0 here), and
+    remote-g2's source threads, which live in that process, get no CPU while
+    a neighbour computes there: A's resolves and renewals timed out while B
+    started up (sampled: A's worker threads runnable, 0 ms of CPU in 30 s).
+    Instances are spread over the cores by name; TP ranks take consecutive
+    ones from there (on a 2-core box, an instance at TP 2 uses both).
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    first = (ord(name[0]) - ord("a")) % len(cpus)
+    return "|".join(str(cpus[(first + r) % len(cpus)]) for r in range(tp))
+
+
+def instance_env(name: str, tp: int = 1) -> dict[str, str]:
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "UCX_LOG_LEVEL": "fatal", "VLLM_LOGGING_LEVEL": "WARNING",
+            "REMOTE_G2_LOG_LEVEL": os.environ.get("REMOTE_G2_LOG_LEVEL", "INFO"), "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_CPU_OMP_THREADS_BIND": cores(name, tp),
+            # If a source still stalls, its log gets every thread's stack (remote_g2/stall_watchdog.py).
+            "REMOTE_G2_STALL_DUMP_S": "5"}
+
+
+def wait_published(registry: str, worker_id: str, want: int, inst: Instance) -> None:
+    with RegistryClient(registry) as reg:
+        held = reg.wait_for_blocks(worker_id, want, timeout_s=20)
+    assert held >= want, f"{worker_id}'s blocks never reached the registry\n{inst.tail()}"
+
+
+class Instance:
+    """A vLLM instance process (instance.py) at TP ``tp``; ``result()`` waits for its outputs."""
+
+    def __init__(self, tmp: Path, name: str, model: Path, prompts: Path, registry: str | None, *args: str,
+                 env: dict[str, str] | None = None, tp: int = 1) -> None:
+        self.name = name
+        self.out, self.hold, self.log = tmp / f"{name}.json", tmp / f"{name}.stop", tmp / f"{name}.log"
+        cmd = [sys.executable, str(INSTANCE), "--model", str(model), "--prompts", str(prompts),
+               "--out", str(self.out), "--hold-file", str(self.hold), "--worker-id", f"vllm-{name}",
+               "--tp", str(tp), *args]
+        if registry:
+            cmd += ["--registry", registry]
+        self._log = open(self.log, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**instance_env(name, tp), **(env or {})}, start_new_session=True)
+
+    def run(self) -> list[dict]:
+        """:meth:`result`, then :meth:`stop` (also when there is no result)."""
+        try:
+            return self.result()
+        finally:
+            self.stop()
+
+    def result(self, timeout_s: float = 240) -> list[dict]:
+        deadline = time.monotonic() + timeout_s
+        while not self.out.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"vLLM instance gave no result (rc={self.proc.poll()}):\n{self.tail()}")
+            time.sleep(0.2)
+        return json.loads(self.out.read_text())
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def tail(self) -> str:
+        return self.log.read_bytes()[-6000:].decode(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL the instance's whole process group (its engine core and workers too)."""
+        os.killpg(self.proc.pid, 9)
+        self.proc.wait(10)
+        self._log.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        self.hold.touch()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait(10)
+        self._log.close()
+
+
+@contextmanager
+def source_a(tmp: Path, model: Path, prompts: Path, registry: str, blocks: int, *args: str,
+             tp: int = 1, name: str = "a") -> Iterator[tuple[Instance, list[dict]]]:
+    """Instance A (connector on): serves ``prompts``, waits until ``blocks`` are published, stays up in the block."""
+    a = Instance(tmp, name, model, prompts, registry, *args, tp=tp)
+    try:
+        out_a = a.result()
+        wait_published(registry, f"vllm-{name}", blocks, a)
+        yield a, out_a
+    finally:
+        a.stop()
