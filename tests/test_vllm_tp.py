@@ -18,6 +18,9 @@ a core of its own (``VLLM_CPU_OMP_THREADS_BIND``; this box has two).
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -81,3 +84,87 @@ def test_tp_pairings_land_the_sources_kv_bit_for_bit_and_generate_as_plain_vllm(
         assert [o["tokens"] for o in out_a] == [o["tokens"] for o in out_b]
     else:  # the prompts are ones where plain vLLM at TP 1 and TP 2 agree (see the module docstring)
         assert [o["tokens"] for o in out_a] == [o["tokens"] for o in plain_b]
+
+
+SLOW_TRANSFER = "fault_procs.slow_transfer:SlowNixlTransfer"  # blocks before it posts each READ
+
+
+def _worker_pid(inst: vh.Instance, title: str) -> int:
+    """The pid of the process titled ``VLLM::<title>`` (vLLM names its workers) in ``inst``'s session."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry.name)) != inst.proc.pid:
+                continue
+            if (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace") == f"VLLM::{title}":
+                return int(entry.name)
+        except (OSError, ProcessLookupError):
+            continue
+    raise AssertionError(f"no VLLM::{title} process in {inst.name}'s session")
+
+
+def test_one_source_rank_killed_mid_load_at_tp2_means_recompute_on_every_rank(
+        tmp_path: Path, model_dir: Path, registry: str) -> None:
+    """A's TP rank 1 dies while B's (slowed) READs from A are about to be posted: every rank of B gives up on
+    the load within the transfer timeout, B recomputes and answers as A (plain TP 2) did."""
+    p = vh.prompts(22, 2, LENGTH)
+    prompts = vh.write_prompts(tmp_path, "p", p)
+    marker = tmp_path / "reading"
+    a = vh.Instance(tmp_path, "a", model_dir, prompts, registry, tp=2)
+    try:
+        out_a = a.result()
+        vh.wait_published(registry, "vllm-a", 2 * FULL, a)
+        victim = _worker_pid(a, "Worker_TP1")
+        b = vh.Instance(tmp_path, "b", model_dir, prompts, registry, "--transfer", SLOW_TRANSFER, tp=2,
+                        env={"PYTHONPATH": str(vh.HERE), "REMOTE_G2_TEST_READING_FILE": str(marker),
+                             "REMOTE_G2_TEST_READ_DELAY_S": "2"})
+        deadline = time.monotonic() + 240
+        while not marker.exists() and time.monotonic() < deadline and b.proc.poll() is None:
+            time.sleep(0.05)
+        assert marker.exists(), b.tail()
+        os.kill(victim, signal.SIGKILL)  # one rank of the source; its rank 0 may still answer
+        t0 = time.monotonic()
+        out_b = b.run()
+        elapsed = time.monotonic() - t0
+    finally:
+        a.kill()
+    log_b = b.text()
+    assert elapsed < 60, log_b[-4000:]  # the transfer timeout (10 s) and a recompute, never a hang
+    # The first prompt's load failed as a whole on both of B's ranks; the second was not tried (A cools down).
+    assert log_b.count(f"0 of {FULL} blocks loaded from a remote G2") == 2, log_b[-4000:]
+    assert log_b.count("blocks loaded from a remote G2") == 2, log_b[-4000:]
+    assert [o["num_cached_tokens"] for o in out_b] == [0, 0]
+    assert [o["tokens"] for o in out_b] == [o["tokens"] for o in out_a]
+
+
+def test_lora_cache_salt_and_kv_dtype_edges_hold_at_tp2(tmp_path: Path, model_dir: Path, lora_dir: Path,
+                                                        registry: str) -> None:
+    """At TP 2 on both sides: only equal (adapter, salt) pairs of equal KV dtype are reused; outputs are plain
+    vLLM's."""
+    p = vh.prompts(23, 6, LENGTH)
+    #          A serves                       B serves                       B may reuse
+    pairs = [({"ids": p[0], "lora": True},    {"ids": p[0]},                  False),  # adapter -> base
+             ({"ids": p[1]},                  {"ids": p[1], "lora": True},    False),  # base -> adapter
+             ({"ids": p[2], "salt": "ten-a"}, {"ids": p[2], "salt": "ten-b"}, False),  # salt -> other salt
+             ({"ids": p[3]},                  {"ids": p[3], "salt": "ten-b"}, False),  # no salt -> salt
+             ({"ids": p[4], "salt": "same"},  {"ids": p[4], "salt": "same"},  True),
+             ({"ids": p[5], "lora": True},    {"ids": p[5], "lora": True},    True)]
+    a_file = vh.write_prompts(tmp_path, "a", [x for x, _, _ in pairs])
+    b_file = vh.write_prompts(tmp_path, "b", [y for _, y, _ in pairs])
+    lora = ("--lora", str(lora_dir))
+    with vh.source_a(tmp_path, model_dir, a_file, registry, len(pairs) * FULL, *lora, tp=2):
+        b = vh.Instance(tmp_path, "b", model_dir, b_file, registry, *lora, tp=2)
+        out_b = b.run()
+        d = vh.Instance(tmp_path, "d", model_dir, b_file, registry, *lora, "--dtype", "bfloat16", tp=2)
+        out_d = d.run()
+    out_c = vh.Instance(tmp_path, "c", model_dir, b_file, None, *lora, tp=2).run()
+    out_e = vh.Instance(tmp_path, "e", model_dir, b_file, None, *lora, "--dtype", "bfloat16", tp=2).run()
+    log_b = b.text()
+    assert [o["num_cached_tokens"] for o in out_b] == [FULL * BLOCK if ok else 0 for _, _, ok in pairs], log_b[-4000:]
+    assert vh.blocks_fetched(log_b) == 2 * 2 * FULL, log_b[-4000:]  # two prompts, on each of B's two ranks
+    assert [o["tokens"] for o in out_b] == [o["tokens"] for o in out_c]
+    # bfloat16 D asks for the same blocks A holds in float32: never matched.
+    assert [o["num_cached_tokens"] for o in out_d] == [0] * len(pairs)
+    assert vh.blocks_fetched(d.text()) == 0
+    assert [o["tokens"] for o in out_d] == [o["tokens"] for o in out_e]
