@@ -168,3 +168,45 @@ def test_lora_cache_salt_and_kv_dtype_edges_hold_at_tp2(tmp_path: Path, model_di
     assert [o["num_cached_tokens"] for o in out_d] == [0] * len(pairs)
     assert vh.blocks_fetched(d.text()) == 0
     assert [o["tokens"] for o in out_d] == [o["tokens"] for o in out_e]
+
+
+def _amx() -> bool:
+    try:
+        return bool(torch.cpu._is_amx_tile_supported())
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _amx(), reason="vLLM's CPU MLA keeps prefix caching on only with its AMX backend "
+                                       "(this CPU has no AMX)")
+def test_mla_latents_land_bit_for_bit_at_tp2_and_tp1_and_generate_as_plain_vllm(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, registry: str) -> None:
+    """A tiny DeepSeek-V2 (MLA) at TP 2 shares its latent cache: B at TP 2 and B1 at TP 1 land A's latents
+    bit for bit; B answers as plain TP-2 vLLM does when the same prefix is a local prefix-cache hit (in
+    bfloat16 a prefill over a cached prefix rounds differently from a whole one, in plain vLLM too)."""
+    vh.make_model(tmp_path_factory.mktemp("tiny-mla"))  # puts make_model on the path
+    from make_model import make_mla_model
+
+    mla = make_mla_model(tmp_path_factory.mktemp("tiny-mla-model"))
+    bf16 = ("--dtype", "bfloat16")
+    p = vh.prompts(24, 2, LENGTH)
+    prompts = vh.write_prompts(tmp_path, "p", p)
+    twice = vh.write_prompts(tmp_path, "twice", [p[0], p[0], p[1], p[1]])  # plain vLLM: the 2nd of each hits
+    with vh.source_a(tmp_path, mla, prompts, registry, 2 * FULL, *bf16, "--dump-g2", str(tmp_path / "g2-a"),
+                     tp=2):
+        b = vh.Instance(tmp_path, "b", mla, prompts, registry, *bf16, "--dump-g2", str(tmp_path / "g2-b"), tp=2)
+        out_b = b.run()
+        b1 = vh.Instance(tmp_path, "d", mla, prompts, registry, *bf16, "--dump-g2", str(tmp_path / "g2-d"))
+        out_b1 = b1.run()
+    plain = vh.Instance(tmp_path, "c", mla, twice, None, *bf16, tp=2).run()
+    for inst, out in ((b, out_b), (b1, out_b1)):
+        assert [o["num_cached_tokens"] for o in out] == [FULL * BLOCK] * 2, inst.tail()
+    a_dump = _dumps(tmp_path / "g2-a", 2)
+    assert set(a_dump[0]) == set(a_dump[1]) and all(torch.equal(a_dump[0][h], a_dump[1][h]) for h in a_dump[0])
+    for dump in (_dumps(tmp_path / "g2-b", 2), _dumps(tmp_path / "g2-d", 1)):
+        for ranks_blocks in dump:  # every rank holds the whole latent: each equals A's
+            assert len(ranks_blocks) == 2 * FULL and set(ranks_blocks) <= set(a_dump[0])
+            for h, block in ranks_blocks.items():
+                assert block.shape[1:3] == (1, 1)  # [layers, 1 latent, 1 head, block, 576]
+                assert torch.equal(block.view(torch.int16), a_dump[0][h].view(torch.int16)), h[:12]
+    assert [o["tokens"] for o in out_b] == [plain[1]["tokens"], plain[3]["tokens"]]

@@ -424,12 +424,15 @@ class RemoteG2Connector(KVConnectorBase_V1):
         comm = _tp_comm(self._tp_size)
         self._sync = TpSync(comm)
         rank, tp = self._sync.rank, self._sync.size
-        self._kv = kv = VllmKvLayout.from_kv_caches(kv_caches, self.block_size)
+        self._kv = kv = VllmKvLayout.from_kv_caches(kv_caches, self.block_size,
+                                                    mla=bool(getattr(self._vllm_config.model_config, "use_mla", False)))
         fp = block_identity.fingerprint(model_id=self._model_id,
                                         dtype=block_identity.kv_dtype_name(kv.dtype, self._cache_dtype),
                                         block_size=self.block_size, num_layers=len(kv.views),
-                                        num_kv_heads=kv.kv_heads * tp, head_dim=kv.head_dim,
-                                        scheme=self._hash_scheme, tp_size=tp)
+                                        # MLA: one latent on every rank; otherwise each rank holds its heads
+                                        num_kv_heads=kv.kv_heads if kv.is_mla else kv.kv_heads * tp,
+                                        head_dim=kv.head_dim, scheme=self._hash_scheme, tp_size=tp,
+                                        is_mla=kv.is_mla)
         promised = self._scheduler_fingerprint()
         if promised is not None and promised.compat_key() != fp.compat_key():
             raise ConfigError(f"vLLM's KV tensors on TP rank {rank} ({fp}) differ from what its configuration "

