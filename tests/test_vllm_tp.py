@@ -65,14 +65,16 @@ def _assert_landed_is_sources(a_dump: list[dict[str, torch.Tensor]], b_dump: lis
                                .view(torch.uint8)), f"block {h[:12]} differs on B's rank {r}"
 
 
-@pytest.mark.parametrize("tp_a,tp_b", [(2, 2), (1, 2), (2, 1)], ids=["2to2", "1to2", "2to1"])
+@pytest.mark.parametrize("tp_a,tp_b,load", [(2, 2, "async"), (1, 2, "async"), (2, 1, "async"), (2, 2, "sync")],
+                         ids=["2to2", "1to2", "2to1", "2to2-sync"])
 def test_tp_pairings_land_the_sources_kv_bit_for_bit_and_generate_as_plain_vllm(
-        tmp_path: Path, model_dir: Path, registry: str, tp_a: int, tp_b: int) -> None:
+        tmp_path: Path, model_dir: Path, registry: str, tp_a: int, tp_b: int, load: str) -> None:
     p = vh.prompts(21, 3, LENGTH)
     prompts = vh.write_prompts(tmp_path, "p", p)
     with vh.source_a(tmp_path, model_dir, prompts, registry, 3 * FULL, "--dump-g2", str(tmp_path / "g2-a"),
                      tp=tp_a) as (a, out_a):
-        b = vh.Instance(tmp_path, "b", model_dir, prompts, registry, "--dump-g2", str(tmp_path / "g2-b"), tp=tp_b)
+        b = vh.Instance(tmp_path, "b", model_dir, prompts, registry, "--dump-g2", str(tmp_path / "g2-b"),
+                        "--load", load, tp=tp_b)
         out_b = b.run()
     log_b = b.text()
     assert [o["num_cached_tokens"] for o in out_b] == [FULL * BLOCK] * 3, log_b[-4000:]
@@ -104,10 +106,12 @@ def _worker_pid(inst: vh.Instance, title: str) -> int:
     raise AssertionError(f"no VLLM::{title} process in {inst.name}'s session")
 
 
+@pytest.mark.parametrize("load", ["async", "sync"])
 def test_one_source_rank_killed_mid_load_at_tp2_means_recompute_on_every_rank(
-        tmp_path: Path, model_dir: Path, registry: str) -> None:
+        tmp_path: Path, model_dir: Path, registry: str, load: str) -> None:
     """A's TP rank 1 dies while B's (slowed) READs from A are about to be posted: every rank of B gives up on
-    the load within the transfer timeout, B recomputes and answers as A (plain TP 2) did."""
+    the load within the transfer timeout, B recomputes and answers as A (plain TP 2) did — also when the
+    load is synchronous (the step's forward waited for it, and vLLM recomputes what it reported invalid)."""
     p = vh.prompts(22, 2, LENGTH)
     prompts = vh.write_prompts(tmp_path, "p", p)
     marker = tmp_path / "reading"
@@ -116,7 +120,8 @@ def test_one_source_rank_killed_mid_load_at_tp2_means_recompute_on_every_rank(
         out_a = a.result()
         vh.wait_published(registry, "vllm-a", 2 * FULL, a)
         victim = _worker_pid(a, "Worker_TP1")
-        b = vh.Instance(tmp_path, "b", model_dir, prompts, registry, "--transfer", SLOW_TRANSFER, tp=2,
+        b = vh.Instance(tmp_path, "b", model_dir, prompts, registry, "--transfer", SLOW_TRANSFER, "--load", load,
+                        tp=2,
                         env={"PYTHONPATH": str(vh.HERE), "REMOTE_G2_TEST_READING_FILE": str(marker),
                              "REMOTE_G2_TEST_READ_DELAY_S": "2"})
         deadline = time.monotonic() + 240
@@ -134,7 +139,11 @@ def test_one_source_rank_killed_mid_load_at_tp2_means_recompute_on_every_rank(
     # The first prompt's load failed as a whole on both of B's ranks; the second was not tried (A cools down).
     assert log_b.count(f"0 of {FULL} blocks loaded from a remote G2") == 2, log_b[-4000:]
     assert log_b.count("blocks loaded from a remote G2") == 2, log_b[-4000:]
-    assert [o["num_cached_tokens"] for o in out_b] == [0, 0]
+    if load == "async":
+        assert [o["num_cached_tokens"] for o in out_b] == [0, 0]
+    else:  # vLLM counts a request's cached tokens when it schedules it; it rescheduled this one after the forward
+        assert "Recovered from KV load failure: 1 request(s) rescheduled" in log_b, log_b[-4000:]
+        assert out_b[1]["num_cached_tokens"] == 0
     assert [o["tokens"] for o in out_b] == [o["tokens"] for o in out_a]
 
 

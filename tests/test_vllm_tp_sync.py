@@ -61,7 +61,8 @@ def test_two_ranks_agree_on_held_blocks_fetch_outcomes_and_the_clock(tmp_path: P
     r0, r1 = (json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2))
     assert (r0["rank"], r1["rank"], r0["size"]) == (0, 1, 2)
     assert r0["held"] == r1["held"] == [True, False, False, True]
-    assert r0["outcome"] == r1["outcome"] == {"done": ["r1"], "failed": ["r2"], "invalid": [5, 6]}
+    assert r0["outcome"] == r1["outcome"] == {"done": ["r1"], "failed": ["r2"], "invalid": [5, 6],
+                                                 "expired": False}
     assert r0["now"] == r1["now"]  # one clock for both ranks' landing slots
     assert r0["available"] == r1["available"]
     assert "different block counts" in r0["mismatch"] and "different block counts" in r1["mismatch"]

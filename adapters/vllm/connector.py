@@ -59,6 +59,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -112,6 +113,7 @@ class ConnectorSettings:
     ipc_dir: str | None = None
     model_id: str | None = None
     failed_source_cooldown_s: float = 30.0
+    load: str = "async"
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any], *, default_worker_id: str | None = None) -> ConnectorSettings:
@@ -128,6 +130,8 @@ class ConnectorSettings:
         s = cls(**values)
         if s.g2_blocks < 1 or s.landing_blocks < 1:
             raise ConfigError("g2_blocks and landing_blocks must be >= 1")
+        if s.load not in ("async", "sync"):
+            raise ConfigError(f"load must be 'async' or 'sync', not {s.load!r}")
         if not s.failed_source_cooldown_s >= 0:
             raise ConfigError(f"failed_source_cooldown_s must be >= 0, not {s.failed_source_cooldown_s}")
         return s
@@ -346,7 +350,9 @@ class RemoteG2Connector(KVConnectorBase_V1):
                          matched, why)
                 return 0, False
         state.load_from, state.load_blocks, state.source = local, matched - local, source
-        return (matched - local) * self.block_size, True
+        # async: the request waits (WAITING_FOR_REMOTE_KVS) while others run; sync: it is scheduled now and the
+        # step's forward waits for its READ (start_load_kv blocks).
+        return (matched - local) * self.block_size, self.settings.load == "async"
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._reqs.get(request.request_id)
@@ -472,6 +478,8 @@ class RemoteG2Connector(KVConnectorBase_V1):
         everywhere = {h for h, ok in zip(wanted, self._sync.held_everywhere(here)) if ok}
         for load in meta.loads:
             self._start_load(load, everywhere)
+        if self.settings.load == "sync":
+            self._wait_sync_loads([load.request_id for load in meta.loads])
 
     def _start_load(self, load: _Load, held_everywhere: set[bytes]) -> None:
         """Copy the blocks this worker's G2 has, wait on those already being fetched, fetch the rest once.
@@ -490,7 +498,8 @@ class RemoteG2Connector(KVConnectorBase_V1):
             why = "no target client" if self.target is None else "no free landing slots"
             log.warning("%s: not loading %d blocks (%s); vLLM recomputes them", load.request_id, len(load.hashes), why)
             self._load_errors.update(load.block_ids)
-            self._received.add(load.request_id)
+            if self.settings.load == "async":  # a sync load is no request vLLM waits on
+                self._received.add(load.request_id)
             return
         if any(local):  # from our own G2 now: this thread is the only one that evicts from it
             self._copy_local(load, held)
@@ -535,22 +544,64 @@ class RemoteG2Connector(KVConnectorBase_V1):
         received, self._received = self._received, set()
         ready: list[RequestLoad] = self._fetches.ready_now()
         if self.target is not None and len(self._fetches):
-            ended = self._sync.leader_outcome(self._leader_outcome())
-            done, failed, invalid = ended.done, ended.failed, ended.invalid
-            for fid in sorted(done | failed):
-                fetch = self._fetches.fetch(fid)
-                if fetch is None:
-                    continue
-                good = valid_prefix(fetch.slots, invalid) if fid in done else 0
-                ready += self._fetches.ended(fid, good, failed=fid in failed)
-                self._keep_fetched(fetch.hashes[:good], fetch.slots[:good])
-                if fid in failed:
-                    self._source_failures.add(fid)
-                log.info("fetch %s: %d of %d blocks read from a remote G2", fid, good, len(fetch.hashes))
+            ready += self._take_ended(self._sync.leader_outcome(self._leader_outcome()))
         for load in ready:
             self._finish(load)
-            received.add(load.request_id)
+            if self.settings.load == "async":  # vLLM waits on async loads only
+                received.add(load.request_id)
         return None, (received or None)
+
+    def _take_ended(self, ended: FetchOutcome) -> list[RequestLoad]:
+        """Apply the fetches that ended (the same outcome on every rank); the requests now ready."""
+        ready: list[RequestLoad] = []
+        for fid in sorted(ended.done | ended.failed):
+            fetch = self._fetches.fetch(fid)
+            if fetch is None:
+                continue
+            good = valid_prefix(fetch.slots, ended.invalid) if fid in ended.done else 0
+            ready += self._fetches.ended(fid, good, failed=fid in ended.failed)
+            self._keep_fetched(fetch.hashes[:good], fetch.slots[:good])
+            if fid in ended.failed:
+                self._source_failures.add(fid)
+            log.info("fetch %s: %d of %d blocks read from a remote G2", fid, good, len(fetch.hashes))
+        return ready
+
+    def _wait_sync_loads(self, request_ids: list[str]) -> None:
+        """``load="sync"``: block until this step's loads ended, their blocks copied into vLLM's (or listed for
+        recompute by ``get_block_ids_with_load_errors``, which vLLM asks right after this step's forward).
+
+        Bounded: the target client ends every load within its transfer and RPC timeouts; should rank 0 still
+        be waiting a second after that, every rank gives the loads up (their blocks are recomputed, and a
+        late end copies nothing into them).
+        """
+        pending = {rid for rid in request_ids if self._fetches.load(rid) is not None}
+        wait_s = 1.0 + (self.settings.transfer_timeout_ms
+                        + 2 * (self.target.config.rpc_timeout_ms if self.target is not None else 0)) / 1e3
+        deadline = self._sync.now() + wait_s
+        ready = [ld for ld in self._fetches.ready_now() if ld.request_id in pending]
+        while True:
+            for load in ready:  # (a load given up in an earlier step may end here too: nothing is copied)
+                self._finish(load)
+                pending.discard(load.request_id)
+            if not pending:
+                return
+            assert self.target is not None  # a load waiting on a fetch has a target client
+            mine = None
+            if self._sync.rank == 0:
+                self.target.wait_finished(max(0.0, min(0.05, deadline - time.monotonic())))
+                mine = self._leader_outcome()
+                if time.monotonic() > deadline:
+                    mine = replace(mine, expired=True)
+            ended = self._sync.leader_outcome(mine)
+            if ended.expired:
+                log.error("sync loads %s did not end within %.1f s: vLLM recomputes their blocks", sorted(pending),
+                          wait_s)
+                for rid in pending:
+                    load = self._fetches.load(rid)
+                    if load is not None and self._fetches.abort(rid):
+                        self._load_errors.update(load.block_ids)
+                return
+            ready = self._take_ended(ended)
 
     def _leader_outcome(self) -> FetchOutcome | None:
         """Rank 0: the fetches its target client finished (every rank's share ended, or timed out). Other

@@ -47,13 +47,15 @@ class FetchOutcome:
     done: set[str] = field(default_factory=set)
     failed: set[str] = field(default_factory=set)
     invalid: set[int] = field(default_factory=set)  # destination (landing) blocks that did not load
+    expired: bool = False  # rank 0 gave up waiting for a synchronous load (every rank gives it up)
 
-    def to_wire(self) -> dict[str, list]:
-        return {"done": sorted(self.done), "failed": sorted(self.failed), "invalid": sorted(self.invalid)}
+    def to_wire(self) -> dict[str, Any]:
+        return {"done": sorted(self.done), "failed": sorted(self.failed), "invalid": sorted(self.invalid),
+                "expired": self.expired}
 
     @classmethod
-    def from_wire(cls, d: dict[str, list]) -> FetchOutcome:
-        return cls(set(d["done"]), set(d["failed"]), {int(b) for b in d["invalid"]})
+    def from_wire(cls, d: dict[str, Any]) -> FetchOutcome:
+        return cls(set(d["done"]), set(d["failed"]), {int(b) for b in d["invalid"]}, bool(d["expired"]))
 
 
 class TpSync:
