@@ -1,7 +1,7 @@
 # remote-g2 — every target does its own set-up on a fresh machine.
 #   make test   both venvs + package + test extras + redis-server, then the core and the vLLM suites (what CI runs)
 #   make demo   remote-g2 demo: registry + source and target reference engines, remote KV reuse checked bit for bit
-#   make bench  benchmarks (tables on stdout, JSON under bench/results/); make bench-vllm: the connector's cost in vLLM;
+#   make bench  benchmarks (tables on stdout, JSON under bench/results/); make bench-vllm: the connector's cost in vLLM and TTFT at TP > 1;
 #               make bench-diagnostics: the measurements behind past design questions (bench/diagnostics/)
 
 PYTHON ?= python3
@@ -78,10 +78,13 @@ bench-diagnostics: venv
 	$(VPY) bench/diagnostics/bench_resolve_floor.py --json bench/results/resolve_floor.json
 	$(VPY) bench/diagnostics/bench_wake_cost.py --json bench/results/wake_cost.json
 
-# What the vLLM connector adds to vLLM (lookup per request, G2 save per step) against plain vLLM.
+# What the vLLM connector adds to vLLM (lookup per request, G2 save per step) against plain vLLM, and time to
+# first token at TP 2 -> 2 and 1 -> 2 with a remote hit vs a local hit vs recompute (matplotlib for --plot).
 bench-vllm: venv-vllm redis
 	@mkdir -p bench/results
+	$(VLLM_PY) -m pip install -q matplotlib
 	$(VLLM_PY) bench/bench_vllm_overhead.py --json bench/results/vllm_overhead.json
+	$(VLLM_PY) bench/bench_vllm_tp_ttft.py --json bench/results/vllm_tp_ttft.json --plot bench/results/vllm_tp_ttft.png
 
 # The systems remote-g2 is compared with (bench/bench_peers.py) and matplotlib for --plot.
 # Mooncake's wheel needs libibverbs even for TCP; Debian's package, installed when root.
