@@ -6,6 +6,7 @@ scheduler talks to; every rank must create its client)::
     client = maybe_start_target_client(pool, tp_rank=r, tp_size=n, worker_id="w1", config=cfg)
     m = client.lookup(block_hashes)            # leader: how many leading blocks a remote source has
     client.start_load(req_id, block_hashes[:m.matched], dst_block_ids)   # leader; returns at once
+    client.remember_match(hashes, match)       # leader: a lookup answered elsewhere (vLLM's scheduler)
     done, failed = client.get_finished()       # leader, every engine step; never blocks
     bad = client.invalid_block_ids()           # destination blocks to recompute (drained on read)
     client.finished_fd() / client.wait_finished(timeout_s)   # leader: wake when a load ends, not poll
@@ -301,6 +302,30 @@ class TargetClient:
             while len(self._lookups) > LOOKUP_CACHE:
                 self._lookups.popitem(last=False)
         return match
+
+    def remember_match(self, block_hashes: Sequence[bytes], match: TargetMatch) -> bool:
+        """Take a lookup answer the engine got elsewhere, so :meth:`start_load` of ``block_hashes`` goes
+        straight to the resolve; False (nothing kept) when ``match`` is not a usable one.
+
+        For engines whose scheduler asks the registry in another process (vLLM's), saving the
+        leader a second registry round trip. ``match.matched`` must cover ``block_hashes``; the
+        source's TP layout is checked against this client's fingerprint as :meth:`lookup` does.
+        A stale answer costs what a stale lookup does: the resolve finds less, or fails, and the
+        blocks are recomputed.
+        """
+        self._leader_only("remember_match")
+        if match.reason != "ok" or not match.worker_id or not match.endpoint or match.tp_size is None:
+            return False
+        if match.matched < len(block_hashes) or not block_hashes:
+            return False
+        fp = self.config.fingerprint
+        if fp is not None and check_fingerprints(replace(fp, tp_size=match.tp_size), fp):
+            return False
+        with self._lookups_lock:
+            self._lookups[tuple(block_hashes)] = replace(match, matched=len(block_hashes))
+            while len(self._lookups) > LOOKUP_CACHE:
+                self._lookups.popitem(last=False)
+        return True
 
     def wait_registry_mirror(self, timeout_s: float) -> bool:
         """True once the registry mirror (``config.registry_mirror``) holds a complete copy; False without

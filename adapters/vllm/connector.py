@@ -181,6 +181,7 @@ class _Load:
     request_id: str
     hashes: list[bytes]
     block_ids: list[int]  # vLLM destination blocks, one per hash
+    source: tuple[str, str, int] | None = None  # the scheduler's match: worker id, endpoint, TP size
 
 
 @dataclass
@@ -217,6 +218,7 @@ class _ReqState:
     load_from: int = 0  # first block to load (vLLM's local hit, in blocks)
     load_blocks: int = 0
     source: str | None = None  # the worker the matched blocks would come from
+    source_at: tuple[str, str, int] | None = None  # its worker id, endpoint and TP size (for the leader)
     tried: bool = False  # a remote load was issued: this request never gets another
 
 
@@ -350,6 +352,8 @@ class RemoteG2Connector(KVConnectorBase_V1):
                          matched, why)
                 return 0, False
         state.load_from, state.load_blocks, state.source = local, matched - local, source
+        best = reply.best
+        state.source_at = (best.worker_id, best.endpoint, int(best.tp_size)) if best is not None else None
         # async: the request waits (WAITING_FOR_REMOTE_KVS) while others run; sync: it is scheduled now and the
         # step's forward waits for its READ (start_load_kv blocks).
         return (matched - local) * self.block_size, self.settings.load == "async"
@@ -365,7 +369,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
                         len(ids), lo + n)
             return
         state.tried = True
-        self._pending_loads.append(_Load(request.request_id, state.hashes[lo:lo + n], ids[lo:lo + n]))
+        self._pending_loads.append(_Load(request.request_id, state.hashes[lo:lo + n], ids[lo:lo + n], state.source_at))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Give the source of every load that failed there a cooldown, so other requests skip it for a while."""
@@ -507,6 +511,11 @@ class RemoteG2Connector(KVConnectorBase_V1):
         _, fetch = self._fetches.add(load.request_id, load.hashes, load.block_ids, local=local, new_slots=slots)
         if fetch is not None and self._sync.rank == 0:
             assert self.target is not None
+            if load.source is not None:  # the scheduler's lookup: no second registry round trip
+                from remote_g2.target import TargetMatch
+
+                wid, endpoint, tp = load.source
+                self.target.remember_match(fetch.hashes, TargetMatch(len(fetch.hashes), "ok", wid, endpoint, tp))
             self.target.start_load(fetch.fetch_id, fetch.hashes, fetch.slots)
 
     def _copy_local(self, load: _Load, held: list[int | None]) -> None:
