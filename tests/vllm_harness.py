@@ -129,13 +129,18 @@ class Instance:
         self._log.close()
 
     def stop(self) -> None:
-        if self.proc.poll() is not None:
-            return
-        self.hold.touch()
+        """Let the instance end, then end whatever it left in its process group (an engine core, workers)."""
+        if self.proc.poll() is None:
+            self.hold.touch()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
         try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        if self.proc.poll() is None:
             self.proc.wait(10)
         self._log.close()
 

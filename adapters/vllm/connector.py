@@ -114,6 +114,7 @@ class ConnectorSettings:
     model_id: str | None = None
     failed_source_cooldown_s: float = 30.0
     load: str = "async"
+    registry_mirror: bool = False
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any], *, default_worker_id: str | None = None) -> ConnectorSettings:
@@ -251,6 +252,8 @@ class RemoteG2Connector(KVConnectorBase_V1):
         self._cache_dtype = str(cc.cache_dtype)
         # scheduler side
         self._registry: Any = None
+        self._mirror: Any = None  # a RegistryMirror answering lookups from memory (registry_mirror)
+        self._mirror_answered = False
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: list[_Load] = []
         self._fingerprint: LayoutFingerprint | None = None
@@ -325,15 +328,15 @@ class RemoteG2Connector(KVConnectorBase_V1):
         if fp is None:
             return 0, False
         if self._registry is None:
-            from remote_g2.registry import RegistryClient
-
             from remote_g2.curve import CurveClientConfig
+            from remote_g2.registry import RegistryClient, RegistryMirror
 
-            self._registry = RegistryClient(self.settings.registry, timeout_s=2.0,
-                                            curve=CurveClientConfig.from_env("REMOTE_G2_CURVE_SERVER_KEY"))
+            curve = CurveClientConfig.from_env("REMOTE_G2_CURVE_SERVER_KEY")
+            self._registry = RegistryClient(self.settings.registry, timeout_s=2.0, curve=curve)
+            if self.settings.registry_mirror:
+                self._mirror = RegistryMirror(self.settings.registry, timeout_s=2.0, curve=curve).start()
         try:
-            reply = self._registry.lookup(state.hashes[:reusable], requester=self.settings.worker_id,
-                                          compat_key=fp.compat_key())
+            reply = self._lookup(state.hashes[:reusable], fp.compat_key())
         except RemoteG2Error as e:
             log.warning("registry lookup for %s failed: %s", request.request_id, e)
             return 0, False
@@ -357,6 +360,19 @@ class RemoteG2Connector(KVConnectorBase_V1):
         # async: the request waits (WAITING_FOR_REMOTE_KVS) while others run; sync: it is scheduled now and the
         # step's forward waits for its READ (start_load_kv blocks).
         return (matched - local) * self.block_size, self.settings.load == "async"
+
+    def _lookup(self, hashes: list[bytes], compat_key: str) -> Any:
+        """The registry's answer: from the in-process mirror when it holds a complete copy, else the server."""
+        if self._mirror is not None:
+            from remote_g2.messages import Lookup
+
+            replies = self._mirror.lookup_many([Lookup(hashes, self.settings.worker_id, compat_key, False)])
+            if replies is not None:
+                if not self._mirror_answered:
+                    self._mirror_answered = True
+                    log.info("registry lookups are answered by the in-process registry mirror")
+                return replies[0]
+        return self._registry.lookup(hashes, requester=self.settings.worker_id, compat_key=compat_key)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._reqs.get(request.request_id)
@@ -672,6 +688,9 @@ class RemoteG2Connector(KVConnectorBase_V1):
                 except Exception:
                     log.exception("remote-g2 %s shutdown failed", name)
                 setattr(self, name, None)
+        if self._mirror is not None:
+            self._mirror.close()
+            self._mirror = None
         if self._registry is not None:
             self._registry.close()
             self._registry = None

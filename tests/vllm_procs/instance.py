@@ -2,7 +2,7 @@
 
 ``python tests/vllm_procs/instance.py --model DIR --prompts P.json --out O.json [--registry E --worker-id W]
 [--hold-file F] [--dtype D] [--lora DIR] [--hf-overrides JSON] [--batch] [--abort-first MARKER]
-[--transfer T] [--load async|sync] [--tp N] [--dump-g2 PREFIX]``.
+[--transfer T] [--load async|sync] [--registry-mirror] [--tp N] [--dump-g2 PREFIX]``.
 
 With ``--registry`` the RemoteG2Connector is enabled (source and target);
 without it this is plain vLLM. Each prompt is a token-id list, or an object
@@ -52,6 +52,7 @@ def main() -> None:
     p.add_argument("--abort-first")
     p.add_argument("--transfer", default="nixl")
     p.add_argument("--load", default="async", help="the connector's load setting (async or sync)")
+    p.add_argument("--registry-mirror", action="store_true", help="the connector's registry_mirror setting")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--hf-overrides", help="JSON object: vLLM's hf_overrides (e.g. another RoPE base)")
     p.add_argument("--dump-g2")
@@ -73,7 +74,7 @@ def main() -> None:
                               kv_connector_extra_config={"registry": a.registry, "worker_id": a.worker_id,
                                                          "g2_blocks": 256, "landing_blocks": 64,
                                                          "transfer": a.transfer, "transfer_timeout_ms": 10000,
-                                                         "load": a.load})
+                                                         "load": a.load, "registry_mirror": a.registry_mirror})
     engine_kw = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1} if a.lora else {}
     if a.hf_overrides:
         engine_kw["hf_overrides"] = json.loads(a.hf_overrides)
@@ -118,6 +119,7 @@ def main() -> None:
                 if out.finished and out.request_id.startswith("after-"):
                     done[out.request_id] = out
         results += [record(done[f"after-{i}"]) for i in range(len(rest))]
+        del engine  # it holds the engine core client: `del llm` below must drop the last reference
     elif a.batch:
         outs = llm.generate([prompt(e) for e in entries], params, use_tqdm=False,
                             lora_request=[lora_of(e) for e in entries] if a.lora else None)
