@@ -1,7 +1,7 @@
 """remote-g2's vLLM plugin: refuse a configuration the connector cannot serve before vLLM loads the model.
 
 vLLM 0.32 builds its KV connectors only after its workers loaded the model,
-so a setting the connector refuses (``tensor_parallel_size > 1``, a hash
+so a setting the connector refuses (a TP size that would replicate KV heads, a hash
 space no other process shares) would cost a model load and end with the
 traceback printed by the engine core and again by the frontend. vLLM loads
 ``vllm.general_plugins`` entry points (this package declares :func:`register`)
