@@ -19,6 +19,8 @@ bad input on the engine's API (``ERR``, the engine keeps serving).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import time
 
 import pytest
@@ -148,6 +150,7 @@ def test_engine_with_hooks_off_is_a_plain_engine(registry: str) -> None:
     assert stats.remote_lookups == 0 and stats.blocks_remote == 0
     assert again.blocks_g1 == (len(prompt) - 1) // TPB  # its own prefix cache still works
     assert "NIXL" not in engine.log_tail(100_000)  # no agent was ever created
+    assert not Path(engine._tmp).exists()  # its temporary directory went with it (the log's end is kept)
     plain = ReferenceModel(ModelConfig()).generate_greedy(prompt, 5)
     assert first.tokens == again.tokens == plain.tokens
     assert first.logits == again.logits == plain.logits.numpy().astype("<f4").tobytes()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -92,13 +93,18 @@ class EngineProcess:
 
     Ready when rank 0 wrote its ready file (``start_timeout_s``); ``client``
     talks to it; :meth:`stop` shuts it down (API, then SIGTERM, then SIGKILL
-    of its process group) and returns mpiexec's exit code.
+    of its process group) and returns mpiexec's exit code. Its temporary
+    directory (ready file, IPC sockets, and the log unless ``log_dir`` is
+    given) is removed once the processes are gone; :meth:`log_tail` still
+    answers from the log's last megabyte, kept in memory.
     """
 
     def __init__(self, worker_id: str, *, tp: int = 1, args: list[str] | None = None, log_dir: str | None = None,
                  env: dict[str, str] | None = None, start_timeout_s: float = 90.0) -> None:
         self.worker_id, self.tp = worker_id, tp
         self._tmp = tempfile.mkdtemp(prefix="rg2e-")  # short: IPC socket paths live here
+        self._kept_log: bytes | None = None  # the log's end, once the temporary directory (holding it) is gone
+        self._tmp_removed = False
         self.log_path = Path(log_dir or self._tmp) / f"engine-{worker_id}.log"
         ready = Path(self._tmp) / "ready.json"
         cmd = [mpiexec_path(), "-n", str(tp), sys.executable, "-m", "remote_g2.adapters.reference.server",
@@ -113,6 +119,7 @@ class EngineProcess:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 rc = self.proc.poll()
                 self.kill()
+                self._log.close()
                 raise RuntimeError(f"engine {worker_id} (TP={tp}) did not start (rc={rc}):\n{self.log_tail()}")
             time.sleep(0.02)
         self.info: dict[str, Any] = json.loads(ready.read_text())
@@ -120,6 +127,8 @@ class EngineProcess:
         self.client = EngineClient(self.endpoint)
 
     def log_tail(self, n: int = 4000) -> str:
+        if self._kept_log is not None:
+            return self._kept_log[-n:].decode(errors="replace")
         try:
             return self.log_path.read_bytes()[-n:].decode(errors="replace")
         except OSError:
@@ -142,6 +151,7 @@ class EngineProcess:
                     self.kill()
         self.client.close()
         self._log.close()
+        self._remove_tmp()
         return int(self.proc.returncode if self.proc.returncode is not None else -9)
 
     def leftover(self) -> bool:
@@ -160,6 +170,23 @@ class EngineProcess:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             pass
+        if not self.leftover():
+            self._remove_tmp()
+
+    def _remove_tmp(self) -> None:
+        """Remove the temporary directory once no process of this worker is left (keeping the log's end)."""
+        if self._tmp_removed or self.leftover():
+            return
+        if self.log_path.parent == Path(self._tmp):
+            try:
+                with open(self.log_path, "rb") as f:
+                    f.seek(0, os.SEEK_END)
+                    f.seek(max(0, f.tell() - (1 << 20)))
+                    self._kept_log = f.read()
+            except OSError:
+                self._kept_log = b""
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        self._tmp_removed = True
 
     def _signal(self, sig: int) -> None:
         try:
