@@ -71,7 +71,7 @@ from .metrics import TargetMetrics
 from .outcomes import Outcomes
 from .rank_loop import RankLoop, ShareBook, ShareLoop
 from .rank_worker import RankWorker
-from .layout_compat import check_fingerprints
+from .layout_compat import check_holder_tp
 
 __all__ = ["TargetClient", "TargetMatch", "maybe_start_target_client", "start_target_client"]
 
@@ -297,10 +297,7 @@ class TargetClient:
             return TargetMatch(0, "registry_error")
         match = self._match_from(reply)
         self.metrics.lookup(match.reason, match.matched)
-        with self._lookups_lock:
-            self._lookups[tuple(block_hashes[:match.matched])] = match
-            while len(self._lookups) > LOOKUP_CACHE:
-                self._lookups.popitem(last=False)
+        self._remember(block_hashes[:match.matched], match)
         return match
 
     def remember_match(self, block_hashes: Sequence[bytes], match: TargetMatch) -> bool:
@@ -319,13 +316,17 @@ class TargetClient:
         if match.matched < len(block_hashes) or not block_hashes:
             return False
         fp = self.config.fingerprint
-        if fp is not None and check_fingerprints(replace(fp, tp_size=match.tp_size), fp):
+        if fp is not None and check_holder_tp(fp, match.tp_size):
             return False
+        self._remember(block_hashes, replace(match, matched=len(block_hashes)))
+        return True
+
+    def _remember(self, block_hashes: Sequence[bytes], match: TargetMatch) -> None:
+        """Keep ``match`` for a :meth:`start_load` of exactly ``block_hashes`` (the most recent LOOKUP_CACHE)."""
         with self._lookups_lock:
-            self._lookups[tuple(block_hashes)] = replace(match, matched=len(block_hashes))
+            self._lookups[tuple(block_hashes)] = match
             while len(self._lookups) > LOOKUP_CACHE:
                 self._lookups.popitem(last=False)
-        return True
 
     def wait_registry_mirror(self, timeout_s: float) -> bool:
         """True once the registry mirror (``config.registry_mirror``) holds a complete copy; False without
@@ -436,7 +437,7 @@ class TargetClient:
         if reply.reason != "ok" or reply.best is None:
             return TargetMatch(0, reply.reason)
         best, fp = reply.best, self.config.fingerprint
-        reason = check_fingerprints(replace(fp, tp_size=best.tp_size), fp) if fp else None
+        reason = check_holder_tp(fp, best.tp_size) if fp else None
         if reason:
             return TargetMatch(0, f"incompatible_layout: {reason}", best.worker_id, best.endpoint, best.tp_size)
         return TargetMatch(reply.matched, "ok", best.worker_id, best.endpoint, best.tp_size)

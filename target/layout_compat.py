@@ -10,13 +10,15 @@ head-major (``HND``) layout on both sides, and MLA's replicated latent cache.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
 
 from remote_g2.messages import BlockLayout, LayoutFingerprint
 
-__all__ = ["LayoutShape", "layout_shape", "check_tp", "check_layout", "check_fingerprints", "check_compatible"]
+__all__ = ["LayoutShape", "layout_shape", "check_tp", "check_layout", "check_fingerprints", "check_holder_tp",
+           "check_compatible"]
 
 
 class LayoutShape(NamedTuple):
@@ -79,6 +81,12 @@ def _check_same_order(src: LayoutShape, tgt: LayoutShape) -> str | None:
     if src.order != tgt.order and not (src.heads == 1 and tgt.heads == 1):
         return f"layout order differs: source {src.order}, target {tgt.order}"
     return None
+
+
+def check_holder_tp(target: LayoutFingerprint, holder_tp: int) -> str | None:
+    """Why a target with fingerprint ``target`` cannot read a holder the registry matched on its compat key
+    (everything but the TP size, which is ``holder_tp``), or None when it can."""
+    return check_fingerprints(replace(target, tp_size=holder_tp), target)
 
 
 def check_fingerprints(source: LayoutFingerprint, target: LayoutFingerprint) -> str | None:

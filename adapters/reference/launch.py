@@ -170,8 +170,7 @@ class EngineProcess:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             pass
-        if not self.leftover():
-            self._remove_tmp()
+        self._remove_tmp()
 
     def _remove_tmp(self) -> None:
         """Remove the temporary directory once no process of this worker is left (keeping the log's end)."""

@@ -218,8 +218,7 @@ class _ReqState:
     saved: int = 0  # leading prompt blocks already sent for saving
     load_from: int = 0  # first block to load (vLLM's local hit, in blocks)
     load_blocks: int = 0
-    source: str | None = None  # the worker the matched blocks would come from
-    source_at: tuple[str, str, int] | None = None  # its worker id, endpoint and TP size (for the leader)
+    source: tuple[str, str, int] | None = None  # where the matched blocks would come from: worker id, endpoint, TP
     tried: bool = False  # a remote load was issued: this request never gets another
 
 
@@ -343,20 +342,19 @@ class RemoteG2Connector(KVConnectorBase_V1):
         matched = min(int(reply.matched), reusable) if reply.reason == "ok" else 0
         if matched <= local:
             return 0, False
-        source = reply.best.worker_id if reply.best is not None else None
-        if source is not None and self._failed_sources.remaining(source) > 0:
+        best = reply.best
+        if best is not None and self._failed_sources.remaining(best.worker_id) > 0:
             return 0, False  # a load from it failed moments ago: recompute now rather than wait it out
-        if reply.best is not None:
-            from remote_g2.target.layout_compat import check_fingerprints
+        if best is not None:
+            from remote_g2.target.layout_compat import check_holder_tp
 
-            why = check_fingerprints(replace(fp, tp_size=reply.best.tp_size), fp)
+            why = check_holder_tp(fp, best.tp_size)
             if why:  # e.g. TP 2 and TP 3: the same blocks, but no plan reads one from the other
-                log.info("%s: %s holds %d blocks this instance cannot read (%s)", request.request_id, source,
+                log.info("%s: %s holds %d blocks this instance cannot read (%s)", request.request_id, best.worker_id,
                          matched, why)
                 return 0, False
-        state.load_from, state.load_blocks, state.source = local, matched - local, source
-        best = reply.best
-        state.source_at = (best.worker_id, best.endpoint, int(best.tp_size)) if best is not None else None
+        state.load_from, state.load_blocks = local, matched - local
+        state.source = (best.worker_id, best.endpoint, int(best.tp_size)) if best is not None else None
         # async: the request waits (WAITING_FOR_REMOTE_KVS) while others run; sync: it is scheduled now and the
         # step's forward waits for its READ (start_load_kv blocks).
         return (matched - local) * self.block_size, self.settings.load == "async"
@@ -385,7 +383,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
                         len(ids), lo + n)
             return
         state.tried = True
-        self._pending_loads.append(_Load(request.request_id, state.hashes[lo:lo + n], ids[lo:lo + n], state.source_at))
+        self._pending_loads.append(_Load(request.request_id, state.hashes[lo:lo + n], ids[lo:lo + n], state.source))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Give the source of every load that failed there a cooldown, so other requests skip it for a while."""
@@ -395,7 +393,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
         for rid in sorted(meta.source_failures):
             state = self._reqs.get(rid)
             if state is not None and state.source:
-                self._failed_sources.note_failure(state.source, rid)
+                self._failed_sources.note_failure(state.source[0], rid)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = RemoteG2ConnectorMetadata(loads=self._pending_loads)
@@ -492,26 +490,27 @@ class RemoteG2Connector(KVConnectorBase_V1):
         assert isinstance(meta, RemoteG2ConnectorMetadata)
         if not meta.loads:
             return
-        # A block is copied from this instance's own G2 only if every rank holds it (one exchange a step).
+        # A block is copied from this instance's own G2 only if every rank holds it (one exchange a step);
+        # nothing evicts from G2 until this step's loads started (this thread alone stores into it).
         wanted = list(dict.fromkeys(h for load in meta.loads for h in load.hashes))
-        here = [self._pool is not None and self._pool.lookup(h) is not None for h in wanted]
-        everywhere = {h for h, ok in zip(wanted, self._sync.held_everywhere(here)) if ok}
+        rows = [None if self._pool is None else self._pool.lookup(h) for h in wanted]
+        agreed = self._sync.held_everywhere([row is not None for row in rows])
+        everywhere = {h: row for h, row, ok in zip(wanted, rows, agreed) if ok}
         for load in meta.loads:
             self._start_load(load, everywhere)
         if self.settings.load == "sync":
             self._wait_sync_loads([load.request_id for load in meta.loads])
 
-    def _start_load(self, load: _Load, held_everywhere: set[bytes]) -> None:
+    def _start_load(self, load: _Load, held_everywhere: dict[bytes, int]) -> None:
         """Copy the blocks this worker's G2 has, wait on those already being fetched, fetch the rest once.
 
-        Every rank takes the same decisions here (``held_everywhere`` is agreed, the fetch table and the
-        landing slots are kept alike by :mod:`.tp_sync`); only the leader starts the fetch, whose shares its
-        target client hands to the other ranks, into the same landing slots.
+        Every rank takes the same decisions here (``held_everywhere`` — hash → this rank's G2 block — is
+        agreed; the fetch table and the landing slots are kept alike by :mod:`.tp_sync`); only the leader
+        starts the fetch, whose shares its target client hands to the other ranks, into the same landing slots.
         """
         assert self._pool is not None or self.target is None
         # this worker's G2 block of each hash another request is not already fetching
-        held = [None if self._pool is None or self._fetches.in_flight(h) or h not in held_everywhere
-                else self._pool.lookup(h) for h in load.hashes]
+        held = [None if self._fetches.in_flight(h) else held_everywhere.get(h) for h in load.hashes]
         local = [b is not None for b in held]
         need = self._fetches.to_fetch(load.hashes, local)
         if need and (self.target is None or self._landing is None or self._landing.available() < need):
@@ -602,7 +601,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
         pending = {rid for rid in request_ids if self._fetches.load(rid) is not None}
         wait_s = 1.0 + (self.settings.transfer_timeout_ms
                         + 2 * (self.target.config.rpc_timeout_ms if self.target is not None else 0)) / 1e3
-        deadline = self._sync.now() + wait_s
+        deadline = time.monotonic() + wait_s  # only rank 0 checks it
         ready = [ld for ld in self._fetches.ready_now() if ld.request_id in pending]
         while True:
             for load in ready:  # (a load given up in an earlier step may end here too: nothing is copied)
