@@ -114,7 +114,15 @@ class RpcClient:
     def _zmq_call(self, request: bytes, deadline: float) -> Iterator[bytes]:
         """Send ``request``, then yield every frame that arrives until ``deadline``."""
         assert self._sock is not None
-        self._sock.send(request)
+        # Never a blocking send: a DEALER with no usable pipe (a CURVE handshake the
+        # server keeps refusing, a full queue) would block it for good, past any deadline.
+        left_ms = (deadline - time.monotonic()) * 1000.0
+        if not self._sock.poll(max(1, int(left_ms)), zmq.POLLOUT):
+            return
+        try:
+            self._sock.send(request, zmq.NOBLOCK)
+        except zmq.Again:
+            return
         while True:
             left_ms = (deadline - time.monotonic()) * 1000.0
             if left_ms <= 0 or not self._sock.poll(max(1, int(left_ms)), zmq.POLLIN):

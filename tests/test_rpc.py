@@ -278,6 +278,41 @@ def test_curve_encrypts_and_authenticates(serve, tmp_path):
         serve.client(ep2, curve=bad, timeout_ms=300).ping()
 
 
+def test_a_client_the_curve_server_refuses_times_out_every_call_and_never_blocks(serve, tmp_path):
+    """A keyless client's handshake keeps failing; each call still ends in RpcTimeout within its timeout.
+
+    Its send once blocked for good (a DEALER without a pipe), taking the engine's
+    loop with it; the calls run on a thread so a regression fails instead of hanging.
+    """
+    _, server_secret = generate_keypair(tmp_path / "server", "server")
+    ep = serve(curve=CurveServerConfig.from_files(server_secret))
+    slowest: list[float] = []
+    errors: list[BaseException] = []
+
+    def calls() -> None:
+        for _ in range(30):
+            c = RpcClient(ep, timeout_ms=100)
+            try:
+                for _ in range(3):
+                    t0 = time.monotonic()
+                    try:
+                        c.ping()
+                    except RpcTimeout:
+                        pass
+                    slowest.append(time.monotonic() - t0)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+            finally:
+                c.close()
+
+    worker = threading.Thread(target=calls, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "a call outlived its timeout (blocked in send)"
+    assert not errors and len(slowest) == 90
+    assert max(slowest) < 2.0
+
+
 def test_curve_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         CurveServerConfig.from_files(tmp_path / "missing.key_secret")
