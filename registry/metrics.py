@@ -43,6 +43,10 @@ class RegistryMetrics(PrivateMetrics):
         self.resyncs = Counter("remote_g2_registry_resync_requests", "Event batches answered resync_needed",
                                registry=r)
         self.errors = Counter("remote_g2_registry_errors", "Errors by kind", ["kind"], registry=r)
+        self.endpoint_checks = Counter("remote_g2_registry_endpoint_checks",
+                                       "Registrations whose endpoint other hosts may not dial, by verdict "
+                                       "(refused: wildcard or loopback; flagged: loopback to a wildcard-bound registry)",
+                                       ["verdict"], registry=r)
         self.workers_live = Gauge("remote_g2_registry_workers_live", "Workers with a live lease", registry=r)
         self.workers_total = Gauge("remote_g2_registry_workers_total", "Workers known (live or not yet swept)",
                                    registry=r)

@@ -43,7 +43,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import zmq
@@ -61,12 +61,13 @@ from remote_g2.messages import (
     Resync,
     WorkerRecord,
 )
+from remote_g2.net_address import is_loopback, is_wildcard, split_tcp, with_host
 from remote_g2.wire import decode_frame, decode_request_body
 
 from .client import RegistryClient
 from .store_memory import MemoryStore, _Incarnation
 
-__all__ = ["RegistryMirror", "MirrorIndex", "MirrorStats"]
+__all__ = ["RegistryMirror", "MirrorIndex", "MirrorStats", "feed_endpoint_from"]
 
 log = logging.getLogger("remote_g2.registry.mirror")
 
@@ -158,6 +159,27 @@ class _Resync(Exception):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
+
+
+def feed_endpoint_from(registry: str, feed: str) -> str:
+    """The feed endpoint to dial, given the one a server at ``registry`` reports (RegistryError: none usable).
+
+    A feed bound to a wildcard (a server bound to ``0.0.0.0``) is reached at
+    the host this mirror reaches the server at; one on loopback only from a
+    mirror that reaches the server over loopback too.
+    """
+    if not feed:
+        raise RegistryError(f"registry {registry} publishes no change feed (serve --feed-bind none)")
+    if not feed.startswith("tcp://") or not registry.startswith("tcp://"):
+        return feed  # ipc:// (same host) or a server reached another way: as reported
+    _, feed_host, _ = split_tcp(feed)
+    _, registry_host, _ = split_tcp(registry)
+    if is_wildcard(feed_host):
+        return with_host(feed, registry_host)
+    if is_loopback(feed_host) and not is_loopback(registry_host) and not is_wildcard(registry_host):
+        raise RegistryError(f"registry {registry} publishes its change feed on {feed}, a loopback address this "
+                            f"host cannot reach: serve with --feed-bind (or --feed-advertise) on a routable address")
+    return feed
 
 
 class RegistryMirror:
@@ -316,10 +338,8 @@ class RegistryMirror:
     def _snapshot(self, clients: list[RegistryClient], sub: zmq.Socket, connected: set[str]) -> dict[str, int]:
         """Take a complete copy; return each feed instance's last sequence number seen."""
         self._ready.clear()
-        infos = [c.feed_info() for c in clients]
-        for client, info in zip(clients, infos):
-            if not info.endpoint:
-                raise RegistryError(f"registry {client.endpoint} publishes no change feed (serve --feed-bind none)")
+        infos = [replace(info, endpoint=feed_endpoint_from(client.endpoint, info.endpoint))
+                 for client, info in ((c, c.feed_info()) for c in clients)]
         for gone in connected - {info.endpoint for info in infos}:  # a restarted server's old feed port
             sub.disconnect(gone)
             connected.discard(gone)

@@ -9,6 +9,7 @@ import threading
 
 from remote_g2.curve import CurveServerConfig
 from remote_g2.errors import ConfigError
+from remote_g2.net_address import reachable_elsewhere
 from remote_g2.rpc_server import free_port_on_host_of
 
 from .server import DEFAULT_BIND, RegistryServer
@@ -32,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feed-bind", default="auto",
                    help="ZMQ PUB endpoint of the change feed registry mirrors follow: 'auto' (default) = the "
                         "--bind host on a free port, 'none' = no feed")
+    p.add_argument("--feed-advertise", default=None, metavar="tcp://HOST[:PORT]",
+                   help="the feed endpoint mirrors are told, when it differs from the bound one (a NAT; port 0 or "
+                        "none: the bound port). A feed bound to a wildcard needs none: mirrors dial it at the host "
+                        "they reach this registry at")
     p.add_argument("--mirror-lookups", action="store_true",
                    help="(Redis stores) answer lookups from an in-process copy of the registry that follows the "
                         "change feeds, instead of a Redis script per lookup")
@@ -66,8 +71,15 @@ def build_server(args: argparse.Namespace) -> RegistryServer:
         raise ConfigError("--mirror-peers needs --mirror-lookups")
     store = open_store(redis_url=args.redis_url, redis_cluster_url=args.redis_cluster_url,
                        lease_ttl_ms=int(args.lease_ttl_s * 1000))
+    feed_advertise = args.feed_advertise
+    if feed_advertise and feed_advertise.count(":") == 1:  # tcp://HOST: the bound port
+        feed_advertise += ":0"
+    if feed_advertise and not reachable_elsewhere(feed_advertise):
+        raise ConfigError(f"--feed-advertise {args.feed_advertise}: a wildcard or loopback address is no use to "
+                          f"mirrors elsewhere; give this host's routable address")
     return RegistryServer(store, bind=args.bind, workers=args.workers, curve=curve,
-                          feed_bind=feed_endpoint(args.bind, args.feed_bind), mirror_lookups=args.mirror_lookups,
+                          feed_bind=feed_endpoint(args.bind, args.feed_bind), feed_advertise=feed_advertise,
+                          mirror_lookups=args.mirror_lookups,
                           mirror_peers=[p.strip() for p in args.mirror_peers.split(",") if p.strip()])
 
 
@@ -99,7 +111,10 @@ def run(args: argparse.Namespace) -> int:
             subscriber = VllmEventSubscriber(server.store, vllm_subscriptions, all_media=args.vllm_all_media,
                                              metrics=server.metrics, on_applied=server.publish).start()
         metrics = f", metrics on http://{args.metrics_addr}:{args.metrics_port}/metrics" if args.metrics_port else ""
-        feed = f", change feed on {server.feed.endpoint}" if server.feed is not None else ""
+        feed = f", change feed on {server.feed_endpoint}" if server.feed is not None else ""
+        if server.feed is not None and server.feed_endpoint == server.feed.endpoint and \
+                not reachable_elsewhere(server.feed.endpoint) and reachable_elsewhere(endpoint):
+            feed += " (mirrors elsewhere cannot dial it: --feed-bind or --feed-advertise a routable address)"
         print(f"remote-g2 registry serving on {endpoint} (store: {server.store.name}{feed}{metrics})", flush=True)
         while not stop.wait(0.5):
             pass

@@ -17,6 +17,14 @@ lookups go to the store as usual. A lookup may then miss a write made a feed
 hop ago — a registry answer is a hint the source's resolve checks, so that
 costs at most a shorter match (docs/architecture.md).
 
+A registration is checked against :mod:`remote_g2.net_address`'s rule, as
+a second line behind the source's own check: an endpoint on a wildcard
+address is refused (``ERR RegistryError``: no target could dial it); one on
+loopback is refused by a registry bound to a routable address (the source
+reached it from elsewhere) and flagged — logged, counted in
+``remote_g2_registry_endpoint_checks`` — by one bound to a wildcard, which
+cannot tell a same-host source from a remote one.
+
 A background thread sweeps dead and superseded incarnations and refreshes the
 size gauges. A store that cannot reach Redis answers ``ERR StoreUnavailable``;
 the server keeps serving and recovers by itself when Redis is back.
@@ -32,12 +40,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from remote_g2.curve import CurveClientConfig, CurveServerConfig
-from remote_g2.errors import ConfigError, StoreUnavailable
+from remote_g2.errors import ConfigError, RegistryError, StoreUnavailable
+from remote_g2.log import RateLimitedLog
 from remote_g2.messages import (
     DrainWorker, DrainWorkerReply, Events, EventsReply, FeedInfo, FeedInfoReply, Heartbeat, HeartbeatReply,
     ListWorkers, ListWorkersReply, Lookup, LookupReply, RegisterWorker, RegisterWorkerReply, Resync, ResyncReply,
     ScanWorker, ScanWorkerReply, Stats, StatsReply, WhoHas, WhoHasReply, WorkerInfo, WorkerInfoReply,
 )
+from remote_g2.net_address import is_loopback, is_wildcard, split_tcp, with_host
 from remote_g2.rpc_server import CallContext, RpcServer
 
 from .feed import DEFAULT_TICK_S, FeedPublisher
@@ -45,11 +55,29 @@ from .metrics import RegistryMetrics
 from .mirror import RegistryMirror
 from .store import ConvertedLookups, RegistryStore
 
-__all__ = ["RegistryServer", "DEFAULT_BIND"]
+__all__ = ["RegistryServer", "DEFAULT_BIND", "endpoint_verdict"]
 
 log = logging.getLogger("remote_g2.registry")
 
 DEFAULT_BIND = "tcp://127.0.0.1:7450"
+
+
+def endpoint_verdict(endpoint: str, registry: str) -> str | None:
+    """What a registry bound at ``registry`` makes of a worker's ``endpoint`` (module docstring):
+    ``"wildcard"`` / ``"loopback"`` (refused), ``"flagged"`` (a loopback endpoint, a wildcard-bound
+    registry), or None (fine; ipc:// and other schemes are the integration's own business)."""
+    try:
+        _, host, _ = split_tcp(endpoint)
+    except ConfigError:
+        return None
+    if is_wildcard(host):
+        return "wildcard"
+    if not is_loopback(host) or not registry.startswith("tcp://"):
+        return None
+    _, own_host, _ = split_tcp(registry)
+    if is_loopback(own_host):
+        return None  # a registry on loopback: everyone is on this host
+    return "flagged" if is_wildcard(own_host) else "loopback"
 
 
 class RegistryServer:
@@ -66,6 +94,7 @@ class RegistryServer:
         sweep_interval_s: float = 1.0,
         feed_bind: str | None = None,
         feed_tick_s: float = DEFAULT_TICK_S,
+        feed_advertise: str | None = None,
         mirror_lookups: bool = False,
         mirror_peers: Sequence[str] = (),
     ) -> None:
@@ -75,6 +104,8 @@ class RegistryServer:
         self._curve = curve
         self._feed_bind = feed_bind
         self._feed_tick_s = feed_tick_s
+        self._feed_advertise = feed_advertise
+        self._flag_log = RateLimitedLog(log)
         self.feed: FeedPublisher | None = None
         self._mirror_lookups = mirror_lookups
         self._mirror_peers = list(mirror_peers)
@@ -128,6 +159,18 @@ class RegistryServer:
     @property
     def endpoint(self) -> str:
         return self._rpc.endpoint
+
+    @property
+    def feed_endpoint(self) -> str:
+        """The change feed's endpoint as mirrors are told: ``feed_advertise``'s host (port 0: the bound
+        port) when set, else the bound one (a wildcard one is dialled at the server's host; see
+        :func:`~registry.mirror.feed_endpoint_from`); "" without a feed."""
+        if self.feed is None:
+            return ""
+        if not self._feed_advertise:
+            return self.feed.endpoint
+        _, host, port = split_tcp(self._feed_advertise)
+        return with_host(self.feed.endpoint if port == 0 else self._feed_advertise, host)
 
     def close(self) -> None:
         """Stop serving and sweeping; the store is the caller's to close."""
@@ -184,7 +227,31 @@ class RegistryServer:
                 raise
         return guarded
 
+    def _check_endpoint(self, req: RegisterWorker) -> None:
+        """Refuse (RegistryError) or flag an endpoint other hosts could not dial; see the module docstring."""
+        verdict = endpoint_verdict(req.endpoint, self._rpc.endpoint)
+        if verdict == "wildcard":
+            self._refuse(req, f"worker {req.worker_id}: endpoint {req.endpoint} is a wildcard address no target "
+                              f"can dial; the source must advertise a routable one (REMOTE_G2_SOURCE_ADVERTISE)")
+        elif verdict == "loopback":
+            self._refuse(req, f"worker {req.worker_id}: endpoint {req.endpoint} is a loopback address, and this "
+                              f"registry ({self._rpc.endpoint}) is reached from other hosts: targets there could "
+                              f"not dial it; bind or advertise a routable address (REMOTE_G2_SOURCE_BIND / "
+                              f"REMOTE_G2_SOURCE_ADVERTISE)")
+        elif verdict == "flagged":
+            self.metrics.endpoint_checks.labels("flagged").inc()
+            self._flag_log.warning(f"loopback:{req.worker_id}",
+                                   "worker %s registered the loopback endpoint %s with a registry listening on "
+                                   "every interface: only targets on its own host can reach it",
+                                   req.worker_id, req.endpoint)
+
+    def _refuse(self, req: RegisterWorker, message: str) -> None:
+        self.metrics.endpoint_checks.labels("refused").inc()
+        self._flag_log.warning(f"refused:{req.worker_id}", "refused a registration: %s", message)
+        raise RegistryError(message)
+
     def _register_worker(self, req: RegisterWorker, ctx: CallContext) -> RegisterWorkerReply:
+        self._check_endpoint(req)
         reply = self.store.register_worker(req)
         self.publish(req)
         log.info("worker %s registered (epoch %d, %s, tp=%d%s)", req.worker_id, req.epoch, req.endpoint,
@@ -286,7 +353,7 @@ class RegistryServer:
     def _feed_info(self, req: FeedInfo, ctx: CallContext) -> FeedInfoReply:
         if self.feed is None:
             return FeedInfoReply("", "", 0, self.store.lease_ttl_ms)
-        return FeedInfoReply(self.feed.endpoint, self.feed.instance, self.feed.seq, self.store.lease_ttl_ms)
+        return FeedInfoReply(self.feed_endpoint, self.feed.instance, self.feed.seq, self.store.lease_ttl_ms)
 
     def _scan_worker(self, req: ScanWorker, ctx: CallContext) -> ScanWorkerReply:
         record, hashes, cursor = self.store.scan_worker(req.worker_id, req.cursor, req.count)

@@ -9,7 +9,8 @@ variable                                field                                   
 ======================================  ===========================================  ==========================
 ``REMOTE_G2_SOURCE``                    ``enabled``                                  off
 ``REMOTE_G2_REGISTRY``                  ``registry_endpoint`` (unset: no publishing)  unset
-``REMOTE_G2_SOURCE_BIND``               ``bind`` (rank 0's TCP endpoint)             ``tcp://127.0.0.1:0``
+``REMOTE_G2_SOURCE_BIND``               ``bind`` (rank 0's TCP endpoint)             see ``bind`` below
+``REMOTE_G2_SOURCE_ADVERTISE``          ``advertise`` (the endpoint others dial)     the bound one
 ``REMOTE_G2_SOURCE_IPC_DIR``            ``ipc_dir`` (private, mode 0700)             see :func:`~remote_g2.ipc_paths.default_ipc_dir`
 ``REMOTE_G2_SOURCE_DEFAULT_TTL_MS``     ``default_lease_ttl_ms``                     10000
 ``REMOTE_G2_SOURCE_MAX_TTL_MS``         ``max_lease_ttl_ms``                         60000
@@ -20,6 +21,8 @@ variable                                field                                   
 ``REMOTE_G2_SOURCE_PEER_RESOLVE``       ``peer_resolve`` (ranks > 0 answer their own)  on
 ``REMOTE_G2_SOURCE_PEER_TRANSPORT``     ``peer_transport`` (``stream`` or ``zmq``)   ``stream``
 ``REMOTE_G2_SOURCE_METRICS_PORT``       ``metrics_port`` (rank r serves port + r)    off
+``REMOTE_G2_SOURCE_PROGRESS_MS``        ``progress_interval_ms`` (leases open)       see below
+``REMOTE_G2_SOURCE_IDLE_PROGRESS_MS``   ``idle_progress_interval_ms`` (none open)    20
 ``REMOTE_G2_SOURCE_FINGERPRINT``        ``fingerprint`` (JSON of LayoutFingerprint)  unset
 ``REMOTE_G2_SOURCE_CURVE_SECRET_KEY``   ``curve`` (server key file)                  unset
 ``REMOTE_G2_SOURCE_CURVE_ALLOWED``      ``curve`` allow-list directory               unset
@@ -33,7 +36,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from remote_g2.config import env_fingerprint, env_flag, env_int, env_str
+from remote_g2.config import env_fingerprint, env_flag, env_float, env_int, env_str
 from remote_g2.curve import CurveClientConfig, CurveServerConfig
 from remote_g2.errors import ConfigError
 from remote_g2.messages import LayoutFingerprint
@@ -53,9 +56,17 @@ class SourceConfig:
       its pool's stored/removed events; None serves resolves without
       announcing anything (a target must learn the endpoint another way).
     * ``bind`` — rank 0's TCP endpoint; ``:0`` picks a free port, and the bound
-      one is what the registry is told. Bind a routable address in a fleet.
+      one is what the registry is told. None (the default): ``127.0.0.1``
+      when the registry is on this host's loopback (or there is none), else
+      the address this host reaches the registry from — so a fleet works
+      without setting it. A loopback bind with a registry elsewhere is
+      refused at start-up (targets there could not dial it); a wildcard
+      (``0.0.0.0``) advertises the address that reaches the registry
+      (:mod:`remote_g2.net_address` states the rule).
     * ``advertise`` — the endpoint to tell the registry when it differs from
-      the bound one (e.g. bound on ``0.0.0.0``); None: the bound endpoint.
+      the bound one (a NAT, a chosen interface); its host is also the host
+      of the ranks' peer lanes; port 0 means the bound port. Never a
+      wildcard; never a loopback address with a registry elsewhere.
     * ``ipc_dir`` — directory of the sibling sockets; created with mode 0700
       and refused when another user owns it or it is open to others.
     * ``default_lease_ttl_ms`` / ``min_lease_ttl_ms`` / ``max_lease_ttl_ms`` —
@@ -100,7 +111,7 @@ class SourceConfig:
 
     enabled: bool = False
     registry_endpoint: str | None = None
-    bind: str = "tcp://127.0.0.1:0"
+    bind: str | None = None
     advertise: str | None = None
     ipc_dir: str | None = None
     default_lease_ttl_ms: int = 10_000
@@ -141,8 +152,10 @@ class SourceConfig:
             object.__setattr__(self, "default_lease_ttl_ms", self.max_lease_ttl_ms)
         if self.peer_transport not in ("stream", "zmq"):
             raise ConfigError(f"SourceConfig.peer_transport must be 'stream' or 'zmq', got {self.peer_transport!r}")
-        if not self.bind.startswith("tcp://"):
+        if self.bind is not None and not self.bind.startswith("tcp://"):
             raise ConfigError(f"SourceConfig.bind must be a tcp:// endpoint, got {self.bind!r}")
+        if self.advertise is not None and not self.advertise.startswith("tcp://"):
+            raise ConfigError(f"SourceConfig.advertise must be a tcp:// endpoint, got {self.advertise!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"SourceConfig.metrics_port {self.metrics_port} is not a port")
         if self.registry_endpoint is not None and self.fingerprint is None:
@@ -182,6 +195,10 @@ class SourceConfig:
                           ("REMOTE_G2_SOURCE_PIN_BUDGET", "pin_budget_blocks")):
             if (number := env_int(var, e)) is not None:
                 kw[name] = number
+        for var, name in (("REMOTE_G2_SOURCE_PROGRESS_MS", "progress_interval_ms"),
+                          ("REMOTE_G2_SOURCE_IDLE_PROGRESS_MS", "idle_progress_interval_ms")):
+            if env_str(var, e) is not None:
+                kw[name] = env_float(var, 1.0, e)
         for var, name in ((ENABLE_ENV, "enabled"), ("REMOTE_G2_SOURCE_PEER_RESOLVE", "peer_resolve")):
             if (flag := env_flag(var, e, default=None)) is not None:
                 kw[name] = flag

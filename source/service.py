@@ -58,6 +58,7 @@ from remote_g2.ipc_paths import (
     release_ipc_path,
 )
 from remote_g2.log import RateLimitedLog, cpu_set_text
+from remote_g2.net_address import advertised_endpoint, default_bind_host, split_tcp, with_host
 from remote_g2.messages import (
     MAX_FORWARDED_RESOLVE_BYTES,
     GetMetadata,
@@ -177,6 +178,7 @@ class SourceService:
         self.config = config
         self.epoch = 0
         self.endpoint: str | None = None
+        self.advertised_endpoint: str | None = None  # rank 0: what the registry is told (see _advertised)
         self.metrics = SourceMetrics(self.rank)
         layout = pool.layout
         budget_blocks = config.pin_budget_blocks or max(1, layout.num_blocks // 2)
@@ -184,7 +186,7 @@ class SourceService:
         self.budget = PinBudget(budget_blocks, on_change=self.metrics.budget_available.set)
         self.metrics.budget_available.set(budget_blocks)
         self.leases = LeaseTable(pool, budget=self.budget, tombstone_ttl_s=config.max_lease_ttl_ms / 1000 * 2,
-                                 on_change=self.metrics.lease_table_changed)
+                                 on_change=self._lease_table_changed)
         self.records: list[RankRecord] = []
         self._agent: RankAgent | None = None
         self._server: RpcServer | None = None
@@ -201,6 +203,12 @@ class SourceService:
         self._started_at = time.monotonic()
         self._log_limited = RateLimitedLog(log)  # what clients can cause at will is logged once a minute
         self._max_wakeup_lag = 0.0  # seconds: the longest time the reaper woke late (see _note_wakeup_lag)
+
+    def _lease_table_changed(self, open_leases: int, pinned: int) -> None:
+        self.metrics.lease_table_changed(open_leases, pinned)
+        agent = getattr(self, "_agent", None)  # None until _start_local made it
+        if open_leases and agent is not None:  # a reader is about to READ: progress now, then at the busy pace
+            agent.wake()
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -226,8 +234,32 @@ class SourceService:
         log.info("source %s rank %d/%d serving on %s (threads on CPUs %s)", self.worker_id, self.rank, self.tp_size,
                  self.endpoint, cpu_set_text())
 
+    def _routable_addresses(self) -> None:
+        """``bind`` chosen when unset and ``advertise`` filled in, by :mod:`remote_g2.net_address`'s rule.
+
+        Every rank computes the same (same settings, same host); a bind or an
+        advertise address that targets elsewhere could not dial is a
+        ConfigError here, before anything is bound or announced.
+        """
+        cfg = self.config
+        bind = cfg.bind or f"tcp://{default_bind_host(cfg.registry_endpoint)}:0"
+        advertise = advertised_endpoint(bind, advertise=cfg.advertise, toward=cfg.registry_endpoint,
+                                        what=f"source {self.worker_id}", bind_setting="REMOTE_G2_SOURCE_BIND",
+                                        advertise_setting="REMOTE_G2_SOURCE_ADVERTISE")
+        self.config = replace(cfg, bind=bind, advertise=None if advertise == bind else advertise)
+
+    def _advertised(self, bound: str, *, own_port: bool) -> str:
+        """What others are told for a server bound at ``bound``: ``advertise``'s host (and port, unless
+        ``own_port`` or it is 0), else ``bound`` itself."""
+        advertise = self.config.advertise
+        if advertise is None:
+            return bound
+        _, host, port = split_tcp(advertise)
+        return with_host(bound if own_port or port == 0 else advertise, host)
+
     def _start_local(self) -> RankRecord:
         """Agent, registered memory and (rank > 0) the sibling socket; this rank's record."""
+        self._routable_addresses()
         cfg = self.config
         regions = self.pool.regions()
         layout = self.pool.layout
@@ -273,6 +305,7 @@ class SourceService:
         ``config.stream_lane``, else ZMQ TCP with rank 0's CURVE keys.
         """
         cfg = self.config
+        assert cfg.bind is not None  # _routable_addresses chose it
         name = f"source-{self.worker_id}-tp{self.rank}-peer"
         if cfg.stream_lane:
             self._peer_server = StreamRpcServer(stream_endpoint_on_host_of(cfg.bind), handlers, name=name,
@@ -280,11 +313,7 @@ class SourceService:
         else:
             self._peer_server = RpcServer(free_port_on_host_of(cfg.bind), handlers, name=name, workers=1,
                                           curve=cfg.curve, on_call=self.metrics.observe_call, identify_clients=True)
-        bound = self._peer_server.start()
-        if cfg.advertise:  # the advertised host, the bound scheme and port
-            scheme, rest = bound.split("://", 1)
-            bound = f"{scheme}://{cfg.advertise.split('://', 1)[1].rsplit(':', 1)[0]}:{rest.rsplit(':', 1)[1]}"
-        self.peer_endpoint = bound
+        self.peer_endpoint = self._advertised(self._peer_server.start(), own_port=True)
 
     def _start_rank0(self) -> None:
         cfg = self.config
@@ -299,6 +328,7 @@ class SourceService:
         if cfg.stream_lane:  # before the worker endpoint: targets learn of the lane from its metadata
             self._start_peer_server({"peer_resolve": peer_resolve, "release": self._release, "renew": self._renew})
             self._rank_infos[0] = replace(self._rank_infos[0], peer_endpoint=self.peer_endpoint)
+        assert cfg.bind is not None  # _routable_addresses chose it
         self._server = RpcServer(cfg.bind, {
             "resolve": self._resolve,
             "release": self._release,
@@ -308,8 +338,11 @@ class SourceService:
         }, name=f"source-{self.worker_id}", workers=cfg.rpc_workers, curve=cfg.curve,
             on_call=self.metrics.observe_call, on_arrival={"resolve": self._forward_resolve}, identify_clients=True)
         self.endpoint = self._server.start()
+        self.advertised_endpoint = self._advertised(self.endpoint, own_port=False)
+        if self.advertised_endpoint != self.endpoint:
+            log.info("source %s advertises %s (bound %s)", self.worker_id, self.advertised_endpoint, self.endpoint)
         if cfg.registry_endpoint:
-            self._start_publisher(cfg.advertise or self.endpoint)
+            self._start_publisher(self.advertised_endpoint)
 
     def _start_publisher(self, endpoint: str) -> None:
         from remote_g2.registry import RegistryClient, SourcePublisher
