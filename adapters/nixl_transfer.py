@@ -10,7 +10,15 @@ On one host (UCX ``cma``) NIXL copies DRAM inside the post, so
 :meth:`~NixlTransfer.start_read` returns after the bytes landed (how long, by
 descriptor count: docs/benchmarks.md, "descriptor cost") and the first poll
 says ``"done"``;
-across hosts (RDMA) the post returns at once and polling does the waiting.
+across hosts (RDMA, or UCX over TCP) the post returns at once and polling
+does the waiting. Over TCP, UCX emulates READ in software: each READ also
+needs the source's progress (source/rank_agent.py).
+
+A READ that ends in error keeps the backend's own words
+(:meth:`NixlTransfer.failure`): NIXL reports a status (``NIXL_ERR_BACKEND``,
+...), while UCX's reason ("connection refused", a dial that reached this
+very host) goes to stderr at ``UCX_LOG_LEVEL=error`` or above, which the
+message points to.
 
 Remote extents are DRAM on device 0 (the source pools are host memory);
 local extents take the memory type and device of the registered regions.
@@ -41,10 +49,11 @@ _PROGRESS_INTERVAL_S = 0.001
 class _Read:
     """One READ: the NIXL handle (``None`` once released), its peer, descriptor count and last known state."""
 
-    __slots__ = ("xfer", "peer", "count", "state")
+    __slots__ = ("xfer", "peer", "count", "state", "error")
 
     def __init__(self, xfer: Any, peer: str, count: int, state: TransferState = "pending") -> None:
         self.xfer, self.peer, self.count, self.state = xfer, peer, count, state
+        self.error = ""  # the backend's words when state became "error"
 
     def __repr__(self) -> str:
         return f"<NIXL READ from {self.peer}: {self.count} descriptor(s), {self.state}>"
@@ -172,14 +181,23 @@ class NixlTransfer:
                 log.warning("NIXL agent %s: progress failed: %s", self.name, e)
         try:
             state = agent.check_xfer_state(handle.xfer)
-        except Exception as e:
-            log.warning("NIXL agent %s: %r: state check failed: %s", self.name, handle, e)
+        except Exception as e:  # NIXL's bindings raise the failed status (e.g. nixlBackendError: NIXL_ERR_BACKEND)
+            handle.error = f"{type(e).__name__}: {e}"
             state = "ERR"
         if state == "DONE":
             handle.state = "done"
         elif state == "ERR":
             handle.state = "error"
+            handle.error = handle.error or "NIXL reported the transfer's state as ERR"
         return handle.state
+
+    def failure(self, handle: _Read) -> str:
+        """Why ``handle`` ended in ``"error"``, in the backend's words, with where UCX's own reason goes."""
+        if handle.state != "error":
+            return ""
+        why = handle.error or "aborted before it finished"
+        return (f"NIXL READ from {handle.peer} failed: {why} (UCX logs its reason to the engine's stderr at "
+                f"UCX_LOG_LEVEL=error or above; across hosts see docs/operations.md, 'Across hosts')")
 
     def release(self, handle: _Read) -> None:
         """Free the NIXL handle (aborting a running READ, which then counts as ``"error"``); idempotent."""

@@ -18,7 +18,10 @@ Life of an adapter::
 Extents are three equally long ``uint64`` arrays (local address, remote
 address, length), already coalesced by the planner; an adapter issues them as
 one transfer. ``poll`` answers ``"pending"``, ``"done"`` (every byte landed)
-or ``"error"`` (nothing about the destination bytes is promised).
+or ``"error"`` (nothing about the destination bytes is promised). An
+adapter may also offer ``failure(handle) -> str``: why a READ ended in
+``"error"``, in the backend's words; a failed load's message carries it
+(optional, so wrappers and test adapters need not have it).
 """
 
 from __future__ import annotations

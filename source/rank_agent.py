@@ -2,13 +2,17 @@
 
 The agent runs with neither NIXL's listen thread (metadata travels in the
 RPCs) nor its progress thread (with no delay configured it spins a core;
-docs/benchmarks.md, "One-off measurements"). But a reader's READs do not
-complete until the source side makes progress at least once for the UCX
-wire-up (measured: without it the reader's transfer stays ``PROC`` and the
-connection is dropped), so a small thread here drives the agent by polling
-``get_new_notifs()``: every ``busy_interval_s`` while leases are open (a
-reader is probably connecting), every ``idle_interval_s`` otherwise. Once a
-reader is connected, its READs of DRAM complete without us (UCX ``cma``).
+docs/benchmarks.md, "One-off measurements"). But a reader's READs need the
+source side's progress: always for the UCX wire-up (without it the reader's
+transfer stays ``PROC`` and the connection is dropped), and for *every* READ
+where the transport emulates it in software — UCX over TCP, the usual
+fabric between cloud VMs — while over shared memory (``cma``) or RDMA a
+connected reader's READs complete without us. So a small thread here drives
+the agent by polling ``get_new_notifs()``: every ``busy_interval_s`` while
+leases are open (a reader is connecting or reading), every
+``idle_interval_s`` otherwise, and at once when :meth:`wake` says a lease
+opened — a READ posted right after its resolve then never waits out an idle
+sleep.
 
 Only that thread touches the agent after start-up, and :meth:`close` stops
 it before tearing the agent down, so the agent's thread-unsafe default sync
@@ -52,6 +56,7 @@ class RankAgent:
         self._busy_interval = busy_interval_s
         self._idle_interval = idle_interval_s
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
         self._regs: list[Any] = []
@@ -80,9 +85,14 @@ class RankAgent:
             self._thread = threading.Thread(target=self._progress, name=f"{self.name}-progress", daemon=True)
             self._thread.start()
 
+    def wake(self) -> None:
+        """Make progress now and poll at the busy pace (a lease just opened); cheap, any thread."""
+        self._wake.set()
+
     def _progress(self) -> None:
         last_error = 0.0
         while not self._stop.is_set():
+            self._wake.clear()  # before progressing: a wake from here on makes the next wait return at once
             try:
                 self._agent.get_new_notifs()  # drives the UCX worker; sources expect no notifications
             except Exception as e:
@@ -90,7 +100,7 @@ class RankAgent:
                 if now - last_error > 10:
                     log.warning("NIXL agent %s: progress failed: %s", self.name, e)
                     last_error = now
-            self._stop.wait(self._busy_interval if self._busy() else self._idle_interval)
+            self._wake.wait(self._busy_interval if self._busy() else self._idle_interval)
 
     def close(self) -> None:
         """Stop progress, deregister the pool, drop the agent; idempotent."""
@@ -98,6 +108,7 @@ class RankAgent:
             return
         self._closed = True
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(5)
             self._thread = None

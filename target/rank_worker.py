@@ -162,7 +162,10 @@ class RankWorker:
     def _check(self, key: int, flight: _Inflight, now: float) -> None:
         states = [self._transfer.poll(h) for h in flight.handles]
         if "error" in states:
-            self._finish(key, "READ failed (transfer state ERR)")
+            # The adapter's own words when it has them (an optional method: see remote_g2/transfer.py).
+            failure = getattr(self._transfer, "failure", None)
+            why = [failure(h) for h, s in zip(flight.handles, states) if s == "error"] if failure else []
+            self._finish(key, next((w for w in why if w), "READ failed (transfer state ERR)"))
         elif all(s == "done" for s in states):
             self._finish(key, None)
         elif now > flight.deadline:

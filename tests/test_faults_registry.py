@@ -372,6 +372,9 @@ class FakeAgent:
     def start_progress(self) -> None:
         pass
 
+    def wake(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -356,9 +356,13 @@ class FakeAgent:
         self.name = name
         self.metadata = b"fake-metadata:" + name.encode()
         self.closed = False
+        self.wakes = 0
 
     def start_progress(self) -> None:
         pass
+
+    def wake(self) -> None:
+        self.wakes += 1
 
     def close(self) -> None:
         self.closed = True
@@ -509,6 +513,7 @@ def test_tp1_service_without_mpi_serves_curve_only_clients(monkeypatch: pytest.M
             r = c.call(Resolve(_hashes(0, 4), 5_000))
             assert (r.reason, r.matched, [rb.rank for rb in r.ranks]) == ("ok", 4, [0])
             assert pool.stats()["total_pins"] == 4
+            assert service._agent.wakes >= 1  # type: ignore[union-attr]  # the lease opened: progress now
             assert c.call(Release(r.lease_id)).released and pool.stats()["total_pins"] == 0
         with RpcClient(service.endpoint, timeout_ms=300) as plain, pytest.raises(RpcTimeout):
             plain.call(GetMetadata())

@@ -243,10 +243,13 @@ def test_nixl_read_from_a_killed_peer_never_reports_done(nixl_peer, nixl_reader,
         assert peer.name in str(e) and f"{len(ROWS)} descriptor" in str(e)
         return
     try:
-        assert _wait(t, h, 5.0) in ("error", "pending")  # never "done"
+        state = _wait(t, h, 5.0)
+        assert state in ("error", "pending")  # never "done"
+        if state == "error":  # a failed READ says why, naming its peer and where UCX's reason goes
+            assert peer.name in t.failure(h) and "UCX_LOG_LEVEL" in t.failure(h)
     finally:
         releaser = threading.Thread(target=t.release, args=(h,), daemon=True)
         releaser.start()
         releaser.join(10)
         assert not releaser.is_alive(), "release() of a READ from a dead peer hung"
-    assert t.poll(h) == "error"
+    assert t.poll(h) == "error" and t.failure(h).startswith(f"NIXL READ from {peer.name} failed: ")
