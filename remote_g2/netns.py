@@ -40,6 +40,7 @@ from __future__ import annotations
 import atexit
 import functools
 import ipaddress
+import json
 import itertools
 import logging
 import os
@@ -131,6 +132,12 @@ class Host:
         """``argv`` run inside this host: ``["ip", "netns", "exec", netns, *argv]`` (same PID, same process group
         as the command itself: ``ip netns exec`` execs it)."""
         return ["ip", "netns", "exec", self.netns, *argv]
+
+    def interface_bytes(self) -> tuple[int, int]:
+        """(received, sent) bytes so far on ``interface``: what crossed between this host and the others."""
+        out = json.loads(_ip("-n", self.netns, "-j", "-s", "link", "show", self.interface).stdout)
+        stats = out[0]["stats64"]
+        return int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"])
 
 
 class Hosts:
