@@ -3,7 +3,10 @@
 Used by ``remote-g2 demo``, the end-to-end tests and ``bench/bench_e2e.py``.
 Each worker runs in its own session (mpiexec and its ranks share one process
 group), is asked to shut down over its API, and is killed by its process
-group only if it does not exit in time. Every wait is bounded.
+group only if it does not exit in time. Every wait is bounded. A worker can
+run inside a network namespace (``netns``: a "host" of
+:mod:`remote_g2.netns`); its API is then a Unix socket, which the caller
+reaches from any namespace.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from remote_g2.errors import RemoteG2Error
+from remote_g2.netns import Host
 from remote_g2.rpc_client import RpcClient
 
 from .messages import (
@@ -97,20 +101,38 @@ class EngineProcess:
     directory (ready file, IPC sockets, and the log unless ``log_dir`` is
     given) is removed once the processes are gone; :meth:`log_tail` still
     answers from the log's last megabyte, kept in memory.
+
+    ``netns`` (a :class:`remote_g2.netns.Host`, or a namespace's name) runs
+    the worker inside that network namespace (``ip netns exec NS mpiexec
+    ...``: the same PID and process group, so stopping still signals only
+    this worker's group). Its API then binds ``ipc://`` in the temporary
+    directory (unless ``args`` give ``--bind``): TCP into the namespace is
+    not routable from the caller's, a Unix socket is.
+
+    UCX logs at ``UCX_LOG_LEVEL`` from ``env`` or the environment, ``error``
+    when neither sets it: a failed NIXL load leaves UCX's reason in the log.
     """
 
     def __init__(self, worker_id: str, *, tp: int = 1, args: list[str] | None = None, log_dir: str | None = None,
-                 env: dict[str, str] | None = None, start_timeout_s: float = 90.0) -> None:
+                 env: dict[str, str] | None = None, start_timeout_s: float = 90.0,
+                 netns: Host | str | None = None) -> None:
         self.worker_id, self.tp = worker_id, tp
+        self.netns: str | None = netns.netns if isinstance(netns, Host) else netns
         self._tmp = tempfile.mkdtemp(prefix="rg2e-")  # short: IPC socket paths live here
         self._kept_log: bytes | None = None  # the log's end, once the temporary directory (holding it) is gone
         self._tmp_removed = False
         self.log_path = Path(log_dir or self._tmp) / f"engine-{worker_id}.log"
         ready = Path(self._tmp) / "ready.json"
+        args = list(args or [])
+        if self.netns is not None and "--bind" not in args:
+            args += ["--bind", f"ipc://{os.path.join(self._tmp, 'api.sock')}"]
         cmd = [mpiexec_path(), "-n", str(tp), sys.executable, "-m", "remote_g2.adapters.reference.server",
                "--worker-id", worker_id, "--ready-file", str(ready), "--ipc-dir", os.path.join(self._tmp, "ipc"),
-               *(args or [])]
-        full_env = {**os.environ, "UCX_LOG_LEVEL": "fatal", "REMOTE_G2_LOG_LEVEL": "WARNING", **(env or {})}
+               *args]
+        if self.netns is not None:
+            cmd = ["ip", "netns", "exec", self.netns, *cmd]
+        full_env = {**os.environ, "REMOTE_G2_LOG_LEVEL": "WARNING", **(env or {})}
+        full_env.setdefault("UCX_LOG_LEVEL", "error")
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env=full_env)
