@@ -31,7 +31,7 @@ from remote_g2.adapters.nixl_transfer import NixlTransfer
 from remote_g2.messages import BlockLayout, LayoutFingerprint
 
 __all__ = ["make_layout", "fingerprint_for", "hash_of", "rank_stream", "write_json", "read_json", "RecordingNixl",
-           "EVENTS", "record"]
+           "EVENTS", "record", "raw_agent_name"]
 
 NUM_LAYERS, KV, HEADS_PER_RANK, HEAD_DIM, DTYPE_BYTES = 8, 2, 2, 64, 2
 _TOKEN_BYTES = NUM_LAYERS * KV * HEADS_PER_RANK * HEAD_DIM * DTYPE_BYTES  # 4 KiB per token per rank
@@ -129,3 +129,8 @@ class RecordingNixl(NixlTransfer):
         super().release(handle)
         self._done_seen.discard(id(handle))
         record("release_xfer", t0, time.monotonic())
+
+
+def raw_agent_name(worker_id: str, rank: int) -> str:
+    """The bare NIXL agent source rank ``rank`` keeps on its pool's memory for the raw baseline (source_rank.py)."""
+    return f"bench-raw-src-{worker_id}-tp{rank}"

@@ -10,11 +10,17 @@ Rank 0 drives the run and the other ranks follow commands it writes as files
 nobody waits in MPI after start-up. Commands: ``zero`` / ``check`` the first
 ``n`` destination blocks (byte-exact against ``rank_stream``; a wrong byte
 aborts), ``raw`` (re-issue, with the bare agent, exactly the descriptors the
-client's READ of that many bytes used, starting at the shared instant ``t0``),
+client's READ of that many bytes used, starting at the shared instant ``t0``,
+from the source rank's own bare agent on the same memory — see
+``source_rank.py``; ``--raw-window``: rank 0 opens a progress window on the
+source around every raw measurement, so that the source drives that agent
+as fast as a hand-written NIXL source would, which UCX TCP needs for every READ),
 ``memcpy`` (numpy copy of the same bytes at ``t0``), ``raw_stream`` (``count``
 raw READs, ``depth`` in flight at most), ``stop``.
 
-Rank 0's sequence: a warm-up request (checked), a raw warm-up (zeroed, then
+Rank 0's sequence: the first contact (a 1-block request, the first this
+target makes: metadata fetch and connection to a source it never talked to;
+checked), then a warm-up request (checked), a raw warm-up (zeroed, then
 checked) and memcpy; then ``--reps`` rounds of {e2e request, raw READ, memcpy}
 with the order alternating (the last e2e request zeroed first and checked);
 then the same for 1-block requests. Each e2e request is
@@ -36,6 +42,7 @@ Results (``DIR/result.json``, rank 0) and every rank's timestamps
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import select
@@ -44,6 +51,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -57,6 +65,7 @@ from transfer_procs.common import (  # noqa: E402
     hash_of,
     make_layout,
     rank_stream,
+    raw_agent_name,
     read_json,
     record,
     write_json,
@@ -235,14 +244,17 @@ class Rank:
         raise Abort(f"unknown command {op!r}")
 
     def _replay(self, nbytes: int) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
-        """The descriptors of the client's last READ of ``nbytes`` bytes, its peer loaded into the raw agent."""
+        """The descriptors of the client's last READ of ``nbytes`` bytes, and the bare agent on the source rank it
+        read from (same memory, same addresses), loaded into the raw agent."""
         rec = RecordingNixl.instances[0]
         if nbytes not in rec.reads:
             raise Abort(f"rank {self.rank}: the client never read {nbytes} bytes; nothing to replay")
         peer, local, remote, sizes = rec.reads[nbytes]
-        if not self.raw.has_peer(peer):
-            self.raw.add_peer(peer, rec.peer_metadata[peer])
-        return peer, local, remote, sizes
+        src_rank = int(peer.rsplit("-tp", 1)[1])  # remote-g2-source-{worker}-tp{rank}
+        bare = raw_agent_name(self.args.source_worker_id, src_rank)
+        if not self.raw.has_peer(bare):
+            self.raw.add_peer(bare, (self.args.source_dir / f"raw-agent-{src_rank}.bin").read_bytes())
+        return bare, local, remote, sizes
 
     def raw_stream(self, nbytes: int, t0: float, count: int, depth: int) -> dict[str, Any]:
         """``count`` raw READs of the client's descriptors from ``t0``, at most ``depth`` posted at once."""
@@ -352,6 +364,7 @@ class Driver:
 
     def __init__(self, r: Rank, d: Path) -> None:
         self.r, self.d, self.seq, self.req = r, d, 0, 0
+        self.windows = 0
         self.bell = Bell(bell_path(d, 0))
         self.kib = r.args.block_kib
         self.poll_s = r.args.poll_us / 1e6
@@ -469,11 +482,47 @@ class Driver:
                     if last:
                         self.check_copies(n, depth, f"the last stream of {count} requests")
                 else:
-                    t0 = time.monotonic() + 0.02
-                    acks = self.broadcast({"op": "raw_stream", "nbytes": per_rank, "t0": t0, "count": count,
-                                           "depth": depth})
+                    with self.raw_window():
+                        t0 = time.monotonic() + 0.02
+                        acks = self.broadcast({"op": "raw_stream", "nbytes": per_rank, "t0": t0, "count": count,
+                                               "depth": depth})
                     out["raw"].append({"t0": t0, "s": max(a["t_end"] for a in acks) - t0})
         return out
+
+    @contextlib.contextmanager
+    def raw_window(self) -> Iterator[None]:
+        """With ``--raw-window``: the source ranks drive their bare agents fast until the block ends (each rank
+        acknowledges both ends, so no end-to-end request ever runs beside a fast-driven agent)."""
+        if not self.r.args.raw_window:
+            yield
+            return
+        src = self.r.args.source_dir
+        self.windows += 1
+        flag = src / "raw-progress"
+
+        def acked(text: str) -> None:
+            deadline = time.monotonic() + 10
+            for rank in range(self.r.tp):
+                path = src / f"raw-progress-ack-{rank}"
+                while True:
+                    try:
+                        if read_json(path) == text:
+                            break
+                    except (OSError, ValueError):
+                        pass
+                    if time.monotonic() > deadline:
+                        raise Abort(f"source rank {rank} did not acknowledge raw window {text!r} in 10 s")
+                    time.sleep(0.001)
+
+        tmp = src / "raw-progress.tmp"
+        tmp.write_text(str(self.windows))
+        os.replace(tmp, flag)
+        try:
+            acked(f"on {self.windows}")
+            yield
+        finally:
+            flag.unlink()
+        acked(f"off {self.windows}")
 
     def check_copies(self, n: int, copies: int, what: str) -> None:
         acks = self.broadcast({"op": "check", "n": n, "copies": copies})
@@ -492,8 +541,19 @@ class Driver:
                 "post_s": [a["t_post"] - a["t_start"] for a in acks if "t_post" in a],
                 "descriptors": [a["descriptors"] for a in acks if "descriptors" in a]}
 
+    def raw(self, per_rank: int) -> dict[str, Any]:
+        with self.raw_window():
+            return self.synced("raw", per_rank)
+
     def check(self, n: int, what: str) -> None:
         self.check_copies(n, 1, what)
+
+    def first_contact(self) -> dict[str, Any]:
+        """The target's first request: 1 block from a source it never talked to (metadata, connections), checked."""
+        self.broadcast({"op": "zero", "n": 1})
+        out = self.e2e(1, "first", -1)
+        self.check(1, "the first contact")
+        return out
 
     def series(self, n: int, kind: str, reps: int, with_memcpy: bool) -> dict[str, Any]:
         bb = self.r.bb
@@ -504,7 +564,7 @@ class Driver:
         out["warmup_e2e"] = self.e2e(n, kind, -1)
         self.check(n, f"the first {kind} request")
         self.broadcast({"op": "zero", "n": n})
-        out["warmup_raw"] = self.synced("raw", per_rank)
+        out["warmup_raw"] = self.raw(per_rank)
         self.check(n, f"the first raw {kind} READ")
         if with_memcpy:
             self.synced("memcpy", per_rank)
@@ -519,7 +579,7 @@ class Driver:
                     if last:
                         self.check(n, f"the last {kind} request")
                 elif step == "raw":
-                    out["raw"].append(self.synced("raw", per_rank))
+                    out["raw"].append(self.raw(per_rank))
                 elif with_memcpy:
                     out["memcpy"].append(self.synced("memcpy", per_rank))
         return out
@@ -543,6 +603,11 @@ def main() -> int:
     p.add_argument("--stream-depth", type=int, default=2, help="requests in flight at most in a stream")
     p.add_argument("--stream-rounds", type=int, default=3, help="stream rounds (each: an e2e and a raw stream)")
     p.add_argument("--stream-poll-us", type=float, default=1000.0, help="get_finished polling interval in streams")
+    p.add_argument("--source-dir", required=True, type=Path,
+                   help="the source worker's --dir: its bare agents' metadata, the raw windows' flag and acks")
+    p.add_argument("--source-worker-id", required=True, help="the source worker's id (its bare agents' names)")
+    p.add_argument("--raw-window", action="store_true",
+                   help="open a progress window on the source around every raw measurement (UCX TCP)")
     args = p.parse_args()
     logging.basicConfig(level="WARNING", format=f"%(asctime)s %(levelname)s [pid {os.getpid()}] %(name)s: %(message)s")
 
@@ -573,6 +638,8 @@ def main() -> int:
             try:
                 if args.registry_mirror and not client.wait_registry_mirror(60):
                     raise Abort("the registry mirror did not get a complete copy in 60 s")
+                result["first_contact"] = drv.first_contact()
+                result["first_contact_bytes"] = layout.block_bytes * tp
                 result["full"] = drv.series(args.hashes, "full", args.reps, with_memcpy=True)
                 result["one"] = drv.series(1, "one", args.reps, with_memcpy=False)
                 if args.stream_requests > 0:
