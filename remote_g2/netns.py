@@ -94,7 +94,7 @@ def netns_unavailable_reason() -> str | None:
     if not sys.platform.startswith("linux"):
         return f"network namespaces need Linux (this is {sys.platform})"
     if os.geteuid() != 0:
-        return "network namespaces need root (`ip netns add`); run as root, as CI does"
+        return "network namespaces need root (`ip netns add`)"
     if shutil.which("ip") is None:
         return "`ip` (iproute2) is not on PATH; install iproute2"
     probe = f"{PREFIX}{os.getpid()}-{next(_counter)}-probe"
