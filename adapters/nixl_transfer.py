@@ -44,6 +44,8 @@ __all__ = ["NixlTransfer"]
 log = logging.getLogger("remote_g2.adapters.nixl")
 
 _PROGRESS_INTERVAL_S = 0.001
+_UCX_HINT = (" (UCX logs its reason to this process's stderr at UCX_LOG_LEVEL=error or above; across hosts "
+             "see docs/operations.md, 'Across hosts')")
 
 
 class _Read:
@@ -104,7 +106,8 @@ class NixlTransfer:
         try:
             loaded = agent.add_remote_agent(metadata)
         except Exception as e:
-            raise TransferError(f"cannot load the metadata of NIXL agent {agent_name!r}: {e}") from e
+            # UCX connects to the peer here: an unreachable or self-dialled address fails now.
+            raise TransferError(f"cannot load the metadata of NIXL agent {agent_name!r}: {e}{_UCX_HINT}") from e
         loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
         if loaded != agent_name:
             if loaded not in self._peers:  # never unload a peer that was loaded under its own name
@@ -196,8 +199,7 @@ class NixlTransfer:
         if handle.state != "error":
             return ""
         why = handle.error or "aborted before it finished"
-        return (f"NIXL READ from {handle.peer} failed: {why} (UCX logs its reason to the engine's stderr at "
-                f"UCX_LOG_LEVEL=error or above; across hosts see docs/operations.md, 'Across hosts')")
+        return f"NIXL READ from {handle.peer} failed: {why}{_UCX_HINT}"
 
     def release(self, handle: _Read) -> None:
         """Free the NIXL handle (aborting a running READ, which then counts as ``"error"``); idempotent."""

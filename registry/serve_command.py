@@ -9,7 +9,7 @@ import threading
 
 from remote_g2.curve import CurveServerConfig
 from remote_g2.errors import ConfigError
-from remote_g2.net_address import reachable_elsewhere
+from remote_g2.net_address import is_wildcard, reachable_elsewhere, split_tcp
 from remote_g2.rpc_server import free_port_on_host_of
 
 from .server import DEFAULT_BIND, RegistryServer
@@ -112,8 +112,10 @@ def run(args: argparse.Namespace) -> int:
                                              metrics=server.metrics, on_applied=server.publish).start()
         metrics = f", metrics on http://{args.metrics_addr}:{args.metrics_port}/metrics" if args.metrics_port else ""
         feed = f", change feed on {server.feed_endpoint}" if server.feed is not None else ""
-        if server.feed is not None and server.feed_endpoint == server.feed.endpoint and \
-                not reachable_elsewhere(server.feed.endpoint) and reachable_elsewhere(endpoint):
+        if server.feed_endpoint.startswith("tcp://") and is_wildcard(split_tcp(server.feed_endpoint)[1]):
+            feed += " (every interface: mirrors dial it at the host they reach this registry at)"
+        elif server.feed is not None and not reachable_elsewhere(server.feed_endpoint) and \
+                reachable_elsewhere(endpoint):
             feed += " (mirrors elsewhere cannot dial it: --feed-bind or --feed-advertise a routable address)"
         print(f"remote-g2 registry serving on {endpoint} (store: {server.store.name}{feed}{metrics})", flush=True)
         while not stop.wait(0.5):

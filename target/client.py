@@ -375,6 +375,12 @@ class TargetClient:
         """Destination blocks whose load failed since the last call (the engine recomputes them)."""
         return self._outcomes.take_invalid() if self._outcomes is not None else set()
 
+    def failure_reasons(self) -> dict[str, str]:
+        """Why each failed load failed, by request id, since the last call (leader): the source's ERR, a
+        timeout, or the transfer backend's own words (e.g. ``NIXL_ERR_BACKEND`` and where UCX's reason is)."""
+        self._leader_only("failure_reasons")
+        return self._outcomes.take_errors() if self._outcomes is not None else {}
+
     # -- every rank --------------------------------------------------------------------------
 
     def get_finished_shares(self) -> tuple[set[str], set[str]]:

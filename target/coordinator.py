@@ -358,7 +358,7 @@ class Coordinator:
         if error:
             log.warning("load of %s failed after %.1f ms: %s", load.request_id,
                         (time.monotonic() - load.started) * 1e3, error)
-        self._outcomes.add(load.request_id, ok, invalid)
+        self._outcomes.add(load.request_id, ok, invalid, error or "")
 
     # -- the other ranks' links ---------------------------------------------------------------------
 

@@ -15,6 +15,8 @@ from collections.abc import Iterable
 
 __all__ = ["Outcomes"]
 
+_MAX_ERRORS = 4096
+
 
 class Outcomes:
     """Finished requests and invalid blocks since the engine last asked; thread-safe."""
@@ -24,6 +26,7 @@ class Outcomes:
         self._done: set[str] = set()
         self._failed: set[str] = set()
         self._invalid: set[int] = set()
+        self._errors: dict[str, str] = {}  # failed request id -> why, until take_errors (bounded: _MAX_ERRORS)
         self._r, self._w = os.pipe()
         for fd in (self._r, self._w):
             os.set_blocking(fd, False)
@@ -33,11 +36,15 @@ class Outcomes:
         """Readable while :meth:`take` has outcomes (-1 once closed)."""
         return self._r
 
-    def add(self, request_id: str, ok: bool, invalid: Iterable[int] = ()) -> None:
-        """Record one request's outcome and the destination blocks the engine must recompute."""
+    def add(self, request_id: str, ok: bool, invalid: Iterable[int] = (), error: str = "") -> None:
+        """Record one request's outcome, the destination blocks the engine must recompute, and why it failed."""
         with self._lock:
             (self._done if ok else self._failed).add(request_id)
             self._invalid.update(invalid)
+            if not ok and error:
+                self._errors[request_id] = error
+                while len(self._errors) > _MAX_ERRORS:  # an engine that never asks: keep the newest
+                    del self._errors[next(iter(self._errors))]
             try:  # with the sets, under the lock: whoever wakes on the fd finds the outcome
                 os.write(self._w, b"\0")
             except (BlockingIOError, OSError):  # full (it is readable anyway) or closed at shutdown
@@ -50,6 +57,12 @@ class Outcomes:
             done, failed = self._done, self._failed
             self._done, self._failed = set(), set()
         return done, failed
+
+    def take_errors(self) -> dict[str, str]:
+        """Why each failed request's load failed (the words of whatever failed), since the last call."""
+        with self._lock:
+            out, self._errors = self._errors, {}
+        return out
 
     def take_invalid(self) -> set[int]:
         with self._lock:

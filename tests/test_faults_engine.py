@@ -96,6 +96,7 @@ def test_source_killed_mid_load_target_recomputes_identically_and_registry_forge
         took = time.monotonic() - t0
         assert result.ok and result.blocks_remote == 0
         assert result.blocks_remote_failed == (len(prompt) - 1) // TPB and result.blocks_computed == len(hashes)
+        assert result.remote_error and result.remote_reason == "ok"  # matched, then failed: it says why
         assert (result.tokens, result.logits) == (src.tokens, src.logits)  # recomputed, bit for bit
         assert took < 5.0 + 10.0, f"the failed load took {took:.1f} s"
         with RegistryClient(registry) as reg:  # the dead worker's 3 s lease lapses; then nobody is offered it

@@ -311,6 +311,7 @@ def test_source_killed_mid_load_across_hosts_means_recompute(net: Net, tmp_path:
         assert result.ok, result.error
         assert result.blocks_remote == 0 and result.blocks_remote_failed == (len(prompt) - 1) // TPB, \
             (result, _explain(target))
+        assert result.remote_error, "a failed load must say why"
         assert result.blocks_computed == full
         assert _same(result, src), "the recomputed output differs from the source's"
         assert took < 5.0 + 10.0, f"the failed load took {took:.1f} s"
@@ -394,6 +395,8 @@ def test_an_address_on_every_host_never_fails_silently_and_pinning_the_link_work
                     else:  # the trap: the failure and its cause are in plain sight
                         assert remote.blocks_remote_failed == reusable, (remote, log[-3000:])
                         assert "NIXL_ERR_BACKEND" in log, log[-3000:]
+                        # ... and in the result: the backend's words, and where UCX's own reason went.
+                        assert "NIXL_ERR_BACKEND" in remote.remote_error and "UCX_LOG_LEVEL" in remote.remote_error
                         assert "UCX  ERROR" in log and SHARED_ADDRESS in log, \
                             f"UCX's own error line (naming {SHARED_ADDRESS}) is not in the target's log:\n{log[-3000:]}"
                 finally:

@@ -51,3 +51,22 @@ def test_the_prefix_kept_and_handed_back() -> None:
         [10, 11, 12, 13, 14, 15], [], 0, [], False)
     load.lease.granted(100.0, 4000)
     assert (load.lease.expires, load.lease.renew_at) == (104.0, 102.0)
+
+
+def test_outcomes_keep_why_a_load_failed_until_taken_and_bound_what_nobody_takes() -> None:
+    from remote_g2.target.outcomes import _MAX_ERRORS, Outcomes
+
+    o = Outcomes()
+    try:
+        o.add("a", True, error="ignored: it did not fail")
+        o.add("b", False, [3], error="rank 1: NIXL READ from x failed: NIXL_ERR_BACKEND")
+        o.add("c", False, [4])
+        assert o.take() == ({"a"}, {"b", "c"})
+        assert o.take_errors() == {"b": "rank 1: NIXL READ from x failed: NIXL_ERR_BACKEND"}
+        assert o.take_errors() == {}
+        for i in range(_MAX_ERRORS + 10):
+            o.add(f"r{i}", False, error="x")
+        kept = o.take_errors()
+        assert len(kept) == _MAX_ERRORS and f"r{_MAX_ERRORS + 9}" in kept and "r0" not in kept
+    finally:
+        o.close()

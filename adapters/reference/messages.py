@@ -83,7 +83,9 @@ class EngineResult:
     admission → first token on the leader. ``blocks_*`` count prompt blocks
     by origin (``blocks_computed`` includes blocks whose remote load failed,
     ``blocks_remote_failed``). ``load_s`` is start_load → get_finished of the
-    remote load (0 without one).
+    remote load (0 without one). ``remote_error`` says why a remote load
+    failed (the target client's words: the source's ERR, a timeout, the
+    transfer backend's error), "" when none did.
     """
 
     request_id: _ReqId
@@ -102,6 +104,7 @@ class EngineResult:
     bytes_remote: _Count
     load_s: _Secs
     remote_reason: Annotated[str, Limits(max_len=256)] = ""
+    remote_error: Annotated[str, Limits(max_len=4096)] = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,6 +72,7 @@ class Request:
     blocks_remote: int = 0
     blocks_remote_failed: int = 0
     remote_reason: str = ""
+    remote_error: str = ""  # why its remote load failed (the target client's words)
     source: str | None = None  # the worker its remote load came from
     load_lo: int = 0
     slots: list[int] = field(default_factory=list)
@@ -230,6 +231,7 @@ class Scheduler:
             return
         done, failed = self.target.get_finished()
         invalid = self.target.invalid_block_ids()
+        why = self.target.failure_reasons() if failed else {}
         for rid in sorted(done | failed):
             req = self.running.get(rid)
             if req is None or req.state != "loading":
@@ -249,6 +251,7 @@ class Scheduler:
                 self._landing.give_back(req.slots)
             else:
                 self._landing.quarantine(req.slots)
+                req.remote_error = why.get(rid, "the load failed")[:4096]
                 if req.source:
                     self._failed_sources.note_failure(req.source, rid)
             req.slots = []
@@ -294,7 +297,7 @@ class Scheduler:
             blocks_remote_failed=req.blocks_remote_failed,
             blocks_computed=len(req.hashes) - req.blocks_g1 - req.blocks_g2 - req.blocks_remote,
             bytes_remote=req.blocks_remote * self.block_bytes * self.tp_size, load_s=req.load_s,
-            remote_reason=req.remote_reason)
+            remote_reason=req.remote_reason, remote_error=req.remote_error)
         return StepOp("finish", rid)
 
     def fail_all(self, error: str) -> list[StepOp]:

@@ -636,6 +636,8 @@ class RemoteG2Connector(KVConnectorBase_V1):
             self.target.share_invalid_block_ids()
             return None
         done, failed = self.target.get_finished()
+        if failed:
+            self.target.failure_reasons()  # the target client logged each one (with the backend's words)
         return FetchOutcome(done, failed, self.target.invalid_block_ids())
 
     def _keep_fetched(self, hashes: list[bytes], slots: list[int]) -> None:
