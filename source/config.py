@@ -98,9 +98,12 @@ class SourceConfig:
     * ``metrics_port`` — serve Prometheus ``/metrics`` on ``metrics_addr``,
       port ``metrics_port + tp_rank``; None: not served over HTTP.
     * ``progress_interval_ms`` / ``idle_progress_interval_ms`` — how often each
-      rank drives its NIXL agent (the progress thread is off; a reader's
-      connection needs the source to make progress) while leases are open /
-      while none are.
+      rank drives its NIXL agent (NIXL's progress thread is off) while leases
+      are open / while none are; a lease opening wakes it at once. A
+      reader's connection needs the source's progress, and over UCX TCP so
+      does every READ: the busy pace bounds how long a READ waits for it
+      (docs/benchmarks.md, "Across hosts over UCX TCP", has what it buys
+      and costs).
     * ``reap_interval_ms`` — the lease reaper's longest sleep.
     * ``fingerprint`` — the layout announced to the registry (required with
       ``registry_endpoint``).
@@ -125,7 +128,7 @@ class SourceConfig:
     peer_transport: str = "stream"
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
-    progress_interval_ms: float = 5.0
+    progress_interval_ms: float = 0.2
     idle_progress_interval_ms: float = 20.0
     reap_interval_ms: float = 50.0
     registry_timeout_s: float = 5.0
