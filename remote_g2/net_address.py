@@ -39,6 +39,7 @@ __all__ = [
     "is_loopback",
     "reachable_elsewhere",
     "local_address_toward",
+    "is_on_this_host",
     "default_bind_host",
     "advertised_endpoint",
 ]
@@ -102,13 +103,25 @@ def local_address_toward(endpoint: str) -> str:
         raise ConfigError(f"no route from this host toward {endpoint}: {e}") from e
 
 
+def is_on_this_host(endpoint: str | None) -> bool:
+    """Whether ``endpoint`` (the registry) is reached over loopback: None, ipc://, a loopback address, or a
+    name or address this host routes to itself (e.g. its own name mapped to ``127.0.1.1``)."""
+    if endpoint is None or not endpoint.startswith("tcp://"):
+        return True
+    _, host, _ = split_tcp(endpoint)
+    if is_loopback(host):
+        return True
+    try:
+        return is_loopback(local_address_toward(endpoint))
+    except ConfigError:  # no route from here: certainly not this host
+        return False
+
+
 def default_bind_host(toward: str | None) -> str:
     """Where a server left at its default binds: loopback unless ``toward`` (the registry) is elsewhere."""
-    if toward is None or not toward.startswith("tcp://"):
+    if is_on_this_host(toward):
         return "127.0.0.1"
-    _, host, _ = split_tcp(toward)
-    if is_loopback(host):
-        return "127.0.0.1"
+    assert toward is not None
     return local_address_toward(toward)
 
 
@@ -123,7 +136,7 @@ def advertised_endpoint(bound: str, *, advertise: str | None, toward: str | None
     ``advertise_setting`` name the server and its settings in errors.
     """
     _, bound_host, bound_port = split_tcp(bound)
-    remote_audience = toward is not None and toward.startswith("tcp://") and not is_loopback(split_tcp(toward)[1])
+    remote_audience = not is_on_this_host(toward)
     if advertise:
         _, host, port = split_tcp(advertise)
         if is_wildcard(host):

@@ -23,7 +23,7 @@ from remote_g2.registry.mirror import feed_endpoint_from
 FP = LayoutFingerprint(model_id="tiny", dtype="bf16", tokens_per_block=16, kv_layout="HND",
                        num_layers=2, num_kv_heads=4, head_dim=32, tp_size=1)
 NAMES = {"what": "source w", "bind_setting": "BIND", "advertise_setting": "ADVERTISE"}
-REMOTE_REGISTRY = "tcp://10.200.0.1:7450"  # never dialled: the rule only reads its host
+REMOTE_REGISTRY = "tcp://10.200.0.1:7450"  # never dialled (at most a route is looked up: no packet is sent)
 
 
 def test_hosts_are_classified_by_their_text() -> None:
@@ -45,6 +45,10 @@ def test_the_route_toward_loopback_is_loopback_and_defaults_stay_private_on_one_
     assert local_address_toward("tcp://127.0.0.1:7450") == "127.0.0.1"
     assert default_bind_host(None) == default_bind_host("tcp://127.0.0.1:7450") == "127.0.0.1"
     assert default_bind_host("ipc:///run/registry.sock") == "127.0.0.1"
+    # A name this host routes to itself (Debian maps its own name to 127.0.1.1) is this host: not refused.
+    assert default_bind_host("tcp://localhost:7450") == "127.0.0.1"
+    assert advertised_endpoint("tcp://127.0.0.1:5", advertise=None, toward="tcp://127.0.1.1:7450",
+                               **NAMES) == "tcp://127.0.0.1:5"
     with pytest.raises(ConfigError, match="wildcard"):
         local_address_toward("tcp://0.0.0.0:7450")
 
