@@ -109,13 +109,14 @@ class Registry:
                 pass
 
 
-def start_registry(host: Host, log_dir: Path, *extra: str, timeout_s: float = 30.0) -> Registry:
-    log = log_dir / f"registry-{host.netns}.log"
+def start_registry(host: Host, log_dir: Path, *extra: str, timeout_s: float = 30.0,
+                   bind: str = f"tcp://0.0.0.0:{REGISTRY_PORT}") -> Registry:
+    log = log_dir / f"registry-{host.netns}-{bind.rsplit(':', 1)[1]}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(host.command([sys.executable, "-m", "remote_g2.cli", "serve",
-                                              "--bind", f"tcp://0.0.0.0:{REGISTRY_PORT}", *extra]),
+                                              "--bind", bind, *extra]),
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    reg = Registry(proc, f"tcp://{host.address}:{REGISTRY_PORT}", "", log)
+    reg = Registry(proc, f"tcp://{host.address}:{bind.rsplit(':', 1)[1]}", "", log)
     deadline = time.monotonic() + timeout_s
     while True:
         lines = [ln for ln in log.read_text(errors="replace").splitlines() if "registry serving on" in ln]
@@ -321,6 +322,60 @@ def test_source_killed_mid_load_across_hosts_means_recompute(net: Net, tmp_path:
         if target is not None:
             target.stop()
         doomed.stop()
+
+
+# Run inside a host: register a worker by hand at a registry; print the error's class and message (or "ok").
+_REGISTER = """
+import sys
+from remote_g2.errors import RemoteG2Error
+from remote_g2.messages import LayoutFingerprint
+from remote_g2.registry import RegistryClient
+fp = LayoutFingerprint("m", "bf16", 16, "HND", 2, 4, 32, 1)
+with RegistryClient(sys.argv[1], timeout_s=10) as reg:
+    try:
+        reg.register_worker("by-hand", sys.argv[2], fp, epoch=1)
+        print("ok")
+    except RemoteG2Error as e:
+        print(type(e).__name__, e)
+"""
+
+
+def test_addresses_other_hosts_cannot_dial_are_refused_and_a_wildcard_bind_advertises_the_route(
+        net: Net, tmp_path: Path) -> None:
+    """A source bound to loopback with the registry elsewhere refuses to start, naming the setting; one bound
+    to 0.0.0.0 advertises its address on the subnet; a registry bound to a routable address refuses a
+    loopback endpoint, and the wildcard-bound one refuses a wildcard endpoint."""
+    with pytest.raises(RuntimeError, match="REMOTE_G2_SOURCE_BIND=tcp://127.0.0.1:0 is a loopback address"):
+        EngineProcess("src-lo", tp=1, args=["--source", "--registry", net.registry.endpoint],
+                      env={**UCX_TCP, "REMOTE_G2_SOURCE_BIND": "tcp://127.0.0.1:0"}, netns=net.hosts["source"],
+                      start_timeout_s=60)
+    prompt = engine_prompt(80, seed=350)
+    wild = EngineProcess("src-wild", tp=1, args=["--source", "--registry", net.registry.endpoint],
+                         env={**UCX_TCP, "REMOTE_G2_SOURCE_BIND": "tcp://0.0.0.0:0"}, netns=net.hosts["source"])
+    target = None
+    try:
+        src = wild.client.generate("p", prompt, 2, cache="local")
+        listed = wait_published(net.hosts, net.registry, "src-wild", len(prompt) // TPB)
+        assert listed["endpoint"].startswith(f"tcp://{net.hosts['source'].address}:"), listed
+        target = EngineProcess("tgt-wild", tp=1, args=["--target", "--registry", net.registry.endpoint],
+                               env=UCX_TCP, netns=net.hosts["target"])
+        remote = target.client.generate("r", prompt, 2, cache="all", timeout_s=60)
+        assert remote.blocks_remote == (len(prompt) - 1) // TPB and _same(remote, src), (remote, _explain(target))
+    finally:
+        if target is not None:
+            target.stop()
+        wild.stop()
+    said = _python_in(net.hosts["source"], _REGISTER, net.registry.endpoint, "tcp://0.0.0.0:9")
+    assert said.startswith("RegistryError") and "wildcard address no target can dial" in said, said
+    routable = start_registry(net.hosts["registry"], tmp_path, "--feed-bind", "none",
+                              bind=f"tcp://{net.hosts['registry'].address}:{REGISTRY_PORT + 1}")
+    try:
+        said = _python_in(net.hosts["source"], _REGISTER, routable.endpoint, "tcp://127.0.0.1:9")
+        assert said.startswith("RegistryError") and "is a loopback address" in said, said
+        assert _python_in(net.hosts["source"], _REGISTER, routable.endpoint,
+                          f"tcp://{net.hosts['source'].address}:9").strip() == "ok"
+    finally:
+        routable.stop()
 
 
 def test_target_registry_mirror_follows_the_feed_across_hosts(net: Net, source: SharedSource) -> None:
