@@ -285,3 +285,10 @@ def lora_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from make_model import make_lora  # on the path once model_dir made the model
 
     return make_lora(model_dir, tmp_path_factory.mktemp("tiny-lora"))
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:  # type: ignore[no-untyped-def]
+    """The MPICH segments of ranks the tests killed (SIGKILL leaves them in /dev/shm, in RAM): swept at the end."""
+    from remote_g2.adapters.reference.launch import sweep_stale_mpi_shm
+
+    sweep_stale_mpi_shm(min_age_s=5.0)

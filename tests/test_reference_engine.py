@@ -19,6 +19,7 @@ bad input on the engine's API (``ERR``, the engine keeps serving).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import time
@@ -281,3 +282,19 @@ def test_concurrent_requests_interleave_loads_prefills_and_decodes(registry: str
     finally:
         target.stop()
         source.stop()
+
+
+def test_stale_mpich_segments_are_swept_but_mapped_or_fresh_ones_kept(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A SIGKILLed rank leaves its MPICH segments in /dev/shm (RAM): swept once nobody maps them."""
+    import mmap
+
+    from remote_g2.adapters.reference.launch import sweep_stale_mpi_shm
+
+    old = time.time() - 3600
+    for name in ("mpich_shm_dead", "mpich_shm_mapped", "mpich_shm_fresh", "other_dead"):
+        (tmp_path / name).write_bytes(b"\0" * 4096)
+        if name != "mpich_shm_fresh":
+            os.utime(tmp_path / name, (old, old))
+    with open(tmp_path / "mpich_shm_mapped", "r+b") as f, mmap.mmap(f.fileno(), 4096):
+        assert sweep_stale_mpi_shm(60, directory=str(tmp_path)) == ["mpich_shm_dead"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mpich_shm_fresh", "mpich_shm_mapped", "other_dead"]

@@ -37,13 +37,56 @@ from .messages import (
     EngineSubmit,
 )
 
-__all__ = ["EngineClient", "EngineProcess", "mpiexec_path"]
+__all__ = ["sweep_stale_mpi_shm", "EngineClient", "EngineProcess", "mpiexec_path"]
 
 
 def mpiexec_path() -> str:
     """The venv's ``mpiexec`` (the ``mpich`` wheel), else the one on PATH."""
     local = Path(sys.executable).parent / "mpiexec"
     return str(local) if local.exists() else "mpiexec"
+
+
+def sweep_stale_mpi_shm(min_age_s: float = 60.0, directory: str = "/dev/shm",
+                        prefix: str = "mpich_shm_") -> list[str]:
+    """Remove MPICH's shared-memory segments no live process maps, older than ``min_age_s``; their names.
+
+    MPICH's ranks unlink them on a clean exit; a rank killed by SIGKILL (a
+    test's crash, a timed-out stop) leaves its segments in ``/dev/shm``, a
+    RAM-backed filesystem, for good. A segment still mapped by any process
+    (read from ``/proc/*/maps``), or younger than ``min_age_s`` (a worker
+    still starting may not have mapped it yet), is kept.
+    """
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(prefix)]
+    except OSError:
+        return []
+    now = time.time()
+    old = set()
+    for n in names:
+        try:
+            if now - os.stat(os.path.join(directory, n)).st_mtime >= min_age_s:
+                old.add(n)
+        except OSError:
+            continue
+    if not old:
+        return []
+    mapped: set[str] = set()
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/maps", "rb") as f:
+                text = f.read().decode(errors="replace")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if directory in text:
+            mapped.update(n for n in old if f"{directory}/{n}" in text)
+    removed = []
+    for n in sorted(old - mapped):
+        try:
+            os.unlink(os.path.join(directory, n))
+            removed.append(n)
+        except OSError:
+            pass
+    return removed
 
 
 class EngineClient:
@@ -208,6 +251,7 @@ class EngineProcess:
                 self._kept_log = b""
         shutil.rmtree(self._tmp, ignore_errors=True)
         self._tmp_removed = True
+        sweep_stale_mpi_shm()  # a killed rank cannot unlink its MPICH segments: they would pile up in RAM
 
     def _signal(self, sig: int) -> None:
         try:
