@@ -275,6 +275,10 @@ def main() -> int:
                     while "req-1" not in done | failed and time.monotonic() - t0 < args.wait_s:
                         # Sleep on the client's finished fd, as an engine with an event loop would.
                         ready = client.wait_finished(min(0.05, max(0.0, args.wait_s - (time.monotonic() - t0))))
+                        if not ready:
+                            # An event loop reads only when woken. (Reading anyway raced: an outcome posted
+                            # between the wait's timeout and this read looked like a wake-up that never came.)
+                            continue
                         a, b = client.get_finished()
                         if "req-1" in a | b:
                             out["fd_ready_before_outcome"] = ready
