@@ -147,9 +147,9 @@ class Instance:
 
 @contextmanager
 def source_a(tmp: Path, model: Path, prompts: Path, registry: str, blocks: int, *args: str,
-             tp: int = 1, name: str = "a") -> Iterator[tuple[Instance, list[dict]]]:
+             tp: int = 1, name: str = "a", env: dict[str, str] | None = None) -> Iterator[tuple[Instance, list[dict]]]:
     """Instance A (connector on): serves ``prompts``, waits until ``blocks`` are published, stays up in the block."""
-    a = Instance(tmp, name, model, prompts, registry, *args, tp=tp)
+    a = Instance(tmp, name, model, prompts, registry, *args, tp=tp, env=env)
     try:
         out_a = a.result()
         wait_published(registry, f"vllm-{name}", blocks, a)
