@@ -47,7 +47,7 @@ from remote_g2.messages import (
     ListWorkers, ListWorkersReply, Lookup, LookupReply, RegisterWorker, RegisterWorkerReply, Resync, ResyncReply,
     ScanWorker, ScanWorkerReply, Stats, StatsReply, WhoHas, WhoHasReply, WorkerInfo, WorkerInfoReply,
 )
-from remote_g2.net_address import is_loopback, is_wildcard, split_tcp, with_host
+from remote_g2.net_address import apply_advertise, is_loopback, is_wildcard, split_tcp
 from remote_g2.rpc_server import CallContext, RpcServer
 
 from .feed import DEFAULT_TICK_S, FeedPublisher
@@ -169,8 +169,7 @@ class RegistryServer:
             return ""
         if not self._feed_advertise:
             return self.feed.endpoint
-        _, host, port = split_tcp(self._feed_advertise)
-        return with_host(self.feed.endpoint if port == 0 else self._feed_advertise, host)
+        return apply_advertise(self.feed.endpoint, self._feed_advertise)
 
     def close(self) -> None:
         """Stop serving and sweeping; the store is the caller's to close."""

@@ -35,6 +35,7 @@ from remote_g2.errors import ConfigError
 __all__ = [
     "split_tcp",
     "with_host",
+    "apply_advertise",
     "is_wildcard",
     "is_loopback",
     "reachable_elsewhere",
@@ -60,6 +61,13 @@ def with_host(endpoint: str, host: str) -> str:
     """``endpoint`` with its host replaced (scheme and port kept)."""
     scheme, _, port = split_tcp(endpoint)
     return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def apply_advertise(bound: str, advertise: str) -> str:
+    """``bound`` as told to others: ``advertise``'s host, and its port unless that is 0 or the bound one."""
+    _, host, port = split_tcp(advertise)
+    _, _, bound_port = split_tcp(bound)
+    return with_host(bound if port in (0, bound_port) else advertise, host)
 
 
 def is_wildcard(host: str) -> bool:
@@ -145,7 +153,7 @@ def advertised_endpoint(bound: str, *, advertise: str | None, toward: str | None
         if remote_audience and is_loopback(host):
             raise ConfigError(f"{what}: {advertise_setting}={advertise} is a loopback address but the registry "
                               f"({toward}) is not on this host's loopback: targets elsewhere could not reach it")
-        return with_host(bound if port in (0, bound_port) else advertise, host)
+        return apply_advertise(bound, advertise)
     if is_wildcard(bound_host):
         if toward is None:
             raise ConfigError(f"{what}: bound to {bound} (every interface) with nobody to find a route toward; "

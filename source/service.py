@@ -58,7 +58,7 @@ from remote_g2.ipc_paths import (
     release_ipc_path,
 )
 from remote_g2.log import RateLimitedLog, cpu_set_text
-from remote_g2.net_address import advertised_endpoint, default_bind_host, split_tcp, with_host
+from remote_g2.net_address import advertised_endpoint, apply_advertise, default_bind_host, split_tcp, with_host
 from remote_g2.messages import (
     MAX_FORWARDED_RESOLVE_BYTES,
     GetMetadata,
@@ -185,10 +185,10 @@ class SourceService:
         # Every rank bounds its own pins (a sibling's too: target ranks may resolve their share with it).
         self.budget = PinBudget(budget_blocks, on_change=self.metrics.budget_available.set)
         self.metrics.budget_available.set(budget_blocks)
+        self._agent: RankAgent | None = None  # before the lease table: its on_change hook wakes the agent
         self.leases = LeaseTable(pool, budget=self.budget, tombstone_ttl_s=config.max_lease_ttl_ms / 1000 * 2,
                                  on_change=self._lease_table_changed)
         self.records: list[RankRecord] = []
-        self._agent: RankAgent | None = None
         self._server: RpcServer | None = None
         self._peer_server: RpcServer | None = None  # peer_resolve / release (/ renew on rank 0); see _start_peer_server
         self.peer_endpoint: str | None = None
@@ -206,7 +206,7 @@ class SourceService:
 
     def _lease_table_changed(self, open_leases: int, pinned: int) -> None:
         self.metrics.lease_table_changed(open_leases, pinned)
-        agent = getattr(self, "_agent", None)  # None until _start_local made it
+        agent = self._agent  # None until _start_local made it
         if open_leases and agent is not None:  # a reader is about to READ: progress now, then at the busy pace
             agent.wake()
 
@@ -254,8 +254,7 @@ class SourceService:
         advertise = self.config.advertise
         if advertise is None:
             return bound
-        _, host, port = split_tcp(advertise)
-        return with_host(bound if own_port or port == 0 else advertise, host)
+        return with_host(bound, split_tcp(advertise)[1]) if own_port else apply_advertise(bound, advertise)
 
     def _start_local(self) -> RankRecord:
         """Agent, registered memory and (rank > 0) the sibling socket; this rank's record."""
