@@ -20,7 +20,7 @@ import pytest
 import zmq
 
 from remote_g2.errors import ConfigError, ProtocolError
-from remote_g2.messages import BlockEvent, DrainWorker, Heartbeat, LayoutFingerprint, RegisterWorker
+from remote_g2.messages import BlockEvent, Heartbeat, LayoutFingerprint, RegisterWorker
 from remote_g2.registry import MemoryStore
 from remote_g2.registry.metrics import RegistryMetrics
 from remote_g2.registry.store import RegistryStore
@@ -353,7 +353,8 @@ def test_a_stock_worker_stays_while_its_stream_is_up_leaves_when_it_goes_and_com
         wait_for(lambda: store.worker_info("vllm-0") is None, "the worker to leave", timeout=4 * LEASE_MS / 1000)
         assert time.monotonic() - t0 < 2.5 * LEASE_MS / 1000
         assert store.lookup(H[:4]).reason == "no_candidate"
-        assert DrainWorker("vllm-0") in applied
+        # Its lease lapses (no heartbeat goes out without a session) or the subscriber drains the record a
+        # lease after the stream fell, whichever comes first: both are right, so the test asks only "gone".
 
         pub = VllmLikePublisher(connect_to=endpoint, seq=pub.seq)  # the same publisher back (its seq goes on)
         wait_for(lambda: blocks_of(store, "vllm-0") == set(H[:4]), "re-registration with its blocks")
