@@ -9,14 +9,11 @@ rank). Addresses and lengths are held as read-only numpy arrays, ready as the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
 import numpy as np
 
+from remote_g2.head_slices import PlanMode
+
 __all__ = ["PlanMode", "ReadExtent", "SourceReads", "ReadPlan", "frozen"]
-
-PlanMode = Literal["same_tp", "split_heads", "gather_heads", "mla"]
-
 
 @dataclass(frozen=True, slots=True)
 class ReadExtent:

@@ -44,10 +44,11 @@ from typing import NamedTuple
 import numpy as np
 
 from remote_g2 import _read_plan
+from remote_g2.head_slices import HeadSlice, head_slices, plan_mode, slice_pieces, source_ranks_for
 from remote_g2.messages import BlockLayout, RankBlocks, RankInfo
 
 from .layout_compat import check_compatible, check_layout, check_tp, layout_shape
-from .read_plan import PlanMode, ReadPlan, SourceReads, frozen
+from .read_plan import ReadPlan, SourceReads, frozen
 
 __all__ = [
     "HeadSlice",
@@ -69,56 +70,8 @@ COMPILED_WHOLE_BLOCK_PLANS = True
 # --------------------------------------------------------------------------
 
 
-class HeadSlice(NamedTuple):
-    """Source heads ``[source_lo, source_hi)`` of ``source_rank`` land at target heads from ``target_lo``."""
-
-    source_rank: int
-    source_lo: int
-    source_hi: int
-    target_lo: int
-
-
-def plan_mode(source_tp: int, target_tp: int, *, is_mla: bool) -> PlanMode:
-    """How a target rank maps onto source ranks (no validation beyond the ordering of sizes)."""
-    if is_mla:
-        return "mla"
-    if source_tp == target_tp:
-        return "same_tp"
-    return "split_heads" if target_tp > source_tp else "gather_heads"
-
-
-def head_slices(target_rank: int, *, source_tp: int, target_tp: int, source_heads: int, target_heads: int,
-                is_mla: bool, mla_offset: int = 0) -> tuple[HeadSlice, ...]:
-    """Which source rank's heads fill which heads of ``target_rank``'s slabs.
-
-    ``source_heads`` / ``target_heads`` are kv heads per rank. The sizes must
-    already be compatible (see :func:`check_compatible`); this only maps.
-    """
-    mode = plan_mode(source_tp, target_tp, is_mla=is_mla)
-    if mode == "mla":
-        return (HeadSlice((target_rank + mla_offset) % source_tp, 0, source_heads, 0),)
-    if mode == "same_tp":
-        return (HeadSlice(target_rank, 0, source_heads, 0),)
-    if mode == "split_heads":
-        k = target_tp // source_tp
-        lo = (target_rank % k) * target_heads
-        return (HeadSlice(target_rank // k, lo, lo + target_heads, 0),)
-    k = source_tp // target_tp
-    return tuple(HeadSlice(target_rank * k + j, 0, source_heads, j * source_heads) for j in range(k))
-
-
-def source_ranks_for(target_rank: int, *, source_tp: int, target_tp: int, is_mla: bool,
-                     mla_offset: int = 0) -> tuple[int, ...]:
-    """The source ranks ``target_rank`` reads from (whose agent metadata it needs), ascending."""
-    mode = plan_mode(source_tp, target_tp, is_mla=is_mla)
-    if mode == "mla":
-        return ((target_rank + mla_offset) % source_tp,)
-    if mode == "same_tp":
-        return (target_rank,)
-    if mode == "split_heads":
-        return (target_rank // (target_tp // source_tp),)
-    k = source_tp // target_tp
-    return tuple(range(target_rank * k, target_rank * k + k))
+# HeadSlice, plan_mode, head_slices and source_ranks_for live in remote_g2/head_slices.py: the source's
+# gather (source/gather.py) stages exactly the pieces a slice names, so both sides share one mapping.
 
 
 # --------------------------------------------------------------------------
@@ -318,18 +271,14 @@ class ReadPlanner:
 def _slice_geometry(sl: HeadSlice, info: RankInfo, tgt: BlockLayout) -> _SliceGeometry:
     src = info.layout
     u = np.uint64
-    nheads = sl.source_hi - sl.source_lo
-    slabs = src.num_layers * src.kv
-    if sl.source_lo == 0 and nheads == src.num_kv_heads == tgt.num_kv_heads:
-        # Both slab runs are contiguous inside a block: one extent per block.
+    src_off, piece_bytes = slice_pieces(src, sl, tgt.num_kv_heads)
+    if src_off is None:  # both slab runs are contiguous inside a block: one extent per block
         return _SliceGeometry(sl.source_rank, info.agent_name, u(info.pool_base), u(src.block_bytes), None, None,
-                              slabs * src.slab_bytes)
+                              piece_bytes)
     per_head = src.tokens_per_block * src.head_dim * src.dtype_bytes
-    s = np.arange(slabs, dtype=u)
-    src_off = s * u(src.slab_bytes) + u(sl.source_lo * per_head)
-    dst_off = s * u(tgt.slab_bytes) + u(sl.target_lo * per_head)
+    dst_off = np.arange(src_off.shape[0], dtype=u) * u(tgt.slab_bytes) + u(sl.target_lo * per_head)
     return _SliceGeometry(sl.source_rank, info.agent_name, u(info.pool_base), u(src.block_bytes), src_off, dst_off,
-                          nheads * per_head)
+                          piece_bytes)
 
 
 def _slice_extents(g: _SliceGeometry, src_ids: np.ndarray, dst_start: np.ndarray

@@ -1,0 +1,43 @@
+"""copy_extents: every extent copied byte for byte, in any order, and bad shapes refused before a byte moves."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from remote_g2.extent_copy import copy_extents
+
+
+def test_scattered_pieces_are_packed_and_unpacked_byte_for_byte():
+    rng = np.random.default_rng(7)
+    pool = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    packed = np.zeros(256 * 1024, dtype=np.uint8)
+    ids = rng.permutation(256)[:64].astype(np.uint64)  # 64 scattered 4 KiB blocks of 256
+    base, out = np.uint64(pool.ctypes.data), np.uint64(packed.ctypes.data)
+    piece = np.uint64(4096)
+    n = copy_extents(out + np.arange(64, dtype=np.uint64) * piece, base + ids * piece, np.full(64, 4096))
+    assert n == 64 * 4096
+    for i, b in enumerate(ids.tolist()):
+        assert np.array_equal(packed[i * 4096:(i + 1) * 4096], pool[b * 4096:(b + 1) * 4096])
+
+    back = np.zeros_like(pool)
+    copy_extents(np.uint64(back.ctypes.data) + ids * piece, out + np.arange(64, dtype=np.uint64) * piece,
+                 np.full(64, 4096))
+    mask = np.zeros(256, dtype=bool)
+    mask[ids.astype(np.int64)] = True
+    assert np.array_equal(back.reshape(256, 4096)[mask], pool.reshape(256, 4096)[mask])
+    assert not back.reshape(256, 4096)[~mask].any()  # nothing outside the extents was written
+
+
+def test_uneven_lengths_and_empty_lists():
+    src = np.arange(100, dtype=np.uint8)
+    dst = np.zeros(100, dtype=np.uint8)
+    s, d = np.uint64(src.ctypes.data), np.uint64(dst.ctypes.data)
+    assert copy_extents(np.array([d, d + np.uint64(50)]), np.array([s + np.uint64(10), s]), np.array([3, 7])) == 10
+    assert dst[:3].tolist() == [10, 11, 12] and dst[50:57].tolist() == list(range(7))
+    assert copy_extents(np.empty(0), np.empty(0), np.empty(0)) == 0
+
+
+def test_mismatched_lengths_are_refused():
+    with pytest.raises(ValueError, match="differ"):
+        copy_extents(np.zeros(2), np.zeros(3), np.zeros(2))
