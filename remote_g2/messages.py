@@ -508,6 +508,10 @@ class RankInfo:
     layout: BlockLayout
     #: Where this rank answers ``peer_resolve`` itself (ranks > 0; None: it does not, ask rank 0).
     peer_endpoint: _Endpoint | None = None
+    #: This rank's staging region, registered with its agent (0 bytes: it never gathers); a
+    #: :class:`GatherSlot` always lies inside it.
+    staging_base: _Addr = 0
+    staging_bytes: _Addr = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -527,11 +531,47 @@ class GetMetadata:
 
 
 @dataclass(frozen=True, slots=True)
+class GatherWish:
+    """Ask every source rank to stage a lease's bytes packed, per target rank (remote_g2/source/gather.py).
+
+    Describes the reader: ``target_tp`` ranks of ``target_heads`` kv heads
+    each, ``is_mla`` / ``mla_offset`` as its READ plan takes them. A source
+    rank stages a target rank's share only where that cuts the READ's
+    descriptors and its staging budget has room; the others are read in place.
+    """
+
+    target_tp: Annotated[int, Limits(ge=1, le=4096)]
+    target_heads: Annotated[int, Limits(ge=1, le=65_536)]
+    is_mla: bool = False
+    mla_offset: _Count = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GatherSlot:
+    """One target rank's share of a lease, staged by one source rank in its staging region.
+
+    The pieces of the lease's block ``i`` (in the order of
+    :func:`remote_g2.head_slices.slice_pieces`) lie back to back at
+    ``addr + i * block_stride``, for the lease's first ``blocks`` blocks.
+    The slot lives as long as the lease.
+    """
+
+    target_rank: _Rank
+    addr: _Addr
+    block_stride: Annotated[int, Limits(ge=1)]
+    blocks: _Count
+
+
+_Staged = Annotated[list[GatherSlot], Limits(max_len=4096)]
+
+
+@dataclass(frozen=True, slots=True)
 class RankBlocks:
-    """The pinned blocks of one rank for a lease, in the order of the asked hashes."""
+    """The pinned blocks of one rank for a lease, in the order of the asked hashes, and what it staged."""
 
     rank: _Rank
     block_ids: _Ids
+    staged: _Staged = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -563,6 +603,8 @@ class Resolve:
     ttl_ms: _Ttl
     requester: _WorkerId | None = None
     known_agents: Annotated[list[_AgentName], Limits(max_len=4096)] = field(default_factory=list)
+    #: Stage the lease's bytes for these readers where that cuts descriptors (see :class:`GatherWish`).
+    gather: GatherWish | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -596,6 +638,7 @@ class PeerResolveReply:
     epoch: _Epoch
     expires_in_ms: _Count
     block_ids: _Ids = field(default_factory=list)
+    staged: _Staged = field(default_factory=list)
 
 
 @message("peer_resolve", reply=PeerResolveReply)
@@ -616,6 +659,7 @@ class PeerResolve:
     hashes: Annotated[list[BlockHash], Limits(min_len=1, max_len=65_536)]
     ttl_ms: _Ttl
     requester: _WorkerId | None = None
+    gather: GatherWish | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -647,9 +691,10 @@ _Owner = Annotated[bytes, Limits(min_len=1, max_len=256)]
 
 @dataclass(frozen=True, slots=True)
 class SiblingPinReply:
-    """Block ids this rank pinned under the lease, for the longest prefix it holds."""
+    """Block ids this rank pinned under the lease, for the longest prefix it holds, and what it staged."""
 
     block_ids: _Ids
+    staged: _Staged = field(default_factory=list)
 
 
 @message("sibling_pin", reply=SiblingPinReply)
@@ -661,6 +706,7 @@ class SiblingPin:
     hashes: Annotated[list[BlockHash], Limits(min_len=1, max_len=65_536)]
     ttl_ms: _Ttl
     owner: _Owner
+    gather: GatherWish | None = None
 
 
 #: The largest ``resolve`` frame rank 0 hands its siblings as it arrives (``sibling_resolve``); a valid

@@ -80,6 +80,8 @@ class RankRecord:
     sibling_endpoint: str | None  # the rank's IPC endpoint (None for rank 0)
     epoch: int = 0  # rank 0's: the worker's epoch (the others send 0 and adopt it)
     peer_endpoint: str | None = None  # where a rank > 0 answers peer_resolve (None: it does not)
+    staging_base: int = 0  # the rank's staging region (source/staging.py); 0 bytes: it never gathers
+    staging_bytes: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

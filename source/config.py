@@ -23,6 +23,9 @@ variable                                field                                   
 ``REMOTE_G2_SOURCE_METRICS_PORT``       ``metrics_port`` (rank r serves port + r)    off
 ``REMOTE_G2_SOURCE_PROGRESS_MS``        ``progress_interval_ms`` (leases open)       see below
 ``REMOTE_G2_SOURCE_IDLE_PROGRESS_MS``   ``idle_progress_interval_ms`` (none open)    20
+``REMOTE_G2_SOURCE_STAGING_MIB``        ``staging_mib`` (0: never gather)             64
+``REMOTE_G2_SOURCE_GATHER_MIN_DESCRIPTORS`` ``gather_min_descriptors``               16
+``REMOTE_G2_SOURCE_GATHER_MAX_PIECE_KIB``  ``gather_max_piece_kib``                  64
 ``REMOTE_G2_SOURCE_FINGERPRINT``        ``fingerprint`` (JSON of LayoutFingerprint)  unset
 ``REMOTE_G2_SOURCE_CURVE_SECRET_KEY``   ``curve`` (server key file)                  unset
 ``REMOTE_G2_SOURCE_CURVE_ALLOWED``      ``curve`` allow-list directory               unset
@@ -105,6 +108,16 @@ class SourceConfig:
       (docs/benchmarks.md, "Across hosts over UCX TCP", has what it buys
       and costs).
     * ``reap_interval_ms`` — the lease reaper's longest sleep.
+    * ``staging_mib`` — each rank's staging region (registered with its
+      agent, touched at start-up): where a resolve that asks for it packs a
+      target rank's many small pieces into one run (``source/gather.py``).
+      It is the gather budget: a part that finds no room is read in place.
+      0: never gather.
+    * ``gather_min_descriptors`` / ``gather_max_piece_kib`` — the rule: a
+      target rank's part is staged when its direct READ would take at least
+      this many descriptors, of at most this many KiB each on average
+      (docs/benchmarks.md, "Gathered reads", has the measurements behind the
+      defaults).
     * ``fingerprint`` — the layout announced to the registry (required with
       ``registry_endpoint``).
     * ``curve`` — CURVE keys for rank 0's TCP endpoint (IPC needs none).
@@ -131,6 +144,9 @@ class SourceConfig:
     progress_interval_ms: float = 0.2
     idle_progress_interval_ms: float = 20.0
     reap_interval_ms: float = 50.0
+    staging_mib: int = 64
+    gather_min_descriptors: int = 16
+    gather_max_piece_kib: int = 64
     registry_timeout_s: float = 5.0
     fingerprint: LayoutFingerprint | None = None
     curve: CurveServerConfig | None = None
@@ -145,6 +161,9 @@ class SourceConfig:
                      "registry_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"SourceConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.staging_mib < 0 or self.gather_min_descriptors < 1 or self.gather_max_piece_kib < 1:
+            raise ConfigError("SourceConfig.staging_mib must be >= 0, gather_min_descriptors and "
+                              "gather_max_piece_kib >= 1")
         if self.sibling_retry_after_ms < 0 or self.pin_budget_blocks < 0:
             raise ConfigError("SourceConfig.sibling_retry_after_ms and pin_budget_blocks must be >= 0")
         if self.max_lease_ttl_ms > 3_600_000:
@@ -195,7 +214,10 @@ class SourceConfig:
                           ("REMOTE_G2_SOURCE_SIBLING_TIMEOUT_MS", "sibling_timeout_ms"),
                           ("REMOTE_G2_SOURCE_RPC_WORKERS", "rpc_workers"),
                           ("REMOTE_G2_SOURCE_METRICS_PORT", "metrics_port"),
-                          ("REMOTE_G2_SOURCE_PIN_BUDGET", "pin_budget_blocks")):
+                          ("REMOTE_G2_SOURCE_PIN_BUDGET", "pin_budget_blocks"),
+                          ("REMOTE_G2_SOURCE_STAGING_MIB", "staging_mib"),
+                          ("REMOTE_G2_SOURCE_GATHER_MIN_DESCRIPTORS", "gather_min_descriptors"),
+                          ("REMOTE_G2_SOURCE_GATHER_MAX_PIECE_KIB", "gather_max_piece_kib")):
             if (number := env_int(var, e)) is not None:
                 kw[name] = number
         for var, name in (("REMOTE_G2_SOURCE_PROGRESS_MS", "progress_interval_ms"),

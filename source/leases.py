@@ -133,12 +133,16 @@ class LeaseTable:
 
     ``budget`` (rank 0) is credited whenever pins leave the table.
     ``on_change(open_leases, pinned_blocks)`` is called after every change
-    (for gauges), outside the lock.
+    (for gauges), outside the lock. ``on_end(lease_id)`` is called once for
+    every lease that ended (release, trim to nothing, expiry, shutdown),
+    after its pins were dropped, outside the lock: what else the lease held
+    (its staging ranges) goes with it.
     """
 
     def __init__(self, pool: SecondaryPool, *, budget: PinBudget | None = None,
                  tombstone_ttl_s: float = 120.0,
-                 on_change: Callable[[int, int], None] | None = None) -> None:
+                 on_change: Callable[[int, int], None] | None = None,
+                 on_end: Callable[[int], None] | None = None) -> None:
         self._pool = pool
         self._budget = budget
         self._leases: dict[int, Lease] = {}
@@ -148,6 +152,7 @@ class LeaseTable:
         self._pinned = 0
         self._lock = threading.Lock()
         self._on_change = on_change
+        self._on_end = on_end
 
     # -- reading -----------------------------------------------------------------------
 
@@ -263,6 +268,8 @@ class LeaseTable:
         if tail:
             self._unpin(tail, lease_id)
             self._changed()
+        if keep <= 0:
+            self._ended(lease_id)
         return True
 
     def release(self, lease_id: int, owner: bytes) -> bool:
@@ -286,6 +293,7 @@ class LeaseTable:
             self._pinned -= len(lease.block_ids)
         self._unpin(lease.block_ids, lease_id)
         self._changed()
+        self._ended(lease_id)
         return lease
 
     def renew(self, lease_id: int, deadline: float, owner: bytes) -> bool:
@@ -318,6 +326,8 @@ class LeaseTable:
             self._unpin(lease.block_ids, lease.lease_id)
         if expired:
             self._changed()
+        for lease in expired:
+            self._ended(lease.lease_id)
         return expired
 
     def release_all(self) -> int:
@@ -330,6 +340,8 @@ class LeaseTable:
         for lease in leases:
             self._unpin(lease.block_ids, lease.lease_id)
         self._changed()
+        for lease in leases:
+            self._ended(lease.lease_id)
         return len(leases)
 
     # -- internals ---------------------------------------------------------------------
@@ -351,6 +363,13 @@ class LeaseTable:
             log.exception("lease %d: unpinning %d blocks failed", lease_id, len(block_ids))
         if credit and self._budget is not None:
             self._budget.give_back(len(block_ids))
+
+    def _ended(self, lease_id: int) -> None:
+        if self._on_end is not None:
+            try:
+                self._on_end(lease_id)
+            except Exception:  # never let a hook kill a reaper or a release
+                log.exception("lease %d: on_end hook failed", lease_id)
 
     def _changed(self) -> None:
         if self._on_change is not None:

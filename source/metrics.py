@@ -57,6 +57,16 @@ class SourceMetrics(PrivateMetrics):
                                     "How late the lease reaper woke past its timer: time this process did not "
                                     "run (a starved CPU, a C call holding the GIL, a stopped process)",
                                     buckets=_LAG_BUCKETS, registry=r)
+        self.staging_in_use = Gauge("remote_g2_source_staging_bytes_in_use",
+                                    "Bytes of this rank's staging region held by leases", registry=r)
+        self.gathers = Counter("remote_g2_source_gathers",
+                               "Target-rank parts of resolves that asked for a gather, by outcome (staged; "
+                               "direct: few or large descriptors; no_room; lease_gone; unservable)",
+                               ["outcome"], registry=r)
+        self.gathered_bytes = Counter("remote_g2_source_gathered_bytes", "Bytes packed into staging",
+                                      registry=r)
+        self.gather_latency = Histogram("remote_g2_source_gather_seconds", "Time to pack one staged part",
+                                        buckets=_LATENCY_BUCKETS, registry=r)
         self._outcome = {o: self.resolves.labels(o) for o in RESOLVE_OUTCOMES}
         self._request_children = LabelledChildren(self.requests)
 
@@ -65,6 +75,13 @@ class SourceMetrics(PrivateMetrics):
         self.resolve_latency.observe(seconds)
         if matched:
             self.matched_blocks.inc(matched)
+
+    def gather_outcome(self, outcome: str, nbytes: int, seconds: float) -> None:
+        """:class:`~remote_g2.source.gather.Gatherer` observer hook."""
+        self.gathers.labels(outcome).inc()
+        if outcome == "staged":
+            self.gathered_bytes.inc(nbytes)
+            self.gather_latency.observe(seconds)
 
     def lease_table_changed(self, open_leases: int, pinned: int) -> None:
         """``LeaseTable`` on_change hook."""

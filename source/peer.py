@@ -31,14 +31,18 @@ from collections.abc import Callable
 from remote_g2.messages import PeerResolve, PeerResolveReply, Release, ReleaseReply, Renew, RenewReply
 from remote_g2.rpc_server import CallContext, Handler
 
+from .gather import Gatherer
 from .leases import LeaseTable
 
 __all__ = ["owner_of", "peer_handlers", "resolve_share"]
 
 
 def resolve_share(table: LeaseTable, req: PeerResolve, owner: bytes, *, epoch: int,
-                  lease_ttl_ms: Callable[[int], int]) -> PeerResolveReply:
-    """Pin this rank's share of ``req`` within the table's budget (see the module docstring); the reply."""
+                  lease_ttl_ms: Callable[[int], int], gatherer: Gatherer | None = None) -> PeerResolveReply:
+    """Pin this rank's share of ``req`` within the table's budget (see the module docstring); the reply.
+
+    With a gather wish, ``gatherer`` stages what the asking rank reads (``source/gather.py``).
+    """
     ttl_ms = lease_ttl_ms(req.ttl_ms)
     deadline = time.monotonic() + ttl_ms / 1000.0
     ids = table.pin_within_budget(req.lease_id, req.hashes, deadline, owner)
@@ -46,12 +50,14 @@ def resolve_share(table: LeaseTable, req: PeerResolve, owner: bytes, *, epoch: i
         return PeerResolveReply("over_budget", 0, epoch, 0)
     if not ids:
         return PeerResolveReply("miss", 0, epoch, 0)
-    return PeerResolveReply("ok", len(ids), epoch, max(0, int((deadline - time.monotonic()) * 1000)), ids)
+    staged = gatherer.stage(req.lease_id, ids, req.gather) if gatherer is not None else []
+    return PeerResolveReply("ok", len(ids), epoch, max(0, int((deadline - time.monotonic()) * 1000)), ids, staged)
 
 
 def peer_handlers(table: LeaseTable, *, epoch: Callable[[], int],
                   lease_ttl_ms: Callable[[int], int], on_release: Callable[[], None] | None = None,
-                  observe: Callable[[str, float, int], None] | None = None) -> dict[str, Handler]:
+                  observe: Callable[[str, float, int], None] | None = None,
+                  gatherer: Gatherer | None = None) -> dict[str, Handler]:
     """The handlers of a rank's peer endpoint: ``peer_resolve``, and ``release`` / ``renew`` of what a caller pinned here.
 
     ``epoch()``: the worker's epoch (known once the start-up exchange is
@@ -61,7 +67,7 @@ def peer_handlers(table: LeaseTable, *, epoch: Callable[[], int],
 
     def peer_resolve(req: PeerResolve, ctx: CallContext) -> PeerResolveReply:
         t0 = time.perf_counter()
-        reply = resolve_share(table, req, owner_of(ctx), epoch=epoch(), lease_ttl_ms=lease_ttl_ms)
+        reply = resolve_share(table, req, owner_of(ctx), epoch=epoch(), lease_ttl_ms=lease_ttl_ms, gatherer=gatherer)
         if observe is not None:
             observe(reply.reason, time.perf_counter() - t0, reply.matched)
         return reply

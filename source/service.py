@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from remote_g2.secondary_pool import SecondaryPool
+from remote_g2.secondary_pool import MemoryRegion, SecondaryPool
 from remote_g2.config import env_flag
 from remote_g2.errors import ConfigError, ProtocolError, SourceError, TransportError
 from remote_g2.ipc_paths import (
@@ -84,11 +84,13 @@ from remote_g2.stall_watchdog import maybe_start_stall_watchdog
 from remote_g2.tp_group import RankRecord, TpGroup, exchange, resolve_tp_group
 
 from .config import ENABLE_ENV, SourceConfig
+from .gather import GATHER_OUTCOMES, Gatherer
 from .leases import LeaseTable, PinBudget
 from .metrics import SourceMetrics
 from .peer import owner_of, peer_handlers
 from .rank_agent import RankAgent, agent_name_for
 from .siblings import PendingCalls, SiblingLinks, sibling_handlers
+from .staging import StagingArena
 
 __all__ = ["SourceService", "start_source_service", "maybe_start_source_service"]
 
@@ -186,8 +188,10 @@ class SourceService:
         self.budget = PinBudget(budget_blocks, on_change=self.metrics.budget_available.set)
         self.metrics.budget_available.set(budget_blocks)
         self._agent: RankAgent | None = None  # before the lease table: its on_change hook wakes the agent
+        self.staging: StagingArena | None = None  # made with the agent (registered with it); see source/gather.py
+        self.gatherer: Gatherer | None = None
         self.leases = LeaseTable(pool, budget=self.budget, tombstone_ttl_s=config.max_lease_ttl_ms / 1000 * 2,
-                                 on_change=self._lease_table_changed)
+                                 on_change=self._lease_table_changed, on_end=self._lease_ended)
         self.records: list[RankRecord] = []
         self._server: RpcServer | None = None
         self._peer_server: RpcServer | None = None  # peer_resolve / release (/ renew on rank 0); see _start_peer_server
@@ -209,6 +213,11 @@ class SourceService:
         agent = self._agent  # None until _start_local made it
         if open_leases and agent is not None:  # a reader is about to READ: progress now, then at the busy pace
             agent.wake()
+
+    def _lease_ended(self, lease_id: int) -> None:
+        staging = self.staging
+        if staging is not None:  # its staged ranges go with its pins
+            staging.release(lease_id)
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -267,7 +276,15 @@ class SourceService:
         if regions[0].nbytes < layout.num_blocks * layout.block_bytes:
             raise SourceError(f"pool region 0 is {regions[0].nbytes} bytes, the layout needs "
                               f"{layout.num_blocks} x {layout.block_bytes}")
-        self._agent = RankAgent(agent_name_for(self.worker_id, self.rank), regions,
+        staging_regions: list[MemoryRegion] = []
+        if cfg.staging_mib:
+            self.staging = StagingArena(cfg.staging_mib << 20, on_change=self.metrics.staging_in_use.set)
+            staging_regions = [MemoryRegion(self.staging.base, self.staging.nbytes)]
+            self.gatherer = Gatherer(self.staging, rank=self.rank, source_tp=self.tp_size, layout=layout,
+                                     pool_base=regions[0].base, min_descriptors=cfg.gather_min_descriptors,
+                                     max_piece_bytes=cfg.gather_max_piece_kib << 10,
+                                     observe=self.metrics.gather_outcome)
+        self._agent = RankAgent(agent_name_for(self.worker_id, self.rank), list(regions) + staging_regions,
                                 busy=lambda: self.leases.open_leases > 0,
                                 busy_interval_s=cfg.progress_interval_ms / 1000,
                                 idle_interval_s=cfg.idle_progress_interval_ms / 1000)
@@ -280,17 +297,21 @@ class SourceService:
             self._server = RpcServer(sibling_endpoint,
                                      sibling_handlers(self.leases, max_ttl_ms=cfg.max_lease_ttl_ms,
                                                       lease_ttl_ms=cfg.lease_ttl_ms,
-                                                      on_release=self.metrics.leases_released.inc),
+                                                      on_release=self.metrics.leases_released.inc,
+                                                      gatherer=self.gatherer),
                                      name=f"source-{self.worker_id}-tp{self.rank}", workers=1,
                                      on_call=self.metrics.observe_call)
             self.endpoint = self._server.start()
             if cfg.peer_resolve:
                 self._start_peer_server(peer_handlers(self.leases, epoch=lambda: self.epoch,
                                                       lease_ttl_ms=cfg.lease_ttl_ms,
-                                                      on_release=self.metrics.leases_released.inc))
+                                                      on_release=self.metrics.leases_released.inc,
+                                                      gatherer=self.gatherer))
         epoch = time.time_ns() if self.rank == 0 else 0
+        staging = self.staging
         return RankRecord(self.rank, self._agent.name, self._agent.metadata, regions[0].base, regions[0].nbytes,
-                          layout, sibling_endpoint, epoch, self.peer_endpoint)
+                          layout, sibling_endpoint, epoch, self.peer_endpoint,
+                          staging.base if staging else 0, staging.nbytes if staging else 0)
 
     def _start_peer_server(self, handlers: dict[str, Handler]) -> None:
         """Serve a peer load's calls to this rank (source/peer.py) at ``peer_endpoint``.
@@ -317,13 +338,13 @@ class SourceService:
     def _start_rank0(self) -> None:
         cfg = self.config
         self._rank_infos = [RankInfo(r.rank, r.agent_name, r.agent_metadata, r.pool_base, r.pool_bytes, r.layout,
-                                     r.peer_endpoint) for r in self.records]
+                                     r.peer_endpoint, r.staging_base, r.staging_bytes) for r in self.records]
         siblings = {r.rank: r.sibling_endpoint for r in self.records[1:] if r.sibling_endpoint}
         self._links = SiblingLinks(siblings, timeout_ms=cfg.sibling_timeout_ms,
                                    retry_after_s=cfg.sibling_retry_after_ms / 1000,
                                    on_failure=self._sibling_failed, on_refusal=self._sibling_refused)
         peer_resolve = peer_handlers(self.leases, epoch=lambda: self.epoch, lease_ttl_ms=cfg.lease_ttl_ms,
-                                     observe=self.metrics.resolve_outcome)["peer_resolve"]
+                                     observe=self.metrics.resolve_outcome, gatherer=self.gatherer)["peer_resolve"]
         if cfg.stream_lane:  # before the worker endpoint: targets learn of the lane from its metadata
             self._start_peer_server({"peer_resolve": peer_resolve, "release": self._release, "renew": self._renew})
             self._rank_infos[0] = replace(self._rank_infos[0], peer_endpoint=self.peer_endpoint)
@@ -433,6 +454,8 @@ class SourceService:
             self._undo(lease_id, pending.wait(), owner)
             raise
         self.budget.give_back(granted - len(local))
+        # Rank 0 stages its parts while the siblings pin (and stage) theirs.
+        staged = {0: self.gatherer.stage(lease_id, local, req.gather) if self.gatherer is not None else []}
         answers = pending.wait()
         failed = {r: a for r, a in answers.items() if isinstance(a, BaseException)}
         if failed:
@@ -441,6 +464,7 @@ class SourceService:
                               + "; ".join(f"TP rank {r}: {type(e).__name__}: {e}" for r, e in sorted(failed.items())))
         per_rank: dict[int, list[int]] = {0: local}
         per_rank.update({r: list(a.block_ids) for r, a in answers.items()})
+        staged.update({r: a.staged for r, a in answers.items()})
         matched = min(len(ids) for ids in per_rank.values())
         if matched == 0:
             self._undo(lease_id, answers, owner)
@@ -465,7 +489,8 @@ class SourceService:
         known = set(req.known_agents)
         metadata = [info for info in self._rank_infos if info.agent_name not in known]
         return ResolveReply("ok", lease_id, matched, self.epoch, expires_in_ms,
-                            [RankBlocks(r, ids[:matched]) for r, ids in sorted(per_rank.items())], metadata)
+                            [RankBlocks(r, ids[:matched], [replace(s, blocks=min(s.blocks, matched)) for s in staged[r]])
+                             for r, ids in sorted(per_rank.items())], metadata)
 
     def _undo(self, lease_id: int, answers: dict[int, Any], owner: bytes) -> None:
         """Drop a lease everywhere: locally, and on every sibling that holds (or may hold) pins for it.
@@ -585,6 +610,9 @@ class SourceService:
             "leases_open": self.leases.open_leases,
             "blocks_pinned": self.leases.pinned_blocks,
             "budget_available": self.budget.available,
+            "staging_in_use": self.staging.in_use if self.staging is not None else 0,
+            "gathers": {o: int(self.metrics.value("remote_g2_source_gathers_total", {"outcome": o}))
+                        for o in GATHER_OUTCOMES},
             "peer_endpoint": self.peer_endpoint,
             "leases_expired": int(self.metrics.value("remote_g2_source_leases_expired_total")),
             "leases_released": int(self.metrics.value("remote_g2_source_leases_released_total")),

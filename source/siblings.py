@@ -38,13 +38,14 @@ import zmq
 
 from remote_g2.errors import ProtocolError, RpcTimeout, SiblingUnavailable, SourceError, TransportError
 from remote_g2.messages import (
-    ErrorReply, Resolve, SiblingAck, SiblingPin, SiblingPinReply, SiblingRelease, SiblingRenew, SiblingResolve,
-    SiblingTrim, spec_for_request,
+    ErrorReply, GatherWish, Resolve, SiblingAck, SiblingPin, SiblingPinReply, SiblingRelease, SiblingRenew,
+    SiblingResolve, SiblingTrim, spec_for_request,
 )
 from remote_g2.rpc_client import error_from_reply
 from remote_g2.rpc_server import CallContext, Handler
 from remote_g2.wire import ERR, decode_frame, decode_reply_body, decode_request, encode_request
 
+from .gather import Gatherer
 from .leases import LeaseTable
 
 __all__ = ["SiblingLinks", "PendingCalls", "sibling_handlers"]
@@ -53,8 +54,12 @@ log = logging.getLogger("remote_g2.source.siblings")
 
 
 def sibling_handlers(table: LeaseTable, *, max_ttl_ms: int, lease_ttl_ms: Callable[[int], int],
-                     on_release: Callable[[], None] | None = None) -> dict[str, Handler]:
+                     on_release: Callable[[], None] | None = None,
+                     gatherer: Gatherer | None = None) -> dict[str, Handler]:
     """The handlers a sibling rank serves over its IPC socket (``on_release``: a lease ended by release).
+
+    A pin that carries a gather wish stages this rank's parts with
+    ``gatherer`` right after pinning (``source/gather.py``; None: never).
 
     ``lease_ttl_ms``: the clamp rank 0 applies to a resolve's TTL
     (:meth:`~remote_g2.source.config.SourceConfig.lease_ttl_ms`), applied
@@ -64,9 +69,13 @@ def sibling_handlers(table: LeaseTable, *, max_ttl_ms: int, lease_ttl_ms: Callab
     rank 0 names: the connection that resolved the lease.
     """
 
+    def staged(lease_id: int, ids: list[int], wish: GatherWish | None) -> SiblingPinReply:
+        return SiblingPinReply(ids, gatherer.stage(lease_id, ids, wish) if gatherer is not None else [])
+
     def pin(req: SiblingPin, ctx: CallContext) -> SiblingPinReply:
         ttl_s = min(req.ttl_ms, max_ttl_ms) / 1000.0
-        return SiblingPinReply(table.pin_charged(req.lease_id, req.hashes, time.monotonic() + ttl_s, req.owner))
+        ids = table.pin_charged(req.lease_id, req.hashes, time.monotonic() + ttl_s, req.owner)
+        return staged(req.lease_id, ids, req.gather)
 
     def pin_forwarded(req: SiblingResolve, ctx: CallContext) -> SiblingPinReply:
         received = time.monotonic()  # the lease's clock starts here, after rank 0's
@@ -75,7 +84,8 @@ def sibling_handlers(table: LeaseTable, *, max_ttl_ms: int, lease_ttl_ms: Callab
         if not isinstance(resolve, Resolve):
             raise ProtocolError(f"sibling_resolve carries a {spec.name!r} frame, not a resolve")
         deadline = received + lease_ttl_ms(resolve.ttl_ms) / 1000.0
-        return SiblingPinReply(table.pin_charged(req.lease_id, resolve.hashes, deadline, req.owner))
+        ids = table.pin_charged(req.lease_id, resolve.hashes, deadline, req.owner)
+        return staged(req.lease_id, ids, resolve.gather)
 
     def trim(req: SiblingTrim, ctx: CallContext) -> SiblingAck:
         return SiblingAck(table.trim(req.lease_id, req.keep))

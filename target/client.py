@@ -236,7 +236,8 @@ class TargetClient:
             worker_id=self.worker_id, tp_size=self.tp_size, config=self.config, metrics=self.metrics,
             stats=self.stats, mux=RpcMux(timeout_ms=timeout_ms, curve=self.config.source_curve), links=self._links,
             outcomes=self._outcomes, own_share=own, share_thread=share_thread, match_from=self._match_from,
-            compat_key=self._compat_key(), lookups=self._lookups, lookups_lock=self._lookups_lock)
+            compat_key=self._compat_key(), lookups=self._lookups, lookups_lock=self._lookups_lock,
+            kv_heads=self._pool.layout.num_kv_heads)
         self._spawn(self.coordinator.run, name)
         return share
 

@@ -14,6 +14,7 @@ variable                                field                                   
 ``REMOTE_G2_TARGET_FINGERPRINT``        ``fingerprint`` (JSON of LayoutFingerprint) unset
 ``REMOTE_G2_TARGET_METRICS_PORT``       ``metrics_port`` (leader's /metrics)        off
 ``REMOTE_G2_TARGET_PEER_RESOLVE``       ``peer_resolve`` (each rank its own share)  on
+``REMOTE_G2_TARGET_GATHER``             ``gather`` (sources stage small pieces)     on
 ``REMOTE_G2_CURVE_SERVER_KEY``          ``registry_curve`` (registry's public key)  unset (plain TCP)
 ``REMOTE_G2_SOURCE_CURVE_SERVER_KEY``   ``source_curve`` (sources' public key)      unset (plain TCP)
 ``REMOTE_G2_CURVE_CLIENT_KEY``          this client's key pair (for allow-lists)    generated per process
@@ -58,6 +59,11 @@ class TargetConfig:
       already holds, each rank resolves its own share with its peer source
       rank, in parallel, under one lease id the leader picks (docs/target.md,
       "Peer resolve"); False: the leader always resolves every share.
+    * ``gather`` — every resolve says what this worker's ranks read
+      (:class:`~remote_g2.messages.GatherWish`), so that a source rank packs
+      a rank's many small pieces (another TP size's head slices, small
+      scattered blocks) into one staged run first (docs/source.md,
+      "Gathered reads"); False: always read every piece in place.
     * ``metrics_port`` — the leader serves Prometheus ``/metrics`` there
       (``remote_g2_target_*``: lookups by answer, loads by outcome, blocks
       loaded and invalid, load latency); 0 picks a free port.
@@ -79,6 +85,7 @@ class TargetConfig:
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
     peer_resolve: bool = True
+    gather: bool = True
 
     def __post_init__(self) -> None:
         for name in ("lease_ttl_ms", "rpc_timeout_ms", "transfer_timeout_ms"):
@@ -95,8 +102,9 @@ class TargetConfig:
         e = os.environ if env is None else env
         values: dict[str, object] = {"enabled": env_flag(ENABLE_ENV, e),
                                      "registry_mirror": env_flag("REMOTE_G2_TARGET_REGISTRY_MIRROR", e)}
-        if (peer_resolve := env_flag("REMOTE_G2_TARGET_PEER_RESOLVE", e, default=None)) is not None:
-            values["peer_resolve"] = peer_resolve
+        for var, name in (("REMOTE_G2_TARGET_PEER_RESOLVE", "peer_resolve"), ("REMOTE_G2_TARGET_GATHER", "gather")):
+            if (flag := env_flag(var, e, default=None)) is not None:
+                values[name] = flag
         for var, name in (("REMOTE_G2_REGISTRY", "registry_endpoint"), ("REMOTE_G2_TARGET_TRANSFER", "transfer"),
                           ("REMOTE_G2_TARGET_IPC_DIR", "ipc_dir")):
             if (text := env_str(var, e)) is not None:

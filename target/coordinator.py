@@ -29,12 +29,13 @@ import os
 import queue
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from remote_g2.errors import ProtocolError
 from remote_g2.local_link import LinkClosed, MessageLink
-from remote_g2.messages import Lookup, LookupReply, Release, Renew, TargetDone, TargetLoad
+from remote_g2.messages import GatherWish, Lookup, LookupReply, Release, Renew, TargetDone, TargetLoad
 from remote_g2.rpc_mux import RpcMux
 
 from .config import TargetConfig
@@ -71,8 +72,10 @@ class Coordinator:
                  stats: dict[str, int], mux: RpcMux, links: dict[int, MessageLink], outcomes: Outcomes,
                  own_share: queue.SimpleQueue[TargetLoad | None], share_thread: threading.Thread,
                  match_from: Any, compat_key: str | None,
-                 lookups: OrderedDict[tuple[bytes, ...], TargetMatch], lookups_lock: threading.Lock) -> None:
+                 lookups: OrderedDict[tuple[bytes, ...], TargetMatch], lookups_lock: threading.Lock,
+                 kv_heads: int = 1) -> None:
         self.worker_id, self.tp_size, self.config = worker_id, tp_size, config
+        self.kv_heads = kv_heads  # per rank: what a gather wish tells the source about this worker's ranks
         self.metrics, self.stats, self.mux = metrics, stats, mux
         self.sources = SourceDirectory()
         self._links = links
@@ -91,6 +94,17 @@ class Coordinator:
         self._wake_r, self._wake_w = os.pipe()
         for fd in (self._wake_r, self._wake_w):
             os.set_blocking(fd, False)
+
+    def gather_wish(self, source_tp: int) -> GatherWish | None:
+        """What a resolve tells a source of ``source_tp`` ranks about this worker's readers (None: no gather)."""
+        if not self.config.gather:
+            return None
+        fp = self.config.fingerprint
+        return GatherWish(self.tp_size, self.kv_heads, bool(fp and fp.is_mla), self.mla_offset(source_tp))
+
+    def mla_offset(self, source_tp: int) -> int:
+        """Which source rank this worker's rank 0 reads an MLA cache from (spread over the source's ranks)."""
+        return zlib.crc32(self.worker_id.encode()) % max(1, source_tp)
 
     # -- from any thread -------------------------------------------------------------------
 

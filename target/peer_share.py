@@ -94,7 +94,7 @@ class PeerShares:
             else:
                 share = self._leases[load.load_id] = _Share(ask.lease_id, endpoint)
                 share.granted(sent, reply.expires_in_ms)
-                self._worker.start(replace(load, ranks=[RankBlocks(self.rank, reply.block_ids)],
+                self._worker.start(replace(load, ranks=[RankBlocks(self.rank, reply.block_ids, reply.staged)],
                                            dst_block_ids=load.dst_block_ids[:reply.matched], peer=None), received)
 
         sent = time.monotonic()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-import zlib
 from abc import ABC, abstractmethod
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -70,7 +69,7 @@ class ClassicResolve(ResolveStrategy):
         host.metrics.phase("to_resolve", sent - load.started)
         load.lease.endpoint = match.endpoint
         ask = Resolve(load.hashes[:n], host.config.lease_ttl_ms, host.worker_id,
-                      host.sources.known_agents(match.worker_id))
+                      host.sources.known_agents(match.worker_id), host.gather_wish(match.tp_size or 1))
         host.mux.call(match.endpoint, ask, lambda reply: self._resolved(load, reply, sent))
 
     def _resolved(self, load: Load, reply: Any, sent: float) -> None:
@@ -113,7 +112,7 @@ class ClassicResolve(ResolveStrategy):
         host = self.host
         assert load.match is not None and load.match.worker_id is not None
         first_time = host.sources.first_sent(load.match.worker_id, infos)
-        mla_offset = zlib.crc32(host.worker_id.encode()) % max(1, len(infos))
+        mla_offset = host.mla_offset(len(infos))
         is_mla = bool(host.config.fingerprint and host.config.fingerprint.is_mla)
         load.enter(LoadState.READING)
         # Ranks keep what they were sent per (source worker, epoch): only agents new to them travel.
@@ -149,7 +148,7 @@ class PeerResolve(ResolveStrategy):
         load.lease.lease_id = secrets.randbits(62) + 1  # random: another reader's ids are not guessable
         load.keep_prefix(n)
         ask = PeerResolveRequest(load.lease.lease_id, load.hashes[:n], host.config.lease_ttl_ms,
-                                 host.worker_id)  # every rank's, alike
+                                 host.worker_id, host.gather_wish(len(infos)))  # every rank's, alike
         load.enter(LoadState.READING)
         msg = TargetLoad(load.load_id, wid, epoch, len(infos), False, 0, [], [], load.dst,
                          host.config.transfer_timeout_ms, host.start_clocks(load), ask, request_id=load.request_id)
@@ -192,7 +191,7 @@ class PeerResolve(ResolveStrategy):
             host.rank_done(TargetDone(load.load_id, 0, False, f"{where}: {reply.reason}"))
             return
         load.lease.granted(sent, reply.expires_in_ms)
-        host.own_share(replace(msg, ranks=[RankBlocks(0, reply.block_ids)],
+        host.own_share(replace(msg, ranks=[RankBlocks(0, reply.block_ids, reply.staged)],
                                dst_block_ids=load.dst[:reply.matched], peer=None))
 
     def rank_failed(self, load: Load, done: TargetDone) -> None:

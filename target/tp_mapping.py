@@ -45,7 +45,7 @@ import numpy as np
 
 from remote_g2 import _read_plan
 from remote_g2.head_slices import HeadSlice, head_slices, plan_mode, slice_pieces, source_ranks_for
-from remote_g2.messages import BlockLayout, RankBlocks, RankInfo
+from remote_g2.messages import BlockLayout, GatherSlot, RankBlocks, RankInfo
 
 from .layout_compat import check_compatible, check_layout, check_tp, layout_shape
 from .read_plan import ReadPlan, SourceReads, frozen
@@ -148,6 +148,8 @@ class _SliceGeometry(NamedTuple):
     src_off: np.ndarray | None  # per-slab offsets inside a block; None: the whole block is one extent
     dst_off: np.ndarray | None
     extent_bytes: int
+    staging_base: int  # the source rank's staging region: a GatherSlot must lie inside it
+    staging_bytes: int
 
 
 class ReadPlanner:
@@ -215,7 +217,8 @@ class ReadPlanner:
         for b in blocks:
             if b is not None and len(b.block_ids) != count:
                 raise ValueError(f"source rank {b.rank}: {len(b.block_ids)} block ids for {count} destination blocks")
-        if count and self._whole_blocks and COMPILED_WHOLE_BLOCK_PLANS:
+        staged = {g.source_rank: _slot_for(blocks[g.source_rank], self.target_rank) for g in self._slices}
+        if count and self._whole_blocks and COMPILED_WHOLE_BLOCK_PLANS and not any(staged.values()):
             compiled = self._plan_compiled(blocks, dst_block_ids, count)
             if compiled is not None:
                 return compiled
@@ -228,7 +231,11 @@ class ReadPlanner:
             u = np.uint64
             dst_start = u(self.target_base) + dst * u(tgt.block_bytes)
             for g in self._slices:
-                remote, local, nbytes = _slice_extents(g, src_ids[g.source_rank], dst_start)
+                slot = staged[g.source_rank]
+                if slot is not None:
+                    remote, local, nbytes = _staged_extents(g, slot, count, dst_start)
+                else:
+                    remote, local, nbytes = _slice_extents(g, src_ids[g.source_rank], dst_start)
                 remote, local, nbytes = _coalesce(remote, local, nbytes)
                 reads.append(SourceReads(g.source_rank, g.agent_name, frozen(remote), frozen(local),
                                          frozen(nbytes)))
@@ -274,11 +281,11 @@ def _slice_geometry(sl: HeadSlice, info: RankInfo, tgt: BlockLayout) -> _SliceGe
     src_off, piece_bytes = slice_pieces(src, sl, tgt.num_kv_heads)
     if src_off is None:  # both slab runs are contiguous inside a block: one extent per block
         return _SliceGeometry(sl.source_rank, info.agent_name, u(info.pool_base), u(src.block_bytes), None, None,
-                              piece_bytes)
+                              piece_bytes, info.staging_base, info.staging_bytes)
     per_head = src.tokens_per_block * src.head_dim * src.dtype_bytes
     dst_off = np.arange(src_off.shape[0], dtype=u) * u(tgt.slab_bytes) + u(sl.target_lo * per_head)
     return _SliceGeometry(sl.source_rank, info.agent_name, u(info.pool_base), u(src.block_bytes), src_off, dst_off,
-                          piece_bytes)
+                          piece_bytes, info.staging_base, info.staging_bytes)
 
 
 def _slice_extents(g: _SliceGeometry, src_ids: np.ndarray, dst_start: np.ndarray
@@ -290,6 +297,37 @@ def _slice_extents(g: _SliceGeometry, src_ids: np.ndarray, dst_start: np.ndarray
     remote = (src_start[:, None] + g.src_off[None, :]).ravel()
     local = (dst_start[:, None] + g.dst_off[None, :]).ravel()
     return remote, local, np.full(remote.shape[0], g.extent_bytes, dtype=np.uint64)
+
+
+def _slot_for(blocks: RankBlocks | None, target_rank: int) -> GatherSlot | None:
+    """The part source rank ``blocks.rank`` staged for ``target_rank`` (None: read it in place)."""
+    if blocks is None:
+        return None
+    return next((s for s in blocks.staged if s.target_rank == target_rank), None)
+
+
+def _staged_extents(g: _SliceGeometry, slot: GatherSlot, count: int, dst_start: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Extents of one head slice read from where its source rank staged it (source/gather.py's packing).
+
+    The slot must be exactly what this slice's pieces make, and lie inside the
+    rank's staging region; anything else is a source this target cannot
+    trust to hold the right bytes (``ValueError``: the load fails, and is recomputed).
+    """
+    u = np.uint64
+    per_block = 1 if g.src_off is None else int(g.src_off.shape[0])
+    stride = per_block * g.extent_bytes
+    if slot.block_stride != stride:
+        raise ValueError(f"source rank {g.source_rank} staged blocks {slot.block_stride} B apart, this target's "
+                         f"slice packs {stride} B")
+    if slot.blocks < count:
+        raise ValueError(f"source rank {g.source_rank} staged {slot.blocks} blocks of {count}")
+    if slot.addr < g.staging_base or slot.addr + count * stride > g.staging_base + g.staging_bytes:
+        raise ValueError(f"source rank {g.source_rank} staged outside its staging region")
+    remote = ((u(slot.addr) + np.arange(count, dtype=u) * u(stride))[:, None]
+              + np.arange(per_block, dtype=u)[None, :] * u(g.extent_bytes)).ravel()
+    local = dst_start if g.dst_off is None else (dst_start[:, None] + g.dst_off[None, :]).ravel()
+    return remote, local, np.full(remote.shape[0], g.extent_bytes, dtype=u)
 
 
 def _coalesce(remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

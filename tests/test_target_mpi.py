@@ -145,11 +145,16 @@ def test_loads_that_outlive_their_lease_ttl_renew_every_share_and_land(tmp_path:
             assert stats["leases_expired"] == 0 and stats["leases_released"] >= 1, (r, stats)
 
 
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "in-place"])
 @pytest.mark.parametrize(("source_tp", "target_tp"), [(2, 2), (1, 2), (2, 1), (2, 4)])
 def test_load_is_byte_exact_on_every_rank_and_pins_return_to_zero(tmp_path: Path, registry: str,
-                                                                  source_tp: int, target_tp: int) -> None:
-    with _source_released_every_pin(tmp_path, registry, source_tp, f"{source_tp}to{target_tp}") as source:
-        leader, verify = _run_target(tmp_path, registry, tp=target_tp, source_tp=source_tp)
+                                                                  source_tp: int, target_tp: int, gather: bool) -> None:
+    # Same TP: 16 consecutive source blocks are one descriptor, read in place; with --gather-min-descriptors 1
+    # the source stages them all the same, so that every pairing's bytes go through a staged run once.
+    with _source_released_every_pin(tmp_path, registry, source_tp, f"{source_tp}to{target_tp}",
+                                    ["--gather-min-descriptors", "1"]) as source:
+        leader, verify = _run_target(tmp_path, registry, tp=target_tp, source_tp=source_tp,
+                                     extra=["--gather", str(int(gather))])
         assert leader["match"] == {"matched": 16, "reason": "ok", "worker_id": source.worker_id}
         assert leader["done"] == ["req-1"] and leader["failed"] == [] and leader["invalid"] == []
         # remote_g2_target_load_phase_seconds: each step of the one load, once, inside its total time
@@ -159,6 +164,10 @@ def test_load_is_byte_exact_on_every_rank_and_pins_return_to_zero(tmp_path: Path
         # finished_fd: readable exactly while an outcome waits for get_finished (the leader slept on it)
         assert leader["fd_ready_before_outcome"] is True and leader["fd_ready_after_outcome"] is False, leader
         _assert_landed(verify, untouched_clean=True)
+        staged = [source.state(r)["service"]["gathers"]["staged"] for r in range(source_tp)]
+        assert (sum(staged) > 0) == gather, staged
+        for r in range(source_tp):  # staging went with the lease
+            source.wait_state(r, lambda s: s["service"]["staging_in_use"] == 0, what="staging freed")
 
 
 def test_a_lookup_answered_by_the_registry_mirror_loads_the_same_bytes(tmp_path: Path, registry: str) -> None:

@@ -208,6 +208,8 @@ def main() -> int:
     p.add_argument("--churn-rank-seeds", action="store_true", help="each rank draws its own runs (seed + rank)")
     p.add_argument("--curve-secret", type=Path, default=None, help="serve rank 0's TCP endpoints with CURVE")
     p.add_argument("--curve-allowed", type=Path, default=None, help="CURVE: the directory of client keys admitted")
+    p.add_argument("--staging-mib", type=int, default=8, help="each rank's staging region (0: never gather)")
+    p.add_argument("--gather-min-descriptors", type=int, default=16)
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args()
 
@@ -256,7 +258,8 @@ def main() -> int:
                           sibling_timeout_ms=args.sibling_timeout_ms,
                           sibling_retry_after_ms=args.sibling_retry_after_ms, rpc_workers=args.rpc_workers,
                           registry_endpoint=args.registry, fingerprint=fingerprint, metrics_port=args.metrics_port,
-                          peer_transport=args.peer_transport,
+                          peer_transport=args.peer_transport, staging_mib=args.staging_mib,
+                          gather_min_descriptors=args.gather_min_descriptors,
                           curve=CurveServerConfig.from_files(args.curve_secret, args.curve_allowed)
                           if args.curve_secret else None)
     service = maybe_start_source_service(pool, worker_id=worker_id, config=config, tp_size=args.tp_size,

@@ -205,6 +205,7 @@ def main() -> int:
     p.add_argument("--second-miss", action="store_true")
     p.add_argument("--warm-load", action="store_true")
     p.add_argument("--peer-resolve", type=int, default=1)
+    p.add_argument("--gather", type=int, default=1, help="ask sources to stage small pieces (TargetConfig.gather)")
     p.add_argument("--wait-go", action="store_true")
     args = p.parse_args()
 
@@ -236,7 +237,7 @@ def main() -> int:
     config = TargetConfig(enabled=True, registry_endpoint=args.registry, transfer=transfer, ipc_dir=args.ipc_dir,
                           transfer_timeout_ms=args.timeout_ms, rpc_timeout_ms=args.rpc_timeout_ms,
                           lease_ttl_ms=args.lease_ttl_ms, fingerprint=fp, registry_mirror=args.registry_mirror,
-                          peer_resolve=bool(args.peer_resolve))
+                          peer_resolve=bool(args.peer_resolve), gather=bool(args.gather))
     client = start_target_client(pool, worker_id="target-w", config=config, comm=comm)
     hashes = [hash_of(args.hash_offset + i) for i in range(args.hashes)]
     if args.rank_gone and rank == args.rank_gone:

@@ -1,0 +1,152 @@
+"""A source rank's staging region: registered memory a gather packs a lease's pieces into, freed with the lease.
+
+One region per rank, allocated and registered with the rank's NIXL agent at
+start-up (its address travels in :class:`~remote_g2.messages.RankInfo`), so
+a reader READs a staged run like any pool block. :class:`StagingArena`
+hands out byte ranges of it to leases:
+
+* :meth:`StagingArena.take` — first fit, 4 KiB aligned; None when the
+  region has no room (the budget: the caller reads in place instead);
+* :meth:`StagingArena.filled` — the gather that took a range finished
+  writing it; False when the lease ended meanwhile (the range is free again
+  and must not be handed to a reader);
+* :meth:`StagingArena.release` — the lease ended (release, expiry, trim to
+  nothing, shutdown): every range it holds is free again — except one a
+  gather is still writing, which is freed when that gather says
+  :meth:`filled`. So no range is ever written by two gathers at once, and
+  none outlives its lease.
+
+A range is the lease's for exactly as long as its pins: a reader that READs
+after its lease ended may read another lease's bytes, which is why a load's
+outcome waits for its release's answer (docs/target.md). Thread-safe.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from remote_g2.adapters.host_memory import huge_page_buffer
+
+__all__ = ["StagingArena", "ALIGN"]
+
+ALIGN = 4096  # every range starts on a page: a READ of it never shares a page with another lease's range
+
+
+@dataclass(slots=True)
+class _Range:
+    offset: int
+    nbytes: int
+    busy: bool = True     # a gather is writing it
+    doomed: bool = False  # its lease ended while it was busy: free it once the gather is done
+
+
+class StagingArena:
+    """Ranges of one ``nbytes`` region, owned by lease ids (see the module docstring)."""
+
+    def __init__(self, nbytes: int, *, on_change: Callable[[int], None] | None = None) -> None:
+        if nbytes < ALIGN:
+            raise ValueError(f"a staging region needs at least {ALIGN} bytes, got {nbytes}")
+        nbytes -= nbytes % ALIGN
+        self.buffer: np.ndarray = huge_page_buffer(nbytes)
+        self.buffer.fill(0)  # touch every page now: a gather must not pay the first-touch faults
+        self.base = int(self.buffer.ctypes.data)
+        self.nbytes = nbytes
+        self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, length), sorted, never adjacent
+        self._leases: dict[int, list[_Range]] = {}
+        self._in_use = 0
+        self._lock = threading.Lock()
+        self._on_change = on_change
+
+    @property
+    def in_use(self) -> int:
+        """Bytes held by leases (busy ones included)."""
+        return self._in_use
+
+    def held_by(self, lease_id: int) -> int:
+        """Bytes ``lease_id`` holds (0: none)."""
+        with self._lock:
+            return sum(r.nbytes for r in self._leases.get(lease_id, ()))
+
+    def take(self, lease_id: int, nbytes: int) -> int | None:
+        """A range of at least ``nbytes`` for ``lease_id``, as an address, marked busy; None: no room."""
+        if nbytes <= 0:
+            raise ValueError(f"staging ranges are at least 1 byte, asked {nbytes}")
+        size = -(-nbytes // ALIGN) * ALIGN
+        with self._lock:
+            for i, (off, length) in enumerate(self._free):
+                if length >= size:
+                    if length == size:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (off + size, length - size)
+                    self._leases.setdefault(lease_id, []).append(_Range(off, size))
+                    self._in_use += size
+                    in_use = self._in_use
+                    break
+            else:
+                return None
+        self._changed(in_use)
+        return self.base + off
+
+    def filled(self, lease_id: int, addr: int) -> bool:
+        """The gather into ``addr`` is done; False (and the range freed) when its lease ended meanwhile."""
+        offset = addr - self.base
+        with self._lock:
+            ranges = self._leases.get(lease_id, [])
+            r = next((r for r in ranges if r.offset == offset), None)
+            if r is None:
+                raise ValueError(f"staging range at {addr:#x} is not lease {lease_id}'s")
+            r.busy = False
+            if not r.doomed:
+                return True
+            ranges.remove(r)
+            if not ranges:
+                del self._leases[lease_id]
+            in_use = self._free_range(r)
+        self._changed(in_use)
+        return False
+
+    def release(self, lease_id: int) -> int:
+        """Free every range of ``lease_id`` (a busy one once its gather is done); bytes freed now."""
+        with self._lock:
+            ranges = self._leases.get(lease_id)
+            if not ranges:
+                return 0
+            freed = 0
+            for r in list(ranges):
+                if r.busy:
+                    r.doomed = True
+                    continue
+                ranges.remove(r)
+                freed += r.nbytes
+                in_use = self._free_range(r)
+            if not ranges:
+                del self._leases[lease_id]
+            if not freed:
+                return 0
+        self._changed(in_use)
+        return freed
+
+    def _free_range(self, r: _Range) -> int:
+        """Give ``r`` back to the free list, merged with its neighbours (lock held); bytes in use after."""
+        off, end = r.offset, r.offset + r.nbytes
+        i = bisect.bisect_left(self._free, (off, 0))
+        if i < len(self._free) and self._free[i][0] == end:  # the next free range starts where r ends
+            end += self._free[i][1]
+            del self._free[i]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == off:  # the previous one ends where r starts
+            off = self._free[i - 1][0]
+            del self._free[i - 1]
+            i -= 1
+        self._free.insert(i, (off, end - off))
+        self._in_use -= r.nbytes
+        return self._in_use
+
+    def _changed(self, in_use: int) -> None:
+        if self._on_change is not None:
+            self._on_change(in_use)
