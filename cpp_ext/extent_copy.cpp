@@ -12,10 +12,13 @@
 // (the pool, the staging region, the landing region) — this file trusts them.
 // Extents must not overlap one another. The GIL is released for the copy, so
 // other threads (a server answering RPCs, a NIXL progress thread) run meanwhile.
+// The copy ends with a release fence: a store the caller makes after it (the
+// gather's staged-blocks counter) is never seen before the bytes it announces.
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -39,6 +42,9 @@ uint64_t copy_extents(U64In dst, U64In src, U64In nbytes) {
       std::memcpy(reinterpret_cast<void *>(d[i]), reinterpret_cast<const void *>(s[i]), size_t(len[i]));
       total += len[i];
     }
+    // Whatever the caller stores next (a staged-blocks counter a reader polls) becomes visible only
+    // after these bytes: a release fence, free on x86 and needed on weaker orders.
+    std::atomic_thread_fence(std::memory_order_release);
   }
   return total;
 }

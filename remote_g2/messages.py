@@ -553,13 +553,18 @@ class GatherSlot:
     The pieces of the lease's block ``i`` (in the order of
     :func:`remote_g2.head_slices.slice_pieces`) lie back to back at
     ``addr + i * block_stride``, for the lease's first ``blocks`` blocks.
-    The slot lives as long as the lease.
+    They are staged in chunks of ``chunk_blocks`` blocks, after the reply:
+    the little-endian u64 at ``ready_addr`` (in the staging region) counts
+    the leading blocks staged so far — a reader READs it, then the blocks it
+    covers. The slot lives as long as the lease.
     """
 
     target_rank: _Rank
     addr: _Addr
     block_stride: Annotated[int, Limits(ge=1)]
     blocks: _Count
+    ready_addr: _Addr
+    chunk_blocks: Annotated[int, Limits(ge=1)]
 
 
 _Staged = Annotated[list[GatherSlot], Limits(max_len=4096)]

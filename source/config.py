@@ -26,6 +26,7 @@ variable                                field                                   
 ``REMOTE_G2_SOURCE_STAGING_MIB``        ``staging_mib`` (0: never gather)             64
 ``REMOTE_G2_SOURCE_GATHER_MIN_DESCRIPTORS`` ``gather_min_descriptors``               16
 ``REMOTE_G2_SOURCE_GATHER_MAX_PIECE_KIB``  ``gather_max_piece_kib``                  64
+``REMOTE_G2_SOURCE_GATHER_CHUNK_KIB``   ``gather_chunk_kib`` (staged per step)       2048
 ``REMOTE_G2_SOURCE_FINGERPRINT``        ``fingerprint`` (JSON of LayoutFingerprint)  unset
 ``REMOTE_G2_SOURCE_CURVE_SECRET_KEY``   ``curve`` (server key file)                  unset
 ``REMOTE_G2_SOURCE_CURVE_ALLOWED``      ``curve`` allow-list directory               unset
@@ -118,6 +119,9 @@ class SourceConfig:
       this many descriptors, of at most this many KiB each on average
       (docs/benchmarks.md, "Gathered reads", has the measurements behind the
       defaults).
+    * ``gather_chunk_kib`` — a part is staged in chunks of about this much,
+      its counter advanced after each, so that the reader's READ of one chunk
+      overlaps the packing of the next.
     * ``fingerprint`` — the layout announced to the registry (required with
       ``registry_endpoint``).
     * ``curve`` — CURVE keys for rank 0's TCP endpoint (IPC needs none).
@@ -147,6 +151,7 @@ class SourceConfig:
     staging_mib: int = 64
     gather_min_descriptors: int = 16
     gather_max_piece_kib: int = 64
+    gather_chunk_kib: int = 2048
     registry_timeout_s: float = 5.0
     fingerprint: LayoutFingerprint | None = None
     curve: CurveServerConfig | None = None
@@ -161,9 +166,10 @@ class SourceConfig:
                      "registry_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"SourceConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.staging_mib < 0 or self.gather_min_descriptors < 1 or self.gather_max_piece_kib < 1:
-            raise ConfigError("SourceConfig.staging_mib must be >= 0, gather_min_descriptors and "
-                              "gather_max_piece_kib >= 1")
+        if self.staging_mib < 0 or min(self.gather_min_descriptors, self.gather_max_piece_kib,
+                                       self.gather_chunk_kib) < 1:
+            raise ConfigError("SourceConfig.staging_mib must be >= 0, gather_min_descriptors, "
+                              "gather_max_piece_kib and gather_chunk_kib >= 1")
         if self.sibling_retry_after_ms < 0 or self.pin_budget_blocks < 0:
             raise ConfigError("SourceConfig.sibling_retry_after_ms and pin_budget_blocks must be >= 0")
         if self.max_lease_ttl_ms > 3_600_000:
@@ -217,7 +223,8 @@ class SourceConfig:
                           ("REMOTE_G2_SOURCE_PIN_BUDGET", "pin_budget_blocks"),
                           ("REMOTE_G2_SOURCE_STAGING_MIB", "staging_mib"),
                           ("REMOTE_G2_SOURCE_GATHER_MIN_DESCRIPTORS", "gather_min_descriptors"),
-                          ("REMOTE_G2_SOURCE_GATHER_MAX_PIECE_KIB", "gather_max_piece_kib")):
+                          ("REMOTE_G2_SOURCE_GATHER_MAX_PIECE_KIB", "gather_max_piece_kib"),
+                          ("REMOTE_G2_SOURCE_GATHER_CHUNK_KIB", "gather_chunk_kib")):
             if (number := env_int(var, e)) is not None:
                 kw[name] = number
         for var, name in (("REMOTE_G2_SOURCE_PROGRESS_MS", "progress_interval_ms"),

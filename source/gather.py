@@ -5,8 +5,8 @@ and two kinds of load have many small ones — a target of another TP size
 reads one piece per (block, layer, K/V) head slice, and small blocks
 scattered through the pool are one descriptor each. Copying those pieces
 into one run on the source, in the order the reader wants them, costs a
-memcpy per piece here (fractions of a microsecond for a few KiB) and saves
-a descriptor per piece on the READ (seed 002's bounce buffer, on the host side).
+memcpy per piece and saves a descriptor per piece on the READ (seed 002's
+bounce buffer, on the host side).
 
 What a source rank does when a resolve (``resolve``, ``sibling_resolve``,
 ``sibling_pin`` or ``peer_resolve``) carries a
@@ -23,20 +23,27 @@ rank's part is staged when
 * the staging region has room for it (else it is read in place: staging
   is a budget, never a reason to fail).
 
-The part is packed block by block, each block's pieces back to back
-(``GatherSlot.block_stride`` apart), into a range of the rank's
-:class:`~remote_g2.source.staging.StagingArena` owned by the lease; target
-ranks that read the same pieces (MLA) share one range. The reply's
-:class:`~remote_g2.messages.GatherSlot` s say where. The copy runs on the
-handler's thread with the GIL released; a lease that ended while its part
-was copied gets no slot.
+Pipelined: the resolve takes a range of the rank's
+:class:`~remote_g2.source.staging.StagingArena` for the part (owned by the
+lease), zeroes its staged-blocks counter and answers at once with a
+:class:`~remote_g2.messages.GatherSlot`; this rank's gather thread then
+packs the part chunk by chunk (``chunk_bytes``), block by block, each
+block's pieces back to back, and after each chunk stores how many leading
+blocks are staged (after a release fence: a reader that sees the count sees
+the bytes). A reader READs the counter and then the chunks it covers, so
+the READ of chunk k overlaps the packing of chunk k+1. Target ranks that
+read the same pieces (MLA) share one range. A gather stops at the next chunk
+when its lease ends; its range is freed then, never while it is written.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -55,11 +62,26 @@ log = logging.getLogger("remote_g2.source.gather")
 GATHER_OUTCOMES = ("staged", "direct", "no_room", "lease_gone", "unservable")
 
 
+@dataclass(slots=True)
+class _Job:
+    """One part to pack: piece ``i`` of the part goes from ``src[i]`` to ``dst[i]``; ``per_block`` per block."""
+
+    lease_id: int
+    addr: int
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+    per_block: int
+    blocks: int
+    chunk_blocks: int
+    ready_addr: int
+
+
 class Gatherer:
-    """One source rank's gathers into its staging region (see the module docstring)."""
+    """One source rank's gathers into its staging region (see the module docstring); :meth:`close` stops it."""
 
     def __init__(self, arena: StagingArena, *, rank: int, source_tp: int, layout: BlockLayout, pool_base: int,
-                 min_descriptors: int, max_piece_bytes: int,
+                 min_descriptors: int, max_piece_bytes: int, chunk_bytes: int = 2 << 20,
                  observe: Callable[[str, int, float], None] | None = None) -> None:
         self.arena = arena
         self.rank = rank
@@ -68,11 +90,16 @@ class Gatherer:
         self.pool_base = pool_base
         self.min_descriptors = min_descriptors
         self.max_piece_bytes = max_piece_bytes
+        self.chunk_bytes = chunk_bytes
         self._observe = observe or (lambda outcome, nbytes, seconds: None)
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"source-gather-tp{rank}", daemon=True)
+        self._thread.start()
 
     def stage(self, lease_id: int, block_ids: Sequence[int], wish: GatherWish | None) -> list[GatherSlot]:
-        """Stage what ``wish``'s target ranks read of ``block_ids`` (this rank's pins of ``lease_id``)."""
-        if wish is None or not block_ids:
+        """Start staging what ``wish``'s target ranks read of ``block_ids`` (this rank's pins of ``lease_id``)."""
+        if wish is None or not block_ids or self._closed:
             return []
         try:
             return self._stage(lease_id, block_ids, wish)
@@ -80,6 +107,13 @@ class Gatherer:
             log.exception("lease %d: gathering on rank %d failed; reading in place", lease_id, self.rank)
             self.arena.release(lease_id)
             return []
+
+    def close(self) -> None:
+        """Stop the gather thread after the job it is on (the arena's busy ranges are settled); idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._jobs.put(None)
+        self._thread.join(10)
 
     def _stage(self, lease_id: int, block_ids: Sequence[int], wish: GatherWish) -> list[GatherSlot]:
         reason = self._unservable(wish)
@@ -92,7 +126,7 @@ class Gatherer:
         ids = np.asarray(block_ids, dtype=u)
         starts = u(self.pool_base) + ids * u(lay.block_bytes)
         slots: list[GatherSlot] = []
-        staged: dict[tuple[int, int], tuple[int, int]] = {}  # (head lo, head hi) -> (addr, stride): shared ranges
+        staged: dict[tuple[int, int], GatherSlot] = {}  # (head lo, head hi) -> its slot: shared ranges
         for target_rank in range(wish.target_tp):
             for sl in head_slices(target_rank, source_tp=self.source_tp, target_tp=wish.target_tp,
                                   source_heads=lay.num_kv_heads, target_heads=wish.target_heads,
@@ -102,12 +136,11 @@ class Gatherer:
                 key = (sl.source_lo, sl.source_hi)
                 if key not in staged:
                     offsets, piece = slice_pieces(lay, sl, wish.target_heads)
-                    done = self._stage_part(lease_id, starts, offsets, piece)
-                    if done is None:
+                    slot = self._start_part(lease_id, starts, offsets, piece)
+                    if slot is None:
                         continue
-                    staged[key] = done
-                addr, stride = staged[key]
-                slots.append(GatherSlot(target_rank, addr, stride, len(block_ids)))
+                    staged[key] = slot
+                slots.append(replace(staged[key], target_rank=target_rank))
         return slots
 
     def _unservable(self, wish: GatherWish) -> str | None:
@@ -124,9 +157,9 @@ class Gatherer:
             return "a head slice of an NHD layout is not contiguous"
         return None
 
-    def _stage_part(self, lease_id: int, starts: np.ndarray, offsets: np.ndarray | None,
-                    piece: int) -> tuple[int, int] | None:
-        """Pack one part into a new range of the lease; ``(addr, block stride)``, or None (read in place)."""
+    def _start_part(self, lease_id: int, starts: np.ndarray, offsets: np.ndarray | None,
+                    piece: int) -> GatherSlot | None:
+        """Take a range for one part, zero its counter and queue its packing; None: read it in place."""
         u = np.uint64
         n = starts.shape[0]
         src = starts if offsets is None else (starts[:, None] + offsets[None, :]).ravel()
@@ -134,22 +167,50 @@ class Gatherer:
         if descriptors < self.min_descriptors or src.shape[0] * piece > descriptors * self.max_piece_bytes:
             self._observe("direct", 0, 0.0)
             return None
-        stride = piece * (1 if offsets is None else offsets.shape[0])
-        t0 = time.perf_counter()
-        addr = self.arena.take(lease_id, stride * n)
+        per_block = 1 if offsets is None else offsets.shape[0]
+        stride = piece * per_block
+        data = -(-stride * n // 8) * 8
+        addr = self.arena.take(lease_id, data + 8)
         if addr is None:
             self._observe("no_room", 0, 0.0)
             return None
+        ready = addr + data
+        chunk = max(1, self.chunk_bytes // stride)
         try:
-            copy_extents(u(addr) + np.arange(src.shape[0], dtype=u) * u(piece), src,
-                         np.full(src.shape[0], piece, dtype=u))
+            self.arena.store_word(ready, 0)  # before the reply: a reader never sees an earlier lease's count
+            self._jobs.put(_Job(lease_id, addr, src, u(addr) + np.arange(src.shape[0], dtype=u) * u(piece),
+                                np.full(src.shape[0], piece, dtype=u), per_block, n, chunk, ready))
+        except BaseException:
+            self.arena.filled(lease_id, addr)  # not busy any more: the lease's release frees it
+            raise
+        return GatherSlot(0, addr, stride, n, ready, chunk)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._pack(job)
+            except Exception:  # the counter stops short: the reader's load fails at its deadline
+                log.exception("lease %d: packing a staged part on rank %d failed", job.lease_id, self.rank)
+
+    def _pack(self, job: _Job) -> None:
+        arena = self.arena
+        t0 = time.perf_counter()
+        done = 0
+        try:
+            while done < job.blocks:
+                if self._closed or arena.ended(job.lease_id, job.addr):
+                    break
+                end = min(job.blocks, done + job.chunk_blocks)
+                lo, hi = done * job.per_block, end * job.per_block
+                copy_extents(job.dst[lo:hi], job.src[lo:hi], job.nbytes[lo:hi])
+                arena.store_word(job.ready_addr, end)  # after copy_extents' release fence
+                done = end
         finally:
-            kept = self.arena.filled(lease_id, addr)
-        if not kept:
+            kept = arena.filled(job.lease_id, job.addr)
+        if done < job.blocks or not kept:
             self._observe("lease_gone", 0, time.perf_counter() - t0)
-            return None
-        self._observe("staged", stride * n, time.perf_counter() - t0)
-        return addr, stride
+        else:
+            self._observe("staged", int(job.nbytes.sum()), time.perf_counter() - t0)
 
 
 def _runs(src: np.ndarray, piece: int) -> int:

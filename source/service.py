@@ -283,7 +283,7 @@ class SourceService:
             self.gatherer = Gatherer(self.staging, rank=self.rank, source_tp=self.tp_size, layout=layout,
                                      pool_base=regions[0].base, min_descriptors=cfg.gather_min_descriptors,
                                      max_piece_bytes=cfg.gather_max_piece_kib << 10,
-                                     observe=self.metrics.gather_outcome)
+                                     chunk_bytes=cfg.gather_chunk_kib << 10, observe=self.metrics.gather_outcome)
         self._agent = RankAgent(agent_name_for(self.worker_id, self.rank), list(regions) + staging_regions,
                                 busy=lambda: self.leases.open_leases > 0,
                                 busy_interval_s=cfg.progress_interval_ms / 1000,
@@ -662,6 +662,8 @@ class SourceService:
         dropped = self.leases.release_all()
         if dropped:
             log.info("source %s rank %d: dropped %d open lease(s) at shutdown", self.worker_id, self.rank, dropped)
+        if self.gatherer is not None:  # before the agent: no gather writes into memory being deregistered
+            self.gatherer.close()
         if self._agent is not None:
             self._agent.close()
         self.metrics.close()

@@ -55,6 +55,7 @@ class StagingArena:
         self.buffer: np.ndarray = huge_page_buffer(nbytes)
         self.buffer.fill(0)  # touch every page now: a gather must not pay the first-touch faults
         self.base = int(self.buffer.ctypes.data)
+        self._words = self.buffer.view(np.uint64)  # the staged-blocks counters (source/gather.py)
         self.nbytes = nbytes
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, length), sorted, never adjacent
         self._leases: dict[int, list[_Range]] = {}
@@ -110,6 +111,20 @@ class StagingArena:
             in_use = self._free_range(r)
         self._changed(in_use)
         return False
+
+    def ended(self, lease_id: int, addr: int) -> bool:
+        """Whether the lease that took the busy range at ``addr`` ended meanwhile (its gather should stop)."""
+        offset = addr - self.base
+        with self._lock:
+            r = next((r for r in self._leases.get(lease_id, ()) if r.offset == offset), None)
+            return r is None or r.doomed
+
+    def store_word(self, addr: int, value: int) -> None:
+        """Store ``value`` as the u64 at ``addr`` (8-byte aligned, inside a range the caller holds)."""
+        offset = addr - self.base
+        if offset % 8 or not 0 <= offset < self.nbytes:
+            raise ValueError(f"{addr:#x} is not an aligned word of the staging region")
+        self._words[offset // 8] = value
 
     def release(self, lease_id: int) -> int:
         """Free every range of ``lease_id`` (a busy one once its gather is done); bytes freed now."""

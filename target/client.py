@@ -54,6 +54,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from remote_g2.errors import ConfigError, RemoteG2Error, TransferError
 from remote_g2.ipc_paths import ipc_endpoint, prepare_ipc_dir
 from remote_g2.local_link import LinkListener, MessageLink, connect_link
@@ -61,7 +63,7 @@ from remote_g2.log import cpu_set_text
 from remote_g2.messages import Lookup, LookupReply, TargetDone, TargetLoad
 from remote_g2.plugins import load_adapter
 from remote_g2.rpc_mux import RpcMux
-from remote_g2.secondary_pool import SecondaryPool
+from remote_g2.secondary_pool import MemoryRegion, SecondaryPool
 from remote_g2.stall_watchdog import maybe_start_stall_watchdog
 from remote_g2.tp_group import TpGroup, resolve_tp_group
 
@@ -70,7 +72,7 @@ from .coordinator import LOOKUP_CACHE, Coordinator
 from .metrics import TargetMetrics
 from .outcomes import Outcomes
 from .rank_loop import RankLoop, ShareBook, ShareLoop
-from .rank_worker import RankWorker
+from .rank_worker import RankWorker, scratch_words
 from .layout_compat import check_holder_tp
 
 __all__ = ["TargetClient", "TargetMatch", "maybe_start_target_client", "start_target_client"]
@@ -141,6 +143,7 @@ class TargetClient:
         self._group = group
         self._pool = pool
         self._worker: RankWorker | None = None
+        self._scratch: np.ndarray | None = None  # staged parts' counters land here (target/rank_worker.py)
         self._closed = False
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -171,6 +174,11 @@ class TargetClient:
             regions = self._pool.regions()
             transfer = load_adapter("transfer", self.config.transfer)(
                 f"remote-g2-target-{self.worker_id}-tp{self.rank}")
+            # Staged parts' counters land in host words beside the pool (one READ uses one memory kind, so a
+            # pool in device memory reads every piece in place instead).
+            if self.config.gather and all(r.mem_type == "DRAM" for r in regions):
+                self._scratch = scratch_words()
+                regions = [*regions, MemoryRegion(self._scratch.ctypes.data, self._scratch.nbytes)]
             transfer.register_local(regions)
             if self.rank == 0 and self.tp_size > 1:
                 directory = prepare_ipc_dir(self.config.ipc_directory)
@@ -190,7 +198,7 @@ class TargetClient:
         # Owned from here on: shutdown() closes the adapter even when the links below fail.
         self._worker = RankWorker(rank=self.rank, tp_size=self.tp_size, layout=layout, pool_base=regions[0].base,
                                   transfer=transfer, report=lambda done: self._report(loop, done),
-                                  shares_leader_clock=gathered[0]["clock"] == clock)
+                                  shares_leader_clock=gathered[0]["clock"] == clock, scratch=self._scratch)
         timeout = float(self.config.rpc_timeout_ms)
         # The links: every other rank connects to the leader's listener and says which rank it is.
         try:
@@ -237,7 +245,7 @@ class TargetClient:
             stats=self.stats, mux=RpcMux(timeout_ms=timeout_ms, curve=self.config.source_curve), links=self._links,
             outcomes=self._outcomes, own_share=own, share_thread=share_thread, match_from=self._match_from,
             compat_key=self._compat_key(), lookups=self._lookups, lookups_lock=self._lookups_lock,
-            kv_heads=self._pool.layout.num_kv_heads)
+            kv_heads=self._pool.layout.num_kv_heads, gather=self._scratch is not None)
         self._spawn(self.coordinator.run, name)
         return share
 

@@ -73,9 +73,10 @@ class Coordinator:
                  own_share: queue.SimpleQueue[TargetLoad | None], share_thread: threading.Thread,
                  match_from: Any, compat_key: str | None,
                  lookups: OrderedDict[tuple[bytes, ...], TargetMatch], lookups_lock: threading.Lock,
-                 kv_heads: int = 1) -> None:
+                 kv_heads: int = 1, gather: bool = True) -> None:
         self.worker_id, self.tp_size, self.config = worker_id, tp_size, config
         self.kv_heads = kv_heads  # per rank: what a gather wish tells the source about this worker's ranks
+        self._gather = gather  # the ranks can read staged parts (they have scratch words registered)
         self.metrics, self.stats, self.mux = metrics, stats, mux
         self.sources = SourceDirectory()
         self._links = links
@@ -97,7 +98,7 @@ class Coordinator:
 
     def gather_wish(self, source_tp: int) -> GatherWish | None:
         """What a resolve tells a source of ``source_tp`` ranks about this worker's readers (None: no gather)."""
-        if not self.config.gather:
+        if not (self.config.gather and self._gather):
             return None
         fp = self.config.fingerprint
         return GatherWish(self.tp_size, self.kv_heads, bool(fp and fp.is_mla), self.mla_offset(source_tp))

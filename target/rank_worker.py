@@ -27,6 +27,17 @@ leader the coordinator that waits for the report shares the CPU with the
 share thread. A failed load's READs are released (aborted) *before* it is
 reported, so no byte moves once the engine hears of the failure.
 
+A part its source rank stages while this rank reads it (a
+:class:`~remote_g2.messages.GatherSlot`, ``source/gather.py``) is read as
+it is staged: the worker READs the part's staged-blocks counter into a
+word of its scratch region, posts a READ of every descriptor the count
+covers, and reads the counter again until every descriptor is posted (one
+step per check, so a slow gather costs polls, not a spinning thread). A
+counter that stops short — the lease ended, the source died — leaves the
+load to its deadline: it fails, and nothing past the count was read. The
+scratch word of a failed load sits out ``SCRATCH_QUARANTINE_S`` before
+another load uses it: an aborted counter READ may still land.
+
 The deadline is the leader's (``TargetLoad.deadline_ns``) when this rank
 shares the leader's monotonic clock, else ``timeout_ms`` from the message's
 arrival. No READ is posted after it — the adapter checks it right before
@@ -38,21 +49,42 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from remote_g2.transfer import TransferAdapter
 
 from remote_g2.messages import BlockLayout, RankInfo, TargetDone, TargetLoad
 
+from .read_plan import SourceReads
 from .tp_mapping import ReadPlanner
 
-__all__ = ["RankWorker", "POLL_S"]
+__all__ = ["RankWorker", "POLL_S", "SCRATCH_WORDS", "SCRATCH_QUARANTINE_S", "scratch_words"]
 
 log = logging.getLogger("remote_g2.target")
 
 POLL_S = 0.0002  # how long a driving loop sleeps between polls while READs are in flight
+SCRATCH_WORDS = 4096  # staged parts in flight at most per rank (a word each, 64 bytes apart: own cache lines)
+SCRATCH_QUARANTINE_S = 30.0
+
+
+def scratch_words() -> np.ndarray:
+    """A fresh scratch region for :class:`RankWorker` (register it with the rank's transfer adapter)."""
+    return np.zeros(SCRATCH_WORDS * 8, dtype=np.uint64)
+
+
+@dataclass
+class _Staged:
+    """A staged part read as it is staged: the descriptors posted so far, the counter READ in flight."""
+
+    reads: SourceReads
+    word: int
+    posted: int = 0
+    counter: Any = None
 
 
 @dataclass
@@ -62,6 +94,7 @@ class _Inflight:
     handles: list[Any] = field(default_factory=list)
     nbytes: int = 0
     descriptors: int = 0
+    staged: list[_Staged] = field(default_factory=list)
 
 
 class RankWorker:
@@ -69,7 +102,9 @@ class RankWorker:
 
     def __init__(self, *, rank: int, tp_size: int, layout: BlockLayout, pool_base: int,
                  transfer: TransferAdapter, report: Callable[[TargetDone], None],
-                 shares_leader_clock: bool = True) -> None:
+                 shares_leader_clock: bool = True, scratch: np.ndarray | None = None) -> None:
+        """``scratch``: ``uint64`` words registered with ``transfer`` (:func:`scratch_words`), where staged
+        parts' counters land; None: a load with a staged part fails (and is recomputed)."""
         self.rank = rank
         self.shares_leader_clock = shares_leader_clock
         self.tp_size = tp_size
@@ -84,6 +119,10 @@ class RankWorker:
         # (source worker, is_mla, mla_offset) -> planner for the worker's current epoch and rank infos
         self._planners: dict[tuple[str, bool, int], ReadPlanner] = {}
         self._retired: list[Any] = []  # handles of reported, successful loads: every READ is done
+        self._scratch = scratch
+        stride = 8  # words 64 bytes apart
+        self._free_words: list[int] = list(range(0, 0 if scratch is None else scratch.shape[0], stride))[::-1]
+        self._quarantined: deque[tuple[float, list[int]]] = deque()
         self._closed = False
 
     @property
@@ -129,6 +168,11 @@ class RankWorker:
                         raise RuntimeError(f"no metadata for source agent {info.agent_name}")
                     self._transfer.add_peer(info.agent_name, info.agent_metadata)
                     self._loaded.add(info.agent_name)
+                if reads.ready_addr:
+                    staged = _Staged(reads, self._take_word())
+                    flight.staged.append(staged)
+                    self._read_counter(flight, staged)
+                    continue
                 flight.handles.append(self._transfer.start_read(info.agent_name, reads.local_addr,
                                                                 reads.remote_addr, reads.nbytes,
                                                                 not_after=flight.deadline))
@@ -160,16 +204,71 @@ class RankWorker:
     # -- internals -------------------------------------------------------------------------
 
     def _check(self, key: int, flight: _Inflight, now: float) -> None:
-        states = [self._transfer.poll(h) for h in flight.handles]
+        try:
+            for staged in flight.staged:
+                self._advance(flight, staged)
+        except Exception as e:
+            self._finish(key, f"{type(e).__name__}: {e}")
+            return
+        handles = flight.handles + [s.counter for s in flight.staged if s.counter is not None]
+        states = [self._transfer.poll(h) for h in handles]
         if "error" in states:
             # The adapter's own words when it has them (an optional method: see remote_g2/transfer.py).
             failure = getattr(self._transfer, "failure", None)
-            why = [failure(h) for h, s in zip(flight.handles, states) if s == "error"] if failure else []
+            why = [failure(h) for h, s in zip(handles, states) if s == "error"] if failure else []
             self._finish(key, next((w for w in why if w), "READ failed (transfer state ERR)"))
-        elif all(s == "done" for s in states):
+        elif all(s == "done" for s in states) and all(s.counter is None for s in flight.staged):
             self._finish(key, None)
         elif now > flight.deadline:
-            self._finish(key, f"READ not finished within {flight.load.timeout_ms} ms")
+            short = [f"source rank {s.reads.source_rank} staged {self._count(s)} of {int(s.reads.need[-1])} blocks"
+                     for s in flight.staged if s.counter is not None]
+            self._finish(key, f"READ not finished within {flight.load.timeout_ms} ms"
+                         + (f" ({'; '.join(short)}: its lease ended or the source stopped)" if short else ""))
+
+    # -- staged parts (source/gather.py) ---------------------------------------------------
+
+    def _take_word(self) -> int:
+        now = time.monotonic()
+        while self._quarantined and self._quarantined[0][0] <= now:
+            self._free_words.extend(self._quarantined.popleft()[1])
+        if self._scratch is None:
+            raise RuntimeError("a staged part, and no scratch region to read its counter into")
+        if not self._free_words:
+            raise RuntimeError(f"all {self._scratch.shape[0] // 8} scratch words in use")
+        return self._free_words.pop()
+
+    def _count(self, staged: _Staged) -> int:
+        assert self._scratch is not None
+        return int(self._scratch[staged.word])
+
+    def _read_counter(self, flight: _Inflight, staged: _Staged) -> None:
+        """Post a READ of the part's staged-blocks counter into its scratch word."""
+        assert self._scratch is not None
+        u = np.uint64
+        local = np.array([self._scratch.ctypes.data + 8 * staged.word], dtype=u)
+        staged.counter = self._transfer.start_read(staged.reads.agent_name, local,
+                                                   np.array([staged.reads.ready_addr], dtype=u),
+                                                   np.array([8], dtype=u), not_after=flight.deadline)
+
+    def _advance(self, flight: _Inflight, staged: _Staged) -> None:
+        """One step of a staged part: when its counter READ is done, post what the count covers; read it again."""
+        if staged.counter is None or self._transfer.poll(staged.counter) != "done":
+            return
+        self._transfer.release(staged.counter)
+        staged.counter = None
+        reads = staged.reads
+        assert reads.need is not None
+        ready = int(np.searchsorted(reads.need, np.uint64(self._count(staged)), side="right"))
+        if ready > staged.posted:
+            lo, hi = staged.posted, ready
+            flight.handles.append(self._transfer.start_read(reads.agent_name, reads.local_addr[lo:hi],
+                                                            reads.remote_addr[lo:hi], reads.nbytes[lo:hi],
+                                                            not_after=flight.deadline))
+            flight.nbytes += int(reads.nbytes[lo:hi].sum(dtype=np.uint64))
+            flight.descriptors += hi - lo
+            staged.posted = ready
+        if staged.posted < reads.num_descriptors:
+            self._read_counter(flight, staged)
 
     def _deadline(self, load: TargetLoad, received: float) -> float:
         if self.shares_leader_clock and load.deadline_ns:
@@ -215,13 +314,18 @@ class RankWorker:
 
     def _finish(self, key: int, error: str | None) -> None:
         flight = self._inflight.pop(key)
+        words = [s.word for s in flight.staged]
+        if words and error is None:
+            self._free_words.extend(words)
+        elif words:  # a counter READ of a failed load may still land: keep its word out for a while
+            self._quarantined.append((time.monotonic() + SCRATCH_QUARANTINE_S, words))
         if error is None:
             # Every READ said done: no byte moves any more, so the leader hears first (it waits for the
             # slowest rank) and the handles are freed later (release_retired).
             self._report_now(flight.load, flight.nbytes, flight.descriptors, None)
             self._retired.extend(flight.handles)
             return
-        for h in flight.handles:
+        for h in flight.handles + [s.counter for s in flight.staged if s.counter is not None]:
             self._transfer.release(h)  # a READ still running is aborted here, before the failure is reported
         log.warning("target rank %d: load %d from %s failed: %s", self.rank, key, flight.load.source_worker, error)
         self._report_now(flight.load, flight.nbytes, flight.descriptors, error)

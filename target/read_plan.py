@@ -36,6 +36,11 @@ class SourceReads:
 
     The three arrays are ``uint64``, read-only, equally long, sorted by
     ``remote_addr``; row ``i`` is one descriptor.
+
+    A part its source rank stages while it is read (``ready_addr`` non-zero;
+    ``remote_addr`` then lies in the rank's staging region) has ``need``:
+    row ``i`` may be read once the u64 counter at ``ready_addr`` reaches
+    ``need[i]`` (non-decreasing; ``source/gather.py`` advances the counter).
     """
 
     source_rank: int
@@ -43,6 +48,8 @@ class SourceReads:
     remote_addr: np.ndarray
     local_addr: np.ndarray
     nbytes: np.ndarray
+    ready_addr: int = 0
+    need: np.ndarray | None = None
 
     @property
     def num_descriptors(self) -> int:

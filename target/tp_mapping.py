@@ -233,10 +233,14 @@ class ReadPlanner:
             for g in self._slices:
                 slot = staged[g.source_rank]
                 if slot is not None:
-                    remote, local, nbytes = _staged_extents(g, slot, count, dst_start)
-                else:
-                    remote, local, nbytes = _slice_extents(g, src_ids[g.source_rank], dst_start)
-                remote, local, nbytes = _coalesce(remote, local, nbytes)
+                    remote, local, nbytes, chunk = _staged_extents(g, slot, count, dst_start)
+                    remote, local, nbytes, chunk = _coalesce(remote, local, nbytes, chunk)
+                    need = np.minimum((chunk + u(1)) * u(slot.chunk_blocks), u(count))
+                    reads.append(SourceReads(g.source_rank, g.agent_name, frozen(remote), frozen(local),
+                                             frozen(nbytes), slot.ready_addr, frozen(need)))
+                    continue
+                remote, local, nbytes = _slice_extents(g, src_ids[g.source_rank], dst_start)
+                remote, local, nbytes, _ = _coalesce(remote, local, nbytes)
                 reads.append(SourceReads(g.source_rank, g.agent_name, frozen(remote), frozen(local),
                                          frozen(nbytes)))
         return self._read_plan(reads, count)
@@ -307,8 +311,9 @@ def _slot_for(blocks: RankBlocks | None, target_rank: int) -> GatherSlot | None:
 
 
 def _staged_extents(g: _SliceGeometry, slot: GatherSlot, count: int, dst_start: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Extents of one head slice read from where its source rank staged it (source/gather.py's packing).
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Extents of one head slice read from where its source rank staged it (source/gather.py's packing),
+    with the staging chunk each belongs to (extents of two chunks are never merged: one may be staged first).
 
     The slot must be exactly what this slice's pieces make, and lie inside the
     rank's staging region; anything else is a source this target cannot
@@ -322,22 +327,30 @@ def _staged_extents(g: _SliceGeometry, slot: GatherSlot, count: int, dst_start: 
                          f"slice packs {stride} B")
     if slot.blocks < count:
         raise ValueError(f"source rank {g.source_rank} staged {slot.blocks} blocks of {count}")
-    if slot.addr < g.staging_base or slot.addr + count * stride > g.staging_base + g.staging_bytes:
+    end = g.staging_base + g.staging_bytes
+    if slot.addr < g.staging_base or slot.addr + count * stride > end or \
+            not g.staging_base <= slot.ready_addr <= end - 8 or slot.ready_addr % 8:
         raise ValueError(f"source rank {g.source_rank} staged outside its staging region")
     remote = ((u(slot.addr) + np.arange(count, dtype=u) * u(stride))[:, None]
               + np.arange(per_block, dtype=u)[None, :] * u(g.extent_bytes)).ravel()
     local = dst_start if g.dst_off is None else (dst_start[:, None] + g.dst_off[None, :]).ravel()
-    return remote, local, np.full(remote.shape[0], g.extent_bytes, dtype=u)
+    chunk = np.repeat(np.arange(count, dtype=u) // u(slot.chunk_blocks), per_block)
+    return remote, local, np.full(remote.shape[0], g.extent_bytes, dtype=u), chunk
 
 
-def _coalesce(remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Sort by remote address and merge each extent into the previous one when both sides are adjacent."""
+def _coalesce(remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray, group: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Sort by remote address and merge each extent into the previous one when both sides are adjacent
+    (and, with ``group``, both are of one group); the group of each merged extent comes back too."""
     if remote.shape[0] <= 1:
-        return remote, local, nbytes
+        return remote, local, nbytes, group
     order = np.argsort(remote, kind="stable")
     remote, local, nbytes = remote[order], local[order], nbytes[order]
     joins = (remote[:-1] + nbytes[:-1] == remote[1:]) & (local[:-1] + nbytes[:-1] == local[1:])
+    if group is not None:
+        group = group[order]
+        joins &= group[:-1] == group[1:]
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
     if starts.shape[0] == remote.shape[0]:
-        return remote, local, nbytes
-    return remote[starts], local[starts], np.add.reduceat(nbytes, starts)
+        return remote, local, nbytes, group
+    return remote[starts], local[starts], np.add.reduceat(nbytes, starts), None if group is None else group[starts]

@@ -19,7 +19,10 @@ Faults:
 * the lease expires on the source mid-load (the target leader is SIGSTOPped
   for longer than the lease TTL while its READ is delayed);
 * nothing to load: hashes nobody holds, and a TP pairing the layout cannot
-  serve (target TP=3 against 4 kv heads).
+  serve (target TP=3 against 4 kv heads);
+* a gathered part half staged (the source's gather thread stalled by the
+  test-only ``stall-gather`` file of ``source_rank.py``): its lease expires
+  (the leader SIGSTOPped past the TTL), or the source is killed.
 
 One source (TP=2) and one registry serve every test but the one that kills
 its source, which gets its own of both (a killed source stays "live" in its
@@ -318,6 +321,76 @@ def test_lease_expired_on_the_source_fails_the_request(tmp_path: Path, registry:
     for r in range(2):
         source.wait_pins(r, 0, timeout_s=10)
     assert _fresh_stats(source, 0)["leases_expired"] >= expired_before + 1  # the source really expired it
+
+
+# -- f. a gathered part half staged -------------------------------------------------------------------
+
+
+def _gathering_source(directory: Path, registry: str, name: str) -> SourceWorker:
+    """A source that stages every part (even one descriptor's worth), its gather threads stalled."""
+    directory.mkdir(parents=True)
+    for r in range(2):
+        (directory / f"stall-gather-{r}").touch()  # before start-up: the first gather finds it
+    worker = SourceWorker(directory, f"{name}-{os.getpid()}", np=2,
+                          args=["--registry", registry, "--gather-min-descriptors", "1"])
+    try:
+        worker.wait_registered(registry, 32)
+    except BaseException:
+        worker.kill()
+        raise
+    return worker
+
+
+def _staging_taken(source: SourceWorker) -> None:
+    for r in range(2):
+        source.wait_state(r, lambda s: s["service"]["staging_in_use"] > 0, timeout_s=20, what="a part staging")
+
+
+def test_a_gather_whose_lease_expires_mid_load_fails_the_load_and_frees_its_staging(
+        tmp_path: Path, targets: list[Target]) -> None:
+    ttl_ms, freeze_s = 300, 1.5
+    with _registry() as registry:
+        source = _gathering_source(tmp_path / "src-stalled", registry, "stalled-src")
+        try:
+            t = run_target(targets, tmp_path, registry, "stalled", tp=2, timeout_ms=4000,
+                           extra=["--lease-ttl-ms", str(ttl_ms)])
+            _staging_taken(source)  # resolved: each source rank took a range and is stuck packing it
+            leader_pid = t.pid(0)
+            os.kill(leader_pid, signal.SIGSTOP)  # no renewal: the lease expires on the source mid-gather
+            try:
+                time.sleep(freeze_s)
+            finally:
+                os.kill(leader_pid, signal.SIGCONT)
+            leader, verify = t.result()
+            why = assert_failed(leader, verify, within_s=t.timeout_s + t.rpc_timeout_s + MARGIN_S)
+            assert "lease" in why or "staged" in why, why
+            for r in range(2):
+                (source.dir / f"stall-gather-{r}").unlink()
+            for r in range(2):  # the packing stopped at its next chunk and its range went with the lease
+                state = source.wait_state(r, lambda s: s["service"]["staging_in_use"] == 0 and s["total_pins"] == 0,
+                                          timeout_s=10, what="staging and pins freed")
+                assert state["service"]["gathers"]["lease_gone"] >= 1, state["service"]
+                assert state["service"]["gathers"]["staged"] == 0, state["service"]
+            assert _fresh_stats(source, 0)["leases_expired"] >= 1
+        finally:
+            report = source.stop()
+    assert all(d["total_pins"] == 0 for d in report["done"].values()), report
+
+
+def test_a_source_killed_mid_gather_fails_the_load_within_its_timeout(tmp_path: Path, targets: list[Target]) -> None:
+    with _registry() as registry:
+        source = _gathering_source(tmp_path / "src-killed", registry, "killed-src")
+        try:
+            t = run_target(targets, tmp_path, registry, "killed-mid-gather", tp=2, timeout_ms=2000)
+            _staging_taken(source)
+            source.kill()  # every source rank, its staged parts half packed
+        finally:
+            source.kill()
+        leader, verify = t.result()
+    why = assert_failed(leader, verify, within_s=t.timeout_s + t.rpc_timeout_s + MARGIN_S)
+    # Nothing past the counter was read: the counter never moved, so no data READ was posted at all.
+    assert all(v["untouched_written"] == [] for v in verify), verify
+    assert "staged 0 of" in why or "TransferError" in why or "transfer state ERR" in why, why
 
 
 # -- e. nothing to load -----------------------------------------------------------------------------------

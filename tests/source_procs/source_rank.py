@@ -114,6 +114,26 @@ class DelayablePool(HostPool):
         return super().find_and_pin(hashes)
 
 
+def stall_gathers_while(path: Path) -> None:
+    """Test-only fault: each chunk a gather packs first waits while ``path`` exists (at most 30 s).
+
+    A stand-in — no real part stalls a memcpy on demand — for a source whose
+    gather thread is starved or stuck, so that a test can end the lease, or
+    kill the source, while a staged part is half packed.
+    """
+    from remote_g2.source import gather
+
+    copy = gather.copy_extents
+
+    def stalled(dst, src, nbytes):  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + 30
+        while path.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return copy(dst, src, nbytes)
+
+    gather.copy_extents = stalled  # type: ignore[assignment]
+
+
 class Churn(threading.Thread):
     """Stores runs of hashes from a key space larger than the pool, at a steady rate, until stopped.
 
@@ -242,6 +262,7 @@ def main() -> int:
         r, idx = part.split(":")
         missing[int(r)] = {int(i) for i in idx.split(",") if i}
 
+    stall_gathers_while(d / f"stall-gather{tag}-{rank}")
     layout = make_layout(args.num_blocks, num_kv_heads=1) if args.mla else make_layout(args.num_blocks)
     fill_rank = 0 if args.mla else rank  # whose pattern this rank's blocks hold (MLA: replicated)
     pool = DelayablePool(layout, delay_file=d / f"delay-pin{tag}-{rank}")

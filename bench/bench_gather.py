@@ -1,0 +1,210 @@
+"""Gathered reads against the in-place path and raw NIXL: heterogeneous TP and small scattered blocks (issue 32).
+
+Everything real, on this machine: a registry (memory store) in this process,
+a source worker ``mpiexec -n S bench/gather_procs/source_rank.py`` (a
+HostPool per rank, blocks stored in a random order so nothing coalesces, a
+staging region of ``--staging-mib``) and a target worker ``mpiexec -n T
+bench/gather_procs/target_rank.py`` with the real target client (NIXL over
+UCX; on one host UCX copies with ``cma``). Per configuration, target rank 0
+times, interleaved (the order rotates every round, so noise hits all):
+
+* ``gathered`` — a request end to end (lookup, resolve with a gather wish:
+  each source rank packs what each target rank reads into staging; every
+  rank READs its staged run; release), the client's default;
+* ``in place`` — the same request with the client's ``gather`` off: each
+  target rank READs every piece where it lies (today's path, end to end);
+* ``raw sliced`` — a bare NIXL READ of exactly the in-place path's
+  descriptors (one per head slice of each block, or per scattered block),
+  every target rank starting at one instant;
+* ``raw contiguous`` — a bare NIXL READ of the same number of bytes from
+  each source rank as one descriptor: the ideal, what these bytes cost if
+  nothing were scattered.
+
+Then the fixed cost: 1-block requests end to end against a raw
+one-descriptor READ of one block's share plus one RPC round trip to the
+source (``ping``). Bytes are checked on every target rank after the first
+requests, the raw sliced READ and the last request (a wrong byte aborts).
+
+Configurations (``--configs``): ``S:T`` pairs of the model (``--model``,
+default a Qwen2.5-7B-shaped GQA cache: 28 layers, 4 kv heads of 128, bf16,
+16-token blocks) moving ``--mib`` MiB per request over all ranks, and
+``small:KIB`` — TP 2 -> 2 with ``KIB``-KiB blocks per rank (one layer, one
+head per rank), the small-block case.
+
+    python bench/bench_gather.py [--configs 1:2,2:1,2:4,small:4] [--mib 64] [--reps 10] [--json out.json]
+
+Goals (issue 32), printed beside the numbers: heterogeneous TP gathered >=
+0.6 of the contiguous ideal and >= 3x the raw sliced READ; small blocks
+gathered >= 3x the raw sliced READ; a 1-block request <= 2x (raw
+one-descriptor READ + one RPC round trip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_transfer import MPIEXEC, BenchError, Proc  # noqa: E402
+
+from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer  # noqa: E402
+
+PROCS = HERE / "gather_procs"
+MODELS = {
+    "qwen2.5-7b": {"name": "qwen2.5-7b", "layers": 28, "kv_heads": 4, "head_dim": 128, "tokens": 16, "dtype_bytes": 2},
+    "llama-3-8b": {"name": "llama-3-8b", "layers": 32, "kv_heads": 8, "head_dim": 128, "tokens": 16, "dtype_bytes": 2},
+}
+
+
+def small_spec(kib: int) -> dict[str, Any]:
+    """One layer, one kv head per rank at TP 2, 16 tokens: ``kib`` KiB per rank per block."""
+    head_dim = kib * 1024 // (2 * 16 * 2)
+    return {"name": f"small-{kib}k", "layers": 1, "kv_heads": 2, "head_dim": head_dim, "tokens": 16, "dtype_bytes": 2}
+
+
+def tp1_block_bytes(spec: dict[str, Any]) -> int:
+    return spec["layers"] * 2 * spec["kv_heads"] * spec["tokens"] * spec["head_dim"] * spec["dtype_bytes"]
+
+
+def run_config(name: str, spec: dict[str, Any], source_tp: int, target_tp: int, tag: int,
+               args: argparse.Namespace, registry: str, tmp: Path) -> dict[str, Any]:
+    blocks = max(1, (args.mib << 20) // tp1_block_bytes(spec))
+    src_dir, tgt_dir = tmp / f"src-{tag}", tmp / f"tgt-{tag}"
+    src_dir.mkdir()
+    tgt_dir.mkdir()
+    ipc = tempfile.mkdtemp(prefix="rg2g-")
+    worker = f"bench-gather-src-{tag}-{os.getpid()}"
+    py = sys.executable
+    spec_json = json.dumps(spec)
+    src = Proc([str(MPIEXEC), "-n", str(source_tp), py, str(PROCS / "source_rank.py"), "--dir", str(src_dir),
+                "--worker-id", worker, "--spec", spec_json, "--tag", str(tag), "--blocks", str(blocks),
+                "--registry", registry, "--ipc-dir", ipc, "--staging-mib", str(args.staging_mib)],
+               src_dir / "mpiexec.log")
+    tgt: Proc | None = None
+    try:
+        deadline = time.monotonic() + 120
+        while not all((src_dir / f"info-{r}.json").exists() for r in range(source_tp)) or \
+                not (src_dir / "endpoint.json").exists():
+            if not src.alive() or time.monotonic() > deadline:
+                raise BenchError(f"{name}: the source worker did not start:\n{src.tail()}")
+            time.sleep(0.1)
+        with RegistryClient(registry) as reg:
+            while (rec := reg.worker_info(worker)) is None or rec.blocks != blocks:
+                if time.monotonic() > deadline:
+                    raise BenchError(f"{name}: the registry never showed the source's {blocks} blocks ({rec})")
+                time.sleep(0.05)
+        tgt = Proc([str(MPIEXEC), "-n", str(target_tp), py, str(PROCS / "target_rank.py"), "--dir", str(tgt_dir),
+                    "--registry", registry, "--worker-id", f"bench-gather-tgt-{tag}-{os.getpid()}",
+                    "--spec", spec_json, "--tag", str(tag), "--blocks", str(blocks), "--source-tp", str(source_tp),
+                    "--source-dir", str(src_dir), "--ipc-dir", ipc, "--reps", str(args.reps)],
+                   tgt_dir / "mpiexec.log")
+        rc = tgt.wait(args.timeout_s)
+        if rc is None:
+            raise BenchError(f"{name}: the target worker did not finish in {args.timeout_s} s:\n{tgt.tail()}")
+        if not (tgt_dir / "result.json").exists():
+            raise BenchError(f"{name}: the target wrote no result (rc={rc}):\n{tgt.tail()}")
+        result = json.loads((tgt_dir / "result.json").read_text())
+        if "error" in result:
+            raise BenchError(f"{name}: {result['error']}\n{result.get('traceback', '')}\n{tgt.tail()}")
+        states = [json.loads((src_dir / f"state-{r}.json").read_text()) for r in range(source_tp)]
+        result["source_gathers"] = [s["service"]["gathers"] for s in states]
+    finally:
+        if tgt is not None:
+            tgt.kill()
+        (src_dir / "stop").touch()
+        if src.wait(20) is None:
+            print(f"warning: the {name} source did not stop in 20 s; killed", file=sys.stderr)
+        src.kill()
+        shutil.rmtree(ipc, ignore_errors=True)
+    med = result["median"]
+    mib = result["bytes_per_rank"] * target_tp / 2**20
+    row = {
+        "config": name, "source_tp": source_tp, "target_tp": target_tp, "model": spec["name"], "blocks": blocks,
+        "mib": mib, "descriptors_in_place_per_rank": result["descriptors_in_place"],
+        "ms": {k: v * 1000 for k, v in med.items()},
+        "of_ideal": med["raw_contig"] / med["gathered"],
+        "x_raw_sliced": med["raw_slices"] / med["gathered"],
+        "x_in_place": med["in_place"] / med["gathered"],
+        "one_block_over_floor": med["load"] / (med["raw_one"] + med["rpc"]),
+        "source_gathers": result["source_gathers"],
+        "raw": result,
+    }
+    return row
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print()
+    print(f"{'config':<14}{'MiB':>6}{'desc/rank':>10}{'gathered':>10}{'in place':>10}{'raw slic':>10}"
+          f"{'raw cont':>10}{'of ideal':>10}{'x raw sl':>10}{'x in pl':>9}")
+    for r in rows:
+        ms = r["ms"]
+        print(f"{r['config']:<14}{r['mib']:>6.1f}{r['descriptors_in_place_per_rank']:>10}{ms['gathered']:>10.2f}"
+              f"{ms['in_place']:>10.2f}{ms['raw_slices']:>10.2f}{ms['raw_contig']:>10.2f}{r['of_ideal']:>10.2f}"
+              f"{r['x_raw_sliced']:>10.2f}{r['x_in_place']:>9.2f}")
+    print("(ms: medians; of ideal = raw contiguous / gathered; x raw sl = raw sliced / gathered; "
+          "goals: hetero TP >= 0.6 of ideal and >= 3x raw sliced; small blocks >= 3x raw sliced)")
+    print()
+    print(f"{'config':<14}{'1-block ms':>11}{'raw 1-desc':>11}{'RPC RTT':>9}{'ratio':>7}   (goal: ratio <= 2)")
+    for r in rows:
+        ms = r["ms"]
+        print(f"{r['config']:<14}{ms['load']:>11.3f}{ms['raw_one']:>11.3f}{ms['rpc']:>9.3f}"
+              f"{r['one_block_over_floor']:>7.2f}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--configs", default="1:2,2:1,2:4,small:4",
+                   help="S:T pairs of --model, and small:KIB (TP 2 -> 2, KIB-KiB blocks), comma-separated")
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-7b")
+    p.add_argument("--mib", type=int, default=64, help="bytes per request over all target ranks, MiB (at most 256)")
+    p.add_argument("--reps", type=int, default=10, help="timed rounds per configuration (at most 100)")
+    p.add_argument("--staging-mib", type=int, default=256, help="each source rank's staging region")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="per configuration, for the target worker")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    args = p.parse_args()
+    if not 1 <= args.mib <= 256 or not 1 <= args.reps <= 100:
+        p.error("--mib must be 1..256 and --reps 1..100")
+    configs = []
+    for i, item in enumerate(filter(None, args.configs.split(","))):
+        a, b = item.split(":")
+        if a == "small":
+            configs.append((f"small {b} KiB", small_spec(int(b)), 2, 2, i + 1))
+        else:
+            configs.append((f"TP {a} -> {b}", MODELS[args.model], int(a), int(b), i + 1))
+    server = RegistryServer(MemoryStore(lease_ttl_ms=30_000), bind="tcp://127.0.0.1:0")
+    registry = server.start()
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="rg2-gather-") as tmp:
+            for name, spec, s, t, tag in configs:
+                print(f"{name}: ...", flush=True)
+                rows.append(run_config(name, spec, s, t, tag, args, registry, Path(tmp)))
+                print_table(rows[-1:])
+    except BenchError as e:
+        print(f"bench_gather: {e}", file=sys.stderr)
+        return 1
+    finally:
+        server.close()
+    print("\nAll configurations:")
+    print_table(rows)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "args": vars(args) | {"json": str(args.json)},
+                                         "rows": rows, "loadavg": os.getloadavg(),
+                                         "median_of_ideal": statistics.median(r["of_ideal"] for r in rows)},
+                                        indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
