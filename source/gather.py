@@ -33,7 +33,9 @@ blocks are staged (after a release fence: a reader that sees the count sees
 the bytes). A reader READs the counter and then the chunks it covers, so
 the READ of chunk k overlaps the packing of chunk k+1. Target ranks that
 read the same pieces (MLA) share one range. A gather stops at the next chunk
-when its lease ends; its range is freed then, never while it is written.
+when its lease ends, and a chunk copied while the lease ended is never
+counted (its pins may have gone mid-copy); the range is freed then, never
+while it is written.
 """
 
 from __future__ import annotations
@@ -203,6 +205,8 @@ class Gatherer:
                 end = min(job.blocks, done + job.chunk_blocks)
                 lo, hi = done * job.per_block, end * job.per_block
                 copy_extents(job.dst[lo:hi], job.src[lo:hi], job.nbytes[lo:hi])
+                if arena.ended(job.lease_id, job.addr):  # its pins went during the copy: never announce it
+                    break
                 arena.store_word(job.ready_addr, end)  # after copy_extents' release fence
                 done = end
         finally:

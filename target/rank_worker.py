@@ -86,6 +86,11 @@ class _Staged:
     posted: int = 0
     counter: Any = None
 
+    @property
+    def complete(self) -> bool:
+        """Every descriptor posted (no counter READ left to make)."""
+        return self.posted == self.reads.num_descriptors
+
 
 @dataclass
 class _Inflight:
@@ -217,11 +222,11 @@ class RankWorker:
             failure = getattr(self._transfer, "failure", None)
             why = [failure(h) for h, s in zip(handles, states) if s == "error"] if failure else []
             self._finish(key, next((w for w in why if w), "READ failed (transfer state ERR)"))
-        elif all(s == "done" for s in states) and all(s.counter is None for s in flight.staged):
+        elif all(s == "done" for s in states) and all(s.complete for s in flight.staged):
             self._finish(key, None)
         elif now > flight.deadline:
             short = [f"source rank {s.reads.source_rank} staged {self._count(s)} of {int(s.reads.need[-1])} blocks"
-                     for s in flight.staged if s.counter is not None]
+                     for s in flight.staged if not s.complete]
             self._finish(key, f"READ not finished within {flight.load.timeout_ms} ms"
                          + (f" ({'; '.join(short)}: its lease ended or the source stopped)" if short else ""))
 
@@ -267,7 +272,7 @@ class RankWorker:
             flight.nbytes += int(reads.nbytes[lo:hi].sum(dtype=np.uint64))
             flight.descriptors += hi - lo
             staged.posted = ready
-        if staged.posted < reads.num_descriptors:
+        if not staged.complete and time.monotonic() <= flight.deadline:  # past it, the check reports the load
             self._read_counter(flight, staged)
 
     def _deadline(self, load: TargetLoad, received: float) -> float:
