@@ -1,4 +1,4 @@
-"""``remote-g2 bench {pool,holder,registry,source,transfer,e2e,peers} [--json F] [--plot F.png] [--args="..."]``.
+"""``remote-g2 bench {pool,holder,registry,source,transfer,gather,e2e,peers} [--json F] [--plot F.png] [--args="..."]``.
 
 One front door to the benchmarks in the checkout's ``bench/`` directory:
 each runs in its own process and prints its table; ``--json`` keeps its
@@ -28,6 +28,7 @@ SCRIPTS = {
     "registry": ("bench_registry.py", []),
     "source": ("bench_source.py", []),
     "transfer": ("bench_transfer.py", []),
+    "gather": ("bench_gather.py", []),
     "e2e": ("bench_e2e.py", []),
     "peers": ("bench_peers.py", ["all"]),
 }
@@ -144,6 +145,27 @@ def draw(what: str, results: dict[str, Any], path: str) -> None:
         top = max(get(r) for _, _, get in series for r in rows)
         ax.set_ylim(0, top * 1.45)  # room for the legend
         ax.legend(loc="upper left", ncol=2, fontsize=8)
+    elif what == "gather":
+        import numpy as np
+
+        rows = results["rows"]
+        x = np.arange(len(rows))
+        series = [("remote-g2, gathered", "#3a7", "gathered"), ("remote-g2, in place", "#8c8", "in_place"),
+                  ("raw NIXL, sliced descriptors", "#999", "raw_slices"),
+                  ("raw NIXL, contiguous (ideal)", "#27a", "raw_contig")]
+        width = 0.8 / len(series)
+        for i, (label, color, key) in enumerate(series):
+            xs = x + (i - (len(series) - 1) / 2) * width
+            ax.bar(xs, [r["ms"][key] for r in rows], width, label=label, color=color)
+        for xi, r in zip(x, rows):
+            ax.annotate(f"{r['of_ideal']:.2f} of ideal\n{r['x_raw_sliced']:.1f}x raw sliced",
+                        (xi, max(r["ms"].values())), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(x, [f"{r['config']}\n{r['descriptors_in_place_per_rank']} desc/rank" for r in rows], fontsize=8)
+        ax.set_ylabel("ms per request (median)")
+        ax.set_title(f"{results['args']['mib']} MiB per request, {results['rows'][0]['model']} and small blocks",
+                     fontsize=10)
+        ax.set_ylim(0, max(max(r["ms"].values()) for r in rows) * 1.35)
+        ax.legend(loc="upper left", fontsize=7)
     elif what == "e2e":
         names = ["recompute", "remote hit", "local hit"]
         vals = [results["ttft_recompute_s"], results["ttft_remote_s"], results["ttft_local_s"]]
