@@ -106,7 +106,8 @@ def run_config(name: str, spec: dict[str, Any], source_tp: int, target_tp: int, 
         tgt = Proc([str(MPIEXEC), "-n", str(target_tp), py, str(PROCS / "target_rank.py"), "--dir", str(tgt_dir),
                     "--registry", registry, "--worker-id", f"bench-gather-tgt-{tag}-{os.getpid()}",
                     "--spec", spec_json, "--tag", str(tag), "--blocks", str(blocks), "--source-tp", str(source_tp),
-                    "--source-dir", str(src_dir), "--ipc-dir", ipc, "--reps", str(args.reps)],
+                    "--source-dir", str(src_dir), "--ipc-dir", ipc, "--reps", str(args.reps),
+                    *(["--registry-mirror"] if args.registry_mirror else [])],
                    tgt_dir / "mpiexec.log")
         rc = tgt.wait(args.timeout_s)
         if rc is None:
@@ -136,6 +137,7 @@ def run_config(name: str, spec: dict[str, Any], source_tp: int, target_tp: int, 
         "x_raw_sliced": med["raw_slices"] / med["gathered"],
         "x_in_place": med["in_place"] / med["gathered"],
         "one_block_over_floor": med["load"] / (med["raw_one"] + med["rpc"]),
+        "one_block_phases_ms": {k: v * 1000 for k, v in result["one_block_phase_means"].items()},
         "source_gathers": result["source_gathers"],
         "raw": result,
     }
@@ -154,11 +156,12 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print("(ms: medians; of ideal = raw contiguous / gathered; x raw sl = raw sliced / gathered; "
           "goals: hetero TP >= 0.6 of ideal and >= 3x raw sliced; small blocks >= 3x raw sliced)")
     print()
-    print(f"{'config':<14}{'1-block ms':>11}{'raw 1-desc':>11}{'RPC RTT':>9}{'ratio':>7}   (goal: ratio <= 2)")
+    print(f"{'config':<14}{'1-block ms':>11}{'raw 1-desc':>11}{'RPC RTT':>9}{'ratio':>7}   (goal: ratio <= 2)"
+          "   phases, mean ms: to_resolve / resolve / reads")
     for r in rows:
-        ms = r["ms"]
+        ms, ph = r["ms"], r["one_block_phases_ms"]
         print(f"{r['config']:<14}{ms['load']:>11.3f}{ms['raw_one']:>11.3f}{ms['rpc']:>9.3f}"
-              f"{r['one_block_over_floor']:>7.2f}")
+              f"{r['one_block_over_floor']:>7.2f}   {ph['to_resolve']:.3f} / {ph['resolve']:.3f} / {ph['reads']:.3f}")
 
 
 def main() -> int:
@@ -170,6 +173,8 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=10, help="timed rounds per configuration (at most 100)")
     p.add_argument("--staging-mib", type=int, default=256, help="each source rank's staging region")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per configuration, for the target worker")
+    p.add_argument("--registry-mirror", action="store_true",
+                   help="the target looks up in an in-process registry mirror (no registry round trip)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
     if not 1 <= args.mib <= 256 or not 1 <= args.reps <= 100:
@@ -181,7 +186,7 @@ def main() -> int:
             configs.append((f"small {b} KiB", small_spec(int(b)), 2, 2, i + 1))
         else:
             configs.append((f"TP {a} -> {b}", MODELS[args.model], int(a), int(b), i + 1))
-    server = RegistryServer(MemoryStore(lease_ttl_ms=30_000), bind="tcp://127.0.0.1:0")
+    server = RegistryServer(MemoryStore(lease_ttl_ms=30_000), bind="tcp://127.0.0.1:0", feed_bind="tcp://127.0.0.1:0")
     registry = server.start()
     rows = []
     try:

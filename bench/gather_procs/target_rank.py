@@ -261,6 +261,7 @@ class Leader:
             for name, step in steps[i % 4:] + steps[:i % 4]:
                 times[name].append(step())
         one: dict[str, list[float]] = {"load": [], "raw_one": [], "rpc": []}
+        phases_before = self.phases()
         endpoint = json.loads((self.args.source_dir / "endpoint.json").read_text())["endpoint"]
         with RpcClient(endpoint, timeout_ms=2000) as rpc:
             rpc.call(Ping())
@@ -270,13 +271,24 @@ class Leader:
                 t = time.perf_counter()
                 rpc.call(Ping())
                 one["rpc"].append(time.perf_counter() - t)
+        phases_after = self.phases()
+        one_phases = {p: (phases_after[p][1] - phases_before[p][1]) / max(1, phases_after[p][0] - phases_before[p][0])
+                      for p in phases_after}
         self.all({"op": "zero", "n": n})
         times["gathered"].append(self.load(n))
         self.check(n, "the last request")
         stats = self.client.stats
         return {"first_s": first, "times": times, "one": one, "descriptors_in_place": self.me.slices.num_descriptors,
                 "bytes_per_rank": self.me.slices.total_bytes, "client_stats": dict(stats),
-                "median": {k: statistics.median(v) for k, v in {**times, **one}.items()}}
+                "median": {k: statistics.median(v) for k, v in {**times, **one}.items()},
+                "one_block_phase_means": one_phases}
+
+    def phases(self) -> dict[str, tuple[float, float]]:
+        """The client's load-phase histogram: phase -> (count, seconds summed)."""
+        reg = self.client.metrics.registry
+        return {p: (reg.get_sample_value("remote_g2_target_load_phase_seconds_count", {"phase": p}) or 0.0,
+                    reg.get_sample_value("remote_g2_target_load_phase_seconds_sum", {"phase": p}) or 0.0)
+                for p in ("to_resolve", "resolve", "reads")}
 
     def stop(self) -> None:
         for p in self.peers:
@@ -295,6 +307,7 @@ def main() -> int:
     p.add_argument("--source-dir", required=True, type=Path)
     p.add_argument("--ipc-dir", required=True)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--registry-mirror", action="store_true", help="look up in an in-process registry mirror")
     args = p.parse_args()
     logging.basicConfig(level="WARNING", format=f"%(asctime)s %(levelname)s [pid {os.getpid()}] %(name)s: %(message)s")
 
@@ -306,8 +319,11 @@ def main() -> int:
     me = Rank(args, rank, tp)
     spec = me.spec
     config = TargetConfig(enabled=True, registry_endpoint=args.registry, ipc_dir=args.ipc_dir,
-                          fingerprint=fingerprint_for(spec, tp), transfer_timeout_ms=30_000, lease_ttl_ms=30_000)
+                          fingerprint=fingerprint_for(spec, tp), transfer_timeout_ms=30_000, lease_ttl_ms=30_000,
+                          registry_mirror=args.registry_mirror)
     client = start_target_client(me.pool, worker_id=args.worker_id, config=config, comm=comm)
+    if rank == 0 and args.registry_mirror and not client.wait_registry_mirror(30):
+        raise SystemExit("the registry mirror took no snapshot in 30 s")
     ctl = f"ipc://{args.ipc_dir}/gather-bench-ctl"
     try:
         if rank == 0:
