@@ -206,8 +206,11 @@ def test_mla_latents_land_bit_for_bit_at_tp2_and_tp1_and_generate_as_plain_vllm(
     prompts = vh.write_prompts(tmp_path, "p", p)
     twice = vh.write_prompts(tmp_path, "twice", [p[0], p[0], p[1], p[1]])  # plain vLLM: the 2nd of each hits
     # Two TP-2 instances pinned to the same two cores: A's rank waits for a CPU while B prefills (seen: 1.4 s on
-    # an AMX machine), so the resolve gets the time a loaded box needs instead of the 1-2 s defaults.
-    patient = {"REMOTE_G2_SOURCE_SIBLING_TIMEOUT_MS": "10000", "REMOTE_G2_TARGET_RPC_TIMEOUT_MS": "15000"}
+    # an AMX machine), so the resolve gets the time a loaded box needs instead of the 1-2 s defaults; and the
+    # READs too (in the full suite one rank's first READ from A, its UCX wire-up waiting on A's starved
+    # progress thread, outlived the 10 s default).
+    patient = {"REMOTE_G2_SOURCE_SIBLING_TIMEOUT_MS": "10000", "REMOTE_G2_TARGET_RPC_TIMEOUT_MS": "15000",
+               "REMOTE_G2_TARGET_TIMEOUT_MS": "60000", "REMOTE_G2_TARGET_LEASE_TTL_MS": "60000"}
     with vh.source_a(tmp_path, mla, prompts, registry, 2 * FULL, *bf16, "--dump-g2", str(tmp_path / "g2-a"),
                      tp=2, env=patient):
         b = vh.Instance(tmp_path, "b", mla, prompts, registry, *bf16, "--dump-g2", str(tmp_path / "g2-b"), tp=2,
