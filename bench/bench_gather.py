@@ -25,6 +25,13 @@ one-descriptor READ of one block's share plus one RPC round trip to the
 source (``ping``). Bytes are checked on every target rank after the first
 requests, the raw sliced READ and the last request (a wrong byte aborts).
 
+``--cpus split`` binds every source rank to CPU 0 and every target rank to
+CPU 1 (``mpiexec -bind-to user:...``), as two hosts would each have their
+own: a gather then costs the source's CPU, not the READ's. ``shared``
+(default) lets both sides run anywhere on this box's cores, so the
+source's copy competes with the target's READ copy for the same CPUs — a
+cost no two-host deployment pays.
+
 Configurations (``--configs``): ``S:T`` pairs of the model (``--model``,
 default a Qwen2.5-7B-shaped GQA cache: 28 layers, 4 kv heads of 128, bf16,
 16-token blocks) moving ``--mib`` MiB per request over all ranks, and
@@ -86,7 +93,10 @@ def run_config(name: str, spec: dict[str, Any], source_tp: int, target_tp: int, 
     worker = f"bench-gather-src-{tag}-{os.getpid()}"
     py = sys.executable
     spec_json = json.dumps(spec)
-    src = Proc([str(MPIEXEC), "-n", str(source_tp), py, str(PROCS / "source_rank.py"), "--dir", str(src_dir),
+    def bind(n: int, cpu: int) -> list[str]:
+        return ["-bind-to", "user:" + ",".join([str(cpu)] * n)] if args.cpus == "split" else []
+
+    src = Proc([str(MPIEXEC), *bind(source_tp, 0), "-n", str(source_tp), py, str(PROCS / "source_rank.py"), "--dir", str(src_dir),
                 "--worker-id", worker, "--spec", spec_json, "--tag", str(tag), "--blocks", str(blocks),
                 "--registry", registry, "--ipc-dir", ipc, "--staging-mib", str(args.staging_mib)],
                src_dir / "mpiexec.log")
@@ -103,7 +113,7 @@ def run_config(name: str, spec: dict[str, Any], source_tp: int, target_tp: int, 
                 if time.monotonic() > deadline:
                     raise BenchError(f"{name}: the registry never showed the source's {blocks} blocks ({rec})")
                 time.sleep(0.05)
-        tgt = Proc([str(MPIEXEC), "-n", str(target_tp), py, str(PROCS / "target_rank.py"), "--dir", str(tgt_dir),
+        tgt = Proc([str(MPIEXEC), *bind(target_tp, 1), "-n", str(target_tp), py, str(PROCS / "target_rank.py"), "--dir", str(tgt_dir),
                     "--registry", registry, "--worker-id", f"bench-gather-tgt-{tag}-{os.getpid()}",
                     "--spec", spec_json, "--tag", str(tag), "--blocks", str(blocks), "--source-tp", str(source_tp),
                     "--source-dir", str(src_dir), "--ipc-dir", ipc, "--reps", str(args.reps),
@@ -138,6 +148,7 @@ def run_config(name: str, spec: dict[str, Any], source_tp: int, target_tp: int, 
         "x_in_place": med["in_place"] / med["gathered"],
         "one_block_over_floor": med["load"] / (med["raw_one"] + med["rpc"]),
         "one_block_phases_ms": {k: v * 1000 for k, v in result["one_block_phase_means"].items()},
+        "phase_medians_ms": result["phase_medians_ms"],
         "source_gathers": result["source_gathers"],
         "raw": result,
     }
@@ -156,6 +167,12 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print("(ms: medians; of ideal = raw contiguous / gathered; x raw sl = raw sliced / gathered; "
           "goals: hetero TP >= 0.6 of ideal and >= 3x raw sliced; small blocks >= 3x raw sliced)")
     print()
+    print(f"{'config':<14}{'request':<16}{'lookup':>8}{'to_resolve':>11}{'resolve':>9}{'reads':>8}   (medians, ms)")
+    for r in rows:
+        for kind, ph in sorted(r["phase_medians_ms"].items()):
+            print(f"{r['config']:<14}{kind:<16}{ph['lookup']:>8.2f}{ph['to_resolve']:>11.2f}{ph['resolve']:>9.2f}"
+                  f"{ph['reads']:>8.2f}")
+    print()
     print(f"{'config':<14}{'1-block ms':>11}{'raw 1-desc':>11}{'RPC RTT':>9}{'ratio':>7}   (goal: ratio <= 2)"
           "   phases, mean ms: to_resolve / resolve / reads")
     for r in rows:
@@ -173,6 +190,8 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=10, help="timed rounds per configuration (at most 100)")
     p.add_argument("--staging-mib", type=int, default=256, help="each source rank's staging region")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per configuration, for the target worker")
+    p.add_argument("--cpus", choices=("shared", "split"), default="shared",
+                   help="split: sources on CPU 0, targets on CPU 1 (as two hosts); shared: anywhere")
     p.add_argument("--registry-mirror", action="store_true",
                    help="the target looks up in an in-process registry mirror (no registry round trip)")
     p.add_argument("--json", type=Path, help="also write the results here")

@@ -17,7 +17,8 @@ each pinned block (:func:`~remote_g2.head_slices.slice_pieces`). A target
 rank's part is staged when
 
 * its direct READ would take at least ``min_descriptors`` descriptors
-  (pieces adjacent in the pool merged, as the reader's planner merges them),
+  (a piece merged with the one before it where it follows it in the pool,
+  as the reader's planner merges them),
   of at most ``max_piece_bytes`` each on average — larger pieces already
   move at the link's rate, and the copy would only add to them; and
 * the staging region has room for it (else it is read in place: staging
@@ -41,6 +42,7 @@ while it is written.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -49,7 +51,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from remote_g2.extent_copy import copy_extents
+from remote_g2.extent_copy import pack_chunks
 from remote_g2.head_slices import head_slices, slice_pieces
 from remote_g2.messages import BlockLayout, GatherSlot, GatherWish
 
@@ -188,6 +190,7 @@ class Gatherer:
         return GatherSlot(0, addr, stride, n, ready, chunk)
 
     def _run(self) -> None:
+        _yield_to_the_control_path()
         while (job := self._jobs.get()) is not None:
             try:
                 self._pack(job)
@@ -199,16 +202,12 @@ class Gatherer:
         t0 = time.perf_counter()
         done = 0
         try:
-            while done < job.blocks:
-                if self._closed or arena.ended(job.lease_id, job.addr):
-                    break
-                end = min(job.blocks, done + job.chunk_blocks)
-                lo, hi = done * job.per_block, end * job.per_block
-                copy_extents(job.dst[lo:hi], job.src[lo:hi], job.nbytes[lo:hi])
-                if arena.ended(job.lease_id, job.addr):  # its pins went during the copy: never announce it
-                    break
-                arena.store_word(job.ready_addr, end)  # after copy_extents' release fence
-                done = end
+            if not self._closed:
+                # One call, no GIL: between chunks a Python loop would wait for the GIL behind this rank's
+                # other threads (up to a switch interval, 5 ms, per chunk).
+                done = pack_chunks(job.dst, job.src, job.nbytes, per_block=job.per_block, blocks=job.blocks,
+                                   chunk_blocks=job.chunk_blocks, counter_addr=job.ready_addr,
+                                   stop_addr=arena.stop_word(job.lease_id, job.addr))
         finally:
             kept = arena.filled(job.lease_id, job.addr)
         if done < job.blocks or not kept:
@@ -217,9 +216,23 @@ class Gatherer:
             self._observe("staged", int(job.nbytes.sum()), time.perf_counter() - t0)
 
 
+#: The gather thread's nice value: packing is bulk work the resolves, renewals and releases of this rank
+#: (and its NIXL progress) must not wait behind on a busy core.
+GATHER_NICE = 10
+
+
+def _yield_to_the_control_path() -> None:
+    """Lower this thread's scheduling priority (Linux: per thread); where that is not possible, leave it."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), GATHER_NICE)
+    except (AttributeError, OSError) as e:
+        log.debug("gather thread keeps its priority: %s", e)
+
+
 def _runs(src: np.ndarray, piece: int) -> int:
-    """How many descriptors a direct READ of equal ``piece``-byte extents at ``src`` takes, neighbours merged."""
+    """How many descriptors a direct READ of equal ``piece``-byte extents at ``src`` (in the reader's order)
+    takes: a piece merges with the one before it only when it follows it in the pool too, since the reader's
+    destinations follow the same order (a lease of a whole pool, scrambled, is still one descriptor a block)."""
     if src.shape[0] <= 1:
         return int(src.shape[0])
-    s = np.sort(src)
-    return 1 + int(np.count_nonzero(s[1:] != s[:-1] + np.uint64(piece)))
+    return 1 + int(np.count_nonzero(src[1:] != src[:-1] + np.uint64(piece)))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -43,6 +43,8 @@ class _Range:
     nbytes: int
     busy: bool = True     # a gather is writing it
     doomed: bool = False  # its lease ended while it was busy: free it once the gather is done
+    #: set to 1 when ``doomed``: the writer reads it without the GIL between chunks (``pack_chunks``)
+    stop: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.uint64))
 
 
 class StagingArena:
@@ -112,6 +114,15 @@ class StagingArena:
         self._changed(in_use)
         return False
 
+    def stop_word(self, lease_id: int, addr: int) -> int:
+        """The address of the busy range's stop word: non-zero once its lease ended (the writer should stop)."""
+        offset = addr - self.base
+        with self._lock:
+            r = next((r for r in self._leases.get(lease_id, ()) if r.offset == offset), None)
+            if r is None:
+                raise ValueError(f"staging range at {addr:#x} is not lease {lease_id}'s")
+            return int(r.stop.ctypes.data)
+
     def ended(self, lease_id: int, addr: int) -> bool:
         """Whether the lease that took the busy range at ``addr`` ended meanwhile (its gather should stop)."""
         offset = addr - self.base
@@ -136,6 +147,7 @@ class StagingArena:
             for r in list(ranges):
                 if r.busy:
                     r.doomed = True
+                    r.stop[0] = 1
                     continue
                 ranges.remove(r)
                 freed += r.nbytes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from remote_g2.extent_copy import copy_extents
+from remote_g2.extent_copy import copy_extents, pack_chunks
 
 
 def test_scattered_pieces_are_packed_and_unpacked_byte_for_byte():
@@ -41,3 +41,23 @@ def test_uneven_lengths_and_empty_lists():
 def test_mismatched_lengths_are_refused():
     with pytest.raises(ValueError, match="differ"):
         copy_extents(np.zeros(2), np.zeros(3), np.zeros(2))
+
+
+def test_pack_chunks_counts_each_chunk_and_stops_at_the_stop_word():
+    src = np.arange(10 * 64, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    words = np.zeros(2, dtype=np.uint64)  # [counter, stop]
+    u = np.uint64
+    rows = np.arange(20, dtype=u)  # 10 blocks of 2 rows of 32 bytes
+    args = (u(dst.ctypes.data) + rows * u(32), u(src.ctypes.data) + rows * u(32), np.full(20, 32, dtype=u))
+    counter, stop = words.ctypes.data, words.ctypes.data + 8
+    assert pack_chunks(*args, per_block=2, blocks=7, chunk_blocks=3, counter_addr=counter, stop_addr=stop) == 7
+    assert int(words[0]) == 7 and np.array_equal(dst[:7 * 64], src[:7 * 64]) and not dst[7 * 64:].any()
+    dst[:] = 0
+    words[:] = (0, 1)
+    assert pack_chunks(*args, per_block=2, blocks=10, chunk_blocks=3, counter_addr=counter, stop_addr=stop) == 0
+    assert int(words[0]) == 0 and not dst.any()
+    with pytest.raises(ValueError):
+        pack_chunks(*args, per_block=2, blocks=11, chunk_blocks=3, counter_addr=counter, stop_addr=stop)
+    with pytest.raises(ValueError):
+        pack_chunks(*args, per_block=2, blocks=1, chunk_blocks=1, counter_addr=counter + 4, stop_addr=stop)

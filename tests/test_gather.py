@@ -212,41 +212,55 @@ def test_the_rule_leaves_few_or_large_descriptors_in_place_and_a_full_region_rea
         small.close()
 
 
-def test_a_reader_never_reads_past_the_counter_and_a_lease_ended_mid_gather_frees_its_range(monkeypatch):
-    gate, entered = threading.Event(), threading.Event()
-    calls = []
-    copy = gather_module.copy_extents
+def test_a_reader_never_reads_past_the_counter_and_fails_at_its_deadline_when_it_stops(rig):
+    """The source's side played by hand: a reader posts exactly the chunks the count covers, and no more."""
+    ids = np.random.default_rng(4).permutation(64)[:24].tolist()
+    block = Reader.LAYOUT.block_bytes  # 512 bytes of target rank 0's heads per source block
+    addr = rig.arena.take(21, 24 * block + 8)
+    ready = addr + 24 * block
+    rig.arena.store_word(ready, 0)
+    staged = np.frombuffer(rig.arena.buffer, dtype=np.uint8)[addr - rig.arena.base:ready - rig.arena.base]
+    want = rig.expected(0, ids)
+    slot = GatherSlot(0, addr, block, 24, ready, 8)
+    reader = rig.readers[0]
+    reader.start(1, rig.info, ids, [slot], timeout_ms=400)
+    for count in (8, 16):  # stage a chunk, count it, let the reader catch up
+        staged[(count - 8) * block:count * block] = want[(count - 8) * block:count * block]
+        rig.arena.store_word(ready, count)
+        for _ in range(3):
+            time.sleep(0.002)
+            reader.worker.poll()
+        assert np.array_equal(reader.landed(24)[:count * block], want[:count * block])
+        assert not reader.landed(24)[count * block:].any()
+    staged[16 * block:] = want[16 * block:]  # staged, never counted: the reader must not take it
+    done = reader.wait()
+    assert not done.ok and "staged 16 of 24 blocks" in done.error, done.error
+    assert not reader.landed(24)[16 * block:].any()
+    assert rig.arena.filled(21, addr) and rig.arena.release(21) > 0
 
-    def second_chunk_waits(dst, src, nbytes):  # the packing stalls before its second chunk
-        calls.append(len(dst))
-        if len(calls) == 2:
-            entered.set()
-            gate.wait(10)
-        return copy(dst, src, nbytes)
 
-    monkeypatch.setattr(gather_module, "copy_extents", second_chunk_waits)
+def test_a_lease_that_ends_before_its_part_is_packed_stops_the_gather_and_frees_its_range(monkeypatch):
+    gate = threading.Event()
+    pack = gather_module.pack_chunks
+
+    def held(*args, **kwargs):  # the gather thread is held before it starts packing
+        gate.wait(10)
+        return pack(*args, **kwargs)
+
+    monkeypatch.setattr(gather_module, "pack_chunks", held)
     rig = Rig()
     try:
         ids = np.random.default_rng(4).permutation(64)[:24].tolist()
-        slot = rig.gatherer.stage(21, ids, GatherWish(2, 1))[0]
-        assert entered.wait(5)
-        reader = rig.readers[0]
-        reader.start(1, rig.info, ids, [slot], timeout_ms=300)
-        time.sleep(0.05)
-        reader.worker.poll()
-        first = 8 * Reader.LAYOUT.block_bytes  # the first chunk (8 blocks) landed, nothing after it
-        assert np.array_equal(reader.landed(24)[:first], rig.expected(0, ids)[:first])
-        assert not reader.landed(24)[first:].any()
-        assert rig.arena.release(21) == 0  # the lease ends: its range is busy, freed when the writer stops
+        slots = rig.gatherer.stage(22, ids, GatherWish(2, 1))
+        assert len(slots) == 2 and rig.arena.in_use > 0
+        assert rig.arena.release(22) == 0  # both ranges are busy: freed when their writer stops
         gate.set()
-        done = reader.wait()
-        assert not done.ok and "staged 8 of 24 blocks" in done.error, done.error
         deadline = time.monotonic() + 5
         while rig.arena.in_use and time.monotonic() < deadline:
             time.sleep(0.001)
-        assert rig.arena.in_use == 0
-        assert rig.outcomes[-1] == "lease_gone" and len(calls) == 2  # it stopped at its next chunk
-        assert not reader.landed(24)[first:].any()
+        assert rig.arena.in_use == 0 and rig.outcomes == ["lease_gone", "lease_gone"]
+        words = rig.arena.buffer.view(np.uint64)
+        assert [int(words[(s.ready_addr - rig.arena.base) // 8]) for s in slots] == [0, 0]  # nothing counted
     finally:
         gate.set()
         rig.close()

@@ -199,6 +199,7 @@ class Leader:
         self.hashes = [hash_of(args.tag, i) for i in range(me.n)]
         self.req = 0
         self.config = client.config
+        self.phase_ms: dict[str, dict[str, list[float]]] = {}  # kind -> phase -> ms of each request
 
     def all(self, msg: dict[str, Any]) -> list[dict[str, Any]]:
         for p in self.peers:
@@ -232,6 +233,8 @@ class Leader:
         m = client.lookup(self.hashes[:n])
         if m.matched < n:
             raise RuntimeError(f"lookup matched {m.matched} of {n}: {m.reason}")
+        t_lookup = time.perf_counter()
+        before = self.phases()
         client.start_load(req, self.hashes[:n], list(range(n)))
         while True:
             done, failed = client.get_finished()
@@ -240,7 +243,13 @@ class Leader:
             if req in done:
                 break
             client.wait_finished(1.0)
-        return time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        after = self.phases()
+        kind = self.phase_ms.setdefault(f"{'gathered' if gather else 'in_place'}-{n}", {})
+        kind.setdefault("lookup", []).append((t_lookup - t0) * 1000)
+        for p in after:
+            kind.setdefault(p, []).append((after[p][1] - before[p][1]) * 1000)
+        return took
 
     def run(self) -> dict[str, Any]:
         n, reps = self.me.n, self.args.reps
@@ -281,7 +290,9 @@ class Leader:
         return {"first_s": first, "times": times, "one": one, "descriptors_in_place": self.me.slices.num_descriptors,
                 "bytes_per_rank": self.me.slices.total_bytes, "client_stats": dict(stats),
                 "median": {k: statistics.median(v) for k, v in {**times, **one}.items()},
-                "one_block_phase_means": one_phases}
+                "one_block_phase_means": one_phases,
+                "phase_medians_ms": {k: {p: statistics.median(v) for p, v in ph.items()}
+                                     for k, ph in self.phase_ms.items()}}
 
     def phases(self) -> dict[str, tuple[float, float]]:
         """The client's load-phase histogram: phase -> (count, seconds summed)."""

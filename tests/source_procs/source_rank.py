@@ -115,23 +115,23 @@ class DelayablePool(HostPool):
 
 
 def stall_gathers_while(path: Path) -> None:
-    """Test-only fault: each chunk a gather packs first waits while ``path`` exists (at most 30 s).
+    """Test-only fault: every part a gather packs first waits while ``path`` exists (at most 30 s).
 
     A stand-in — no real part stalls a memcpy on demand — for a source whose
     gather thread is starved or stuck, so that a test can end the lease, or
-    kill the source, while a staged part is half packed.
+    kill the source, while a staged part is not yet packed.
     """
     from remote_g2.source import gather
 
-    copy = gather.copy_extents
+    pack = gather.pack_chunks
 
-    def stalled(dst, src, nbytes):  # type: ignore[no-untyped-def]
+    def stalled(*args, **kwargs):  # type: ignore[no-untyped-def]
         deadline = time.monotonic() + 30
         while path.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
-        return copy(dst, src, nbytes)
+        return pack(*args, **kwargs)
 
-    gather.copy_extents = stalled  # type: ignore[assignment]
+    gather.pack_chunks = stalled  # type: ignore[assignment]
 
 
 class Churn(threading.Thread):
