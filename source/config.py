@@ -25,7 +25,7 @@ variable                                field                                   
 ``REMOTE_G2_SOURCE_IDLE_PROGRESS_MS``   ``idle_progress_interval_ms`` (none open)    20
 ``REMOTE_G2_SOURCE_STAGING_MIB``        ``staging_mib`` (0: never gather)             64
 ``REMOTE_G2_SOURCE_GATHER_MIN_DESCRIPTORS`` ``gather_min_descriptors``               16
-``REMOTE_G2_SOURCE_GATHER_MAX_PIECE_KIB``  ``gather_max_piece_kib``                  64
+``REMOTE_G2_SOURCE_GATHER_MAX_PIECE_KIB``  ``gather_max_piece_kib``                  8
 ``REMOTE_G2_SOURCE_GATHER_CHUNK_KIB``   ``gather_chunk_kib`` (staged per step)       2048
 ``REMOTE_G2_SOURCE_FINGERPRINT``        ``fingerprint`` (JSON of LayoutFingerprint)  unset
 ``REMOTE_G2_SOURCE_CURVE_SECRET_KEY``   ``curve`` (server key file)                  unset
@@ -150,7 +150,7 @@ class SourceConfig:
     reap_interval_ms: float = 50.0
     staging_mib: int = 64
     gather_min_descriptors: int = 16
-    gather_max_piece_kib: int = 64
+    gather_max_piece_kib: int = 8
     gather_chunk_kib: int = 2048
     registry_timeout_s: float = 5.0
     fingerprint: LayoutFingerprint | None = None

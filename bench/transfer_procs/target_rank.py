@@ -624,7 +624,12 @@ def main() -> int:
     config = TargetConfig(enabled=True, registry_endpoint=args.registry, transfer="transfer_procs.common:RecordingNixl",
                           ipc_dir=args.ipc_dir, transfer_timeout_ms=20_000, rpc_timeout_ms=5_000,
                           fingerprint=fingerprint_for(layout, tp), registry_mirror=args.registry_mirror,
-                          peer_resolve=args.peer_resolve == "on")
+                          peer_resolve=args.peer_resolve == "on",
+                          # The raw baseline re-issues the client's own descriptors, which a staged part
+                          # (in the source's staging region) does not have: pieces read in place only.
+                          # Gathered reads are bench_gather.py's (at this bench's 64 KiB and 1 MiB blocks the
+                          # source's rule reads in place anyway).
+                          gather=False)
     client = start_target_client(pool, worker_id=args.worker_id, config=config, comm=comm)
     instrument_client(client)
     raw = NixlTransfer(f"bench-raw-{args.worker_id}-tp{rank}")
