@@ -129,6 +129,9 @@ def run_config(name: str, spec: dict[str, Any], source_tp: int, target_tp: int, 
             raise BenchError(f"{name}: {result['error']}\n{result.get('traceback', '')}\n{tgt.tail()}")
         states = [json.loads((src_dir / f"state-{r}.json").read_text()) for r in range(source_tp)]
         result["source_gathers"] = [s["service"]["gathers"] for s in states]
+        # mean ms of the source's resolves (rank 0 and peer shares) and of packing one staged part, per rank
+        result["source_resolve_ms"] = [1000 * s["resolve_s"][1] / max(1, s["resolve_s"][0]) for s in states]
+        result["source_pack_ms"] = [1000 * s["gather_s"][1] / max(1, s["gather_s"][0]) for s in states]
     finally:
         if tgt is not None:
             tgt.kill()

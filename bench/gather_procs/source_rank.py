@@ -82,8 +82,13 @@ def main() -> int:
     state = d / f"state-{rank}.json"
     try:
         while not (d / "stop").exists() and time.monotonic() < deadline:
+            m = service.metrics
             write_json(state, {"pid": os.getpid(), "rank": rank, "total_pins": pool.stats()["total_pins"],
-                               "service": service.stats(), "t": time.time()})
+                               "service": service.stats(), "t": time.time(),
+                               "resolve_s": [m.value("remote_g2_source_resolve_seconds_count"),
+                                             m.value("remote_g2_source_resolve_seconds_sum")],
+                               "gather_s": [m.value("remote_g2_source_gather_seconds_count"),
+                                            m.value("remote_g2_source_gather_seconds_sum")]})
             time.sleep(0.2)
     finally:
         raw.close()
