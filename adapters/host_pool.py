@@ -35,7 +35,7 @@ import torch
 from remote_g2.errors import PoolIndexError
 from remote_g2.pool_index import PoolIndex
 
-from .host_memory import huge_page_buffer, thp_mode
+from remote_g2.host_memory import huge_page_buffer, thp_mode
 from remote_g2.secondary_pool import BlockLayout, MemoryRegion, PoolEventKind, PoolListener
 
 __all__ = ["HostPool"]
@@ -69,7 +69,7 @@ class HostPool:
     ``pin_memory`` is not False, plain host memory otherwise (``pin_memory=True``
     without CUDA logs a warning and falls back). Plain host memory is mapped
     in 2 MiB transparent huge pages unless ``huge_pages`` is False (see
-    :mod:`~remote_g2.adapters.host_memory`: NIXL reads it faster). ``ValueError`` if
+    :mod:`~remote_g2.host_memory`: NIXL reads it faster). ``ValueError`` if
     ``layout.block_bytes`` cannot hold ``num_layers * kv`` slabs, or if
     ``num_blocks`` exceeds :data:`~remote_g2.pool_index.MAX_BLOCKS`.
 

@@ -109,7 +109,7 @@ LATE_START_MS = 1.0  # a rank whose READ starts this long after the resolve: it 
 
 sys.path.insert(0, str(HERE))
 
-from remote_g2.adapters.host_memory import thp_mode  # noqa: E402
+from remote_g2.host_memory import thp_mode  # noqa: E402
 from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer  # noqa: E402
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from remote_g2.adapters.host_memory import huge_page_buffer
+from remote_g2.host_memory import huge_page_buffer
 
 __all__ = ["StagingArena", "ALIGN"]
 

@@ -22,10 +22,8 @@ The parts behind it:
 * :mod:`.rank_loop` — the loop of each rank > 0, and the leader's own share
   thread: they drive the rank's :class:`~.rank_worker.RankWorker`, which
   plans and posts the READs;
-* the ranks talk over :mod:`~remote_g2.local_link` links (a Unix stream
-  socket per rank to the leader, set up here at start-up): one thread to wake
-  per hop, and a rank that is gone closes its end, so the leader fails the
-  loads it owed at once.
+* the ranks talk over :mod:`~remote_g2.local_link` links (a Unix stream socket per rank to the leader,
+  set up here): one thread to wake per hop; a rank that is gone closes its end, failing its loads at once.
 
 Outcomes: a request is *done* when every rank read every byte of the prefix
 the source pinned; destination blocks past that prefix (the source held
@@ -37,10 +35,9 @@ within ``rpc_timeout_ms``, any rank's READ ended in error or outlived
 
 Time bounds: each RPC step before the READs (lookup when the scheduler's
 answer is not cached, resolve, metadata) is bounded by ``rpc_timeout_ms``; the
-READs by ``transfer_timeout_ms`` from the moment the leader hands them out —
-the ranks' deadline, after which no rank posts a READ (see
-:mod:`.rank_worker`). The leader reports a rank that never answered one
-``rpc_timeout_ms`` after that deadline.
+READs by ``transfer_timeout_ms`` from the moment the leader hands them out
+(no rank posts a READ after it: :mod:`.rank_worker`); a rank that never
+answered is reported ``rpc_timeout_ms`` after that.
 """
 
 from __future__ import annotations
@@ -54,8 +51,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
-
 from remote_g2.errors import ConfigError, RemoteG2Error, TransferError
 from remote_g2.ipc_paths import ipc_endpoint, prepare_ipc_dir
 from remote_g2.local_link import LinkListener, MessageLink, connect_link
@@ -63,7 +58,7 @@ from remote_g2.log import cpu_set_text
 from remote_g2.messages import Lookup, LookupReply, TargetDone, TargetLoad
 from remote_g2.plugins import load_adapter
 from remote_g2.rpc_mux import RpcMux
-from remote_g2.secondary_pool import MemoryRegion, SecondaryPool
+from remote_g2.secondary_pool import SecondaryPool
 from remote_g2.stall_watchdog import maybe_start_stall_watchdog
 from remote_g2.tp_group import TpGroup, resolve_tp_group
 
@@ -72,7 +67,7 @@ from .coordinator import LOOKUP_CACHE, Coordinator
 from .metrics import TargetMetrics
 from .outcomes import Outcomes
 from .rank_loop import RankLoop, ShareBook, ShareLoop
-from .rank_worker import RankWorker, scratch_words
+from .rank_worker import RankWorker, with_scratch
 from .layout_compat import check_holder_tp
 
 __all__ = ["TargetClient", "TargetMatch", "maybe_start_target_client", "start_target_client"]
@@ -143,7 +138,7 @@ class TargetClient:
         self._group = group
         self._pool = pool
         self._worker: RankWorker | None = None
-        self._scratch: np.ndarray | None = None  # staged parts' counters land here (target/rank_worker.py)
+        self._scratch: Any = None  # staged parts' counters land here (target/rank_worker.py)
         self._closed = False
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -171,14 +166,9 @@ class TargetClient:
         transfer = None
         try:
             layout = self._pool.layout
-            regions = self._pool.regions()
+            regions, self._scratch = with_scratch(self._pool.regions(), gather=self.config.gather)
             transfer = load_adapter("transfer", self.config.transfer)(
                 f"remote-g2-target-{self.worker_id}-tp{self.rank}")
-            # Staged parts' counters land in host words beside the pool (one READ uses one memory kind, so a
-            # pool in device memory reads every piece in place instead).
-            if self.config.gather and all(r.mem_type == "DRAM" for r in regions):
-                self._scratch = scratch_words()
-                regions = [*regions, MemoryRegion(self._scratch.ctypes.data, self._scratch.nbytes)]
             transfer.register_local(regions)
             if self.rank == 0 and self.tp_size > 1:
                 directory = prepare_ipc_dir(self.config.ipc_directory)

@@ -50,7 +50,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,11 +59,12 @@ import numpy as np
 from remote_g2.transfer import TransferAdapter
 
 from remote_g2.messages import BlockLayout, RankInfo, TargetDone, TargetLoad
+from remote_g2.secondary_pool import MemoryRegion
 
 from .read_plan import SourceReads
 from .tp_mapping import ReadPlanner
 
-__all__ = ["RankWorker", "POLL_S", "SCRATCH_WORDS", "SCRATCH_QUARANTINE_S", "scratch_words"]
+__all__ = ["RankWorker", "POLL_S", "SCRATCH_WORDS", "SCRATCH_QUARANTINE_S", "scratch_words", "with_scratch"]
 
 log = logging.getLogger("remote_g2.target")
 
@@ -75,6 +76,18 @@ SCRATCH_QUARANTINE_S = 30.0
 def scratch_words() -> np.ndarray:
     """A fresh scratch region for :class:`RankWorker` (register it with the rank's transfer adapter)."""
     return np.zeros(SCRATCH_WORDS * 8, dtype=np.uint64)
+
+
+def with_scratch(regions: Sequence[MemoryRegion], *, gather: bool) -> tuple[list[MemoryRegion], np.ndarray | None]:
+    """The regions to register for a rank: its pool's, and a scratch region when it may read staged parts.
+
+    Only with ``gather`` and a pool in host memory (one READ uses one memory
+    kind, so a pool in device memory reads every piece in place).
+    """
+    if not gather or any(r.mem_type != "DRAM" for r in regions):
+        return list(regions), None
+    scratch = scratch_words()
+    return [*regions, MemoryRegion(scratch.ctypes.data, scratch.nbytes)], scratch
 
 
 @dataclass

@@ -64,7 +64,10 @@ def test_only_the_resolving_connection_can_release_or_renew_its_lease(source) ->
 def test_nixl_sees_only_the_pool_and_descriptors_cover_pinned_blocks_inside_it(source) -> None:  # type: ignore[no-untyped-def]
     service, pool = source
     region, = pool.regions()
-    assert service._agent.registered == [(region.base, region.nbytes, "DRAM")]  # nothing but the G2 pool
+    staging = service.staging
+    assert staging is not None
+    # Nothing but the G2 pool and the rank's staging region (its own buffer, which only gathers write into).
+    assert service._agent.registered == [(region.base, region.nbytes, "DRAM"), (staging.base, staging.nbytes, "DRAM")]
     with RpcClient(service.endpoint) as client:
         reply = client.call(Resolve(HASHES[3:12] + [b"\xff" * 8], 10_000, "t"))
         assert reply.reason == "ok" and reply.matched == 9  # the unknown hash ends the prefix

@@ -140,7 +140,7 @@ def _vma_flags(addr: int, nbytes: int) -> list[dict[str, str]]:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the pool is page-locked torch memory")
 def test_pool_memory_is_advised_huge_pages_unless_asked_not_to():
-    from remote_g2.adapters.host_memory import HUGE_PAGE_BYTES, thp_mode
+    from remote_g2.host_memory import HUGE_PAGE_BYTES, thp_mode
 
     layout = make_layout(3, pad=(5 << 20) + 123)  # ~15 MiB, not a whole number of huge pages
     pool = HostPool(layout)

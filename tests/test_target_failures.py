@@ -332,7 +332,8 @@ def _gathering_source(directory: Path, registry: str, name: str) -> SourceWorker
     for r in range(2):
         (directory / f"stall-gather-{r}").touch()  # before start-up: the first gather finds it
     worker = SourceWorker(directory, f"{name}-{os.getpid()}", np=2,
-                          args=["--registry", registry, "--gather-min-descriptors", "1"])
+                          args=["--registry", registry, "--gather-min-descriptors", "1",
+                                "--gather-max-piece-kib", "1024"])
     try:
         worker.wait_registered(registry, 32)
     except BaseException:

@@ -149,10 +149,11 @@ def test_loads_that_outlive_their_lease_ttl_renew_every_share_and_land(tmp_path:
 @pytest.mark.parametrize(("source_tp", "target_tp"), [(2, 2), (1, 2), (2, 1), (2, 4)])
 def test_load_is_byte_exact_on_every_rank_and_pins_return_to_zero(tmp_path: Path, registry: str,
                                                                   source_tp: int, target_tp: int, gather: bool) -> None:
-    # Same TP: 16 consecutive source blocks are one descriptor, read in place; with --gather-min-descriptors 1
-    # the source stages them all the same, so that every pairing's bytes go through a staged run once.
+    # Same TP: 16 consecutive source blocks are one 16 KiB descriptor, read in place by the default rule;
+    # with any count and size let through, the source stages every pairing's bytes, so they all go
+    # through a staged run once.
     with _source_released_every_pin(tmp_path, registry, source_tp, f"{source_tp}to{target_tp}",
-                                    ["--gather-min-descriptors", "1"]) as source:
+                                    ["--gather-min-descriptors", "1", "--gather-max-piece-kib", "1024"]) as source:
         leader, verify = _run_target(tmp_path, registry, tp=target_tp, source_tp=source_tp,
                                      extra=["--gather", str(int(gather))])
         assert leader["match"] == {"matched": 16, "reason": "ok", "worker_id": source.worker_id}

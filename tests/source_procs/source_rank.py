@@ -230,6 +230,7 @@ def main() -> int:
     p.add_argument("--curve-allowed", type=Path, default=None, help="CURVE: the directory of client keys admitted")
     p.add_argument("--staging-mib", type=int, default=8, help="each rank's staging region (0: never gather)")
     p.add_argument("--gather-min-descriptors", type=int, default=16)
+    p.add_argument("--gather-max-piece-kib", type=int, default=8)
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args()
 
@@ -281,6 +282,7 @@ def main() -> int:
                           registry_endpoint=args.registry, fingerprint=fingerprint, metrics_port=args.metrics_port,
                           peer_transport=args.peer_transport, staging_mib=args.staging_mib,
                           gather_min_descriptors=args.gather_min_descriptors,
+                          gather_max_piece_kib=args.gather_max_piece_kib,
                           curve=CurveServerConfig.from_files(args.curve_secret, args.curve_allowed)
                           if args.curve_secret else None)
     service = maybe_start_source_service(pool, worker_id=worker_id, config=config, tp_size=args.tp_size,

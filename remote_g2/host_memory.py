@@ -1,4 +1,4 @@
-"""Large host buffers backed by transparent huge pages, for G2 pools that NIXL reads.
+"""Large host buffers backed by transparent huge pages, for memory NIXL reads: G2 pools, staging regions.
 
 Why: on one host NIXL's UCX backend copies with cross-memory attach
 (``process_vm_readv``), and over RDMA the NIC translates every page it
