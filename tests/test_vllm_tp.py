@@ -213,11 +213,14 @@ def test_mla_latents_land_bit_for_bit_at_tp2_and_tp1_and_generate_as_plain_vllm(
                "REMOTE_G2_TARGET_TIMEOUT_MS": "60000", "REMOTE_G2_TARGET_LEASE_TTL_MS": "60000"}
     with vh.source_a(tmp_path, mla, prompts, registry, 2 * FULL, *bf16, "--dump-g2", str(tmp_path / "g2-a"),
                      tp=2, env=patient):
+        # The readers run at nice 10: every core here also holds one of A's ranks, whose service threads must
+        # answer while a reader computes (in the full suite A's rank 1 got no CPU for 10 s while instance d,
+        # pinned to the same core, ran: "this process did not run for 10.1 s" in A's log).
         b = vh.Instance(tmp_path, "b", mla, prompts, registry, *bf16, "--dump-g2", str(tmp_path / "g2-b"), tp=2,
-                        env=patient)
+                        env=patient, nice=10)
         out_b = b.run()
         b1 = vh.Instance(tmp_path, "d", mla, prompts, registry, *bf16, "--dump-g2", str(tmp_path / "g2-d"),
-                         env=patient)
+                         env=patient, nice=10)
         out_b1 = b1.run()
     plain = vh.Instance(tmp_path, "c", mla, twice, None, *bf16, tp=2).run()
     for inst, out in ((b, out_b), (b1, out_b1)):

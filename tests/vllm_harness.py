@@ -88,7 +88,9 @@ class Instance:
     """A vLLM instance process (instance.py) at TP ``tp``; ``result()`` waits for its outputs."""
 
     def __init__(self, tmp: Path, name: str, model: Path, prompts: Path, registry: str | None, *args: str,
-                 env: dict[str, str] | None = None, tp: int = 1) -> None:
+                 env: dict[str, str] | None = None, tp: int = 1, nice: int = 0) -> None:
+        """``nice``: the instance's processes run at this nice value (a reader sharing its cores with a
+        source instance on a small box yields them to the source's service threads)."""
         self.name = name
         self.out, self.hold, self.log = tmp / f"{name}.json", tmp / f"{name}.stop", tmp / f"{name}.log"
         cmd = [sys.executable, str(INSTANCE), "--model", str(model), "--prompts", str(prompts),
@@ -98,7 +100,8 @@ class Instance:
             cmd += ["--registry", registry]
         self._log = open(self.log, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**instance_env(name, tp), **(env or {})}, start_new_session=True)
+                                     env={**instance_env(name, tp), **(env or {})}, start_new_session=True,
+                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
     def run(self) -> list[dict]:
         """:meth:`result`, then :meth:`stop` (also when there is no result)."""
