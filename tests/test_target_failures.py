@@ -75,10 +75,12 @@ def registry() -> Iterator[str]:
         yield endpoint
 
 
-def _start_source(directory: Path, registry: str, name: str) -> SourceWorker:
+def _start_source(directory: Path, registry: str, name: str, args: list[str] | None = None) -> SourceWorker:
+    """A TP-2 source registered with all 32 blocks; ``args``: its settings (default: short sibling timeouts)."""
     worker = SourceWorker(directory, f"{name}-{os.getpid()}", np=2,
-                          args=["--registry", registry, "--sibling-timeout-ms", "500",
-                                "--sibling-retry-after-ms", "300"])
+                          args=["--registry", registry,
+                                *(args if args is not None else ["--sibling-timeout-ms", "500",
+                                                                 "--sibling-retry-after-ms", "300"])])
     try:
         worker.wait_registered(registry, 32)
     except BaseException:
@@ -331,15 +333,7 @@ def _gathering_source(directory: Path, registry: str, name: str) -> SourceWorker
     directory.mkdir(parents=True)
     for r in range(2):
         (directory / f"stall-gather-{r}").touch()  # before start-up: the first gather finds it
-    worker = SourceWorker(directory, f"{name}-{os.getpid()}", np=2,
-                          args=["--registry", registry, "--gather-min-descriptors", "1",
-                                "--gather-max-piece-kib", "1024"])
-    try:
-        worker.wait_registered(registry, 32)
-    except BaseException:
-        worker.kill()
-        raise
-    return worker
+    return _start_source(directory, registry, name, ["--gather-min-descriptors", "1", "--gather-max-piece-kib", "1024"])
 
 
 def _staging_taken(source: SourceWorker) -> None:
