@@ -538,12 +538,15 @@ class GatherWish:
     each, ``is_mla`` / ``mla_offset`` as its READ plan takes them. A source
     rank stages a target rank's share only where that cuts the READ's
     descriptors and its staging budget has room; the others are read in place.
+    ``target_rank`` set (a ``peer_resolve``: one target rank's own share):
+    stage only what that target rank reads.
     """
 
     target_tp: Annotated[int, Limits(ge=1, le=4096)]
     target_heads: Annotated[int, Limits(ge=1, le=65_536)]
     is_mla: bool = False
     mla_offset: _Count = 0
+    target_rank: _Rank | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,8 @@ What a source rank does when a resolve (``resolve``, ``sibling_resolve``,
 ``sibling_pin`` or ``peer_resolve``) carries a
 :class:`~remote_g2.messages.GatherWish`, right after it pinned its share:
 for every target rank that reads from it
-(:func:`remote_g2.head_slices.head_slices`), the pieces that rank reads of
+(:func:`remote_g2.head_slices.head_slices`; only the wish's
+``target_rank`` when it names one: a target rank's own ``peer_resolve``), the pieces that rank reads of
 each pinned block (:func:`~remote_g2.head_slices.slice_pieces`). A target
 rank's part is staged when
 
@@ -131,7 +132,8 @@ class Gatherer:
         starts = u(self.pool_base) + ids * u(lay.block_bytes)
         slots: list[GatherSlot] = []
         staged: dict[tuple[int, int], GatherSlot] = {}  # (head lo, head hi) -> its slot: shared ranges
-        for target_rank in range(wish.target_tp):
+        readers = range(wish.target_tp) if wish.target_rank is None else (wish.target_rank,)
+        for target_rank in readers:
             for sl in head_slices(target_rank, source_tp=self.source_tp, target_tp=wish.target_tp,
                                   source_heads=lay.num_kv_heads, target_heads=wish.target_heads,
                                   is_mla=wish.is_mla, mla_offset=wish.mla_offset):
@@ -149,6 +151,8 @@ class Gatherer:
 
     def _unservable(self, wish: GatherWish) -> str | None:
         lay = self.layout
+        if wish.target_rank is not None and wish.target_rank >= wish.target_tp:
+            return f"target rank {wish.target_rank} of a TP-{wish.target_tp} reader"
         if wish.is_mla:
             return None if wish.target_heads == lay.num_kv_heads else "MLA with another number of heads"
         src_heads, tgt_heads = self.source_tp * lay.num_kv_heads, wish.target_tp * wish.target_heads

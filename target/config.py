@@ -54,11 +54,13 @@ class TargetConfig:
       outlives half of it.
     * ``transfer_timeout_ms`` — a load not finished on every rank by then fails
       (its blocks are invalid; the engine recomputes them).
-    * ``peer_resolve`` — from a source of the same TP size (dense, not
-      MLA) whose ranks serve ``peer_resolve`` and whose metadata every rank
-      already holds, each rank resolves its own share with its peer source
-      rank, in parallel, under one lease id the leader picks (docs/target.md,
-      "Peer resolve"); False: the leader always resolves every share.
+    * ``peer_resolve`` — from a source whose ranks serve ``peer_resolve``
+      and whose metadata every rank already holds, where each target rank
+      reads from one source rank (a dense model at the same TP size or a
+      multiple of the source's), each rank resolves its own share with that
+      source rank, in parallel, under the lease id the leader picks plus its
+      rank (docs/target.md, "Peer resolve"); False: the leader always
+      resolves every share.
     * ``gather`` — every resolve says what this worker's ranks read
       (:class:`~remote_g2.messages.GatherWish`), so that a source rank packs
       a rank's many small pieces (another TP size's head slices, small

@@ -1,14 +1,18 @@
 """A target rank > 0 resolving its own share with its peer source rank (``peer_resolve``), then loading it.
 
 The leader sends such a rank a ``target_load`` whose ``peer`` field is the
-``peer_resolve`` request it sends source rank 0 for its own share (one lease
-id and the same hashes for every rank), before it sends that one (docs/target.md,
-"Peer resolve"). This rank then, on its serving loop's thread:
+``peer_resolve`` request it sends source rank 0 for its own share, before it
+sends that one (docs/target.md, "Peer resolve"). A rank's peer is the one
+source rank it reads from (:func:`~remote_g2.head_slices.peer_rank`: its namesake at the same TP
+size; at a TP size that is a multiple of the source's, the rank holding its
+heads, which other target ranks read from too). This rank then, on its
+serving loop's thread:
 
 1. asks its peer source rank (``RankInfo.peer_endpoint``, from the
    metadata it already holds for that source epoch) for ``peer_resolve``
    through the loop's :class:`~remote_g2.rpc_mux.RpcMux` — the loop keeps
-   serving meanwhile;
+   serving meanwhile — under the lease id ``L + rank`` (:func:`share_request`:
+   a lease id opens once per source rank) and staging only its own part;
 2. on ``ok`` of the same epoch, hands the worker the load with its own
    ``RankBlocks`` and the destination blocks cut to the prefix its peer
    pinned (``TargetDone.blocks`` tells the leader how many);
@@ -35,15 +39,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from remote_g2.head_slices import peer_rank
+from remote_g2.messages import PeerResolve as PeerResolveRequest
 from remote_g2.messages import RankBlocks, Release, Renew, TargetDone, TargetLoad
 from remote_g2.rpc_mux import RpcMux
 
 from .load import LeaseClock
 from .rank_worker import RankWorker
 
-__all__ = ["PeerShares"]
+__all__ = ["PeerShares", "share_request"]
 
 log = logging.getLogger("remote_g2.target")
+
+
+def share_request(ask: PeerResolveRequest, target_rank: int) -> PeerResolveRequest:
+    """The leader's ``peer_resolve`` as target rank ``target_rank`` sends it: under the lease id ``lease_id +
+    target_rank`` (two target ranks may share a source rank, and a lease id is opened once per rank) and
+    asking to stage only what this rank reads."""
+    gather = None if ask.gather is None else replace(ask.gather, target_rank=target_rank)
+    return replace(ask, lease_id=ask.lease_id + target_rank, gather=gather)
 
 
 @dataclass
@@ -71,17 +85,18 @@ class PeerShares:
 
     def start(self, load: TargetLoad, received: float) -> None:
         """Resolve ``load``'s share (``load.peer`` set) with this rank's peer; the load starts on the answer."""
-        ask = load.peer
-        assert ask is not None
-        info = self._worker.source_info(load.source_worker, load.source_epoch, self.rank)
+        assert load.peer is not None
+        peer = peer_rank(self.rank, load.source_tp, self._worker.tp_size)
+        info = self._worker.source_info(load.source_worker, load.source_epoch, peer)
         if info is None or not info.peer_endpoint:
-            self._fail(load, f"no peer endpoint known for rank {self.rank} of {load.source_worker} "
+            self._fail(load, f"no peer endpoint known for rank {peer} of {load.source_worker} "
                              f"(epoch {load.source_epoch})", peer_failed=True)
             return
         endpoint = info.peer_endpoint
+        ask = share_request(load.peer, self.rank)
 
         def on_reply(reply: Any) -> None:
-            where = f"peer_resolve on {load.source_worker} rank {self.rank}"
+            where = f"peer_resolve on {load.source_worker} rank {peer}"
             if isinstance(reply, Exception):
                 self._fail(load, f"{where}: {type(reply).__name__}: {reply}", peer_failed=True)
             elif reply.epoch != load.source_epoch:
@@ -94,11 +109,11 @@ class PeerShares:
             else:
                 share = self._leases[load.load_id] = _Share(ask.lease_id, endpoint)
                 share.granted(sent, reply.expires_in_ms)
-                self._worker.start(replace(load, ranks=[RankBlocks(self.rank, reply.block_ids, reply.staged)],
+                self._worker.start(replace(load, ranks=[RankBlocks(peer, reply.block_ids, reply.staged)],
                                            dst_block_ids=load.dst_block_ids[:reply.matched], peer=None), received)
 
         sent = time.monotonic()
-        self._mux.call(endpoint, ask, on_reply)  # the leader's request, as it sent it to source rank 0
+        self._mux.call(endpoint, ask, on_reply)
 
     def vouch(self, done: TargetDone) -> TargetDone:
         """``done`` as the leader must hear it: a success whose share may have lapsed becomes a failure."""

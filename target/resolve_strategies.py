@@ -4,12 +4,14 @@
   (``resolve``: it pins on every source rank), the leader fetches metadata it
   lacks, then hands every target rank its share of the READs. Works for any
   pair of TP sizes and for MLA.
-* :class:`PeerResolve` — same TP size, dense model, and every target rank
-  already holds the source's metadata (an earlier load brought it): each
-  target rank asks its own peer source rank for its share under one lease
-  id the leader chose (``peer_resolve``), so the shares resolve in parallel
-  with no hop through either rank 0 (docs/target.md, "Peer resolve"). The
-  leader's own share is asked of source rank 0 like any other rank's.
+* :class:`PeerResolve` — a dense model whose target TP size is the
+  source's or a multiple of it (each target rank reads from one source rank),
+  and every target rank already holds the source's metadata (an earlier
+  load brought it): each target rank asks the source rank it reads from for
+  its share (``peer_resolve``, under the lease id the leader chose plus its
+  rank), so the shares resolve in parallel with no hop through either rank
+  0 (docs/target.md, "Peer resolve"). The leader's own share is asked of
+  source rank 0 like any other rank's.
 
 A strategy runs on the coordinator's thread and acts on the load only
 through the :class:`~.coordinator.Coordinator` it was given: the coordinator
@@ -30,6 +32,7 @@ from remote_g2.messages import GetMetadata, RankBlocks, RankInfo, Resolve, Resol
 from remote_g2.messages import PeerResolve as PeerResolveRequest
 
 from .load import Load, LoadState
+from .peer_share import share_request
 
 if TYPE_CHECKING:
     from .client import TargetMatch
@@ -147,8 +150,9 @@ class PeerResolve(ResolveStrategy):
         host.stats["peer_loads"] += 1
         load.lease.lease_id = secrets.randbits(62) + 1  # random: another reader's ids are not guessable
         load.keep_prefix(n)
+        # Every rank sends it as its own share (share_request): under L + its rank, staging its own part.
         ask = PeerResolveRequest(load.lease.lease_id, load.hashes[:n], host.config.lease_ttl_ms,
-                                 host.worker_id, host.gather_wish(len(infos)))  # every rank's, alike
+                                 host.worker_id, host.gather_wish(len(infos)))
         load.enter(LoadState.READING)
         msg = TargetLoad(load.load_id, wid, epoch, len(infos), False, 0, [], [], load.dst,
                          host.config.transfer_timeout_ms, host.start_clocks(load), ask, request_id=load.request_id)
@@ -157,7 +161,7 @@ class PeerResolve(ResolveStrategy):
         host.metrics.phase("to_resolve", sent - load.started)
         # Source rank 0's stream lane when it has one (no ZMQ I/O threads on the way), else its worker endpoint.
         load.lease.endpoint = infos[0].peer_endpoint or match.endpoint
-        host.mux.call(load.lease.endpoint, ask, lambda reply: self._resolved(load, reply, sent, msg))
+        host.mux.call(load.lease.endpoint, share_request(ask, 0), lambda reply: self._resolved(load, reply, sent, msg))
 
     def _resolved(self, load: Load, reply: Any, sent: float, msg: TargetLoad) -> None:
         """Rank 0's share is resolved (or not): start it, or count rank 0 as failed (the others still report)."""

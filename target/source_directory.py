@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from remote_g2.head_slices import peer_rank
 from remote_g2.messages import RankInfo
 
 __all__ = ["SourceDirectory"]
@@ -71,19 +72,24 @@ class SourceDirectory:
     def peer_ready(self, worker: str, endpoint: str, tp_size: int) -> bool:
         """Whether every target rank can resolve its own share of a load from ``worker`` (docs/target.md).
 
-        Needs the same TP size, a peer endpoint on every source rank > 0, and
-        the source's current metadata on every target rank (sent with an
-        earlier load, from the same endpoint: a new one is a restart); not
-        after a peer call to that source epoch failed. (The caller checks the
-        target's own config: peer resolve on, a dense model.)
+        Needs a TP size that is the source's or a multiple of it (each
+        target rank reads from one source rank: :func:`~remote_g2.head_slices.peer_rank`),
+        a peer endpoint on every source rank a target rank > 0 reads from
+        (rank 0's too when it is one of them: such a rank knows no other way
+        to it), and the source's current metadata on every target rank (sent
+        with an earlier load, from the same endpoint: a new one is a
+        restart); not after a peer call to that source epoch failed. (The
+        caller checks the target's own config: peer resolve on, a dense model.)
         """
         source = self._sources.get(worker)
         if source is None or (worker, source.epoch) in self._peer_off or self._endpoints.get(worker) != endpoint:
             return False
-        if len(source.infos) != tp_size:
+        source_tp = len(source.infos)
+        if tp_size % source_tp or set(source.infos) != set(range(source_tp)):
             return False
-        return all(r in source.infos and (r == 0 or source.infos[r].peer_endpoint)
-                   and source.infos[r].agent_name in source.sent for r in range(tp_size))
+        if not all(info.agent_name in source.sent for info in source.infos.values()):
+            return False
+        return all(source.infos[peer_rank(r, source_tp, tp_size)].peer_endpoint for r in range(1, tp_size))
 
     def peer_failed(self, worker: str, epoch: int) -> bool:
         """Stop peer resolve against ``worker``'s ``epoch``; True the first time."""

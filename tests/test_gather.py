@@ -172,6 +172,24 @@ def test_a_split_head_lease_is_staged_per_target_rank_and_read_byte_for_byte(rig
     assert rig.arena.in_use == 0
 
 
+def test_a_peer_share_stages_only_the_asking_target_ranks_part(rig):
+    """A ``peer_resolve``'s wish names its target rank: only that rank's part is staged (its sibling asks for
+    its own under its own lease); a rank the reader does not have is no part at all."""
+    ids = np.random.default_rng(3).permutation(64)[:12].tolist()
+    (slot,) = rig.gatherer.stage(13, ids, GatherWish(target_tp=2, target_heads=1, target_rank=1))
+    assert slot.target_rank == 1
+    reader = rig.readers[1]
+    reader.start(1, rig.info, ids, [slot])
+    done = reader.wait()
+    assert done.ok, done.error
+    assert np.array_equal(reader.landed(12), rig.expected(1, ids))
+    assert rig.gatherer.stage(14, ids, GatherWish(target_tp=2, target_heads=1, target_rank=2)) == []
+    assert rig.outcomes == ["staged", "unservable"]
+    for lease in (13, 14):
+        rig.arena.release(lease)
+    assert rig.arena.in_use == 0
+
+
 def test_the_planner_reads_a_staged_part_chunk_by_chunk_and_refuses_a_slot_it_cannot_trust(rig):
     ids = list(range(40, 30, -1))
     slot = rig.gatherer.stage(12, ids, GatherWish(2, 1))[1]

@@ -37,6 +37,16 @@ pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.registry_lease_ms(
 LENGTH = 300  # 9 full blocks of 32 tokens, all reusable (the last token is never loaded)
 FULL = LENGTH // BLOCK
 
+# Two instances share this box's two cores, so one of A's ranks always shares a core with a reader: A's rank
+# waits for a CPU while the reader computes (seen: 1.4 s for one resolve on an AMX machine; in the full suite
+# a sibling resolve outlived the 1 s default while reader B, on the same core, prefilled; a first READ, its
+# UCX wire-up waiting on A's starved progress thread, outlived the 10 s default). The sources and readers of
+# the reuse tests get the time a loaded box needs, and the readers run at nice 10 so that A's service
+# threads win their core when they have work.
+PATIENT = {"REMOTE_G2_SOURCE_SIBLING_TIMEOUT_MS": "10000", "REMOTE_G2_TARGET_RPC_TIMEOUT_MS": "15000",
+           "REMOTE_G2_TARGET_TIMEOUT_MS": "60000", "REMOTE_G2_TARGET_LEASE_TTL_MS": "60000"}
+READER_NICE = 10
+
 
 def _dumps(prefix: Path, tp: int) -> list[dict[str, torch.Tensor]]:
     """Each rank's G2 pool as written by ``--dump-g2``: hash hex → ``[layers, 2, heads, block, dim]``."""
@@ -72,11 +82,11 @@ def test_tp_pairings_land_the_sources_kv_bit_for_bit_and_generate_as_plain_vllm(
     p = vh.prompts(21, 3, LENGTH)
     prompts = vh.write_prompts(tmp_path, "p", p)
     with vh.source_a(tmp_path, model_dir, prompts, registry, 3 * FULL, "--dump-g2", str(tmp_path / "g2-a"),
-                     tp=tp_a) as (a, out_a):
+                     tp=tp_a, env=PATIENT) as (a, out_a):
         # The sync run's scheduler also looks up from an in-process registry mirror (it follows the feed).
         mirror = ["--registry-mirror"] if load == "sync" else []
         b = vh.Instance(tmp_path, "b", model_dir, prompts, registry, "--dump-g2", str(tmp_path / "g2-b"),
-                        "--load", load, *mirror, tp=tp_b)
+                        "--load", load, *mirror, tp=tp_b, env=PATIENT, nice=READER_NICE)
         out_b = b.run()
     log_b = b.text()
     if mirror:  # the mirror was complete before the first request, which the engine's start-up takes longer than
@@ -166,10 +176,11 @@ def test_lora_cache_salt_and_kv_dtype_edges_hold_at_tp2(tmp_path: Path, model_di
     a_file = vh.write_prompts(tmp_path, "a", [x for x, _, _ in pairs])
     b_file = vh.write_prompts(tmp_path, "b", [y for _, y, _ in pairs])
     lora = ("--lora", str(lora_dir))
-    with vh.source_a(tmp_path, model_dir, a_file, registry, len(pairs) * FULL, *lora, tp=2):
-        b = vh.Instance(tmp_path, "b", model_dir, b_file, registry, *lora, tp=2)
+    with vh.source_a(tmp_path, model_dir, a_file, registry, len(pairs) * FULL, *lora, tp=2, env=PATIENT):
+        b = vh.Instance(tmp_path, "b", model_dir, b_file, registry, *lora, tp=2, env=PATIENT, nice=READER_NICE)
         out_b = b.run()
-        d = vh.Instance(tmp_path, "d", model_dir, b_file, registry, *lora, "--dtype", "bfloat16", tp=2)
+        d = vh.Instance(tmp_path, "d", model_dir, b_file, registry, *lora, "--dtype", "bfloat16", tp=2,
+                        env=PATIENT, nice=READER_NICE)
         out_d = d.run()
     out_c = vh.Instance(tmp_path, "c", model_dir, b_file, None, *lora, tp=2).run()
     out_e = vh.Instance(tmp_path, "e", model_dir, b_file, None, *lora, "--dtype", "bfloat16", tp=2).run()
@@ -205,22 +216,13 @@ def test_mla_latents_land_bit_for_bit_at_tp2_and_tp1_and_generate_as_plain_vllm(
     p = vh.prompts(24, 2, LENGTH)
     prompts = vh.write_prompts(tmp_path, "p", p)
     twice = vh.write_prompts(tmp_path, "twice", [p[0], p[0], p[1], p[1]])  # plain vLLM: the 2nd of each hits
-    # Two TP-2 instances pinned to the same two cores: A's rank waits for a CPU while B prefills (seen: 1.4 s on
-    # an AMX machine), so the resolve gets the time a loaded box needs instead of the 1-2 s defaults; and the
-    # READs too (in the full suite one rank's first READ from A, its UCX wire-up waiting on A's starved
-    # progress thread, outlived the 10 s default).
-    patient = {"REMOTE_G2_SOURCE_SIBLING_TIMEOUT_MS": "10000", "REMOTE_G2_TARGET_RPC_TIMEOUT_MS": "15000",
-               "REMOTE_G2_TARGET_TIMEOUT_MS": "60000", "REMOTE_G2_TARGET_LEASE_TTL_MS": "60000"}
     with vh.source_a(tmp_path, mla, prompts, registry, 2 * FULL, *bf16, "--dump-g2", str(tmp_path / "g2-a"),
-                     tp=2, env=patient):
-        # The readers run at nice 10: every core here also holds one of A's ranks, whose service threads must
-        # answer while a reader computes (in the full suite A's rank 1 got no CPU for 10 s while instance d,
-        # pinned to the same core, ran: "this process did not run for 10.1 s" in A's log).
+                     tp=2, env=PATIENT):
         b = vh.Instance(tmp_path, "b", mla, prompts, registry, *bf16, "--dump-g2", str(tmp_path / "g2-b"), tp=2,
-                        env=patient, nice=10)
+                        env=PATIENT, nice=READER_NICE)
         out_b = b.run()
         b1 = vh.Instance(tmp_path, "d", mla, prompts, registry, *bf16, "--dump-g2", str(tmp_path / "g2-d"),
-                         env=patient, nice=10)
+                         env=PATIENT, nice=READER_NICE)
         out_b1 = b1.run()
     plain = vh.Instance(tmp_path, "c", mla, twice, None, *bf16, tp=2).run()
     for inst, out in ((b, out_b), (b1, out_b1)):
