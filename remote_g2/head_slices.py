@@ -25,7 +25,7 @@ import numpy as np
 
 from remote_g2.messages import BlockLayout
 
-__all__ = ["HeadSlice", "PlanMode", "plan_mode", "head_slices", "source_ranks_for", "peer_rank", "slice_pieces"]
+__all__ = ["HeadSlice", "PlanMode", "plan_mode", "head_slices", "source_ranks_for", "slice_pieces"]
 
 PlanMode = Literal["same_tp", "split_heads", "gather_heads", "mla"]
 
@@ -80,14 +80,6 @@ def source_ranks_for(target_rank: int, *, source_tp: int, target_tp: int, is_mla
         return (target_rank // (target_tp // source_tp),)
     k = source_tp // target_tp
     return tuple(range(target_rank * k, target_rank * k + k))
-
-
-def peer_rank(target_rank: int, source_tp: int, target_tp: int) -> int:
-    """The one source rank ``target_rank`` of a dense model reads from, for a ``target_tp`` that is
-    ``source_tp`` or a multiple of it (the same TP: its namesake; a larger one: the rank holding its heads)."""
-    if target_tp % source_tp:
-        raise ValueError(f"TP {source_tp} -> {target_tp}: a target rank reads from more than one source rank")
-    return source_ranks_for(target_rank, source_tp=source_tp, target_tp=target_tp, is_mla=False)[0]
 
 
 def slice_pieces(src: BlockLayout, sl: HeadSlice, target_heads: int) -> tuple[np.ndarray | None, int]:

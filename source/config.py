@@ -89,8 +89,8 @@ class SourceConfig:
       local pool and never wait on anything remote.
     * ``peer_resolve`` — ranks > 0 also serve ``peer_resolve`` (and
       ``release`` of those shares) on a TCP port of their own on ``bind``'s
-      host, so that each rank of a target with the same TP size resolves its
-      share with its peer rank directly (``source/peer.py``); advertised in
+      host, so that each rank of a target resolves its share with the
+      source ranks it reads directly (``source/peer.py``); advertised in
       the metadata. False: only rank 0 is reachable, targets use ``resolve``.
     * ``peer_transport`` — what those peer endpoints speak. ``stream``: the
       plain-TCP RPC lane (:mod:`remote_g2.rpc_stream`), on every rank, rank 0

@@ -2,11 +2,10 @@
 
 The classic resolve makes every target rank's share wait on the whole chain
 (target rank 0 → source rank 0 → its siblings → rank 0 → target rank 0 →
-the other target ranks). When each target rank reads from one source
-rank (a dense model at the same TP size, or at a multiple of the source's),
-it can ask that rank itself: each target rank sends ``peer_resolve`` to the
-source rank it reads, under the lease id the target chose plus its own
-rank, and the shares resolve in parallel — no hop through either rank 0.
+the other target ranks). A target rank that already holds the source's
+metadata can ask the source ranks it reads itself: it sends ``peer_resolve``
+to each, under the lease id the target chose plus its own rank, and the
+shares resolve in parallel — no hop through either rank 0.
 
 What each rank does (rank 0 on its worker endpoint, rank r > 0 on its own
 ``peer_endpoint``, advertised in :class:`~remote_g2.messages.RankInfo`):

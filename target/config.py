@@ -55,12 +55,10 @@ class TargetConfig:
     * ``transfer_timeout_ms`` — a load not finished on every rank by then fails
       (its blocks are invalid; the engine recomputes them).
     * ``peer_resolve`` — from a source whose ranks serve ``peer_resolve``
-      and whose metadata every rank already holds, where each target rank
-      reads from one source rank (a dense model at the same TP size or a
-      multiple of the source's), each rank resolves its own share with that
-      source rank, in parallel, under the lease id the leader picks plus its
-      rank (docs/target.md, "Peer resolve"); False: the leader always
-      resolves every share.
+      and whose metadata every rank already holds, each rank resolves its
+      own share with the source ranks it reads, in parallel, under the lease
+      id the leader picks plus its rank (docs/target.md, "Peer resolve");
+      False: the leader always resolves every share.
     * ``gather`` — every resolve says what this worker's ranks read
       (:class:`~remote_g2.messages.GatherWish`), so that a source rank packs
       a rank's many small pieces (another TP size's head slices, small

@@ -39,7 +39,7 @@ from remote_g2.messages import GatherWish, Lookup, LookupReply, Release, Renew, 
 from remote_g2.rpc_mux import RpcMux
 
 from .config import TargetConfig
-from .load import Load, LoadState
+from .load import LeaseClock, Load, LoadState
 from .metrics import TargetMetrics
 from .outcomes import Outcomes, drain
 from .resolve_strategies import ClassicResolve, PeerResolve, ResolveStrategy
@@ -168,7 +168,8 @@ class Coordinator:
     def _until_next_clock_ms(self) -> float:
         now = time.monotonic()
         waits = [100.0]
-        clocks = [t for load in self._loads.values() for t in (load.report_by, load.lease.renew_at) if t]
+        clocks = [t for load in self._loads.values()
+                  for t in (load.report_by, *(lease.renew_at for lease in load.leases())) if t]
         if clocks:
             waits.append((min(clocks) - now) * 1000.0 + 0.5)  # past the clock, not just before it
         if self._releases:  # whole milliseconds: the poll's resolution (a shorter wait would spin)
@@ -251,21 +252,26 @@ class Coordinator:
             load.keep_prefix(min(load.loaded.get(r, 0) for r in range(self.tp_size)))
         if load.errors:
             self.fail(load, "; ".join(load.errors))
-        elif time.monotonic() < load.lease.expires:
+        elif time.monotonic() < min(lease.expires for lease in load.leases()):
             # Every READ ended while the pins certainly held: the bytes are good whatever the release says.
             # The engine hears first; the release falls due RELEASE_AFTER_MS later (_send_releases).
             self._finish(load, None)
             self._releases.append((time.monotonic() + RELEASE_AFTER_MS / 1000.0, load))
         else:
             load.enter(LoadState.RELEASING)
-            self._loads.pop(load.load_id, None)  # the release's answer decides: no clock of ours applies any more
-            assert load.lease.endpoint is not None
+            self._loads.pop(load.load_id, None)  # the releases' answers decide: no clock of ours applies any more
+            leases = load.leases()
+            answers: list[bool] = []
 
             def on_release(reply: Any) -> None:
-                lapsed = isinstance(reply, Exception) or not reply.released
-                self._finish(load, "the lease expired on the source before the load finished" if lapsed else None)
+                answers.append(not isinstance(reply, Exception) and reply.released)
+                if len(answers) == len(leases):
+                    self._finish(load, None if all(answers) else
+                                 "the lease expired on the source before the load finished")
 
-            self.mux.call(load.lease.endpoint, Release(load.lease.lease_id), on_release)
+            for lease in leases:
+                assert lease.endpoint is not None
+                self.mux.call(lease.endpoint, Release(lease.lease_id), on_release)
 
     def _check_clocks(self) -> None:
         now = time.monotonic()
@@ -274,11 +280,12 @@ class Coordinator:
                 load.errors.append(f"rank(s) {sorted(load.waiting)} did not answer in time")
                 load.waiting.clear()
                 self._complete(load)
-            elif load.lease.renew_at and now > load.lease.renew_at and not load.lease.renewing:
-                self._renew(load)
+            else:
+                for lease in load.leases():
+                    if lease.renew_at and now > lease.renew_at and not lease.renewing:
+                        self._renew(load, lease)
 
-    def _renew(self, load: Load) -> None:
-        lease = load.lease
+    def _renew(self, load: Load, lease: LeaseClock) -> None:
         assert lease.endpoint is not None
         lease.renewing = True
         sent = time.monotonic()
@@ -338,16 +345,16 @@ class Coordinator:
         self._shares.put(msg)
 
     def send_release(self, load: Load) -> None:
-        """Release the lease without waiting for the outcome (the source's expiry covers a lost release)."""
-        lease = load.lease
-        if not lease.lease_id or lease.endpoint is None:
-            return
+        """Release the load's leases without waiting for the outcome (the source's expiry covers a lost one)."""
+        for lease in load.leases():
+            if not lease.lease_id or lease.endpoint is None:
+                continue
 
-        def on_release(reply: Any) -> None:
-            if isinstance(reply, Exception):
-                log.warning("releasing lease %d at %s: %s", lease.lease_id, lease.endpoint, reply)
+            def on_release(reply: Any, lease: LeaseClock = lease) -> None:
+                if isinstance(reply, Exception):
+                    log.warning("releasing lease %d at %s: %s", lease.lease_id, lease.endpoint, reply)
 
-        self.mux.call(lease.endpoint, Release(lease.lease_id), on_release)
+            self.mux.call(lease.endpoint, Release(lease.lease_id), on_release)
 
     def fail(self, load: Load, why: str) -> None:
         self.send_release(load)

@@ -89,6 +89,9 @@ class Load:
     match: TargetMatch | None = None
     strategy: ResolveStrategy | None = None  # how its lease is being resolved (set on entering RESOLVING/READING)
     lease: LeaseClock = field(default_factory=LeaseClock)
+    # Under the peer strategy, the leader's shares on the other source ranks it reads (each its own lease,
+    # renewed and released where it was taken, like ``lease``).
+    other_shares: list[LeaseClock] = field(default_factory=list)
     waiting: set[int] = field(default_factory=set)       # ranks whose target_done is still due
     errors: list[str] = field(default_factory=list)
     invalid_tail: list[int] = field(default_factory=list)  # destination blocks past what the source pinned
@@ -110,8 +113,12 @@ class Load:
     def hand_back_tail(self) -> None:
         """Before resolving again: every destination block is wanted again, nothing has been read."""
         self.dst, self.invalid_tail = self.dst + self.invalid_tail, []
-        self.lease = LeaseClock()
+        self.lease, self.other_shares = LeaseClock(), []
         self.errors, self.loaded, self.report_by, self.resolve_again = [], {}, 0.0, False
+
+    def leases(self) -> list[LeaseClock]:
+        """Every lease this load holds for the leader (``lease`` first)."""
+        return [self.lease, *self.other_shares]
 
     def keep_prefix(self, n: int) -> None:
         """Only the first ``n`` destination blocks will be loaded; the rest are invalid (recomputed)."""

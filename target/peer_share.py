@@ -1,34 +1,38 @@
-"""A target rank > 0 resolving its own share with its peer source rank (``peer_resolve``), then loading it.
+"""A target rank resolving its own share with the source ranks it reads (``peer_resolve``), then loading it.
 
-The leader sends such a rank a ``target_load`` whose ``peer`` field is the
-``peer_resolve`` request it sends source rank 0 for its own share, before it
-sends that one (docs/target.md, "Peer resolve"). A rank's peer is the one
-source rank it reads from (:func:`~remote_g2.head_slices.peer_rank`: its namesake at the same TP
-size; at a TP size that is a multiple of the source's, the rank holding its
-heads, which other target ranks read from too). This rank then, on its
-serving loop's thread:
+The leader sends every rank > 0 a ``target_load`` whose ``peer`` field is
+the ``peer_resolve`` request it sends for its own share, before it sends
+that one (docs/target.md, "Peer resolve"). A rank's peers are the source
+ranks it reads from (:func:`~remote_g2.head_slices.source_ranks_for`: its
+namesake at the same TP size; at a larger one, or for MLA, the one rank
+holding what it reads, which other target ranks read too; at a smaller
+one, several). A rank > 0 then, on its serving loop's thread
+(:class:`PeerShares`; the leader does the same on the coordinator's):
 
-1. asks its peer source rank (``RankInfo.peer_endpoint``, from the
-   metadata it already holds for that source epoch) for ``peer_resolve``
+1. asks each of its peers (``RankInfo.peer_endpoint``, from the metadata
+   it already holds for that source epoch) for ``peer_resolve`` at once,
    through the loop's :class:`~remote_g2.rpc_mux.RpcMux` — the loop keeps
-   serving meanwhile — under the lease id ``L + rank`` (:func:`share_request`:
-   a lease id opens once per source rank) and staging only its own part;
-2. on ``ok`` of the same epoch, hands the worker the load with its own
-   ``RankBlocks`` and the destination blocks cut to the prefix its peer
-   pinned (``TargetDone.blocks`` tells the leader how many);
-3. renews the share on the peer rank when the load outlives half its TTL,
-   and reports the load failed when the share may have lapsed before the
-   READ ended (renew refused, or the share's expiry passed: its clock is
-   taken from when ``peer_resolve`` was sent, so it never runs late);
-4. after the worker reported the load, releases the share on the peer rank
-   (successful or not). Only this rank can renew or release it: the share
-   belongs to this rank's connection to its peer, and the leader's
-   ``renew`` / ``release`` at source rank 0 do not reach it (docs/security.md).
+   serving meanwhile — under the lease id ``L + rank``
+   (:func:`share_request`: a lease id opens once per source rank, and
+   several target ranks may ask one) and staging only its own part;
+2. once every peer answered ``ok`` in the same epoch, hands the worker the
+   load with each peer's ``RankBlocks`` and the destination blocks cut to
+   the shortest prefix they pinned (:func:`combine`; ``TargetDone.blocks``
+   tells the leader how many);
+3. renews each share when the load outlives half its TTL, and reports the
+   load failed when a share may have lapsed before the READ ended (renew
+   refused, or the share's expiry passed: its clock is taken from when
+   ``peer_resolve`` was sent, so it never runs late);
+4. after the worker reported the load, releases every share (successful or
+   not). Only this rank can renew or release them: a share belongs to this
+   rank's connection to its peer, and the leader's ``renew`` / ``release``
+   do not reach it (docs/security.md).
 
 Anything else — no answer within ``rpc_timeout_ms``, ``ERR``, a different
-epoch (the source restarted), a miss, no peer endpoint — reports the share
-failed at once, with ``peer_failed`` set when the call itself failed, so the
-leader stops using peer resolve for that source.
+epoch (the source restarted), a miss, no peer endpoint — releases what the
+other peers pinned and reports the share failed at once, with
+``peer_failed`` set when a call itself failed, so the leader stops using
+peer resolve for that source.
 """
 
 from __future__ import annotations
@@ -36,10 +40,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from remote_g2.head_slices import peer_rank
+from remote_g2.head_slices import source_ranks_for
 from remote_g2.messages import PeerResolve as PeerResolveRequest
 from remote_g2.messages import RankBlocks, Release, Renew, TargetDone, TargetLoad
 from remote_g2.rpc_mux import RpcMux
@@ -47,7 +51,7 @@ from remote_g2.rpc_mux import RpcMux
 from .load import LeaseClock
 from .rank_worker import RankWorker
 
-__all__ = ["PeerShares", "share_request"]
+__all__ = ["PeerAnswers", "PeerShares", "ask_peers", "combine", "share_request"]
 
 log = logging.getLogger("remote_g2.target")
 
@@ -61,8 +65,64 @@ def share_request(ask: PeerResolveRequest, target_rank: int) -> PeerResolveReque
 
 
 @dataclass
+class PeerAnswers:
+    """What the source ranks of one target rank's share answered, taken together (:func:`combine`).
+
+    ``error`` empty: every rank pinned; each rank's ``RankBlocks`` cut to the
+    shortest prefix any of them pinned (``matched``) — a target rank reading
+    several source ranks loads only blocks every one of them holds.
+    ``pinned``: the source ranks that pinned something (to release when the
+    share fails); ``peer_failed``: a call itself failed (no answer, ``ERR``,
+    refused); ``restarted``: a rank answered an epoch other than the one
+    expected.
+    """
+
+    ranks: list[RankBlocks]
+    matched: int = 0
+    expires_in_ms: int = 0
+    error: str = ""
+    peer_failed: bool = False
+    restarted: bool = False
+    pinned: list[int] = field(default_factory=list)
+
+
+def combine(replies: dict[int, Any], epoch: int, worker: str) -> PeerAnswers:
+    """Each source rank's ``peer_resolve`` reply (or the call's exception), by source rank, as one share."""
+    pinned = [s for s, r in sorted(replies.items()) if not isinstance(r, Exception) and r.matched]
+    for s, reply in sorted(replies.items()):
+        where = f"peer_resolve on {worker} rank {s}"
+        if isinstance(reply, Exception):
+            return PeerAnswers([], error=f"{where}: {type(reply).__name__}: {reply}", peer_failed=True, pinned=pinned)
+        if reply.epoch != epoch:
+            return PeerAnswers([], error=f"{where}: the source restarted (epoch {reply.epoch}, expected {epoch})",
+                               restarted=True, pinned=pinned)
+        if reply.reason != "ok" or reply.matched == 0:
+            return PeerAnswers([], error=f"{where}: {reply.reason}", pinned=pinned)
+    matched = min(r.matched for r in replies.values())
+    return PeerAnswers([RankBlocks(s, r.block_ids[:matched], r.staged) for s, r in sorted(replies.items())],
+                       matched, min(r.expires_in_ms for r in replies.values()), pinned=pinned)
+
+
+def ask_peers(mux: RpcMux, calls: dict[int, str], ask: PeerResolveRequest,
+              on_all: Callable[[dict[int, Any]], None]) -> None:
+    """Send ``ask`` to every source rank in ``calls`` (rank → endpoint) at once; ``on_all(replies)`` once
+    every one answered (a reply, or the call's exception)."""
+    replies: dict[int, Any] = {}
+
+    def answer(rank: int) -> Callable[[Any], None]:
+        def on_reply(reply: Any) -> None:
+            replies[rank] = reply
+            if len(replies) == len(calls):
+                on_all(replies)
+        return on_reply
+
+    for rank, endpoint in calls.items():
+        mux.call(endpoint, ask, answer(rank))
+
+
+@dataclass
 class _Share(LeaseClock):
-    """A share this rank holds on its peer source rank, until its load is reported: its lease's clock
+    """A share this rank holds on one source rank, until its load is reported: its lease's clock
     (as the leader keeps one per load) and why its pins may be gone (renew refused: the load must fail)."""
 
     lapsed: str = ""
@@ -81,47 +141,48 @@ class PeerShares:
         self._mux = mux
         self._report = report
         self._ttl_ms = ttl_ms
-        self._leases: dict[int, _Share] = {}  # load id -> its share, until reported
+        self._leases: dict[int, list[_Share]] = {}  # load id -> its shares (one per source rank), until reported
 
     def start(self, load: TargetLoad, received: float) -> None:
-        """Resolve ``load``'s share (``load.peer`` set) with this rank's peer; the load starts on the answer."""
+        """Resolve ``load``'s share (``load.peer`` set) with the source ranks this rank reads; the load starts
+        once every one answered."""
         assert load.peer is not None
-        peer = peer_rank(self.rank, load.source_tp, self._worker.tp_size)
-        info = self._worker.source_info(load.source_worker, load.source_epoch, peer)
-        if info is None or not info.peer_endpoint:
-            self._fail(load, f"no peer endpoint known for rank {peer} of {load.source_worker} "
-                             f"(epoch {load.source_epoch})", peer_failed=True)
-            return
-        endpoint = info.peer_endpoint
+        endpoints: dict[int, str] = {}
+        for s in source_ranks_for(self.rank, source_tp=load.source_tp, target_tp=self._worker.tp_size,
+                                  is_mla=load.is_mla, mla_offset=load.mla_offset):
+            info = self._worker.source_info(load.source_worker, load.source_epoch, s)
+            if info is None or not info.peer_endpoint:
+                self._fail(load, f"no peer endpoint known for rank {s} of {load.source_worker} "
+                                 f"(epoch {load.source_epoch})", peer_failed=True)
+                return
+            endpoints[s] = info.peer_endpoint
         ask = share_request(load.peer, self.rank)
 
-        def on_reply(reply: Any) -> None:
-            where = f"peer_resolve on {load.source_worker} rank {peer}"
-            if isinstance(reply, Exception):
-                self._fail(load, f"{where}: {type(reply).__name__}: {reply}", peer_failed=True)
-            elif reply.epoch != load.source_epoch:
-                if reply.matched:
-                    self._release(endpoint, ask.lease_id)
-                self._fail(load, f"{where}: the source restarted (epoch {reply.epoch}, expected "
-                                 f"{load.source_epoch})")
-            elif reply.reason != "ok" or reply.matched == 0:
-                self._fail(load, f"{where}: {reply.reason}")
-            else:
-                share = self._leases[load.load_id] = _Share(ask.lease_id, endpoint)
-                share.granted(sent, reply.expires_in_ms)
-                self._worker.start(replace(load, ranks=[RankBlocks(peer, reply.block_ids, reply.staged)],
-                                           dst_block_ids=load.dst_block_ids[:reply.matched], peer=None), received)
+        def on_all(replies: dict[int, Any]) -> None:
+            got = combine(replies, load.source_epoch, load.source_worker)
+            if got.error:
+                for s in got.pinned:
+                    self._release(endpoints[s], ask.lease_id)
+                self._fail(load, got.error, peer_failed=got.peer_failed)
+                return
+            shares = self._leases[load.load_id] = [_Share(ask.lease_id, endpoints[s]) for s in sorted(replies)]
+            for share in shares:
+                share.granted(sent, got.expires_in_ms)
+            self._worker.start(replace(load, ranks=got.ranks, dst_block_ids=load.dst_block_ids[:got.matched],
+                                       peer=None), received)
 
         sent = time.monotonic()
-        self._mux.call(endpoint, ask, on_reply)
+        ask_peers(self._mux, endpoints, ask, on_all)
 
     def vouch(self, done: TargetDone) -> TargetDone:
         """``done`` as the leader must hear it: a success whose share may have lapsed becomes a failure."""
-        share = self._leases.get(done.load_id)
-        if share is None or not done.ok:
+        shares = self._leases.get(done.load_id)
+        if not shares or not done.ok:
             return done
-        why = share.lapsed or ("" if time.monotonic() < share.expires else
-                               "the share's lease on the peer source rank expired before the load finished")
+        now = time.monotonic()
+        why = next((s.lapsed for s in shares if s.lapsed), "") or (
+            "" if all(now < s.expires for s in shares) else
+            "the share's lease on a peer source rank expired before the load finished")
         if not why:
             return done
         log.warning("target rank %d: load %d: %s", self.rank, done.load_id, why)
@@ -129,19 +190,19 @@ class PeerShares:
 
     def reported(self, done: TargetDone) -> None:
         """The worker reported load ``done.load_id``: hand its share back to the peer rank."""
-        share = self._leases.pop(done.load_id, None)
-        if share is not None:
+        for share in self._leases.pop(done.load_id, []):
             self._release(share.endpoint, share.lease_id)
 
     def tick(self, now: float) -> None:
         """Renew the shares whose loads outlived half their TTL (from the rank's loop, every turn)."""
-        for share in self._leases.values():
-            if not share.renewing and not share.lapsed and now >= share.renew_at:
-                self._renew(share)
+        for shares in self._leases.values():
+            for share in shares:
+                if not share.renewing and not share.lapsed and now >= share.renew_at:
+                    self._renew(share)
 
     def next_due(self) -> float | None:
         """When :meth:`tick` next has work (``time.monotonic()``), or None."""
-        due = [s.renew_at for s in self._leases.values() if not s.renewing and not s.lapsed]
+        due = [s.renew_at for shares in self._leases.values() for s in shares if not s.renewing and not s.lapsed]
         return min(due) if due else None
 
     def _renew(self, share: _Share) -> None:

@@ -91,11 +91,13 @@ class RankLoop:
         """A share ended: tell the leader (a report that cannot go out is timed out by the leader) and the engine."""
         if self._peers is not None:
             done = self._peers.vouch(done)  # a share that may have lapsed mid-READ is no success
+        # This rank's engine hears first: once the leader reports the request, every rank's share outcome
+        # is already there to be taken (a few microseconds before the leader's report).
+        self._book.closed(done)
         try:
             self._link.send(done)
         except (LinkClosed, ProtocolError) as e:
             log.warning("target rank %d: could not report load %d: %s", self.rank, done.load_id, e)
-        self._book.closed(done)
         if self._peers is not None:
             self._peers.reported(done)  # after the report: the release is off the load's path
 
@@ -163,8 +165,8 @@ class ShareLoop:
         self._worker = worker
 
     def report(self, done: TargetDone) -> None:
+        self._book.closed(done)  # first, as on the other ranks (RankLoop.report)
         self._to_coordinator(done)
-        self._book.closed(done)
 
     def run(self) -> None:
         worker = self._worker

@@ -4,14 +4,14 @@
   (``resolve``: it pins on every source rank), the leader fetches metadata it
   lacks, then hands every target rank its share of the READs. Works for any
   pair of TP sizes and for MLA.
-* :class:`PeerResolve` — a dense model whose target TP size is the
-  source's or a multiple of it (each target rank reads from one source rank),
-  and every target rank already holds the source's metadata (an earlier
-  load brought it): each target rank asks the source rank it reads from for
-  its share (``peer_resolve``, under the lease id the leader chose plus its
-  rank), so the shares resolve in parallel with no hop through either rank
-  0 (docs/target.md, "Peer resolve"). The leader's own share is asked of
-  source rank 0 like any other rank's.
+* :class:`PeerResolve` — every target rank already holds the source's
+  metadata (an earlier load brought it): each target rank asks the source
+  ranks it reads from (:func:`~remote_g2.head_slices.source_ranks_for`: one
+  at the same TP size, at a larger one and for MLA; several at a smaller
+  one) for its share (``peer_resolve``, under the lease id the leader chose
+  plus its rank), so the shares resolve in parallel with no hop through
+  either rank 0 (docs/target.md, "Peer resolve"). The leader's own share is
+  asked like any other rank's.
 
 A strategy runs on the coordinator's thread and acts on the load only
 through the :class:`~.coordinator.Coordinator` it was given: the coordinator
@@ -28,11 +28,12 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from remote_g2.errors import RpcClosed, RpcTimeout, TransportError
-from remote_g2.messages import GetMetadata, RankBlocks, RankInfo, Resolve, ResolveReply, TargetDone, TargetLoad
+from remote_g2.head_slices import source_ranks_for
+from remote_g2.messages import GetMetadata, RankInfo, Resolve, ResolveReply, TargetDone, TargetLoad
 from remote_g2.messages import PeerResolve as PeerResolveRequest
 
-from .load import Load, LoadState
-from .peer_share import share_request
+from .load import LeaseClock, Load, LoadState
+from .peer_share import ask_peers, combine, share_request
 
 if TYPE_CHECKING:
     from .client import TargetMatch
@@ -128,7 +129,8 @@ class ClassicResolve(ResolveStrategy):
 
 
 class PeerResolve(ResolveStrategy):
-    """Every target rank resolves its own share with its peer source rank, under one lease id."""
+    """Every target rank resolves its own share with the source ranks it reads, under the leader's lease id
+    plus its rank."""
 
     name = "peer"
 
@@ -136,12 +138,12 @@ class PeerResolve(ResolveStrategy):
         """Whether a load from ``match``'s source can go this way (see :meth:`SourceDirectory.peer_ready`)."""
         host = self.host
         fp = host.config.fingerprint
-        return (host.config.peer_resolve and not (fp is not None and fp.is_mla)
-                and match.worker_id is not None and match.endpoint is not None
-                and host.sources.peer_ready(match.worker_id, match.endpoint, host.tp_size))
+        return (host.config.peer_resolve and match.worker_id is not None and match.endpoint is not None
+                and host.sources.peer_ready(match.worker_id, match.endpoint, host.tp_size,
+                                            is_mla=bool(fp and fp.is_mla), mla_offset=host.mla_offset))
 
     def start(self, load: Load, match: TargetMatch, n: int) -> None:
-        """Hand every other rank its share first, then ask source rank 0 for the leader's own."""
+        """Hand every other rank its share first, then ask the source ranks the leader reads for its own."""
         host = self.host
         assert match.worker_id is not None and match.endpoint is not None
         wid = match.worker_id
@@ -153,50 +155,55 @@ class PeerResolve(ResolveStrategy):
         # Every rank sends it as its own share (share_request): under L + its rank, staging its own part.
         ask = PeerResolveRequest(load.lease.lease_id, load.hashes[:n], host.config.lease_ttl_ms,
                                  host.worker_id, host.gather_wish(len(infos)))
+        is_mla = bool(host.config.fingerprint and host.config.fingerprint.is_mla)
+        mla_offset = host.mla_offset(len(infos))
         load.enter(LoadState.READING)
-        msg = TargetLoad(load.load_id, wid, epoch, len(infos), False, 0, [], [], load.dst,
+        msg = TargetLoad(load.load_id, wid, epoch, len(infos), is_mla, mla_offset, [], [], load.dst,
                          host.config.transfer_timeout_ms, host.start_clocks(load), ask, request_id=load.request_id)
         host.send_to_ranks(load, msg)
         sent = time.monotonic()
         host.metrics.phase("to_resolve", sent - load.started)
-        # Source rank 0's stream lane when it has one (no ZMQ I/O threads on the way), else its worker endpoint.
-        load.lease.endpoint = infos[0].peer_endpoint or match.endpoint
-        host.mux.call(load.lease.endpoint, share_request(ask, 0), lambda reply: self._resolved(load, reply, sent, msg))
+        # Source rank 0 at its stream lane when it has one (no ZMQ I/O threads on the way), else at the
+        # worker's endpoint; every other source rank at its peer endpoint.
+        endpoints = {s: infos[s].peer_endpoint or (match.endpoint if s == 0 else None)
+                     for s in source_ranks_for(0, source_tp=len(infos), target_tp=host.tp_size, is_mla=is_mla,
+                                               mla_offset=mla_offset)}
+        assert all(endpoints.values()), endpoints  # peer_ready checked
+        first, *others = sorted(endpoints)
+        load.lease.endpoint = endpoints[first]
+        load.other_shares = [LeaseClock(load.lease.lease_id, endpoints[s]) for s in others]
+        ask_peers(host.mux, endpoints, share_request(ask, 0),
+                  lambda replies: self._resolved(load, replies, endpoints, sent, msg))
 
-    def _resolved(self, load: Load, reply: Any, sent: float, msg: TargetLoad) -> None:
-        """Rank 0's share is resolved (or not): start it, or count rank 0 as failed (the others still report)."""
+    def _resolved(self, load: Load, replies: dict[int, Any], endpoints: dict[int, str], sent: float,
+                  msg: TargetLoad) -> None:
+        """The leader's share is resolved on every source rank it reads (or not): start it, or count the
+        leader's share as failed (the other ranks still report)."""
         host = self.host
         assert load.match is not None and load.match.worker_id is not None
         wid = load.match.worker_id
         host.metrics.phase("resolve", time.monotonic() - sent)
         if not host.alive(load):
-            return  # given up meanwhile (shut down); fail() released the lease
-        where = f"peer_resolve on {wid} rank 0"
-        if isinstance(reply, Exception):
-            why = f"{where}: {type(reply).__name__}: {reply}"
-            self._turn_off(wid, load.source_epoch, why)
-            if _lane_gone(reply) and load.lease.endpoint != load.match.endpoint:
-                # Rank 0's lane refused or dropped the connection: its process is gone — perhaps restarted
-                # behind the same worker endpoint (a fixed port), with new lanes. Resolve once more there,
-                # classically, as for a new epoch; a source that is really gone fails that resolve.
-                host.sources.forget(wid)
-                load.resolve_again = True
-            host.rank_done(TargetDone(load.load_id, 0, False, why[:4000]))
-            return
-        if reply.epoch != load.source_epoch:
-            # Restarted: once every rank has answered (the others fail their shares the same way), this load
-            # is resolved again through rank 0, which brings the new epoch's metadata.
+            return  # given up meanwhile (shut down): fail() released the leases
+        got = combine(replies, load.source_epoch, wid)
+        lanes_gone = any(_lane_gone(reply) and endpoints[s] != load.match.endpoint for s, reply in replies.items())
+        if got.restarted or lanes_gone:
+            # A rank answered another epoch, or a lane refused or dropped the connection: the source's process
+            # is gone — perhaps restarted behind the same worker endpoint (a fixed port), with new lanes.
+            # Once every rank has answered (the others fail their shares the same way), this load is resolved
+            # again through rank 0's worker endpoint, classically, which brings the new epoch's metadata; a
+            # source that is really gone fails that resolve.
             host.sources.forget(wid)
             load.resolve_again = True
             host.send_release(load)
-            host.rank_done(TargetDone(load.load_id, 0, False, f"{where}: the source restarted"))
+        elif got.peer_failed:
+            self._turn_off(wid, load.source_epoch, got.error)
+        if got.error:
+            host.rank_done(TargetDone(load.load_id, 0, False, got.error[:4000]))
             return
-        if reply.reason != "ok" or reply.matched == 0:
-            host.rank_done(TargetDone(load.load_id, 0, False, f"{where}: {reply.reason}"))
-            return
-        load.lease.granted(sent, reply.expires_in_ms)
-        host.own_share(replace(msg, ranks=[RankBlocks(0, reply.block_ids, reply.staged)],
-                               dst_block_ids=load.dst[:reply.matched], peer=None))
+        for lease in load.leases():
+            lease.granted(sent, got.expires_in_ms)
+        host.own_share(replace(msg, ranks=got.ranks, dst_block_ids=load.dst[:got.matched], peer=None))
 
     def rank_failed(self, load: Load, done: TargetDone) -> None:
         if done.peer_failed and load.match is not None and load.match.worker_id is not None:

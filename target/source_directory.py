@@ -10,9 +10,10 @@ coordinator's thread only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from remote_g2.head_slices import peer_rank
+from remote_g2.head_slices import source_ranks_for
 from remote_g2.messages import RankInfo
 
 __all__ = ["SourceDirectory"]
@@ -69,27 +70,35 @@ class SourceDirectory:
         """``worker`` restarted (or its lane went away): learn it again from its next resolve."""
         self._sources.pop(worker, None)
 
-    def peer_ready(self, worker: str, endpoint: str, tp_size: int) -> bool:
+    def peer_ready(self, worker: str, endpoint: str, tp_size: int, *, is_mla: bool = False,
+                   mla_offset: Callable[[int], int] = lambda source_tp: 0) -> bool:
         """Whether every target rank can resolve its own share of a load from ``worker`` (docs/target.md).
 
-        Needs a TP size that is the source's or a multiple of it (each
-        target rank reads from one source rank: :func:`~remote_g2.head_slices.peer_rank`),
-        a peer endpoint on every source rank a target rank > 0 reads from
-        (rank 0's too when it is one of them: such a rank knows no other way
-        to it), and the source's current metadata on every target rank (sent
-        with an earlier load, from the same endpoint: a new one is a
+        Needs a peer endpoint on every source rank a target rank reads from
+        (:func:`~remote_g2.head_slices.source_ranks_for`; ``mla_offset(source_tp)``
+        as the reads are planned) — for source rank 0 only when a target
+        rank > 0 reads it, since the leader may ask rank 0 at the worker's
+        endpoint — and the source's current metadata on every target rank
+        (sent with an earlier load, from the same endpoint: a new one is a
         restart); not after a peer call to that source epoch failed. (The
-        caller checks the target's own config: peer resolve on, a dense model.)
+        caller checks the target's own config: peer resolve on.)
         """
         source = self._sources.get(worker)
         if source is None or (worker, source.epoch) in self._peer_off or self._endpoints.get(worker) != endpoint:
             return False
         source_tp = len(source.infos)
-        if tp_size % source_tp or set(source.infos) != set(range(source_tp)):
+        if set(source.infos) != set(range(source_tp)):
             return False
         if not all(info.agent_name in source.sent for info in source.infos.values()):
             return False
-        return all(source.infos[peer_rank(r, source_tp, tp_size)].peer_endpoint for r in range(1, tp_size))
+        if not is_mla and max(source_tp, tp_size) % min(source_tp, tp_size):
+            return False  # no such plan: the classic resolve says why
+        offset = mla_offset(source_tp)
+        for r in range(tp_size):
+            for s in source_ranks_for(r, source_tp=source_tp, target_tp=tp_size, is_mla=is_mla, mla_offset=offset):
+                if (r or s) and not source.infos[s].peer_endpoint:
+                    return False
+        return True
 
     def peer_failed(self, worker: str, epoch: int) -> bool:
         """Stop peer resolve against ``worker``'s ``epoch``; True the first time."""

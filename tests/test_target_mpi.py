@@ -31,6 +31,8 @@ import pytest
 from source_procs.harness import MPIEXEC, SourceWorker, have_mpiexec
 from source_procs.pattern import make_layout
 
+from remote_g2.head_slices import source_ranks_for
+
 
 pytestmark = [
     pytest.mark.mpi,
@@ -100,44 +102,58 @@ def _assert_landed(verify: list[dict], *, untouched_clean: bool = False) -> None
             assert v["untouched_written"] == [], (r, v)
 
 
-@pytest.mark.parametrize(("source_tp", "target_tp", "peer", "transport", "gather"),
-                         [(2, 2, True, "stream", False), (2, 2, True, "zmq", False), (2, 2, False, "stream", False),
-                          (1, 2, True, "stream", True), (2, 4, True, "stream", True), (2, 4, True, "stream", False),
-                          (2, 4, True, "zmq", False), (2, 1, True, "stream", True)])
-def test_a_second_load_resolves_each_share_with_the_source_rank_it_reads(
+def _reads_rank0_past_the_leader(source_tp: int, target_tp: int, mla: bool) -> bool:
+    """Whether a target rank > 0 reads source rank 0, the one rank that may have no peer endpoint."""
+    # The leader's MLA offset is crc32(worker id) % source_tp: any rank may be rank 0's peer; assume so.
+    return any(0 in source_ranks_for(r, source_tp=source_tp, target_tp=target_tp, is_mla=False)
+               for r in range(1, target_tp)) or (mla and target_tp > 1)
+
+
+PEER_CASES = [(2, 2, True, "stream", False, False), (2, 2, True, "zmq", False, False),
+              (2, 2, False, "stream", False, False), (1, 2, True, "stream", True, False),
+              (2, 4, True, "stream", True, False), (2, 4, True, "stream", False, False),
+              (2, 4, True, "zmq", False, False), (2, 1, True, "stream", True, False),
+              (2, 1, True, "zmq", True, False), (2, 2, True, "stream", False, True), (2, 1, True, "stream", True, True)]
+
+
+@pytest.mark.parametrize(("source_tp", "target_tp", "peer", "transport", "gather", "mla"), PEER_CASES,
+                         ids=[f"{'mla-' if c[5] else ''}{c[0]}to{c[1]}-{c[3]}{'' if c[2] else '-off'}"
+                              f"{'-gather' if c[4] else ''}" for c in PEER_CASES])
+def test_a_second_load_resolves_each_share_with_the_source_ranks_it_reads(
         tmp_path: Path, registry: str, source_tp: int, target_tp: int, peer: bool, transport: str,
-        gather: bool) -> None:
+        gather: bool, mla: bool) -> None:
     """The first load from a source goes through rank 0's resolve (it brings every rank the metadata); the
-    next one, when each target rank reads from one source rank (the same TP size, or a multiple of the
-    source's), has each target rank ask that source rank for its own share (peer_resolve), over the source's
-    stream lanes (rank 0's included) or, with ``zmq``, ZMQ — where rank 0 has no lane of its own, so a target
-    rank > 0 that reads from it cannot ask it, and a larger TP goes through rank 0's resolve. A smaller
-    target TP (a rank reads from several source ranks) goes through rank 0's resolve. With ``gather``,
-    every source rank stages what each target rank reads (only the asking rank's part on a peer share)."""
+    next one has each target rank ask the source ranks it reads for its own share (peer_resolve), over the
+    source's stream lanes (rank 0's included) or, with ``zmq``, ZMQ — where source rank 0 has no lane of
+    its own, so a target rank > 0 that reads it cannot ask it and the load goes through rank 0's resolve.
+    With ``gather``, every source rank stages what each target rank reads (only the asking rank's part on
+    a peer share)."""
     rule = ["--gather-min-descriptors", "1", "--gather-max-piece-kib", "1024"] if gather else []
+    mla_args = ["--mla"] if mla else []
     with _source_released_every_pin(tmp_path, registry, source_tp,
-                                    f"peer{source_tp}to{target_tp}{peer}{transport}{gather}",
-                                    ["--peer-transport", transport, *rule]) as source:
+                                    f"peer{source_tp}to{target_tp}{peer}{transport}{gather}{mla}",
+                                    ["--peer-transport", transport, *rule, *mla_args]) as source:
         lanes = [source.state(r)["service"]["peer_endpoint"] for r in range(source_tp)]
         if transport == "stream":
             assert all(e.startswith("tcp+stream://") for e in lanes), lanes
         else:
             assert lanes[0] is None and all(e.startswith("tcp://") for e in lanes[1:]), lanes
         leader, verify = _run_target(tmp_path, registry, tp=target_tp, source_tp=source_tp,
-                                     extra=["--warm-load", "--peer-resolve", str(int(peer)), "--gather", str(int(gather))])
+                                     extra=["--warm-load", "--peer-resolve", str(int(peer)), "--gather",
+                                            str(int(gather)), *mla_args])
         assert leader["warm"] == {"done": ["req-warm"], "failed": [], "peer_loads": 0}
         assert leader["done"] == ["req-1"] and leader["failed"] == [] and leader["invalid"] == [], leader["log"]
-        reads_rank0 = transport == "stream" or source_tp == target_tp
-        expect_peer = peer and target_tp % source_tp == 0 and reads_rank0
+        expect_peer = peer and (transport == "stream" or not _reads_rank0_past_the_leader(source_tp, target_tp, mla))
         assert leader["stats"]["peer_loads"] == (1 if expect_peer else 0), leader["stats"]
         assert leader["stats"]["done"] == 2, leader["stats"]
         _assert_landed(verify, untouched_clean=True)
         # Every rank learned how its own share of each load ended, by the engine's request id.
         assert all(v["shares_done"] == ["req-1", "req-warm"] and v["shares_failed"] == [] for v in verify), verify
         gathers = [source.state(r)["service"]["gathers"] for r in range(source_tp)]
-        # Two loads, each staging one part per (source rank, target rank reading it): a peer share stages
-        # the asking rank's part alone, so the count is the same either way.
-        parts = 2 * max(source_tp, target_tp)
+        # Per load, one part per (source rank, target rank reading it) — a peer share stages the asking rank's
+        # part alone, so the count is the same either way — save MLA's classic resolve, where target ranks
+        # reading one source rank share its one part.
+        parts = 2 * max(source_tp, target_tp) if not mla else target_tp + (target_tp if expect_peer else 1)
         assert sum(g["staged"] for g in gathers) == (parts if gather else 0), gathers
         for r in range(source_tp):  # staging went with the leases
             source.wait_state(r, lambda s: s["service"]["staging_in_use"] == 0, what="staging freed")

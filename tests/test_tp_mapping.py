@@ -19,7 +19,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from remote_g2.head_slices import peer_rank
 from remote_g2.messages import BlockLayout, LayoutFingerprint, RankBlocks, RankInfo
 from remote_g2.target.layout_compat import check_compatible, check_fingerprints
 from remote_g2.target.read_plan import ReadExtent, ReadPlan
@@ -183,11 +182,6 @@ def test_plan_moves_the_right_bytes(source_tp, target_tp, is_mla, mode, reads_fr
         assert plan.target_rank == r
         assert plan.source_ranks == reads_from[r]
         assert source_ranks_for(r, source_tp=source_tp, target_tp=target_tp, is_mla=is_mla) == reads_from[r]
-        if not is_mla and len(reads_from[r]) == 1:  # the rank a peer share of a dense model is asked of
-            assert peer_rank(r, source_tp, target_tp) == reads_from[r][0]
-        elif not is_mla:
-            with pytest.raises(ValueError, match="more than one source rank"):
-                peer_rank(r, source_tp, target_tp)
 
 
 @pytest.mark.parametrize("order", ["HND", "NHD"])

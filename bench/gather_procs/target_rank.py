@@ -23,7 +23,8 @@ one checked); then ``--reps`` rounds of {request gathered, request read in
 place, raw sliced, raw contiguous} in an order that rotates every round; the
 in-place request flips the client's ``gather`` setting for that one request
 (a benchmark-only A/B). Then ``--reps`` rounds of {1-block request, raw
-one-descriptor READ, one RPC round trip to source rank 0 (``ping``)}. The
+one-descriptor READ, 1-block request with peer resolve off (the classic
+strategy), one RPC round trip to source rank 0 (``ping``)}. The
 last full request lands in zeroed blocks and is checked. Results go to
 ``DIR/result.json``.
 """
@@ -223,10 +224,14 @@ class Leader:
         if bad:
             raise RuntimeError(f"{what}: wrong bytes in destination blocks (rank, blocks): {bad}")
 
-    def load(self, n: int, *, gather: bool = True) -> float:
-        """One request of the first ``n`` hashes, end to end (lookup to outcome); its seconds."""
+    def load(self, n: int, *, gather: bool = True, peer: bool = True) -> float:
+        """One request of the first ``n`` hashes, end to end (lookup to outcome); its seconds.
+
+        ``peer`` False: the leader resolves every share (the classic strategy) even where the ranks could
+        each ask their own source rank."""
         client = self.client
-        client.coordinator.config = replace(self.config, gather=gather)  # benchmark-only A/B of the setting
+        # benchmark-only A/B of the settings
+        client.coordinator.config = replace(self.config, gather=gather, peer_resolve=self.config.peer_resolve and peer)
         self.req += 1
         req = f"r{self.req}"
         t0 = time.perf_counter()
@@ -245,7 +250,8 @@ class Leader:
             client.wait_finished(1.0)
         took = time.perf_counter() - t0
         after = self.phases()
-        kind = self.phase_ms.setdefault(f"{'gathered' if gather else 'in_place'}-{n}", {})
+        name = f"{'gathered' if gather else 'in_place'}-{n}{'' if peer else '-classic'}"
+        kind = self.phase_ms.setdefault(name, {})
         kind.setdefault("lookup", []).append((t_lookup - t0) * 1000)
         for p in after:
             kind.setdefault(p, []).append((after[p][1] - before[p][1]) * 1000)
@@ -269,20 +275,17 @@ class Leader:
         for i in range(reps):
             for name, step in steps[i % 4:] + steps[:i % 4]:
                 times[name].append(step())
-        one: dict[str, list[float]] = {"load": [], "raw_one": [], "rpc": []}
-        phases_before = self.phases()
+        one: dict[str, list[float]] = {"load": [], "load_classic": [], "raw_one": [], "rpc": []}
         endpoint = json.loads((self.args.source_dir / "endpoint.json").read_text())["endpoint"]
         with RpcClient(endpoint, timeout_ms=2000) as rpc:
             rpc.call(Ping())
             for i in range(reps):
                 one["load"].append(self.load(1))
                 one["raw_one"].append(self.raw("one"))
+                one["load_classic"].append(self.load(1, peer=False))
                 t = time.perf_counter()
                 rpc.call(Ping())
                 one["rpc"].append(time.perf_counter() - t)
-        phases_after = self.phases()
-        one_phases = {p: (phases_after[p][1] - phases_before[p][1]) / max(1, phases_after[p][0] - phases_before[p][0])
-                      for p in phases_after}
         self.all({"op": "zero", "n": n})
         times["gathered"].append(self.load(n))
         self.check(n, "the last request")
@@ -290,7 +293,6 @@ class Leader:
         return {"first_s": first, "times": times, "one": one, "descriptors_in_place": self.me.slices.num_descriptors,
                 "bytes_per_rank": self.me.slices.total_bytes, "client_stats": dict(stats),
                 "median": {k: statistics.median(v) for k, v in {**times, **one}.items()},
-                "one_block_phase_means": one_phases,
                 "phase_medians_ms": {k: {p: statistics.median(v) for p, v in ph.items()}
                                      for k, ph in self.phase_ms.items()}}
 
