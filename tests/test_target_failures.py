@@ -219,11 +219,14 @@ def test_resolve_answered_with_err_fails_the_request(tmp_path: Path, registry: s
         source.wait_pins(r, 0, timeout_s=10)
 
 
+@pytest.mark.parametrize("tp", [2, 1])
 def test_a_peer_share_left_unanswered_fails_the_request_and_stops_peer_resolve(
-        tmp_path: Path, registry: str, source: SourceWorker, targets: list[Target]) -> None:
-    # After a first (classic) load, target rank 1 asks source rank 1 for its share itself (peer_resolve);
-    # source rank 1 takes 1.5 s to pin, past the target's 1 s RPC timeout.
-    t = run_target(targets, tmp_path, registry, "peer-slow", tp=2, rpc_timeout_ms=1000,
+        tmp_path: Path, registry: str, source: SourceWorker, targets: list[Target], tp: int) -> None:
+    # After a first (classic) load, each target rank asks the source ranks it reads for its share itself
+    # (peer_resolve): at TP 2 target rank 1 asks source rank 1; at TP 1 the leader asks both, and source
+    # rank 0's share, pinned, must be handed back. Source rank 1 takes 1.5 s to pin, past the target's 1 s
+    # RPC timeout.
+    t = run_target(targets, tmp_path, registry, f"peer-slow{tp}", tp=tp, rpc_timeout_ms=1000,
                    extra=["--warm-load", "--wait-go"])
     t.wait_file("warm-done")
     source.set_pin_delay(1, 1.5)
