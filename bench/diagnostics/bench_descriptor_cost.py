@@ -12,7 +12,14 @@ For each N the same ``--mib`` are read as N equal extents (64 MiB / 16 =
 * ``contiguous`` — extent i of the destination reads extent i of the source
   (what a fully coalesced run looks like before coalescing: NIXL may merge);
 * ``scattered``  — the source extents are a random permutation (blocks spread
-  over the pool; nothing can be merged).
+  over the pool; nothing can be merged);
+* ``scattered destination`` — the source extents lie back to back (a part
+  the source staged) and the destination extents are a random permutation
+  (a target whose blocks take each source rank's heads in pieces, TP 2 → 1);
+  beside it ``land + scatter``: the same bytes READ as one descriptor into a
+  landing buffer, then copied to the scattered destination extents in this
+  process (:func:`remote_g2.extent_copy.copy_extents`, GIL released) — what
+  a target-side bounce buffer would cost, to tell whether it pays.
 
 Each cell is the median of ``--reps`` timed READs (after one warm-up READ
 whose bytes are checked): ``start`` = ``start_read`` (descriptor lists,
@@ -40,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 import numpy as np  # noqa: E402
 from source_procs.nixl_source_peer import PeerProcess, pattern_bytes  # noqa: E402
 
+from remote_g2.extent_copy import copy_extents  # noqa: E402
 from remote_g2.secondary_pool import MemoryRegion  # noqa: E402
 
 SEED = 3
@@ -79,6 +87,7 @@ def main() -> int:
 
     src_copy = pattern_bytes(SEED, total)  # what the peer holds: the baseline's source and the check
     dst = np.zeros(total, dtype=np.uint8)
+    landing = np.zeros(total, dtype=np.uint8)  # the land + scatter rows' bounce buffer
     base_s = []
     for _ in range(args.reps):
         t0 = time.perf_counter()
@@ -91,22 +100,43 @@ def main() -> int:
         peer = PeerProcess(Path(tmp), f"bench-peer-{os.getpid()}", total, seed=SEED)
         t = NixlTransfer(f"bench-target-{os.getpid()}")
         try:
-            t.register_local([MemoryRegion(dst.ctypes.data, dst.nbytes)])
+            t.register_local([MemoryRegion(dst.ctypes.data, dst.nbytes),
+                              MemoryRegion(landing.ctypes.data, landing.nbytes)])
             t.add_peer(peer.name, peer.metadata)
+            landing_at = np.array([landing.ctypes.data], dtype=np.uint64)
+            remote_one = np.array([peer.info["base"]], dtype=np.uint64)
+            whole = np.array([total], dtype=np.uint64)
             for n in counts:
                 size = total // n
-                for layout in ("contiguous", "scattered"):
+                for layout in ("contiguous", "scattered", "scattered destination", "land + scatter"):
                     order = np.arange(n, dtype=np.uint64) if layout == "contiguous" else \
                         rng.permutation(n).astype(np.uint64)
                     local = dst.ctypes.data + np.arange(n, dtype=np.uint64) * np.uint64(size)
                     remote = np.uint64(peer.info["base"]) + order * np.uint64(size)
+                    if layout != "scattered":  # the source's extents back to back; the destination's in `order`
+                        local, remote = (dst.ctypes.data + order * np.uint64(size),
+                                         np.uint64(peer.info["base"]) + np.arange(n, dtype=np.uint64) * np.uint64(size))
                     nbytes = np.full(n, size, dtype=np.uint64)
+                    if layout == "land + scatter":
+                        def run(local: np.ndarray = local, nbytes: np.ndarray = nbytes) -> tuple[float, float]:
+                            t0 = time.perf_counter()
+                            start, _ = timed_read(t, peer.name, landing_at, remote_one, whole)
+                            copy_extents(local, landing_at + np.arange(n, dtype=np.uint64) * np.uint64(size), nbytes)
+                            return start, time.perf_counter() - t0
+                    else:
+                        def run(local: np.ndarray = local, remote: np.ndarray = remote,
+                                nbytes: np.ndarray = nbytes) -> tuple[float, float]:
+                            return timed_read(t, peer.name, local, remote, nbytes)
                     dst[:] = 0
-                    timed_read(t, peer.name, local, remote, nbytes)  # warm-up, checked
-                    want = src_copy.reshape(n, size)[order.astype(np.int64)].ravel()
+                    run()  # warm-up, checked
+                    if layout in ("contiguous", "scattered"):
+                        want = src_copy.reshape(n, size)[order.astype(np.int64)].ravel()
+                    else:
+                        want = np.empty_like(src_copy)
+                        want.reshape(n, size)[order.astype(np.int64)] = src_copy.reshape(n, size)
                     if not np.array_equal(dst, want):
                         raise SystemExit(f"N={n} {layout}: bytes differ from the source")
-                    runs = [timed_read(t, peer.name, local, remote, nbytes) for _ in range(args.reps)]
+                    runs = [run() for _ in range(args.reps)]
                     start_s = statistics.median(r[0] for r in runs)
                     total_s = statistics.median(r[1] for r in runs)
                     rows.append({"descriptors": n, "bytes_per_descriptor": size, "layout": layout,
@@ -119,12 +149,12 @@ def main() -> int:
     base = statistics.median(base_s)
     print(f"{args.mib} MiB per READ, median of {args.reps}; NIXL {_nixl_version()} UCX, "
           f"{os.cpu_count()} CPUs, {platform.machine()}")
-    print(f"{'descriptors':>11} {'bytes/desc':>10} {'layout':>10} {'start s':>9} {'total s':>9} "
+    print(f"{'descriptors':>11} {'bytes/desc':>10} {'layout':>22} {'start s':>9} {'total s':>9} "
           f"{'GB/s':>7} {'us/desc':>8}")
     for r in rows:
-        print(f"{r['descriptors']:>11} {r['bytes_per_descriptor']:>10} {r['layout']:>10} {r['start_s']:>9.5f} "
+        print(f"{r['descriptors']:>11} {r['bytes_per_descriptor']:>10} {r['layout']:>22} {r['start_s']:>9.5f} "
               f"{r['total_s']:>9.5f} {r['gb_per_s']:>7.2f} {r['us_per_descriptor']:>8.2f}")
-    print(f"{'memcpy':>11} {total:>10} {'numpy':>10} {'':>9} {base:>9.5f} {total / base / 1e9:>7.2f} {'':>8}")
+    print(f"{'memcpy':>11} {total:>10} {'numpy':>22} {'':>9} {base:>9.5f} {total / base / 1e9:>7.2f} {'':>8}")
     if args.json:
         args.json.write_text(json.dumps({"mib": args.mib, "reps": args.reps, "nixl": _nixl_version(),
                                          "cpus": os.cpu_count(), "rows": rows,
