@@ -1,8 +1,8 @@
 """A target rank resolving its own share with the source ranks it reads (``peer_resolve``), then loading it.
 
 The leader sends every rank > 0 a ``target_load`` whose ``peer`` field is
-the ``peer_resolve`` request it sent for its own share (docs/target.md,
-"Peer resolve"). A rank's peers are the source
+the ``peer_resolve`` request it sends for its own share, before it sends
+that one (docs/target.md, "Peer resolve"). A rank's peers are the source
 ranks it reads from (:func:`~remote_g2.head_slices.source_ranks_for`: its
 namesake at the same TP size; at a larger one, or for MLA, the one rank
 holding what it reads, which other target ranks read too; at a smaller

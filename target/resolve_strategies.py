@@ -143,12 +143,14 @@ class PeerResolve(ResolveStrategy):
                                             is_mla=bool(fp and fp.is_mla), mla_offset=host.mla_offset))
 
     def start(self, load: Load, match: TargetMatch, n: int) -> None:
-        """Ask the source ranks the leader reads for its own share, then hand every other rank its share.
+        """Hand every other rank its share, then ask the source ranks the leader reads for its own.
 
-        The leader's calls go first: on a box where the ranks share CPUs, a
-        ``target_load`` sent first wakes its rank, which then holds the CPU
-        the leader's own calls wait for (the ``to_resolve`` phase of
-        ``bench/bench_gather.py``; docs/benchmarks.md, "Gathered reads").
+        The other ranks go first: their chain is a hop longer (the
+        ``target_load``, then their calls). Where ranks share a CPU, a rank
+        woken first holds it while the leader's calls wait (the
+        ``to_resolve`` phase of ``bench/bench_gather.py --cpus split``); with
+        a core per rank, as in a deployment, this order is the faster one
+        (``bench/bench_transfer.py --bind core``; docs/benchmarks.md).
         """
         host = self.host
         assert match.worker_id is not None and match.endpoint is not None
@@ -166,6 +168,7 @@ class PeerResolve(ResolveStrategy):
         load.enter(LoadState.READING)
         msg = TargetLoad(load.load_id, wid, epoch, len(infos), is_mla, mla_offset, [], [], load.dst,
                          host.config.transfer_timeout_ms, host.start_clocks(load), ask, request_id=load.request_id)
+        host.send_to_ranks(load, msg)
         sent = time.monotonic()
         host.metrics.phase("to_resolve", sent - load.started)
         # Source rank 0 at its stream lane when it has one (no ZMQ I/O threads on the way), else at the
@@ -179,7 +182,6 @@ class PeerResolve(ResolveStrategy):
         load.other_shares = [LeaseClock(load.lease.lease_id, endpoints[s]) for s in others]
         ask_peers(host.mux, endpoints, share_request(ask, 0),
                   lambda replies: self._resolved(load, replies, endpoints, sent, msg))
-        host.send_to_ranks(load, msg)
 
     def _resolved(self, load: Load, replies: dict[int, Any], endpoints: dict[int, str], sent: float,
                   msg: TargetLoad) -> None:
