@@ -384,17 +384,25 @@ def _compile_encoder(tp: Any) -> Encoder | None:
 
 
 def encoder_for(cls: type) -> Encoder:
-    """Compile (once) a function turning a ``cls`` instance into a plain msgpack-able map."""
+    """Compile (once) a function turning a ``cls`` instance into a plain msgpack-able map.
+
+    A field whose default is None is left out while it is None: the decoder
+    puts the default back, and a peer that predates an optional field still
+    decodes a message that does not use it (a rolling upgrade; decoders
+    refuse fields they do not know).
+    """
     cached = _encoders.get(cls)
     if cached is not None:
         return cached
     hints = get_type_hints(cls, include_extras=True)
-    plan = [(f.name, _compile_encoder(hints[f.name])) for f in dataclasses.fields(cls)]
+    plan = [(f.name, _compile_encoder(hints[f.name]), f.default is None) for f in dataclasses.fields(cls)]
 
     def encode(obj: Any) -> dict[str, Any]:
         out = {}
-        for name, enc in plan:
+        for name, enc, optional in plan:
             value = getattr(obj, name)
+            if value is None and optional:
+                continue
             out[name] = value if enc is None else enc(value)
         return out
 

@@ -50,6 +50,29 @@ def valid() -> dict:
     }
 
 
+@dataclass(frozen=True)
+class Older:
+    """``Newer`` as a peer that predates its optional field knows it."""
+
+    name: Annotated[str, Limits(max_len=8)]
+    peer: Annotated[int, Limits(ge=0)] | None = None
+
+
+@dataclass(frozen=True)
+class Newer:
+    name: Annotated[str, Limits(max_len=8)]
+    peer: Annotated[int, Limits(ge=0)] | None = None
+    added: Annotated[int, Limits(ge=0)] | None = None
+
+
+def test_an_unset_optional_field_stays_off_the_wire_so_an_older_peer_still_decodes_it():
+    assert encoder_for(Newer)(Newer("a")) == {"name": "a"}
+    assert decoder_for(Older)(encoder_for(Newer)(Newer("a", 3))) == Older("a", 3)
+    assert decoder_for(Newer)(encoder_for(Newer)(Newer("a"))) == Newer("a")
+    with pytest.raises(ProtocolError, match="unknown field"):  # a field it does not know, in use: refused
+        decoder_for(Older)(encoder_for(Newer)(Newer("a", added=1)))
+
+
 def test_valid_body_decodes_to_dataclasses_and_round_trips():
     obj = decode(valid())
     assert obj.hashes[1] == b"\x02" * 32
