@@ -23,13 +23,13 @@ outcome waits for its release's answer (docs/target.md). Thread-safe.
 
 from __future__ import annotations
 
-import bisect
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from remote_g2.first_fit import FirstFit
 from remote_g2.host_memory import huge_page_buffer
 
 __all__ = ["StagingArena", "ALIGN"]
@@ -53,22 +53,21 @@ class StagingArena:
     def __init__(self, nbytes: int, *, on_change: Callable[[int], None] | None = None) -> None:
         if nbytes < ALIGN:
             raise ValueError(f"a staging region needs at least {ALIGN} bytes, got {nbytes}")
-        nbytes -= nbytes % ALIGN
+        self._ranges = FirstFit(nbytes, ALIGN)
+        nbytes = self._ranges.nbytes
         self.buffer: np.ndarray = huge_page_buffer(nbytes)
         self.buffer.fill(0)  # touch every page now: a gather must not pay the first-touch faults
         self.base = int(self.buffer.ctypes.data)
         self._words = self.buffer.view(np.uint64)  # the staged-blocks counters (source/gather.py)
         self.nbytes = nbytes
-        self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, length), sorted, never adjacent
         self._leases: dict[int, list[_Range]] = {}
-        self._in_use = 0
         self._lock = threading.Lock()
         self._on_change = on_change
 
     @property
     def in_use(self) -> int:
         """Bytes held by leases (busy ones included)."""
-        return self._in_use
+        return self._ranges.in_use
 
     def held_by(self, lease_id: int) -> int:
         """Bytes ``lease_id`` holds (0: none)."""
@@ -77,22 +76,14 @@ class StagingArena:
 
     def take(self, lease_id: int, nbytes: int) -> int | None:
         """A range of at least ``nbytes`` for ``lease_id``, as an address, marked busy; None: no room."""
-        if nbytes <= 0:
-            raise ValueError(f"staging ranges are at least 1 byte, asked {nbytes}")
-        size = -(-nbytes // ALIGN) * ALIGN
+        size = self._ranges.size_of(nbytes)
         with self._lock:
-            for i, (off, length) in enumerate(self._free):
-                if length >= size:
-                    if length == size:
-                        del self._free[i]
-                    else:
-                        self._free[i] = (off + size, length - size)
-                    self._leases.setdefault(lease_id, []).append(_Range(off, size))
-                    self._in_use += size
-                    in_use = self._in_use
-                    break
-            else:
+            got = self._ranges.take(size)
+            if got is None:
                 return None
+            off = got[0]
+            self._leases.setdefault(lease_id, []).append(_Range(off, size))
+            in_use = self._ranges.in_use
         self._changed(in_use)
         return self.base + off
 
@@ -160,19 +151,9 @@ class StagingArena:
         return freed
 
     def _free_range(self, r: _Range) -> int:
-        """Give ``r`` back to the free list, merged with its neighbours (lock held); bytes in use after."""
-        off, end = r.offset, r.offset + r.nbytes
-        i = bisect.bisect_left(self._free, (off, 0))
-        if i < len(self._free) and self._free[i][0] == end:  # the next free range starts where r ends
-            end += self._free[i][1]
-            del self._free[i]
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == off:  # the previous one ends where r starts
-            off = self._free[i - 1][0]
-            del self._free[i - 1]
-            i -= 1
-        self._free.insert(i, (off, end - off))
-        self._in_use -= r.nbytes
-        return self._in_use
+        """Give ``r`` back (lock held); bytes in use after."""
+        self._ranges.free(r.offset, r.nbytes)
+        return self._ranges.in_use
 
     def _changed(self, in_use: int) -> None:
         if self._on_change is not None:

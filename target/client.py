@@ -67,7 +67,7 @@ from .coordinator import LOOKUP_CACHE, Coordinator
 from .metrics import TargetMetrics
 from .outcomes import Outcomes
 from .rank_loop import RankLoop, ShareBook, ShareLoop
-from .rank_worker import RankWorker, with_scratch
+from .rank_worker import RankWorker, rank_buffers
 from .layout_compat import check_holder_tp
 
 __all__ = ["TargetClient", "TargetMatch", "maybe_start_target_client", "start_target_client"]
@@ -163,10 +163,10 @@ class TargetClient:
         maybe_start_stall_watchdog()  # REMOTE_G2_STALL_DUMP_S: stacks to stderr when Python stalls
         path = ""
         clock = _boot_id()
-        transfer = None
+        transfer = bounce = None
         try:
             layout = self._pool.layout
-            regions, self._scratch = with_scratch(self._pool.regions(), gather=self.config.gather)
+            regions, self._scratch, bounce = rank_buffers(self._pool.regions(), self.config)
             transfer = load_adapter("transfer", self.config.transfer)(
                 f"remote-g2-target-{self.worker_id}-tp{self.rank}")
             transfer.register_local(regions)
@@ -188,7 +188,8 @@ class TargetClient:
         # Owned from here on: shutdown() closes the adapter even when the links below fail.
         self._worker = RankWorker(rank=self.rank, tp_size=self.tp_size, layout=layout, pool_base=regions[0].base,
                                   transfer=transfer, report=lambda done: self._report(loop, done),
-                                  shares_leader_clock=gathered[0]["clock"] == clock, scratch=self._scratch)
+                                  shares_leader_clock=gathered[0]["clock"] == clock, scratch=self._scratch,
+                                  bounce=bounce, stats=self.stats)
         timeout = float(self.config.rpc_timeout_ms)
         # The links: every other rank connects to the leader's listener and says which rank it is.
         try:

@@ -15,6 +15,7 @@ variable                                field                                   
 ``REMOTE_G2_TARGET_METRICS_PORT``       ``metrics_port`` (leader's /metrics)        off
 ``REMOTE_G2_TARGET_PEER_RESOLVE``       ``peer_resolve`` (each rank its own share)  on
 ``REMOTE_G2_TARGET_GATHER``             ``gather`` (sources stage small pieces)     on
+``REMOTE_G2_TARGET_BOUNCE_MIB``         ``bounce_mib`` (per rank; 0: off)           64
 ``REMOTE_G2_CURVE_SERVER_KEY``          ``registry_curve`` (registry's public key)  unset (plain TCP)
 ``REMOTE_G2_SOURCE_CURVE_SERVER_KEY``   ``source_curve`` (sources' public key)      unset (plain TCP)
 ``REMOTE_G2_CURVE_CLIENT_KEY``          this client's key pair (for allow-lists)    generated per process
@@ -64,6 +65,11 @@ class TargetConfig:
       a rank's many small pieces (another TP size's head slices, small
       scattered blocks) into one staged run first (docs/source.md,
       "Gathered reads"); False: always read every piece in place.
+    * ``bounce_mib`` — each rank's bounce region (host memory registered
+      beside its pool, a pool in host memory only): a READ whose destination
+      pieces are small and scattered while its source rows are adjacent lands
+      there in one run and is scattered locally (``target/bounce.py``);
+      0: every piece lands where it belongs.
     * ``metrics_port`` — the leader serves Prometheus ``/metrics`` there
       (``remote_g2_target_*``: lookups by answer, loads by outcome, blocks
       loaded and invalid, load latency); 0 picks a free port.
@@ -86,11 +92,14 @@ class TargetConfig:
     metrics_addr: str = "127.0.0.1"
     peer_resolve: bool = True
     gather: bool = True
+    bounce_mib: int = 64
 
     def __post_init__(self) -> None:
         for name in ("lease_ttl_ms", "rpc_timeout_ms", "transfer_timeout_ms"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"TargetConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.bounce_mib <= 1 << 20:
+            raise ConfigError(f"TargetConfig.bounce_mib must be 0..{1 << 20} (MiB), got {self.bounce_mib}")
 
     @property
     def ipc_directory(self) -> str:
@@ -112,6 +121,7 @@ class TargetConfig:
         for var, name in (("REMOTE_G2_TARGET_LEASE_TTL_MS", "lease_ttl_ms"),
                           ("REMOTE_G2_TARGET_RPC_TIMEOUT_MS", "rpc_timeout_ms"),
                           ("REMOTE_G2_TARGET_TIMEOUT_MS", "transfer_timeout_ms"),
+                          ("REMOTE_G2_TARGET_BOUNCE_MIB", "bounce_mib"),
                           ("REMOTE_G2_TARGET_METRICS_PORT", "metrics_port")):
             if (number := env_int(var, e)) is not None:
                 values[name] = number

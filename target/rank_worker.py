@@ -38,6 +38,12 @@ load to its deadline: it fails, and nothing past the count was read. The
 scratch word of a failed load sits out ``SCRATCH_QUARANTINE_S`` before
 another load uses it: an aborted counter READ may still land.
 
+A part whose destination pieces are small and scattered while its source
+rows are adjacent is read into the rank's bounce region instead and
+scattered here once its READ (or, for a staged part, each posted batch's
+READ) is done (:mod:`.bounce`: the rule, and why). The scatter writes the
+destination, so it too happens only before the deadline.
+
 The deadline is the leader's (``TargetLoad.deadline_ns``) when this rank
 shares the leader's monotonic clock, else ``timeout_ms`` from the message's
 arrival. No READ is posted after it — the adapter checks it right before
@@ -61,10 +67,12 @@ from remote_g2.transfer import TransferAdapter
 from remote_g2.messages import BlockLayout, RankInfo, TargetDone, TargetLoad
 from remote_g2.secondary_pool import MemoryRegion
 
+from .config import TargetConfig
+from .bounce import Bounce, BounceRegion
 from .read_plan import SourceReads
 from .tp_mapping import ReadPlanner
 
-__all__ = ["RankWorker", "POLL_S", "SCRATCH_WORDS", "SCRATCH_QUARANTINE_S", "scratch_words", "with_scratch"]
+__all__ = ["RankWorker", "POLL_S", "SCRATCH_WORDS", "SCRATCH_QUARANTINE_S", "scratch_words", "rank_buffers"]
 
 log = logging.getLogger("remote_g2.target")
 
@@ -78,16 +86,24 @@ def scratch_words() -> np.ndarray:
     return np.zeros(SCRATCH_WORDS * 8, dtype=np.uint64)
 
 
-def with_scratch(regions: Sequence[MemoryRegion], *, gather: bool) -> tuple[list[MemoryRegion], np.ndarray | None]:
-    """The regions to register for a rank: its pool's, and a scratch region when it may read staged parts.
+def rank_buffers(regions: Sequence[MemoryRegion], config: TargetConfig
+                 ) -> tuple[list[MemoryRegion], np.ndarray | None, BounceRegion | None]:
+    """The regions to register for a rank — its pool's, a scratch region when it may read staged parts, a
+    bounce region (``config.bounce_mib``) — and the scratch words and bounce region themselves.
 
-    Only with ``gather`` and a pool in host memory (one READ uses one memory
-    kind, so a pool in device memory reads every piece in place).
+    Only with a pool in host memory (one READ uses one memory kind, so a pool
+    in device memory reads every piece in place); scratch only with ``config.gather``.
     """
-    if not gather or any(r.mem_type != "DRAM" for r in regions):
-        return list(regions), None
-    scratch = scratch_words()
-    return [*regions, MemoryRegion(scratch.ctypes.data, scratch.nbytes)], scratch
+    if any(r.mem_type != "DRAM" for r in regions):
+        return list(regions), None, None
+    out = list(regions)
+    scratch = scratch_words() if config.gather else None
+    if scratch is not None:
+        out.append(MemoryRegion(scratch.ctypes.data, scratch.nbytes))
+    bounce = BounceRegion(config.bounce_mib << 20) if config.bounce_mib else None
+    if bounce is not None:
+        out.append(bounce.region)
+    return out, scratch, bounce
 
 
 @dataclass
@@ -96,6 +112,7 @@ class _Staged:
 
     reads: SourceReads
     word: int
+    bounce: Bounce | None = None
     posted: int = 0
     counter: Any = None
 
@@ -113,6 +130,9 @@ class _Inflight:
     nbytes: int = 0
     descriptors: int = 0
     staged: list[_Staged] = field(default_factory=list)
+    bounces: list[Bounce] = field(default_factory=list)
+    #: READs whose bytes still wait in a bounce range: (handle, bounce, first read row, end read row)
+    scatters: list[tuple[Any, Bounce, int, int]] = field(default_factory=list)
 
 
 class RankWorker:
@@ -120,9 +140,13 @@ class RankWorker:
 
     def __init__(self, *, rank: int, tp_size: int, layout: BlockLayout, pool_base: int,
                  transfer: TransferAdapter, report: Callable[[TargetDone], None],
-                 shares_leader_clock: bool = True, scratch: np.ndarray | None = None) -> None:
+                 shares_leader_clock: bool = True, scratch: np.ndarray | None = None,
+                 bounce: BounceRegion | None = None, stats: dict[str, int] | None = None) -> None:
         """``scratch``: ``uint64`` words registered with ``transfer`` (:func:`scratch_words`), where staged
-        parts' counters land; None: a load with a staged part fails (and is recomputed)."""
+        parts' counters land; None: a load with a staged part fails (and is recomputed). ``bounce``:
+        a region registered with ``transfer`` (:mod:`.bounce`); None: every piece lands where it belongs.
+        ``stats``: where this rank counts ``bounced_reads`` (READs of loads that succeeded that went
+        through the bounce region) and ``bounced_bytes`` (bytes scattered from it)."""
         self.rank = rank
         self.shares_leader_clock = shares_leader_clock
         self.tp_size = tp_size
@@ -138,6 +162,9 @@ class RankWorker:
         self._planners: dict[tuple[str, bool, int], ReadPlanner] = {}
         self._retired: list[Any] = []  # handles of reported, successful loads: every READ is done
         self._scratch = scratch
+        self._bounce = bounce
+        self.stats = stats if stats is not None else {}
+        self.stats.update(bounced_reads=0, bounced_bytes=0)
         stride = 8  # words 64 bytes apart
         self._free_words: list[int] = list(range(0, 0 if scratch is None else scratch.shape[0], stride))[::-1]
         self._quarantined: deque[tuple[float, list[int]]] = deque()
@@ -186,16 +213,16 @@ class RankWorker:
                         raise RuntimeError(f"no metadata for source agent {info.agent_name}")
                     self._transfer.add_peer(info.agent_name, info.agent_metadata)
                     self._loaded.add(info.agent_name)
+                bounce = self._bounce.land(reads) if self._bounce is not None else None
+                if bounce is not None:
+                    flight.bounces.append(bounce)
+                    reads = bounce.reads
                 if reads.ready_addr:
-                    staged = _Staged(reads, self._take_word())
+                    staged = _Staged(reads, self._take_word(), bounce)
                     flight.staged.append(staged)
                     self._read_counter(flight, staged)
                     continue
-                flight.handles.append(self._transfer.start_read(info.agent_name, reads.local_addr,
-                                                                reads.remote_addr, reads.nbytes,
-                                                                not_after=flight.deadline))
-                flight.nbytes += reads.total_bytes
-                flight.descriptors += reads.num_descriptors
+                self._post(flight, reads, 0, reads.num_descriptors, bounce)
         except Exception as e:
             self._finish(load.load_id, f"{type(e).__name__}: {e}")
             return
@@ -235,6 +262,10 @@ class RankWorker:
             failure = getattr(self._transfer, "failure", None)
             why = [failure(h) for h, s in zip(handles, states) if s == "error"] if failure else []
             self._finish(key, next((w for w in why if w), "READ failed (transfer state ERR)"))
+            return
+        if flight.scatters and not self._scatter(flight, {id(h) for h, s in zip(handles, states) if s == "done"}):
+            self._finish(key, f"the load's deadline passed before its bounced bytes were scattered "
+                         f"({flight.load.timeout_ms} ms)")
         elif all(s == "done" for s in states) and all(s.complete for s in flight.staged):
             self._finish(key, None)
         elif now > flight.deadline:
@@ -242,6 +273,30 @@ class RankWorker:
                      for s in flight.staged if not s.complete]
             self._finish(key, f"READ not finished within {flight.load.timeout_ms} ms"
                          + (f" ({'; '.join(short)}: its lease ended or the source stopped)" if short else ""))
+
+    def _post(self, flight: _Inflight, reads: SourceReads, lo: int, hi: int, bounce: Bounce | None) -> None:
+        """Post one READ of rows ``[lo, hi)`` of ``reads``; a bounced one is scattered once it is done."""
+        handle = self._transfer.start_read(reads.agent_name, reads.local_addr[lo:hi], reads.remote_addr[lo:hi],
+                                           reads.nbytes[lo:hi], not_after=flight.deadline)
+        flight.handles.append(handle)
+        if bounce is not None:
+            flight.scatters.append((handle, bounce, lo, hi))
+        flight.nbytes += int(reads.nbytes[lo:hi].sum(dtype=np.uint64))
+        flight.descriptors += hi - lo
+
+    def _scatter(self, flight: _Inflight, done: set[int]) -> bool:
+        """Scatter every bounced READ in ``done`` (handle ids); False: the deadline passed first (nothing written)."""
+        waiting = []
+        for item in flight.scatters:
+            if id(item[0]) not in done:
+                waiting.append(item)
+                continue
+            if time.monotonic() > flight.deadline:
+                return False
+            _, bounce, lo, hi = item
+            self.stats["bounced_bytes"] += bounce.scatter(lo, hi)
+        flight.scatters = waiting
+        return True
 
     # -- staged parts (source/gather.py) ---------------------------------------------------
 
@@ -278,12 +333,7 @@ class RankWorker:
         assert reads.need is not None
         ready = int(np.searchsorted(reads.need, np.uint64(self._count(staged)), side="right"))
         if ready > staged.posted:
-            lo, hi = staged.posted, ready
-            flight.handles.append(self._transfer.start_read(reads.agent_name, reads.local_addr[lo:hi],
-                                                            reads.remote_addr[lo:hi], reads.nbytes[lo:hi],
-                                                            not_after=flight.deadline))
-            flight.nbytes += int(reads.nbytes[lo:hi].sum(dtype=np.uint64))
-            flight.descriptors += hi - lo
+            self._post(flight, reads, staged.posted, ready, staged.bounce)
             staged.posted = ready
         if not staged.complete and time.monotonic() <= flight.deadline:  # past it, the check reports the load
             self._read_counter(flight, staged)
@@ -337,6 +387,10 @@ class RankWorker:
             self._free_words.extend(words)
         elif words:  # a counter READ of a failed load may still land: keep its word out for a while
             self._quarantined.append((time.monotonic() + SCRATCH_QUARANTINE_S, words))
+        for bounce in flight.bounces:
+            assert self._bounce is not None
+            self._bounce.give_back(bounce, failed=error is not None)
+            self.stats["bounced_reads"] += error is None
         if error is None:
             # Every READ said done: no byte moves any more, so the leader hears first (it waits for the
             # slowest rank) and the handles are freed later (release_retired).

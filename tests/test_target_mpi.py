@@ -200,6 +200,9 @@ def test_load_is_byte_exact_on_every_rank_and_pins_return_to_zero(tmp_path: Path
         _assert_landed(verify, untouched_clean=True)
         staged = [source.state(r)["service"]["gathers"]["staged"] for r in range(source_tp)]
         assert (sum(staged) > 0) == gather, staged
+        # At TP 2 -> 1 each source block lands as one small piece per slab: read into the bounce region
+        # in one run (staged or in place) and scattered there (target/bounce.py); nowhere else.
+        assert [v["bounced_reads"] > 0 for v in verify] == [source_tp > target_tp] * target_tp, verify
         for r in range(source_tp):  # staging went with the lease
             source.wait_state(r, lambda s: s["service"]["staging_in_use"] == 0, what="staging freed")
 

@@ -342,6 +342,7 @@ def main() -> int:
                                                            "untouched_written": untouched,
                                                            "dst_written": dst_written,
                                                            "dst_written_at_outcome": at_outcome,
+                                                           "bounced_reads": client.stats["bounced_reads"],
                                                            "log": list(logs.lines)}))
     finally:
         client.shutdown()
