@@ -18,7 +18,11 @@ times, interleaved (the order rotates every round, so noise hits all):
   every target rank starting at one instant;
 * ``raw contiguous`` — a bare NIXL READ of the same number of bytes from
   each source rank as one descriptor: the ideal, what these bytes cost if
-  nothing were scattered.
+  nothing were scattered;
+* ``gathered, no bounce`` — where the target's ranks READ some part into
+  their bounce region and scatter it (``target/bounce.py``: small pieces
+  scattered in the destination, TP 4 -> 1 of the default model), the
+  gathered and the in-place request again with every rank's bounce region off.
 
 Then the fixed cost: 1-block requests end to end against a raw
 one-descriptor READ of one block's share plus one RPC round trip to the
@@ -150,6 +154,8 @@ def run_config(name: str, spec: dict[str, Any], source_tp: int, target_tp: int, 
         "of_ideal": med["raw_contig"] / med["gathered"],
         "x_raw_sliced": med["raw_slices"] / med["gathered"],
         "x_in_place": med["in_place"] / med["gathered"],
+        "x_no_bounce": med["gathered_no_bounce"] / med["gathered"] if "gathered_no_bounce" in med else None,
+        "x_in_place_no_bounce": med["in_place_no_bounce"] / med["in_place"] if "in_place_no_bounce" in med else None,
         "one_block_over_floor": med["load"] / (med["raw_one"] + med["rpc"]),
         "one_block_classic_over_floor": med["load_classic"] / (med["raw_one"] + med["rpc"]),
         "strategy": "peer" if result["client_stats"]["peer_loads"] else "classic",
@@ -171,6 +177,15 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{r['x_raw_sliced']:>10.2f}{r['x_in_place']:>9.2f}")
     print("(ms: medians; of ideal = raw contiguous / gathered; x raw sl = raw sliced / gathered; "
           "goals: hetero TP >= 0.6 of ideal and >= 3x raw sliced; small blocks >= 3x raw sliced)")
+    bounced = [r for r in rows if r["x_no_bounce"] is not None]
+    if bounced:
+        print()
+        print(f"{'config':<14}{'gathered':>10}{'no bounce':>11}{'x':>7}{'in place':>10}{'no bounce':>11}{'x':>7}"
+              "   (the target's bounce region on / off)")
+        for r in bounced:
+            ms = r["ms"]
+            print(f"{r['config']:<14}{ms['gathered']:>10.2f}{ms['gathered_no_bounce']:>11.2f}{r['x_no_bounce']:>7.2f}"
+                  f"{ms['in_place']:>10.2f}{ms['in_place_no_bounce']:>11.2f}{r['x_in_place_no_bounce']:>7.2f}")
     print()
     print(f"{'config':<14}{'request':<16}{'lookup':>8}{'to_resolve':>11}{'resolve':>9}{'reads':>8}   (medians, ms)")
     for r in rows:
@@ -190,7 +205,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--configs", default="1:2,2:1,2:4,small:4",
+    p.add_argument("--configs", default="1:2,2:1,2:4,4:1,small:4",
                    help="S:T pairs of --model, and small:KIB (TP 2 -> 2, KIB-KiB blocks), comma-separated")
     p.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-7b")
     p.add_argument("--mib", type=int, default=64, help="bytes per request over all target ranks, MiB (at most 256)")

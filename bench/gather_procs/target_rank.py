@@ -16,13 +16,17 @@ drives; the other ranks follow its commands over a ZMQ IPC socket
   until the slowest rank's READ is done;
 * ``check`` — the first ``n`` destination blocks against the bytes the
   source ranks hold, mapped through the TP head slices (a wrong byte aborts);
-  ``zero`` — clear them.
+  ``zero`` — clear them;
+* ``bounce`` — turn this rank's bounce region (``target/bounce.py``) on or
+  off for the requests that follow (a benchmark-only A/B).
 
 Rank 0's sequence: a warm-up request (checked) and raw warm-ups (the sliced
 one checked); then ``--reps`` rounds of {request gathered, request read in
 place, raw sliced, raw contiguous} in an order that rotates every round; the
 in-place request flips the client's ``gather`` setting for that one request
-(a benchmark-only A/B). Then ``--reps`` rounds of {1-block request, raw
+(a benchmark-only A/B). Where the warm-up request went through a bounce
+region on some rank, each round also times the request gathered with
+every rank's bounce region off (``gathered_no_bounce``, ``in_place_no_bounce``). Then ``--reps`` rounds of {1-block request, raw
 one-descriptor READ, 1-block request with peer resolve off (the classic
 strategy), one RPC round trip to source rank 0 (``ping``)}. The
 last full request lands in zeroed blocks and is checked. Results go to
@@ -66,6 +70,7 @@ class Rank:
 
     def __init__(self, args: argparse.Namespace, rank: int, tp: int) -> None:
         self.rank, self.tp, self.n = rank, tp, args.blocks
+        self.client: Any = None  # the rank's target client, once started
         spec = json.loads(args.spec)
         self.spec = spec
         self.layout = layout_for(spec, tp, self.n)
@@ -164,6 +169,12 @@ class Rank:
 
     def serve(self, msg: dict[str, Any]) -> dict[str, Any]:
         op = msg["op"]
+        if op == "bounce":
+            worker = self.client._worker  # benchmark-only A/B: the worker's region swapped out and back
+            if not hasattr(self, "bounce_region"):
+                self.bounce_region = worker._bounce
+            worker._bounce = self.bounce_region if msg["on"] else None
+            return {"bounced_reads": self.client.stats["bounced_reads"]}
         if op == "raw":
             return {"done": self.raw_read(msg["kind"], msg["t0"])}
         if op == "check":
@@ -224,7 +235,7 @@ class Leader:
         if bad:
             raise RuntimeError(f"{what}: wrong bytes in destination blocks (rank, blocks): {bad}")
 
-    def load(self, n: int, *, gather: bool = True, peer: bool = True) -> float:
+    def load(self, n: int, *, gather: bool = True, peer: bool = True, bounce: bool = True) -> float:
         """One request of the first ``n`` hashes, end to end (lookup to outcome); its seconds.
 
         ``peer`` False: the leader resolves every share (the classic strategy) even where the ranks could
@@ -250,7 +261,7 @@ class Leader:
             client.wait_finished(1.0)
         took = time.perf_counter() - t0
         after = self.phases()
-        name = f"{'gathered' if gather else 'in_place'}-{n}{'' if peer else '-classic'}"
+        name = f"{'gathered' if gather else 'in_place'}-{n}{'' if peer else '-classic'}{'' if bounce else '-no-bounce'}"
         kind = self.phase_ms.setdefault(name, {})
         kind.setdefault("lookup", []).append((t_lookup - t0) * 1000)
         for p in after:
@@ -262,6 +273,7 @@ class Leader:
         self.all({"op": "zero", "n": n})
         first = self.load(n)
         self.check(n, "the first (gathered) request")
+        bounces = sum(r["bounced_reads"] for r in self.all({"op": "bounce", "on": True})) > 0
         self.all({"op": "zero", "n": n})
         self.load(n, gather=False)
         self.check(n, "the first in-place request")
@@ -272,8 +284,16 @@ class Leader:
         times: dict[str, list[float]] = {"gathered": [], "in_place": [], "raw_slices": [], "raw_contig": []}
         steps = [("gathered", lambda: self.load(n)), ("in_place", lambda: self.load(n, gather=False)),
                  ("raw_slices", lambda: self.raw("slices")), ("raw_contig", lambda: self.raw("contig"))]
+        if bounces:
+            for gather in (True, False):
+                name = f"{'gathered' if gather else 'in_place'}_no_bounce"
+                times[name] = []
+                steps.append((name, lambda gather=gather: self.unbounced(n, gather)))
+                self.all({"op": "zero", "n": n})
+                self.unbounced(n, gather)  # warm-up, checked
+                self.check(n, f"the first {name} request")
         for i in range(reps):
-            for name, step in steps[i % 4:] + steps[:i % 4]:
+            for name, step in steps[i % len(steps):] + steps[:i % len(steps)]:
                 times[name].append(step())
         one: dict[str, list[float]] = {"load": [], "load_classic": [], "raw_one": [], "rpc": []}
         endpoint = json.loads((self.args.source_dir / "endpoint.json").read_text())["endpoint"]
@@ -295,6 +315,14 @@ class Leader:
                 "median": {k: statistics.median(v) for k, v in {**times, **one}.items()},
                 "phase_medians_ms": {k: {p: statistics.median(v) for p, v in ph.items()}
                                      for k, ph in self.phase_ms.items()}}
+
+    def unbounced(self, n: int, gather: bool) -> float:
+        """One request with every rank's bounce region off (its seconds)."""
+        self.all({"op": "bounce", "on": False})
+        try:
+            return self.load(n, gather=gather, bounce=False)
+        finally:
+            self.all({"op": "bounce", "on": True})
 
     def phases(self) -> dict[str, tuple[float, float]]:
         """The client's load-phase histogram: phase -> (count, seconds summed)."""
@@ -335,6 +363,7 @@ def main() -> int:
                           fingerprint=fingerprint_for(spec, tp), transfer_timeout_ms=30_000, lease_ttl_ms=30_000,
                           registry_mirror=args.registry_mirror)
     client = start_target_client(me.pool, worker_id=args.worker_id, config=config, comm=comm)
+    me.client = client
     if rank == 0 and args.registry_mirror and not client.wait_registry_mirror(30):
         raise SystemExit("the registry mirror took no snapshot in 30 s")
     ctl = f"ipc://{args.ipc_dir}/gather-bench-ctl"
