@@ -43,7 +43,7 @@ default a Qwen2.5-7B-shaped GQA cache: 28 layers, 4 kv heads of 128, bf16,
 ``small:KIB`` — TP 2 -> 2 with ``KIB``-KiB blocks per rank (one layer, one
 head per rank), the small-block case.
 
-    python bench/bench_gather.py [--configs 1:2,2:1,2:4,small:4] [--mib 64] [--reps 10] [--json out.json]
+    python bench/bench_gather.py [--configs 1:2,2:1,2:4,4:1,small:4] [--mib 64] [--reps 10] [--one-block-reps 30] [--json out.json]
 
 Goals (issue 32), printed beside the numbers: heterogeneous TP gathered >=
 0.6 of the contiguous ideal and >= 3x the raw sliced READ; small blocks
@@ -122,6 +122,7 @@ def run_config(name: str, spec: dict[str, Any], source_tp: int, target_tp: int, 
                     "--registry", registry, "--worker-id", f"bench-gather-tgt-{tag}-{os.getpid()}",
                     "--spec", spec_json, "--tag", str(tag), "--blocks", str(blocks), "--source-tp", str(source_tp),
                     "--source-dir", str(src_dir), "--ipc-dir", ipc, "--reps", str(args.reps),
+                    "--one-block-reps", str(args.one_block_reps),
                     *(["--registry-mirror"] if args.registry_mirror else [])],
                    tgt_dir / "mpiexec.log")
         rc = tgt.wait(args.timeout_s)
@@ -187,11 +188,12 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             print(f"{r['config']:<14}{ms['gathered']:>10.2f}{ms['gathered_no_bounce']:>11.2f}{r['x_no_bounce']:>7.2f}"
                   f"{ms['in_place']:>10.2f}{ms['in_place_no_bounce']:>11.2f}{r['x_in_place_no_bounce']:>7.2f}")
     print()
-    print(f"{'config':<14}{'request':<16}{'lookup':>8}{'to_resolve':>11}{'resolve':>9}{'reads':>8}   (medians, ms)")
+    print(f"{'config':<14}{'request':<24}{'lookup':>8}{'to_resolve':>11}{'resolve':>9}{'reads':>8}{'load':>8}"
+          "   (medians, ms; load: start_load to the outcome, the coordinator's clock)")
     for r in rows:
         for kind, ph in sorted(r["phase_medians_ms"].items()):
-            print(f"{r['config']:<14}{kind:<16}{ph['lookup']:>8.2f}{ph['to_resolve']:>11.2f}{ph['resolve']:>9.2f}"
-                  f"{ph['reads']:>8.2f}")
+            print(f"{r['config']:<14}{kind:<24}{ph['lookup']:>8.2f}{ph['to_resolve']:>11.2f}{ph['resolve']:>9.2f}"
+                  f"{ph['reads']:>8.2f}{ph['load']:>8.2f}")
     print()
     print(f"{'config':<14}{'strategy':>9}{'1-block ms':>11}{'classic':>9}{'raw 1-desc':>11}{'RPC RTT':>9}"
           f"{'ratio':>7}{'classic':>9}   (goal: ratio <= 2)")
@@ -210,6 +212,8 @@ def main() -> int:
     p.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-7b")
     p.add_argument("--mib", type=int, default=64, help="bytes per request over all target ranks, MiB (at most 256)")
     p.add_argument("--reps", type=int, default=10, help="timed rounds per configuration (at most 100)")
+    p.add_argument("--one-block-reps", type=int, default=30,
+                   help="timed rounds of the 1-block requests per configuration (at most 500; each takes ms)")
     p.add_argument("--staging-mib", type=int, default=256, help="each source rank's staging region")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per configuration, for the target worker")
     p.add_argument("--cpus", choices=("shared", "split"), default="shared",
@@ -218,8 +222,8 @@ def main() -> int:
                    help="the target looks up in an in-process registry mirror (no registry round trip)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
-    if not 1 <= args.mib <= 256 or not 1 <= args.reps <= 100:
-        p.error("--mib must be 1..256 and --reps 1..100")
+    if not 1 <= args.mib <= 256 or not 1 <= args.reps <= 100 or not 1 <= args.one_block_reps <= 500:
+        p.error("--mib must be 1..256, --reps 1..100 and --one-block-reps 1..500")
     configs = []
     for i, item in enumerate(filter(None, args.configs.split(","))):
         a, b = item.split(":")
