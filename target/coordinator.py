@@ -31,6 +31,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from remote_g2.errors import ProtocolError
@@ -100,8 +101,13 @@ class Coordinator:
         """What a resolve tells a source of ``source_tp`` ranks about this worker's readers (None: no gather)."""
         if not (self.config.gather and self._gather):
             return None
+        return GatherWish(self.tp_size, self.kv_heads, self.is_mla, self.mla_offset(source_tp))
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether this worker's cache is MLA (its fingerprint says so): every rank reads whole blocks."""
         fp = self.config.fingerprint
-        return GatherWish(self.tp_size, self.kv_heads, bool(fp and fp.is_mla), self.mla_offset(source_tp))
+        return bool(fp and fp.is_mla)
 
     def mla_offset(self, source_tp: int) -> int:
         """Which source rank this worker's rank 0 reads an MLA cache from (spread over the source's ranks)."""
@@ -260,18 +266,8 @@ class Coordinator:
         else:
             load.enter(LoadState.RELEASING)
             self._loads.pop(load.load_id, None)  # the releases' answers decide: no clock of ours applies any more
-            leases = load.leases()
-            answers: list[bool] = []
-
-            def on_release(reply: Any) -> None:
-                answers.append(not isinstance(reply, Exception) and reply.released)
-                if len(answers) == len(leases):
-                    self._finish(load, None if all(answers) else
-                                 "the lease expired on the source before the load finished")
-
-            for lease in leases:
-                assert lease.endpoint is not None
-                self.mux.call(lease.endpoint, Release(lease.lease_id), on_release)
+            self.send_release(load, lambda released: self._finish(
+                load, None if all(released) else "the lease expired on the source before the load finished"))
 
     def _check_clocks(self) -> None:
         now = time.monotonic()
@@ -344,17 +340,24 @@ class Coordinator:
         """Hand the leader's own share to its share thread."""
         self._shares.put(msg)
 
-    def send_release(self, load: Load) -> None:
-        """Release the load's leases without waiting for the outcome (the source's expiry covers a lost one)."""
-        for lease in load.leases():
-            if not lease.lease_id or lease.endpoint is None:
-                continue
+    def send_release(self, load: Load, answered: Callable[[list[bool]], None] | None = None) -> None:
+        """Release the load's leases; ``answered`` (if given) gets, once every one answered, whether each was
+        released (an error counts as not). Without it nothing waits: the source's expiry covers a lost one."""
+        leases = [lease for lease in load.leases() if lease.lease_id and lease.endpoint is not None]
+        released: list[bool] = []
+        for lease in leases:
 
             def on_release(reply: Any, lease: LeaseClock = lease) -> None:
                 if isinstance(reply, Exception):
                     log.warning("releasing lease %d at %s: %s", lease.lease_id, lease.endpoint, reply)
+                released.append(not isinstance(reply, Exception) and reply.released)
+                if answered is not None and len(released) == len(leases):
+                    answered(released)
 
+            assert lease.endpoint is not None
             self.mux.call(lease.endpoint, Release(lease.lease_id), on_release)
+        if answered is not None and not leases:
+            answered(released)
 
     def fail(self, load: Load, why: str) -> None:
         self.send_release(load)

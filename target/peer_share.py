@@ -45,15 +45,34 @@ from typing import Any
 
 from remote_g2.head_slices import source_ranks_for
 from remote_g2.messages import PeerResolve as PeerResolveRequest
-from remote_g2.messages import RankBlocks, Release, Renew, TargetDone, TargetLoad
+from remote_g2.messages import RankBlocks, RankInfo, Release, Renew, TargetDone, TargetLoad
 from remote_g2.rpc_mux import RpcMux
 
 from .load import LeaseClock
 from .rank_worker import RankWorker
 
-__all__ = ["PeerAnswers", "PeerShares", "ask_peers", "combine", "share_request"]
+__all__ = ["PeerAnswers", "PeerShares", "ask_peers", "combine", "peer_endpoints", "share_request"]
 
 log = logging.getLogger("remote_g2.target")
+
+
+def peer_endpoints(target_rank: int, info_of: Callable[[int], RankInfo | None], *, source_tp: int, target_tp: int,
+                   is_mla: bool, mla_offset: int, rank0_endpoint: str | None = None) -> dict[int, str | None]:
+    """Where ``target_rank`` asks each source rank it reads for its share: the rank's peer endpoint
+    (``info_of(rank)``'s), else, for source rank 0, ``rank0_endpoint`` — the worker's endpoint, which only the
+    leader reaches (rank 0 answers the leader's calls there); None where there is neither.
+
+    The one rule behind the leader's check that a load can go by peer resolve
+    (:meth:`~.source_directory.SourceDirectory.peer_ready`), the leader's own
+    calls (:class:`~.resolve_strategies.PeerResolve`) and every other rank's
+    (:class:`PeerShares`).
+    """
+    out: dict[int, str | None] = {}
+    for s in source_ranks_for(target_rank, source_tp=source_tp, target_tp=target_tp, is_mla=is_mla,
+                              mla_offset=mla_offset):
+        info = info_of(s)
+        out[s] = (info.peer_endpoint if info is not None else None) or (rank0_endpoint if s == 0 else None)
+    return out
 
 
 def share_request(ask: PeerResolveRequest, target_rank: int) -> PeerResolveRequest:
@@ -147,15 +166,15 @@ class PeerShares:
         """Resolve ``load``'s share (``load.peer`` set) with the source ranks this rank reads; the load starts
         once every one answered."""
         assert load.peer is not None
-        endpoints: dict[int, str] = {}
-        for s in source_ranks_for(self.rank, source_tp=load.source_tp, target_tp=self._worker.tp_size,
-                                  is_mla=load.is_mla, mla_offset=load.mla_offset):
-            info = self._worker.source_info(load.source_worker, load.source_epoch, s)
-            if info is None or not info.peer_endpoint:
-                self._fail(load, f"no peer endpoint known for rank {s} of {load.source_worker} "
-                                 f"(epoch {load.source_epoch})", peer_failed=True)
-                return
-            endpoints[s] = info.peer_endpoint
+        known = peer_endpoints(self.rank, lambda s: self._worker.source_info(load.source_worker, load.source_epoch, s),
+                               source_tp=load.source_tp, target_tp=self._worker.tp_size, is_mla=load.is_mla,
+                               mla_offset=load.mla_offset)
+        missing = [s for s, e in known.items() if not e]
+        if missing:
+            self._fail(load, f"no peer endpoint known for rank {missing[0]} of {load.source_worker} "
+                             f"(epoch {load.source_epoch})", peer_failed=True)
+            return
+        endpoints = {s: e for s, e in known.items() if e}
         ask = share_request(load.peer, self.rank)
 
         def on_all(replies: dict[int, Any]) -> None:

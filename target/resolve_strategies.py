@@ -28,12 +28,11 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from remote_g2.errors import RpcClosed, RpcTimeout, TransportError
-from remote_g2.head_slices import source_ranks_for
 from remote_g2.messages import GetMetadata, RankInfo, Resolve, ResolveReply, TargetDone, TargetLoad
 from remote_g2.messages import PeerResolve as PeerResolveRequest
 
 from .load import LeaseClock, Load, LoadState
-from .peer_share import ask_peers, combine, share_request
+from .peer_share import ask_peers, combine, peer_endpoints, share_request
 
 if TYPE_CHECKING:
     from .client import TargetMatch
@@ -117,7 +116,7 @@ class ClassicResolve(ResolveStrategy):
         assert load.match is not None and load.match.worker_id is not None
         first_time = host.sources.first_sent(load.match.worker_id, infos)
         mla_offset = host.mla_offset(len(infos))
-        is_mla = bool(host.config.fingerprint and host.config.fingerprint.is_mla)
+        is_mla = host.is_mla
         load.enter(LoadState.READING)
         # Ranks keep what they were sent per (source worker, epoch): only agents new to them travel.
         msg = TargetLoad(load.load_id, load.match.worker_id, reply.epoch, len(infos), is_mla, mla_offset,
@@ -137,10 +136,9 @@ class PeerResolve(ResolveStrategy):
     def ready(self, match: TargetMatch) -> bool:
         """Whether a load from ``match``'s source can go this way (see :meth:`SourceDirectory.peer_ready`)."""
         host = self.host
-        fp = host.config.fingerprint
         return (host.config.peer_resolve and match.worker_id is not None and match.endpoint is not None
                 and host.sources.peer_ready(match.worker_id, match.endpoint, host.tp_size,
-                                            is_mla=bool(fp and fp.is_mla), mla_offset=host.mla_offset))
+                                            is_mla=host.is_mla, mla_offset=host.mla_offset))
 
     def start(self, load: Load, match: TargetMatch, n: int) -> None:
         """Hand every other rank its share, then ask the source ranks the leader reads for its own.
@@ -163,7 +161,7 @@ class PeerResolve(ResolveStrategy):
         # Every rank sends it as its own share (share_request): under L + its rank, staging its own part.
         ask = PeerResolveRequest(load.lease.lease_id, load.hashes[:n], host.config.lease_ttl_ms,
                                  host.worker_id, host.gather_wish(len(infos)))
-        is_mla = bool(host.config.fingerprint and host.config.fingerprint.is_mla)
+        is_mla = host.is_mla
         mla_offset = host.mla_offset(len(infos))
         load.enter(LoadState.READING)
         msg = TargetLoad(load.load_id, wid, epoch, len(infos), is_mla, mla_offset, [], [], load.dst,
@@ -173,10 +171,10 @@ class PeerResolve(ResolveStrategy):
         host.metrics.phase("to_resolve", sent - load.started)
         # Source rank 0 at its stream lane when it has one (no ZMQ I/O threads on the way), else at the
         # worker's endpoint; every other source rank at its peer endpoint.
-        endpoints = {s: infos[s].peer_endpoint or (match.endpoint if s == 0 else None)
-                     for s in source_ranks_for(0, source_tp=len(infos), target_tp=host.tp_size, is_mla=is_mla,
-                                               mla_offset=mla_offset)}
-        assert all(endpoints.values()), endpoints  # peer_ready checked
+        known = peer_endpoints(0, infos.get, source_tp=len(infos), target_tp=host.tp_size, is_mla=is_mla,
+                               mla_offset=mla_offset, rank0_endpoint=match.endpoint)
+        endpoints = {s: e for s, e in known.items() if e}
+        assert endpoints.keys() == known.keys(), known  # peer_ready checked
         first, *others = sorted(endpoints)
         load.lease.endpoint = endpoints[first]
         load.other_shares = [LeaseClock(load.lease.lease_id, endpoints[s]) for s in others]

@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from remote_g2.head_slices import source_ranks_for
 from remote_g2.messages import RankInfo
+
+from .peer_share import peer_endpoints
 
 __all__ = ["SourceDirectory"]
 
@@ -94,11 +95,9 @@ class SourceDirectory:
         if not is_mla and max(source_tp, tp_size) % min(source_tp, tp_size):
             return False  # no such plan: the classic resolve says why
         offset = mla_offset(source_tp)
-        for r in range(tp_size):
-            for s in source_ranks_for(r, source_tp=source_tp, target_tp=tp_size, is_mla=is_mla, mla_offset=offset):
-                if (r or s) and not source.infos[s].peer_endpoint:
-                    return False
-        return True
+        return all(all(peer_endpoints(r, source.infos.get, source_tp=source_tp, target_tp=tp_size, is_mla=is_mla,
+                                      mla_offset=offset, rank0_endpoint=endpoint if r == 0 else None).values())
+                   for r in range(tp_size))
 
     def peer_failed(self, worker: str, epoch: int) -> bool:
         """Stop peer resolve against ``worker``'s ``epoch``; True the first time."""
