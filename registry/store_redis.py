@@ -10,7 +10,8 @@ Key layout (``P`` = ``key_prefix``, default ``rg2:``)::
     P{m}:workers    HASH  worker id -> its current incarnation id
     P{m}:i:<inc>    HASH  wid, epoch, endpoint, fp, compat, tp, seq, load, reg
     P{m}:gone       ZSET  retired incarnation id -> when retired; the sweep queue
-    P{m}:ctr        STR   incarnation id counter (INCR; ids are never reused)
+    P{m}:ctr        STR   incarnation counter; an id is its next value and a nonce the server drew
+                          (registry/lua/_lib.lua fresh_inc: never reused, even when Redis loses INCRs)
     Pb:<hash>       SET   incarnation ids holding the block (raw hash bytes)
     Pwb:{<inc>}     SET   hashes the incarnation holds (for "drop all" and sweep)
 
@@ -20,6 +21,16 @@ incarnation's ``wb`` set its own slot; block keys spread by their hash bytes.
 Only current incarnations are in ``lease``: a superseded, cleared, drained or
 reaped incarnation leaves it at once (so lookups stop seeing it) and waits in
 ``gone`` until :meth:`sweep` deletes its ``b:`` memberships and ``wb`` set.
+
+Lost writes: when the meta slot forgets recent writes (a replica promoted
+before it had them, a node restarted without persistence), ids still never
+repeat (``fresh_inc``: the counter and a nonce), so an incarnation the meta
+slot forgot is never current again and lookups ignore its memberships; each
+:meth:`sweep` also audits a bounded slice of the keyspace (``SCAN`` per
+node, resumed where the last call stopped): a ``wb`` set of an incarnation
+the meta slot does not know is queued for the sweeper, and a block set's
+member the meta slot does not know is removed, so such leftovers are
+deleted within one pass over the keys (``lua/orphans.lua``).
 
 Round trips: on one node every worker-side call and every lookup is ONE
 ``EVALSHA`` (``registry/lua/*.lua``; loaded on first use, reloaded after
@@ -48,6 +59,7 @@ import functools
 import hashlib
 import json
 import re
+import secrets
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -285,6 +297,10 @@ class _SingleNode:
     def group(self, keys: Sequence[bytes]) -> _Group:
         return {"": (self.client, list(range(len(keys))))} if keys else {}
 
+    def clients(self) -> dict[str, redis.Redis]:
+        """Every node, by name."""
+        return {"": self.client}
+
     def retrying(self, fn: Callable[[], R]) -> R:
         return fn()  # the connection's own Retry already covers a stale socket
 
@@ -353,6 +369,10 @@ class _ClusterNodes:
         names, clients = self._slots()
         name = names[key_slot(key)]
         return name, clients[name]
+
+    def clients(self) -> dict[str, redis.Redis]:
+        """Every master, by name."""
+        return dict(self._slots()[1])
 
     def group(self, keys: Sequence[bytes]) -> _Group:
         names, clients = self._slots()
@@ -425,6 +445,7 @@ class _RedisBase(RegistryStore):
         self.sweep_max_keys = sweep_max_keys
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        self._audit_cursors: dict[tuple[str, bytes], int] = {}  # (node, key pattern) -> SCAN cursor
 
     def _meta(self, script: str, *args: Any) -> Any:
         """Run a script on the meta slot's node."""
@@ -522,7 +543,7 @@ class _WorkerCommands(_RedisBase):
     def register_worker(self, req: RegisterWorker) -> RegisterWorkerReply:
         fp = req.fingerprint
         status, value = self._meta("register", req.worker_id, req.epoch, req.endpoint, _fp_json(fp),
-                                   fp.compat_key(), fp.tp_size, self.lease_ttl_ms)
+                                   fp.compat_key(), fp.tp_size, self.lease_ttl_ms, _nonce())
         if status == b"new":
             return RegisterWorkerReply(self.lease_ttl_ms, 1, True)
         if status == b"renewed":
@@ -700,7 +721,46 @@ class _SweepCommands(_RedisBase):
                 budget -= len(chunk)
             if budget <= 0:
                 break
+        self.audit()
         return removed
+
+    def audit(self) -> tuple[int, int]:
+        """One bounded step of the orphan audit (the module docstring, "Lost writes"): on every node, the next
+        ``sweep_chunk`` keys of each kind. Returns (``wb`` sets queued for the sweeper, block-set members removed).
+
+        Idempotent and safe beside other sweepers: it only touches ids the meta slot does not know, and ids
+        never repeat.
+        """
+        queued = removed = 0
+        wb_prefix = self._keys.header[2] + b"{"
+        for name, client in self._nodes.clients().items():
+            keys = self._audit_scan(name, client, _glob_escape(wb_prefix) + b"*")
+            incs = [k[len(wb_prefix):-1] for k in keys if k.endswith(b"}")]
+            if incs:
+                queued += len(self._meta("orphans", b"1", *incs))
+            keys = self._audit_scan(name, client, _glob_escape(self._keys.block) + b"*")
+            if not keys:
+                continue
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.smembers(key)
+            members = [cast(set[bytes], m) for m in pipe.execute()]
+            incs = sorted(set().union(*members))
+            orphans = set(self._meta("orphans", b"0", *incs)) if incs else set()
+            if orphans:
+                pipe = client.pipeline(transaction=False)
+                for key, held in zip(keys, members):
+                    if gone := held & orphans:
+                        pipe.srem(key, *gone)
+                removed += sum(pipe.execute())
+        return queued, removed
+
+    def _audit_scan(self, node: str, client: redis.Redis, pattern: bytes) -> list[bytes]:
+        """The next keys matching ``pattern`` on ``node`` (about ``sweep_chunk``), resuming the last scan."""
+        cursor = self._audit_cursors.get((node, pattern), 0)
+        cursor, keys = client.scan(cursor, match=pattern, count=self.sweep_chunk)
+        self._audit_cursors[(node, pattern)] = int(cursor)
+        return cast(list[bytes], keys)
 
 
 class RedisStore(_WorkerCommands, _LookupCommands, _SweepCommands):
@@ -737,13 +797,13 @@ class RedisStore(_WorkerCommands, _LookupCommands, _SweepCommands):
                 counts.append(len(ev.hashes))
                 hashes += ev.hashes
         status, value = self._meta("events", req.worker_id, req.epoch, req.seq, req.seq - 1, bytes(kinds),
-                                   *counts, *hashes)
+                                   *counts, *hashes, _nonce())
         return _events_reply(status, value, req.seq)
 
     @_command()
     def resync(self, req: Resync) -> ResyncReply:
         status, last_seq, stored = self._meta("resync", req.worker_id, req.epoch, b"1" if req.first else b"0",
-                                              req.seq - 1 if req.last else b"", *req.hashes)
+                                              req.seq - 1 if req.last else b"", *req.hashes, _nonce())
         if status != b"ok":
             return ResyncReply("unknown_worker", 0, 0)
         return ResyncReply("ok", int(last_seq) + 1, int(stored))
@@ -775,8 +835,9 @@ class RedisClusterStore(RedisStore):
                 segments.append([])
             else:
                 segments[-1].append(ev)
+        nonce = _nonce()
         reply = self._nodes.retrying(lambda: self._meta("begin_batch", req.worker_id, req.epoch, b"e", req.seq,
-                                                        req.seq - 1, len(segments) - 1))
+                                                        req.seq - 1, len(segments) - 1, nonce))
         if reply[0] != b"ok":
             return _events_reply(reply[0], reply[1], req.seq)
         applied = 0
@@ -789,9 +850,10 @@ class RedisClusterStore(RedisStore):
 
     @_command(retry=False)
     def resync(self, req: Resync) -> ResyncReply:
+        nonce = _nonce()
         reply = self._nodes.retrying(lambda: self._meta("begin_batch", req.worker_id, req.epoch, b"r",
                                                         b"1" if req.first else b"0",
-                                                        req.seq - 1 if req.last else b""))
+                                                        req.seq - 1 if req.last else b"", nonce))
         if reply[0] != b"ok":
             return ResyncReply("unknown_worker", 0, 0)
         _, last_seq, inc = reply
@@ -803,6 +865,17 @@ class RedisClusterStore(RedisStore):
 # -- small pure helpers -------------------------------------------------------------------------
 
 _KIND = {"stored": b"s", "removed": b"r", "cleared": b"c"}
+
+
+def _glob_escape(text: bytes) -> bytes:
+    """``text`` as a literal in a ``SCAN MATCH`` pattern."""
+    return re.sub(rb"([*?\[\]\\])", rb"\\\1", text)
+
+
+def _nonce() -> bytes:
+    """What a script that may make an incarnation appends to its ARGV (``fresh_inc`` in ``registry/lua/_lib.lua``):
+    9 random decimal digits, drawn per call, so an id stays new even when Redis hands a counter value out again."""
+    return b"%09d" % secrets.randbelow(10**9)
 
 
 def _fp_json(fp: LayoutFingerprint) -> str:

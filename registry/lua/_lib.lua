@@ -36,6 +36,23 @@ local function live_inc(wid, epoch, now)
   return inc
 end
 
+-- The nonce a script that makes incarnations was given as its last ARGV: 9 decimal digits the server drew
+-- for this call. Read (and checked) before the script writes anything.
+local function nonce_arg()
+  local nonce = ARGV[#ARGV]
+  if not nonce:match('^%d%d%d%d%d%d%d%d%d$') then error('the last ARGV must be a 9-digit nonce') end
+  return nonce
+end
+
+-- A fresh incarnation id: the counter's next value, then the nonce. Ids must never repeat, whatever
+-- Redis forgets: when the meta slot loses its last INCRs (a replica promoted before it had them, the
+-- node restarted empty) the counter hands out values again, and a repeated id would inherit the old
+-- incarnation's block memberships on the other nodes (lookups would name this worker for blocks it
+-- never stored). With the nonce a repeated counter value makes a repeated id once in 10^9.
+local function fresh_inc(nonce)
+  return tostring(redis.call('INCR', CTR)) .. nonce
+end
+
 -- Hide `inc` from lookups at once and queue its blocks for the sweeper.
 local function retire(inc, now)
   redis.call('ZREM', LEASE, inc)
@@ -45,8 +62,8 @@ end
 
 -- Move the worker to a fresh, empty incarnation with the same record and
 -- lease: "drop every block" in O(1); the sweeper deletes the old blocks later.
-local function rotate(wid, inc, now)
-  local new = tostring(redis.call('INCR', CTR))
+local function rotate(wid, inc, now, nonce)
+  local new = fresh_inc(nonce)
   redis.call('HSET', inc_key(new), unpack(redis.call('HGETALL', inc_key(inc))))
   redis.call('ZADD', LEASE, redis.call('ZSCORE', LEASE, inc), new)
   retire(inc, now)

@@ -3,9 +3,10 @@
 -- apply_events on a single node: validate and apply a whole batch atomically.
 -- KEYS[1] = lease. ARGV[4..8] = worker id, epoch, seq, seq - 1, kinds (one char per
 -- event: s stored, r removed, c cleared); then one hash count per event; then
--- every event's hashes in order.
+-- every event's hashes in order; the last ARGV = nonce (fresh incarnation ids).
 -- Returns {'ok', applied} | {'resync_needed', last_seq} | {'unknown_worker', ''}.
 local wid, epoch, seq, prev, kinds = ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]
+local nonce = nonce_arg()
 local now = now_ms()
 local inc = live_inc(wid, epoch, now)
 if not inc then return {'unknown_worker', ''} end
@@ -27,7 +28,7 @@ for e = 1, #kinds do
     local held = redis.call('SCARD', wb)
     applied = applied + held
     if held > 0 then
-      inc = rotate(wid, inc, now)
+      inc = rotate(wid, inc, now, nonce)
       wb = wb_key(inc)
     end
   end

@@ -1,10 +1,10 @@
 #!lua flags=allow-cross-slot-keys
 --!include _lib.lua
 -- register_worker. KEYS[1] = lease (routes to the meta slot).
--- ARGV[4..10] = worker id, epoch, endpoint, fingerprint (canonical JSON), compat key, tp size, lease ms.
+-- ARGV[4..11] = worker id, epoch, endpoint, fingerprint (canonical JSON), compat key, tp size, lease ms, nonce.
 -- Returns {'new', ''} | {'renewed', last_seq} | {'stale', live_epoch} | {'conflict', live_epoch}.
 local wid, epoch, endpoint, fp, compat, tp = ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]
-local ttl = tonumber(ARGV[10])
+local ttl, nonce = tonumber(ARGV[10]), nonce_arg()
 local now = now_ms()
 local inc = redis.call('HGET', WORKERS, wid)
 if inc then
@@ -20,7 +20,7 @@ if inc then
   end
   retire(inc, now)
 end
-local new = tostring(redis.call('INCR', CTR))
+local new = fresh_inc(nonce)
 redis.call('HSET', inc_key(new), 'wid', wid, 'epoch', epoch, 'endpoint', endpoint, 'fp', fp,
            'compat', compat, 'tp', tp, 'seq', '0', 'load', '0', 'reg', now)
 redis.call('ZADD', LEASE, now + ttl, new)

@@ -2,15 +2,15 @@
 --!include _lib.lua
 -- resync on a single node, one chunk atomically. KEYS[1] = lease.
 -- ARGV[4..7] = worker id, epoch, first ('1'/'0'), the last_seq to set ('' unless
--- this is the last chunk); ARGV[8..] = hashes.
+-- this is the last chunk); ARGV[8..] = hashes; the last ARGV = nonce (fresh incarnation ids).
 -- Returns {'ok', last_seq, blocks} | {'unknown_worker', '', 0}.
-local wid = ARGV[4]
+local wid, nonce = ARGV[4], nonce_arg()
 local now = now_ms()
 local inc = live_inc(wid, ARGV[5], now)
 if not inc then return {'unknown_worker', '', 0} end
-if ARGV[6] == '1' and redis.call('SCARD', wb_key(inc)) > 0 then inc = rotate(wid, inc, now) end
+if ARGV[6] == '1' and redis.call('SCARD', wb_key(inc)) > 0 then inc = rotate(wid, inc, now, nonce) end
 local wb = wb_key(inc)
-for j = 8, #ARGV do
+for j = 8, #ARGV - 1 do
   if redis.call('SADD', wb, ARGV[j]) == 1 then redis.call('SADD', BP .. ARGV[j], inc) end
 end
 if ARGV[7] ~= '' then redis.call('HSET', inc_key(inc), 'seq', ARGV[7]) end
