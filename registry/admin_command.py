@@ -22,7 +22,8 @@ from .client import RegistryClient
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--registry", default=None, help="registry endpoint (default: $REMOTE_G2_REGISTRY or tcp://127.0.0.1:7450)")
+    p.add_argument("--registry", default=None, help="registry endpoint, or several separated by commas "
+                   "(a failover list; default: $REMOTE_G2_REGISTRY or tcp://127.0.0.1:7450)")
     p.add_argument("--timeout-s", type=float, default=None, help="RPC timeout (default 5 s)")
     p.add_argument("--curve-server-key", default=None, help="registry public key file or Z85 text")
     common = argparse.ArgumentParser(add_help=False)

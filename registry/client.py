@@ -1,59 +1,118 @@
-"""Typed client for the registry server: one method per message.
+"""Typed client for the registry server: one method per message, with a failover list.
 
-Thread-safe (calls are serialised on one socket; see
+``endpoint`` names one server or several, comma-separated (or a sequence):
+servers in front of one store (:mod:`remote_g2.endpoint_list`). A call goes
+to the server in use; when it does not answer (:class:`RpcTimeout`) or its
+connection fails, the call is sent again to the next server, each with the
+full timeout, and that one stays in use. Every registry call may be sent
+twice: a repeated event batch or resync chunk is answered by sequence number
+(``resync_needed``, and the publisher resyncs), a repeated registration is
+a renewal, lookups and heartbeats change nothing twice.
+
+Thread-safe (calls are serialised on one socket per server; see
 :class:`remote_g2.rpc_client.RpcClient`). Errors: :class:`RpcTimeout` when
-the server does not answer, :class:`StoreUnavailable` when it answers but
-Redis does not, :class:`StaleEpoch` on a refused registration.
+no server answers, :class:`StoreUnavailable` when one answers but its store
+does not (another server of the same store would not do better: not a
+reason to move), :class:`StaleEpoch` on a refused registration.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from remote_g2.curve import CurveClientConfig
+from remote_g2.endpoint_list import EndpointRotation
+from remote_g2.errors import RpcClosed, TransportError
 from remote_g2.messages import (
     BlockEvent, DrainWorker, DrainWorkerReply, Events, EventsReply, FeedInfo, FeedInfoReply, Heartbeat,
-    HeartbeatReply, LayoutFingerprint, ListWorkers, Lookup, LookupReply, Pong, RegisterWorker, RegisterWorkerReply,
-    Resync, ResyncReply, ScanWorker, ScanWorkerReply, Stats, StatsReply, WhoHas, WorkerInfo, WorkerRecord,
+    HeartbeatReply, LayoutFingerprint, ListWorkers, Lookup, LookupReply, Ping, Pong, RegisterWorker,
+    RegisterWorkerReply, Resync, ResyncReply, ScanWorker, ScanWorkerReply, Stats, StatsReply, WhoHas, WorkerInfo, WorkerRecord,
 )
 from remote_g2.rpc_client import RpcClient
 
 __all__ = ["RegistryClient"]
 
+log = logging.getLogger("remote_g2.registry")
+
 
 class RegistryClient:
-    """Calls a registry at ``endpoint`` with a default timeout of ``timeout_s``."""
+    """Calls the registry at ``endpoint`` (one server, or a failover list) with a default timeout of ``timeout_s``."""
 
-    def __init__(self, endpoint: str, *, timeout_s: float = 5.0, curve: CurveClientConfig | None = None) -> None:
-        self.endpoint = endpoint
-        self._rpc = RpcClient(endpoint, timeout_ms=timeout_s * 1000.0, curve=curve)
+    def __init__(self, endpoint: str | Sequence[str], *, timeout_s: float = 5.0,
+                 curve: CurveClientConfig | None = None) -> None:
+        self._servers = EndpointRotation(endpoint)
+        self._timeout_ms = timeout_s * 1000.0
+        self._curve = curve
+        self._clients: dict[str, RpcClient] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self.failovers = 0  # times a call moved to the next server
+
+    @property
+    def endpoint(self) -> str:
+        """The server in use."""
+        return self._servers.current
+
+    @property
+    def endpoints(self) -> list[str]:
+        """Every server of the failover list, in order."""
+        return list(self._servers.endpoints)
+
+    def _client(self, endpoint: str) -> RpcClient:
+        with self._lock:
+            if self._closed:
+                raise RpcClosed(f"registry client of {', '.join(self.endpoints)} is closed")
+            client = self._clients.get(endpoint)
+            if client is None:
+                client = self._clients[endpoint] = RpcClient(endpoint, timeout_ms=self._timeout_ms, curve=self._curve)
+            return client
+
+    def _call(self, request: Any, *, timeout_ms: float | None = None) -> Any:
+        """Send ``request`` to the server in use, and to the next ones while none answers (module docstring)."""
+        endpoint = self._servers.current
+        for attempt in range(len(self._servers.endpoints)):
+            try:
+                return self._client(endpoint).call(request, timeout_ms=timeout_ms)
+            except RpcClosed:
+                raise
+            except TransportError as e:  # no answer, or the connection failed: the next server
+                if attempt + 1 == len(self._servers.endpoints):
+                    raise
+                nxt = self._servers.failed(endpoint)
+                self.failovers += 1
+                log.warning("registry %s: %s; moving to %s", endpoint, e, nxt)
+                endpoint = nxt
+        raise AssertionError("unreachable")
 
     # -- worker side -------------------------------------------------------------------
 
     def register_worker(self, worker_id: str, endpoint: str, fingerprint: LayoutFingerprint,
                         epoch: int) -> RegisterWorkerReply:
-        reply: RegisterWorkerReply = self._rpc.call(RegisterWorker(worker_id, endpoint, fingerprint, epoch))
+        reply: RegisterWorkerReply = self._call(RegisterWorker(worker_id, endpoint, fingerprint, epoch))
         return reply
 
     def heartbeat(self, worker_id: str, epoch: int, load: int = 0) -> HeartbeatReply:
-        reply: HeartbeatReply = self._rpc.call(Heartbeat(worker_id, epoch, load))
+        reply: HeartbeatReply = self._call(Heartbeat(worker_id, epoch, load))
         return reply
 
     def events(self, worker_id: str, epoch: int, seq: int, events: Sequence[BlockEvent]) -> EventsReply:
-        reply: EventsReply = self._rpc.call(Events(worker_id, epoch, seq, list(events)))
+        reply: EventsReply = self._call(Events(worker_id, epoch, seq, list(events)))
         return reply
 
     def resync(self, worker_id: str, epoch: int, seq: int, hashes: Sequence[bytes], *, first: bool,
                last: bool) -> ResyncReply:
-        reply: ResyncReply = self._rpc.call(Resync(worker_id, epoch, seq, list(hashes), first, last))
+        reply: ResyncReply = self._call(Resync(worker_id, epoch, seq, list(hashes), first, last))
         return reply
 
     # -- target side ---------------------------------------------------------------------
 
     def lookup(self, hashes: Sequence[bytes], *, requester: str | None = None, compat_key: str | None = None,
                want_all_holders: bool = False, timeout_s: float | None = None) -> LookupReply:
-        reply: LookupReply = self._rpc.call(
+        reply: LookupReply = self._call(
             Lookup(list(hashes), requester, compat_key, want_all_holders),
             timeout_ms=None if timeout_s is None else timeout_s * 1000.0,
         )
@@ -62,11 +121,11 @@ class RegistryClient:
     # -- admin -----------------------------------------------------------------------------
 
     def who_has(self, hashes: Sequence[bytes], *, include_dead: bool = False) -> dict[bytes, list[str]]:
-        reply = self._rpc.call(WhoHas(list(hashes), include_dead))
+        reply = self._call(WhoHas(list(hashes), include_dead))
         return dict(zip(hashes, reply.holders))
 
     def worker_info(self, worker_id: str) -> WorkerRecord | None:
-        worker: WorkerRecord | None = self._rpc.call(WorkerInfo(worker_id)).worker
+        worker: WorkerRecord | None = self._call(WorkerInfo(worker_id)).worker
         return worker
 
     def wait_for_blocks(self, worker_id: str, blocks: int, *, timeout_s: float = 10.0,
@@ -82,35 +141,41 @@ class RegistryClient:
             time.sleep(poll_s)
 
     def list_workers(self, *, include_dead: bool = False) -> list[WorkerRecord]:
-        workers: list[WorkerRecord] = self._rpc.call(ListWorkers(include_dead)).workers
+        workers: list[WorkerRecord] = self._call(ListWorkers(include_dead)).workers
         return workers
 
     def stats(self) -> StatsReply:
-        reply: StatsReply = self._rpc.call(Stats())
+        reply: StatsReply = self._call(Stats())
         return reply
 
     def drain_worker(self, worker_id: str) -> DrainWorkerReply:
-        reply: DrainWorkerReply = self._rpc.call(DrainWorker(worker_id))
+        reply: DrainWorkerReply = self._call(DrainWorker(worker_id))
         return reply
 
     # -- mirrors ---------------------------------------------------------------------------
 
     def feed_info(self) -> FeedInfoReply:
-        reply: FeedInfoReply = self._rpc.call(FeedInfo())
+        reply: FeedInfoReply = self._call(FeedInfo())
         return reply
 
     def scan_worker(self, worker_id: str, cursor: bytes = b"", count: int = 16_384) -> ScanWorkerReply:
-        reply: ScanWorkerReply = self._rpc.call(ScanWorker(worker_id, cursor, count))
+        reply: ScanWorkerReply = self._call(ScanWorker(worker_id, cursor, count))
         return reply
 
     def ping(self) -> Pong:
-        return self._rpc.ping()
+        reply: Pong = self._call(Ping())
+        return reply
 
     def close(self) -> None:
-        self._rpc.close()
+        with self._lock:
+            self._closed = True
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
 
     def __enter__(self) -> RegistryClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+

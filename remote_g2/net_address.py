@@ -30,6 +30,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 
+from remote_g2.endpoint_list import endpoint_list
 from remote_g2.errors import ConfigError
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "is_on_this_host",
     "default_bind_host",
     "advertised_endpoint",
+    "toward_registry",
 ]
 
 _WILDCARDS = frozenset({"", "*", "0.0.0.0", "::", "0:0:0:0:0:0:0:0"})
@@ -123,6 +125,15 @@ def is_on_this_host(endpoint: str | None) -> bool:
         return is_loopback(local_address_toward(endpoint))
     except ConfigError:  # no route from here: certainly not this host
         return False
+
+
+def toward_registry(setting: str | None) -> str | None:
+    """The registry endpoint the rule routes toward, from a registry setting (one server or a failover list):
+    the first server not on this host (then targets elsewhere must reach us), else the first; None for none."""
+    if not setting:
+        return None
+    servers = endpoint_list(setting)
+    return next((s for s in servers if not is_on_this_host(s)), servers[0])
 
 
 def default_bind_host(toward: str | None) -> str:

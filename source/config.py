@@ -57,7 +57,9 @@ class SourceConfig:
     * ``enabled`` — :func:`~remote_g2.source.maybe_start_source_service` is a
       no-op unless this (or ``REMOTE_G2_SOURCE=1``) is set.
     * ``registry_endpoint`` — where rank 0 registers the worker and streams
-      its pool's stored/removed events; None serves resolves without
+      its pool's stored/removed events (one server, or a failover list
+      separated by commas: servers of one store, the next used when one
+      does not answer); None serves resolves without
       announcing anything (a target must learn the endpoint another way).
     * ``bind`` — rank 0's TCP endpoint; ``:0`` picks a free port, and the bound
       one is what the registry is told. None (the default): ``127.0.0.1``

@@ -58,7 +58,9 @@ from remote_g2.ipc_paths import (
     release_ipc_path,
 )
 from remote_g2.log import RateLimitedLog, cpu_set_text
-from remote_g2.net_address import advertised_endpoint, apply_advertise, default_bind_host, split_tcp, with_host
+from remote_g2.net_address import (
+    advertised_endpoint, apply_advertise, default_bind_host, split_tcp, toward_registry, with_host,
+)
 from remote_g2.messages import (
     MAX_FORWARDED_RESOLVE_BYTES,
     GetMetadata,
@@ -251,8 +253,9 @@ class SourceService:
         ConfigError here, before anything is bound or announced.
         """
         cfg = self.config
-        bind = cfg.bind or f"tcp://{default_bind_host(cfg.registry_endpoint)}:0"
-        advertise = advertised_endpoint(bind, advertise=cfg.advertise, toward=cfg.registry_endpoint,
+        toward = toward_registry(cfg.registry_endpoint)
+        bind = cfg.bind or f"tcp://{default_bind_host(toward)}:0"
+        advertise = advertised_endpoint(bind, advertise=cfg.advertise, toward=toward,
                                         what=f"source {self.worker_id}", bind_setting="REMOTE_G2_SOURCE_BIND",
                                         advertise_setting="REMOTE_G2_SOURCE_ADVERTISE")
         self.config = replace(cfg, bind=bind, advertise=None if advertise == bind else advertise)

@@ -43,7 +43,8 @@ ENABLE_ENV = "REMOTE_G2_TARGET"
 class TargetConfig:
     """How one worker's target client runs; every rank of the worker gets the same one.
 
-    * ``registry_endpoint`` — where :meth:`~remote_g2.target.TargetClient.lookup` asks.
+    * ``registry_endpoint`` — where :meth:`~remote_g2.target.TargetClient.lookup` asks: one server, or a
+      failover list separated by commas (servers of one store; the next is asked when one does not answer).
     * ``registry_mirror`` — keep an in-process copy of the registry
       (:class:`~remote_g2.registry.RegistryMirror`, following the server's
       change feed) and answer lookups from it: no network round trip per

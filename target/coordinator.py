@@ -34,7 +34,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from remote_g2.errors import ProtocolError
+from remote_g2.endpoint_list import EndpointRotation
+from remote_g2.errors import ProtocolError, TransportError
 from remote_g2.local_link import LinkClosed, MessageLink
 from remote_g2.messages import GatherWish, Lookup, LookupReply, Release, Renew, TargetDone, TargetLoad
 from remote_g2.rpc_mux import RpcMux
@@ -80,6 +81,8 @@ class Coordinator:
         self._gather = gather  # the ranks can read staged parts (they have scratch words registered)
         self.metrics, self.stats, self.mux = metrics, stats, mux
         self.sources = SourceDirectory()
+        # The registry servers lookups go to: the one in use, the next when it does not answer.
+        self._registry = EndpointRotation(config.registry_endpoint) if config.registry_endpoint else None
         self._links = links
         self._link_fds: dict[int, int] = {}  # rank -> the fd its link is watched under, while it is up
         self._outcomes = outcomes
@@ -192,16 +195,25 @@ class Coordinator:
             match = self._lookups.pop(tuple(hashes), None)
         if match is not None:
             self._resolve(load, match)
-        elif self.config.registry_endpoint is None:
+        elif self._registry is None:
             self.fail(load, "lookup: no_registry")
         else:
-            self.mux.call(self.config.registry_endpoint, Lookup(hashes, self.worker_id, self._compat_key, False),
-                          lambda reply: self._looked_up(load, reply))
+            self._look_up(load, self._registry.current, 1)
 
-    def _looked_up(self, load: Load, reply: LookupReply | Exception) -> None:
+    def _look_up(self, load: Load, endpoint: str, attempt: int) -> None:
+        self.mux.call(endpoint, Lookup(load.hashes, self.worker_id, self._compat_key, False),
+                      lambda reply: self._looked_up(load, reply, endpoint, attempt))
+
+    def _looked_up(self, load: Load, reply: LookupReply | Exception, endpoint: str, attempt: int) -> None:
         if not self.alive(load):
             return
-        if isinstance(reply, Exception):
+        assert self._registry is not None
+        if isinstance(reply, TransportError) and attempt < len(self._registry.endpoints):
+            # No answer from that server: the next one of the failover list, which stays in use.
+            nxt = self._registry.failed(endpoint)
+            log.warning("registry %s: %s; looking up at %s", endpoint, reply, nxt)
+            self._look_up(load, nxt, attempt + 1)
+        elif isinstance(reply, Exception):
             self.fail(load, f"lookup: registry_error: {type(reply).__name__}: {reply}")
         else:
             self._resolve(load, self._match_from(reply))

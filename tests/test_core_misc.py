@@ -134,3 +134,17 @@ def test_target_registry_mirror_setting_from_the_environment():
     assert TargetConfig.from_env({"REMOTE_G2_TARGET_REGISTRY_MIRROR": "1"}).registry_mirror is True
     with pytest.raises(errors.ConfigError, match="REMOTE_G2_TARGET_REGISTRY_MIRROR"):
         TargetConfig.from_env({"REMOTE_G2_TARGET_REGISTRY_MIRROR": "maybe"})
+
+
+def test_an_endpoint_setting_names_one_server_or_a_failover_list_and_moves_past_the_failed_one() -> None:
+    from remote_g2.endpoint_list import EndpointRotation, endpoint_list
+
+    assert endpoint_list("tcp://a:1") == ["tcp://a:1"]
+    assert endpoint_list(" tcp://a:1, tcp://b:2,,tcp://a:1 ") == ["tcp://a:1", "tcp://b:2"]  # blanks, repeats
+    with pytest.raises(errors.ConfigError, match="no endpoint"):
+        endpoint_list(" , ")
+    servers = EndpointRotation("tcp://a:1,tcp://b:2")
+    assert servers.current == "tcp://a:1"
+    assert servers.failed("tcp://a:1") == "tcp://b:2"
+    assert servers.failed("tcp://a:1") == "tcp://b:2"  # a late report of the one already left changes nothing
+    assert servers.failed("tcp://b:2") == "tcp://a:1"  # round the list

@@ -290,6 +290,45 @@ def test_registry_restart_sources_register_and_resync_by_themselves(processes, s
         client.close()
 
 
+@pytest.mark.redis
+def test_a_server_of_the_failover_list_killed_under_load_loses_no_event_and_gives_no_wrong_answer(
+        redis_url: str, processes, sources, tmp_path: Path) -> None:
+    """Two servers in front of one Redis; publishers and a lookup client (what a target's ``lookup`` uses)
+    are given both, and the one they use is SIGKILLed while the publishers stream: every client moves to the
+    other by itself, every later lookup is right, and the growing chains are whole at the end."""
+    ports = [free_port(), free_port()]
+    first, _ = (serve(processes, tmp_path / f"registry-{p}.log", p, "--redis-url", redis_url, "--lease-ttl-s", "5")
+                for p in ports)
+    endpoints = ",".join(f"tcp://127.0.0.1:{p}" for p in ports)
+    srcs = [s.start() for s in sources(endpoints, 1.0)]
+    client = RegistryClient(endpoints, timeout_s=1.0)
+    try:
+        assert all(s.pub.flush(10) for s in srcs)
+        assert wrong_answers(client, srcs) == []
+        assert {s.client.endpoint for s in srcs} == {client.endpoint} == {f"tcp://127.0.0.1:{ports[0]}"}
+        for s in srcs:
+            s.start_load()
+        time.sleep(0.3)
+        grown_at_kill = [s.grown for s in srcs]
+        first.kill()  # SIGKILL: the server in use is gone; Redis and the other server are not
+        first.wait(5)
+        t_end, asked = time.monotonic() + 3.0, 0
+        while time.monotonic() < t_end:  # the first lookup waits out one timeout, then moves on
+            assert wrong_answers(client, srcs) == []
+            asked += 1
+        assert client.endpoint == f"tcp://127.0.0.1:{ports[1]}" and client.failovers == 1
+        assert all(s.grown > g for s, g in zip(srcs, grown_at_kill))
+        for s in srcs:
+            s.stop_load()
+        assert all(s.pub.flush(10) for s in srcs)
+        assert all(s.client.endpoint == f"tcp://127.0.0.1:{ports[1]}" for s in srcs)
+        assert wrong_answers(client, srcs, grown=True) == []  # every block streamed meanwhile arrived
+        print(f"\nfailover: {asked} rounds of lookups right after the kill; grown {[s.grown for s in srcs]}; "
+              f"publisher failovers {[s.client.failovers for s in srcs]}, resyncs {[s.pub.resyncs for s in srcs]}")
+    finally:
+        client.close()
+
+
 # -- A3: leases follow the monotonic clock, not the wall clock ------------------------------------------------
 
 

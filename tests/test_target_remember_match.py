@@ -75,3 +75,26 @@ def test_a_remembered_match_goes_straight_to_the_resolve_and_bad_ones_are_refuse
             client.remember_match(hashes, TargetMatch(2, "ok", "src", DEAD, 1))
     finally:
         client.shutdown()
+
+
+def test_lookups_move_past_a_registry_of_the_failover_list_that_does_not_answer(
+        registry: str, caplog: pytest.LogCaptureFixture) -> None:
+    """``REMOTE_G2_REGISTRY`` as a failover list whose first server never answers: the engine's ``lookup``
+    and the coordinator's own lookup (a ``start_load`` with no answer remembered) each wait out one
+    ``rpc_timeout_ms`` there, then ask the next server, which stays in use."""
+    caplog.set_level(logging.WARNING, logger="remote_g2.target")
+    client = _client(f"{DEAD},{registry}")
+    try:
+        assert client.lookup([bytes([7]) * 32]).reason == "no_candidate"  # answered: not a registry_error
+        client.start_load("looked-up", [bytes([8]) * 32], [0])
+        failed: set[str] = set()
+        for _ in range(50):
+            if client.wait_finished(0.2):
+                failed |= client.get_finished()[1]
+            if failed:
+                break
+        assert failed == {"looked-up"}
+        assert _failures(caplog)["looked-up"].startswith("lookup: no_candidate"), _failures(caplog)
+        assert sum("looking up at" in r.getMessage() for r in caplog.records) == 1  # the coordinator moved once
+    finally:
+        client.shutdown()
