@@ -49,7 +49,8 @@ from typing import Any
 import zmq
 
 from remote_g2.curve import CurveClientConfig
-from remote_g2.errors import MirrorNotReady, ProtocolError, RegistryError, RemoteG2Error, StaleEpoch
+from remote_g2.endpoint_list import endpoint_list
+from remote_g2.errors import ConfigError, MirrorNotReady, ProtocolError, RegistryError, RemoteG2Error, StaleEpoch
 from remote_g2.messages import (
     DrainWorker,
     Events,
@@ -194,9 +195,10 @@ class RegistryMirror:
     def __init__(self, endpoints: str | Sequence[str], *, timeout_s: float = 5.0,
                  curve: CurveClientConfig | None = None, scan_count: int = 16_384,
                  stale_after_s: float = 3.0, retry_s: float = 0.5, context: zmq.Context | None = None) -> None:
-        self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
-        if not self.endpoints:
-            raise ValueError("a mirror needs at least one registry endpoint")
+        try:
+            self.endpoints = endpoint_list(endpoints)  # one server, or several (comma-separated or a list)
+        except ConfigError:
+            raise ValueError("a mirror needs at least one registry endpoint") from None
         self._timeout_s = timeout_s
         self._curve = curve
         self._scan_count = scan_count
