@@ -30,7 +30,8 @@ from remote_g2.errors import RpcClosed, TransportError
 from remote_g2.messages import (
     BlockEvent, DrainWorker, DrainWorkerReply, Events, EventsReply, FeedInfo, FeedInfoReply, Heartbeat,
     HeartbeatReply, LayoutFingerprint, ListWorkers, Lookup, LookupReply, Ping, Pong, RegisterWorker,
-    RegisterWorkerReply, Resync, ResyncReply, ScanWorker, ScanWorkerReply, Stats, StatsReply, WhoHas, WorkerInfo, WorkerRecord,
+    RegisterWorkerReply, Resync, ResyncReply, ScanWorker, ScanWorkerReply, Stats, StatsReply, WhoHas, WorkerInfo,
+    WorkerRecord,
 )
 from remote_g2.rpc_client import RpcClient
 

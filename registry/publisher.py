@@ -8,7 +8,8 @@ thread; they only append to a queue. One background thread:
 * sends queued events in batches (every ``flush_interval_s`` or when
   ``max_batch_hashes`` are waiting) with consecutive sequence numbers;
 * heartbeats every ``lease_ttl / 3`` with the current ``load()``;
-* on ``resync_needed`` sends a full snapshot from ``snapshot()``; on
+* on ``resync_needed`` (an event batch's answer, or a heartbeat's when the
+  store changed hands) sends a full snapshot from ``snapshot()``; on
   ``unknown_worker`` (lease lapsed, drained) registers with a new epoch first.
 
 A registry that does not answer costs nothing but delay: the batch is kept
@@ -202,7 +203,13 @@ class SourcePublisher:
         log.info("publisher %s registered (epoch %d)", self.worker_id, epoch)
 
     def _heartbeat(self) -> None:
-        if self.client.heartbeat(self.worker_id, self.epoch, self._load()).status != "ok":
+        status = self.client.heartbeat(self.worker_id, self.epoch, self._load()).status
+        if status == "resync_needed":  # still registered; the store may have lost some of our blocks
+            log.warning("publisher %s: the registry asks for a resync (its store changed hands)", self.worker_id)
+            with self._lock:
+                self._need_resync = True
+            self._wake.set()
+        elif status != "ok":
             log.warning("publisher %s: registry forgot us; registering again", self.worker_id)
             self.registered = False
             self._register()

@@ -10,6 +10,7 @@ Key layout (``P`` = ``key_prefix``, default ``rg2:``)::
     P{m}:workers    HASH  worker id -> its current incarnation id
     P{m}:i:<inc>    HASH  wid, epoch, endpoint, fp, compat, tp, seq, load, reg
     P{m}:gone       ZSET  retired incarnation id -> when retired; the sweep queue
+    P{m}:topo       STR   which Redis processes hold the data (a digest of the masters' run ids)
     P{m}:ctr        STR   incarnation counter; an id is its next value and a nonce the server drew
                           (registry/lua/_lib.lua fresh_inc: never reused, even when Redis loses INCRs)
     Pb:<hash>       SET   incarnation ids holding the block (raw hash bytes)
@@ -58,6 +59,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import re
 import secrets
 import threading
@@ -88,6 +90,8 @@ from remote_g2.messages import (
 from .store import DEFAULT_LEASE_TTL_MS, ConvertedLookups, PendingLookups, RegistryStore
 
 __all__ = ["RedisStore", "RedisClusterStore", "DEFAULT_KEY_PREFIX"]
+
+log = logging.getLogger("remote_g2.registry")
 
 DEFAULT_KEY_PREFIX = "rg2:"
 _LUA_DIR = Path(__file__).with_name("lua")
@@ -247,13 +251,14 @@ class _PendingScripts:
 class _Keys:
     """Key names (bytes, binary-safe) for one ``key_prefix``; see the module docstring."""
 
-    __slots__ = ("prefix", "meta", "lease", "gone", "block", "header")
+    __slots__ = ("prefix", "meta", "lease", "gone", "topo", "block", "header")
 
     def __init__(self, prefix: bytes) -> None:
         self.prefix = prefix
         self.meta = prefix + b"{m}:"
         self.lease = self.meta + b"lease"
         self.gone = self.meta + b"gone"
+        self.topo = self.meta + b"topo"
         self.block = prefix + b"b:"
         #: ARGV[1..3] of every script (see ``lua/_lib.lua``).
         self.header = (self.meta, self.block, prefix + b"wb:")
@@ -556,7 +561,10 @@ class _WorkerCommands(_RedisBase):
 
     @_command()
     def heartbeat(self, req: Heartbeat) -> HeartbeatReply:
-        if self._meta("heartbeat", req.worker_id, req.epoch, req.load, self.lease_ttl_ms):
+        renewed = self._meta("heartbeat", req.worker_id, req.epoch, req.load, self.lease_ttl_ms)
+        if renewed == 2:  # the topology changed since its blocks were stored: some may be lost
+            return HeartbeatReply("resync_needed", self.lease_ttl_ms)
+        if renewed:
             return HeartbeatReply("ok", self.lease_ttl_ms)
         return HeartbeatReply("unknown_worker", 0)
 
@@ -722,7 +730,29 @@ class _SweepCommands(_RedisBase):
             if budget <= 0:
                 break
         self.audit()
+        self.record_topology()
         return removed
+
+    def record_topology(self) -> bytes:
+        """Record which Redis processes hold the data now (each master's run id) in ``P{m}:topo``; the value.
+
+        A changed value — a master failed over to its replica, or restarted —
+        may mean lost writes the store cannot see (a block set's last
+        ``SADD``). Every worker whose blocks were stored under another value
+        is then answered ``resync_needed`` (heartbeat, event batch) until it
+        resyncs, so every worker's view converges. Every server's sweeper
+        records it once a second; servers that see the same masters write the same value.
+        """
+        run_ids = []
+        for name, client in sorted(self._nodes.clients().items()):
+            run_ids.append(f"{name}={client.info('server')['run_id']}")
+        topology = hashlib.sha1("\n".join(run_ids).encode()).hexdigest()[:16].encode()
+        _, meta = self._nodes.node(self._keys.topo)
+        if meta.get(self._keys.topo) != topology:
+            meta.set(self._keys.topo, topology)
+            log.warning("registry store: Redis topology is now %s (%s); workers resync", topology.decode(),
+                        ", ".join(run_ids))
+        return topology
 
     def audit(self) -> tuple[int, int]:
         """One bounded step of the orphan audit (the module docstring, "Lost writes"): on every node, the next

@@ -329,6 +329,131 @@ def test_a_server_of_the_failover_list_killed_under_load_loses_no_event_and_give
         client.close()
 
 
+def _cluster_with_replicas(workdir: Path, procs: list[subprocess.Popen[bytes]]) -> dict[int, subprocess.Popen[bytes]]:
+    """A private Redis Cluster of 3 masters with a replica each (node timeout 1 s), its servers in ``procs``;
+    returns port -> server process."""
+    from conftest import _need_redis_binaries, start_redis
+    _need_redis_binaries("redis-server", "redis-cli")
+    ports: list[int] = []
+    while len(ports) < 6:
+        port = free_port(with_cluster_bus=True)
+        if port not in ports:
+            ports.append(port)
+    by_port = {}
+    for port in ports:
+        by_port[port] = start_redis(port, workdir, "--cluster-enabled", "yes", "--cluster-node-timeout", "1000",
+                                    "--cluster-config-file", str(workdir / f"nodes-{port}.conf"))
+        procs.append(by_port[port])
+    subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas", "1",
+                    "--cluster-yes"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60)
+    _wait_cluster(ports, replicas_up=True)
+    return by_port
+
+
+def _wait_cluster(ports: list[int], *, replicas_up: bool = False, timeout_s: float = 30.0) -> None:
+    import redis
+    deadline = time.monotonic() + timeout_s
+    for port in ports:
+        with redis.Redis(port=port, socket_timeout=1) as c:
+            while True:
+                try:
+                    ok = c.execute_command("CLUSTER INFO").get("cluster_state") == "ok"
+                    info = c.info("replication")
+                    if ok and (not replicas_up or info["role"] == "master" or info["master_link_status"] == "up"):
+                        break
+                except redis.RedisError:
+                    pass
+                assert time.monotonic() < deadline, f"Redis Cluster on {ports} not ready"
+                time.sleep(0.1)
+
+
+def _nodes(port: int) -> list[tuple[str, int, str, str]]:
+    """(id, port, 'master'/'slave', master id) of every node, as node ``port`` sees them."""
+    import redis
+    with redis.Redis(port=port, decode_responses=True) as c:
+        text = c.execute_command("CLUSTER NODES")
+    out = []
+    for address, node in text.items():
+        role = "master" if "master" in node["flags"] else "slave"
+        out.append((node["node_id"], int(address.split("@")[0].rsplit(":", 1)[1]), role, node["master_id"]))
+    return out
+
+
+def never_wrong(client: RegistryClient, srcs: list[Source]) -> int:
+    """Look every static chain up once; an answer may be missing or short, never another worker's or longer.
+    Returns how many lookups got no answer (the store or server down)."""
+    down = 0
+    for src in srcs:
+        for chain in src.chains:
+            try:
+                r = client.lookup(chain)
+            except (StoreUnavailable, RpcTimeout):
+                down += 1
+                continue
+            assert r.best is None or (r.best.worker_id == src.worker_id and r.matched <= CHAIN_LEN), \
+                (src.worker_id, r)
+    return down
+
+
+@pytest.mark.cluster
+def test_a_master_failing_over_under_load_gives_no_wrong_answer_and_every_worker_converges(
+        processes, sources, tmp_path: Path) -> None:
+    """The master holding the meta slot is SIGKILLed under load, its replica cut off (SIGSTOPped) first so
+    that it misses the last writes: lookups fail until the replica is promoted, are never wrong, and once
+    the registry records the new topology every worker resyncs and every answer is whole again."""
+    by_port = _cluster_with_replicas(tmp_path / "cluster", processes)
+    url = f"redis://127.0.0.1:{min(by_port)}"
+    port = free_port()
+    serve(processes, tmp_path / "registry.log", port, "--redis-cluster-url", url, "--lease-ttl-s", "6")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    srcs = [s.start() for s in sources(endpoint, 2.0)]
+    client = RegistryClient(endpoint, timeout_s=3.0)
+    try:
+        assert all(s.pub.flush(10) for s in srcs)
+        wait_until_right(client, srcs, 10)
+        from remote_g2.registry.store_redis import RedisClusterStore
+        probe = RedisClusterStore(url)
+        meta_port = int(probe._nodes.node(b"rg2:{m}:lease")[0].rsplit(":", 1)[1])
+        probe.close()
+        nodes = _nodes(meta_port)
+        meta_id = next(n[0] for n in nodes if n[1] == meta_port)
+        replica_port = next(n[1] for n in nodes if n[3] == meta_id)
+        resyncs = [s.pub.resyncs for s in srcs]
+        for s in srcs:
+            s.start_load()
+        time.sleep(0.3)
+        by_port[replica_port].send_signal(19)  # SIGSTOP: the replica stops taking its master's writes
+        time.sleep(0.3)                        # ... which go on meanwhile
+        by_port[meta_port].kill()              # the master dies with writes its replica never saw
+        by_port[meta_port].wait(5)
+        by_port[replica_port].send_signal(18)  # SIGCONT
+        t_kill = time.monotonic()
+        down = 0
+        while time.monotonic() - t_kill < 30:
+            missed = never_wrong(client, srcs)
+            down += missed
+            if not missed:
+                break
+        back_s = time.monotonic() - t_kill
+        assert back_s < 30, "the registry did not answer again within 30 s of the master's death"
+        for s in srcs:
+            s.stop_load()
+        assert all(s.pub.flush(20) for s in srcs)
+        # The sweeper records the new topology within a second; each worker hears resync_needed at its next
+        # heartbeat (every 2 s here) or batch, and resyncs: what the promoted replica never got comes back.
+        deadline = time.monotonic() + 15
+        while not all(s.pub.resyncs > r for s, r in zip(srcs, resyncs)):
+            assert time.monotonic() < deadline, f"no resync after the failover: {[s.pub.resyncs for s in srcs]}"
+            time.sleep(0.1)
+        resynced_s = time.monotonic() - t_kill
+        assert all(s.pub.flush(20) for s in srcs)
+        converge_s = wait_until_right(client, srcs, 30, grown=True)  # asserts: every chain whole, nothing lost
+        print(f"\nfailover: {down} lookups unanswered; answering again {back_s:.1f} s after the kill, every "
+              f"worker resynced {resynced_s:.1f} s after it, every answer whole {converge_s:.1f} s later")
+    finally:
+        client.close()
+
+
 # -- A3: leases follow the monotonic clock, not the wall clock ------------------------------------------------
 
 

@@ -204,9 +204,9 @@ def test_sweep_deletes_every_key_of_retired_incarnations(backend: tuple[str, lis
     assert sorted(block_keys) == sorted(b"rg2:b:" + h for h in CHAIN[100:115])
     assert len([k for k in keys if k.startswith(b"rg2:wb:")]) == 2
     assert sorted(k for k in keys if k.startswith(b"rg2:{m}:") and b":i:" not in k) == [
-        b"rg2:{m}:ctr", b"rg2:{m}:lease", b"rg2:{m}:workers"]  # the sweep queue is empty, so gone
+        b"rg2:{m}:ctr", b"rg2:{m}:lease", b"rg2:{m}:topo", b"rg2:{m}:workers"]  # the sweep queue is empty, so gone
     assert len([k for k in keys if b"{m}:i:" in k]) == 2
-    assert len(keys) == 15 + 2 + 3 + 2
+    assert len(keys) == 15 + 2 + 4 + 2
     assert store.lookup(CHAIN[100:115], want_all_holders=True).holders[0].matched == 10
     store.close()
 
@@ -224,7 +224,7 @@ def test_sweep_is_bounded_per_call_and_resumes(redis_url: str) -> None:
         sizes.append(node.dbsize())
         assert len(sizes) < 10
     assert len(sizes) == 3 and sizes == sorted(sizes, reverse=True)  # 300 block sets per call
-    assert node.dbsize() == 1  # only the id counter is left
+    assert node.dbsize() == 2  # only the id counter and the topology the sweeper recorded are left
     store.close()
 
 
@@ -248,7 +248,7 @@ def test_two_sweepers_at_once_remove_each_incarnation_once(backend: tuple[str, l
     for t in threads:
         t.join()
     assert sum(removed) == 4
-    assert all_keys(nodes) == [b"rg2:{m}:ctr"]
+    assert all_keys(nodes) == [b"rg2:{m}:ctr", b"rg2:{m}:topo"]
     a.close()
     b.close()
 

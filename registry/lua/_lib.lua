@@ -6,6 +6,7 @@
 -- Numbers that may exceed 2^53 (epochs, sequence numbers) stay decimal strings.
 local MP, BP, WP = ARGV[1], ARGV[2], ARGV[3]
 local LEASE, WORKERS, GONE, CTR = MP .. 'lease', MP .. 'workers', MP .. 'gone', MP .. 'ctr'
+local TOPO = MP .. 'topo'  -- which Redis processes hold the data now (set by the servers' sweepers)
 
 -- Redis's clock, so every stateless server agrees on who is live.
 local function now_ms()
@@ -51,6 +52,20 @@ end
 -- never stored). With the nonce a repeated counter value makes a repeated id once in 10^9.
 local function fresh_inc(nonce)
   return tostring(redis.call('INCR', CTR)) .. nonce
+end
+
+-- Whether `inc` was filled under another Redis topology than the current one: a master failed over or
+-- restarted since, and may have lost some of its writes, so the worker must resync. Never before any
+-- server recorded a topology.
+local function stale_topology(inc)
+  local topo = redis.call('GET', TOPO)
+  return topo and redis.call('HGET', inc_key(inc), 'topo') ~= topo
+end
+
+-- `inc` is (re)filled from now on under the current topology.
+local function mark_topology(inc)
+  local topo = redis.call('GET', TOPO)
+  if topo then redis.call('HSET', inc_key(inc), 'topo', topo) end
 end
 
 -- Hide `inc` from lookups at once and queue its blocks for the sweeper.

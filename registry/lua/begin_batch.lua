@@ -15,7 +15,7 @@ local inc = live_inc(wid, epoch, now)
 if not inc then return {'unknown_worker', ''} end
 if mode == 'e' then
   local last = redis.call('HGET', inc_key(inc), 'seq')
-  if last ~= ARGV[8] then return {'resync_needed', last} end
+  if last ~= ARGV[8] or stale_topology(inc) then return {'resync_needed', last} end
   local out = {'ok', '', inc}
   for _ = 1, tonumber(ARGV[9]) do
     inc = rotate(wid, inc, now, nonce)
@@ -24,6 +24,9 @@ if mode == 'e' then
   redis.call('HSET', inc_key(inc), 'seq', ARGV[7])
   return out
 end
-if ARGV[7] == '1' then inc = rotate(wid, inc, now, nonce) end
+if ARGV[7] == '1' then
+  inc = rotate(wid, inc, now, nonce)
+  mark_topology(inc)
+end
 if ARGV[8] ~= '' then redis.call('HSET', inc_key(inc), 'seq', ARGV[8]) end
 return {'ok', redis.call('HGET', inc_key(inc), 'seq'), inc}

@@ -11,7 +11,7 @@ local now = now_ms()
 local inc = live_inc(wid, epoch, now)
 if not inc then return {'unknown_worker', ''} end
 local last = redis.call('HGET', inc_key(inc), 'seq')
-if last ~= prev then return {'resync_needed', last} end
+if last ~= prev or stale_topology(inc) then return {'resync_needed', last} end
 local wb, applied, a = wb_key(inc), 0, 9 + #kinds
 for e = 1, #kinds do
   local kind, n = kinds:sub(e, e), tonumber(ARGV[8 + e])

@@ -23,6 +23,7 @@ end
 local new = fresh_inc(nonce)
 redis.call('HSET', inc_key(new), 'wid', wid, 'epoch', epoch, 'endpoint', endpoint, 'fp', fp,
            'compat', compat, 'tp', tp, 'seq', '0', 'load', '0', 'reg', now)
+mark_topology(new)
 redis.call('ZADD', LEASE, now + ttl, new)
 redis.call('HSET', WORKERS, wid, new)
 return {'new', ''}

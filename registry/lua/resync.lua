@@ -8,7 +8,10 @@ local wid, nonce = ARGV[4], nonce_arg()
 local now = now_ms()
 local inc = live_inc(wid, ARGV[5], now)
 if not inc then return {'unknown_worker', '', 0} end
-if ARGV[6] == '1' and redis.call('SCARD', wb_key(inc)) > 0 then inc = rotate(wid, inc, now, nonce) end
+if ARGV[6] == '1' then
+  if redis.call('SCARD', wb_key(inc)) > 0 then inc = rotate(wid, inc, now, nonce) end
+  mark_topology(inc)
+end
 local wb = wb_key(inc)
 for j = 8, #ARGV - 1 do
   if redis.call('SADD', wb, ARGV[j]) == 1 then redis.call('SADD', BP .. ARGV[j], inc) end
