@@ -22,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     store = p.add_mutually_exclusive_group()
     store.add_argument("--redis-url", help="single-node Redis, e.g. redis://127.0.0.1:6379/0")
     store.add_argument("--redis-cluster-url", help="any node of a Redis Cluster, e.g. redis://10.0.0.1:7000")
+    store.add_argument("--redis-sentinel", metavar="HOST:PORT[,...]/SERVICE",
+                       help="single-node Redis whose master Redis Sentinel names: the sentinels and the service "
+                            "name they monitor, e.g. 10.0.0.1:26379,10.0.0.2:26379/registry")
     p.add_argument("--lease-ttl-s", type=float, default=10.0, help="worker liveness lease (default 10 s)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--metrics-addr", default="127.0.0.1", help="address for /metrics (default 127.0.0.1)")
@@ -63,14 +66,14 @@ def build_server(args: argparse.Namespace) -> RegistryServer:
         raise ConfigError("--curve-allowed-clients needs --curve-secret-key")
     curve = CurveServerConfig.from_files(args.curve_secret_key, args.curve_allowed_clients) \
         if args.curve_secret_key else None
-    if args.mirror_lookups and not (args.redis_url or args.redis_cluster_url):
+    if args.mirror_lookups and not (args.redis_url or args.redis_cluster_url or args.redis_sentinel):
         raise ConfigError("--mirror-lookups is for Redis stores (the embedded store already answers from memory)")
     if args.mirror_lookups and args.feed_bind == "none":
         raise ConfigError("--mirror-lookups needs the change feed (drop --feed-bind none)")
     if args.mirror_peers and not args.mirror_lookups:
         raise ConfigError("--mirror-peers needs --mirror-lookups")
     store = open_store(redis_url=args.redis_url, redis_cluster_url=args.redis_cluster_url,
-                       lease_ttl_ms=int(args.lease_ttl_s * 1000))
+                       redis_sentinel=args.redis_sentinel, lease_ttl_ms=int(args.lease_ttl_s * 1000))
     feed_advertise = args.feed_advertise
     if feed_advertise and feed_advertise.count(":") == 1:  # tcp://HOST: the bound port
         feed_advertise += ":0"

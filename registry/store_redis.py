@@ -81,7 +81,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from remote_g2.errors import RegistryError, StaleEpoch, StoreUnavailable
+from remote_g2.errors import ConfigError, RegistryError, StaleEpoch, StoreUnavailable
 from remote_g2.messages import (
     BlockEvent, DrainWorkerReply, Events, EventsReply, Heartbeat, HeartbeatReply, Holder, LayoutFingerprint, Lookup,
     LookupReply, RegisterWorker, RegisterWorkerReply, Resync, ResyncReply, WorkerRecord,
@@ -89,7 +89,7 @@ from remote_g2.messages import (
 
 from .store import DEFAULT_LEASE_TTL_MS, ConvertedLookups, PendingLookups, RegistryStore
 
-__all__ = ["RedisStore", "RedisClusterStore", "DEFAULT_KEY_PREFIX"]
+__all__ = ["RedisStore", "RedisClusterStore", "RedisSentinelStore", "DEFAULT_KEY_PREFIX"]
 
 log = logging.getLogger("remote_g2.registry")
 
@@ -193,6 +193,8 @@ class _Scripts:
 
     @staticmethod
     def _send(conn: Connection, packed: list[bytes]) -> None:
+        if conn._sock is None:  # connect() first: a Sentinel-managed connection asks the sentinels there
+            conn.connect()
         conn.send_packed_command([b"".join(packed)] if len(packed) > 1 else packed, check_health=False)
 
     @staticmethod
@@ -312,6 +314,35 @@ class _SingleNode:
     def close(self) -> None:
         self.client.close()
         self.client.connection_pool.disconnect()
+
+
+class _SentinelNode(_SingleNode):
+    """One Redis whose master Redis Sentinel names: ``spec`` is ``host:port[,host:port...]/service``.
+
+    Each new connection asks the sentinels for the current master; a
+    connection to a master that was demoted fails (redis-py's
+    ``SentinelManagedConnection``) and the next one goes to the new master.
+    """
+
+    def __init__(self, spec: str, socket_timeout_s: float, max_connections: int) -> None:
+        from redis.sentinel import Sentinel
+
+        hosts, _, service = spec.rpartition("/")
+        sentinels = []
+        for item in hosts.split(","):
+            host, _, port = item.strip().rpartition(":")
+            if not host or not port.isdigit() or not service:
+                raise ConfigError(f"Redis Sentinel {spec!r}: want host:port[,host:port...]/service-name")
+            sentinels.append((host, int(port)))
+        self.address = f"sentinel {service} via {hosts}"
+        timeouts = {"socket_timeout": socket_timeout_s, "socket_connect_timeout": socket_timeout_s}
+        self._sentinel = Sentinel(sentinels, sentinel_kwargs=timeouts, **_connection_options(socket_timeout_s))
+        self.client = self._sentinel.master_for(service, max_connections=max_connections)
+
+    def close(self) -> None:
+        super().close()
+        for s in self._sentinel.sentinels:
+            s.close()
 
 
 class _ClusterNodes:
@@ -837,6 +868,19 @@ class RedisStore(_WorkerCommands, _LookupCommands, _SweepCommands):
         if status != b"ok":
             return ResyncReply("unknown_worker", 0, 0)
         return ResyncReply("ok", int(last_seq) + 1, int(stored))
+
+
+class RedisSentinelStore(RedisStore):
+    """Single-node Redis under Redis Sentinel: ``url`` is ``host:port[,host:port...]/service`` (the sentinels
+    and the name they monitor the master under). The same store as :class:`RedisStore`, on whichever server
+    the sentinels name master now; after a failover the next connection goes to the new master, and the
+    sweepers' topology record makes every worker resync what the promotion lost (module docstring)."""
+
+    name = "redis-sentinel"
+
+    @staticmethod
+    def _connect(url: str, socket_timeout_s: float, max_connections: int) -> _SingleNode | _ClusterNodes:
+        return _SentinelNode(url, socket_timeout_s, max_connections)
 
 
 class RedisClusterStore(RedisStore):

@@ -418,38 +418,94 @@ def test_a_master_failing_over_under_load_gives_no_wrong_answer_and_every_worker
         nodes = _nodes(meta_port)
         meta_id = next(n[0] for n in nodes if n[1] == meta_port)
         replica_port = next(n[1] for n in nodes if n[3] == meta_id)
-        resyncs = [s.pub.resyncs for s in srcs]
-        for s in srcs:
-            s.start_load()
-        time.sleep(0.3)
-        by_port[replica_port].send_signal(19)  # SIGSTOP: the replica stops taking its master's writes
-        time.sleep(0.3)                        # ... which go on meanwhile
-        by_port[meta_port].kill()              # the master dies with writes its replica never saw
-        by_port[meta_port].wait(5)
-        by_port[replica_port].send_signal(18)  # SIGCONT
-        t_kill = time.monotonic()
-        down = 0
-        while time.monotonic() - t_kill < 30:
-            missed = never_wrong(client, srcs)
-            down += missed
-            if not missed:
-                break
-        back_s = time.monotonic() - t_kill
-        assert back_s < 30, "the registry did not answer again within 30 s of the master's death"
-        for s in srcs:
-            s.stop_load()
-        assert all(s.pub.flush(20) for s in srcs)
-        # The sweeper records the new topology within a second; each worker hears resync_needed at its next
-        # heartbeat (every 2 s here) or batch, and resyncs: what the promoted replica never got comes back.
-        deadline = time.monotonic() + 15
-        while not all(s.pub.resyncs > r for s, r in zip(srcs, resyncs)):
-            assert time.monotonic() < deadline, f"no resync after the failover: {[s.pub.resyncs for s in srcs]}"
-            time.sleep(0.1)
-        resynced_s = time.monotonic() - t_kill
-        assert all(s.pub.flush(20) for s in srcs)
-        converge_s = wait_until_right(client, srcs, 30, grown=True)  # asserts: every chain whole, nothing lost
-        print(f"\nfailover: {down} lookups unanswered; answering again {back_s:.1f} s after the kill, every "
-              f"worker resynced {resynced_s:.1f} s after it, every answer whole {converge_s:.1f} s later")
+        print(f"\ncluster failover: "
+              f"{_cut_off_and_kill_then_check(client, srcs, by_port[meta_port], by_port[replica_port])}")
+    finally:
+        client.close()
+
+
+def _cut_off_and_kill_then_check(client: RegistryClient, srcs: list[Source], master: subprocess.Popen[bytes],
+                                 replica: subprocess.Popen[bytes]) -> str:
+    """Under load: SIGSTOP the replica (it misses what follows), SIGKILL its master, SIGCONT the replica; then
+    lookups are never wrong, answer again, every worker resyncs and every answer ends whole. The figures."""
+    resyncs = [s.pub.resyncs for s in srcs]
+    for s in srcs:
+        s.start_load()
+    time.sleep(0.3)
+    replica.send_signal(19)  # SIGSTOP: the replica stops taking its master's writes
+    time.sleep(0.3)          # ... which go on meanwhile
+    master.kill()            # the master dies with writes its replica never saw
+    master.wait(5)
+    replica.send_signal(18)  # SIGCONT
+    t_kill = time.monotonic()
+    down = 0
+    while time.monotonic() - t_kill < 30:
+        missed = never_wrong(client, srcs)
+        down += missed
+        if not missed:
+            break
+    back_s = time.monotonic() - t_kill
+    assert back_s < 30, "the registry did not answer again within 30 s of the master's death"
+    for s in srcs:
+        s.stop_load()
+    assert all(s.pub.flush(20) for s in srcs)
+    # The sweeper records the new topology within a second; each worker hears resync_needed at its next
+    # heartbeat or batch, and resyncs: what the promoted replica never got comes back.
+    deadline = time.monotonic() + 15
+    while not all(s.pub.resyncs > r for s, r in zip(srcs, resyncs)):
+        assert time.monotonic() < deadline, f"no resync after the failover: {[s.pub.resyncs for s in srcs]}"
+        time.sleep(0.1)
+    resynced_s = time.monotonic() - t_kill
+    assert all(s.pub.flush(20) for s in srcs)
+    converge_s = wait_until_right(client, srcs, 30, grown=True)  # asserts: every chain whole, nothing lost
+    return (f"{down} lookups unanswered; answering again {back_s:.1f} s after the kill, every worker resynced "
+            f"{resynced_s:.1f} s after it, every answer whole {converge_s:.1f} s later")
+
+
+@pytest.mark.redis
+def test_a_sentinel_failover_under_load_gives_no_wrong_answer_and_every_worker_converges(
+        processes, sources, tmp_path: Path) -> None:
+    """A master, its replica and a real Redis Sentinel (quorum 1, down after 1 s); the registry follows the
+    master the sentinel names (``serve --redis-sentinel``). The master dies under load with its replica cut
+    off first: the sentinel promotes the replica and the registry carries on, as with a Cluster."""
+    from conftest import _need_redis_binaries, start_redis
+    _need_redis_binaries()
+    work = tmp_path / "sentinel"
+    master_port, replica_port, sentinel_port = free_port(), free_port(), free_port()
+    master = start_redis(master_port, work)
+    replica = start_redis(replica_port, work, "--replicaof", "127.0.0.1", str(master_port))
+    processes += [master, replica]
+    conf = work / "sentinel.conf"
+    conf.write_text(f"port {sentinel_port}\nbind 127.0.0.1\ndir {work}\n"
+                    f"sentinel monitor registry 127.0.0.1 {master_port} 1\n"
+                    "sentinel down-after-milliseconds registry 1000\nsentinel failover-timeout registry 5000\n")
+    sentinel = subprocess.Popen(["redis-server", str(conf), "--sentinel", "--logfile", str(work / "sentinel.log")],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    processes.append(sentinel)
+    import redis
+    deadline = time.monotonic() + 20
+    while True:  # the sentinel knows the master, and the replica has synced
+        try:
+            with redis.Redis(port=sentinel_port, socket_timeout=1) as s, redis.Redis(port=replica_port) as r:
+                if s.execute_command("SENTINEL", "get-master-addr-by-name", "registry") and \
+                        r.info("replication").get("master_link_status") == "up":
+                    break
+        except redis.RedisError:
+            pass
+        assert time.monotonic() < deadline, "the sentinel or the replica did not come up"
+        time.sleep(0.1)
+    port = free_port()
+    serve(processes, tmp_path / "registry.log", port, "--redis-sentinel", f"127.0.0.1:{sentinel_port}/registry",
+          "--lease-ttl-s", "6")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    srcs = [s.start() for s in sources(endpoint, 2.0)]
+    client = RegistryClient(endpoint, timeout_s=3.0)
+    try:
+        assert all(s.pub.flush(10) for s in srcs)
+        wait_until_right(client, srcs, 10)
+        print(f"\nsentinel failover: {_cut_off_and_kill_then_check(client, srcs, master, replica)}")
+        with redis.Redis(port=sentinel_port) as s:
+            assert int(s.execute_command("SENTINEL", "get-master-addr-by-name", "registry")[1]) == replica_port
     finally:
         client.close()
 
