@@ -78,9 +78,35 @@ _MAX_RETRY_S = 30.0
 
 
 class MirrorIndex(MemoryStore):
-    """The mirror's copy: a :class:`MemoryStore` filled from snapshots and fed the writes the servers applied."""
+    """The mirror's copy: a :class:`MemoryStore` filled from snapshots and fed the writes the servers applied.
+
+    With ``compat_key`` it holds only the workers whose layout has that key
+    (the blocks a target of that layout can use); every write of another
+    worker is skipped, and a worker that re-registers with another layout
+    leaves the copy. Its lookups of that layout answer as the server's, except
+    that blocks only other layouts hold are ``no_candidate`` rather than
+    ``incompatible_layout`` (either way: nothing to reuse).
+    """
 
     name = "mirror"
+
+    def __init__(self, lease_ttl_ms: int, compat_key: str | None = None) -> None:
+        super().__init__(lease_ttl_ms)
+        self.compat_key = compat_key
+        self._ignored: set[str] = set()  # workers of another layout: their writes are skipped
+
+    def follows(self, record: WorkerRecord) -> bool:
+        """Whether this copy holds ``record``'s worker (else it is noted as one whose writes are skipped)."""
+        if self.compat_key is None or record.fingerprint.compat_key() == self.compat_key:
+            return True
+        with self._lock:
+            self._ignored.add(record.worker_id)
+        return False
+
+    @property
+    def ignored(self) -> int:
+        """Workers of another layout this copy skips."""
+        return len(self._ignored)
 
     def install(self, record: WorkerRecord, hashes: Iterable[bytes]) -> None:
         """Take a worker's record and first snapshot chunk as its current incarnation."""
@@ -116,8 +142,24 @@ class MirrorIndex(MemoryStore):
         write for an epoch older than the worker's current one.
         """
         if isinstance(req, DrainWorker):
+            self._ignored.discard(req.worker_id)
             self.drain_worker(req.worker_id)
             return True
+        if self.compat_key is not None:
+            if isinstance(req, RegisterWorker):
+                with self._lock:
+                    rec = self._workers.get(req.worker_id)
+                    if rec is not None and rec.epoch > req.epoch:
+                        return True  # older than what the copy holds
+                    if req.fingerprint.compat_key() != self.compat_key:
+                        self._ignored.add(req.worker_id)
+                        if rec is not None:
+                            self._workers.pop(req.worker_id)
+                            self._drop_incarnation(rec)
+                        return True
+                    self._ignored.discard(req.worker_id)
+            elif req.worker_id in self._ignored:
+                return True
         with self._lock:
             rec = self._workers.get(req.worker_id)
             live = rec is not None and self._live(rec)
@@ -194,7 +236,11 @@ class RegistryMirror:
 
     def __init__(self, endpoints: str | Sequence[str], *, timeout_s: float = 5.0,
                  curve: CurveClientConfig | None = None, scan_count: int = 16_384,
-                 stale_after_s: float = 3.0, retry_s: float = 0.5, context: zmq.Context | None = None) -> None:
+                 stale_after_s: float = 3.0, retry_s: float = 0.5, context: zmq.Context | None = None,
+                 compat_key: str | None = None) -> None:
+        """``compat_key``: hold only workers of that layout (``LayoutFingerprint.compat_key()``: a target's own),
+        not the whole fleet; None: every worker (a server's mirror answers every layout)."""
+        self.compat_key = compat_key
         try:
             self.endpoints = endpoint_list(endpoints)  # one server, or several (comma-separated or a list)
         except ConfigError:
@@ -363,9 +409,10 @@ class RegistryMirror:
                 self._check_seq(last, got, first_sight_ok=True)
                 backlog.append(got)
         t0 = time.perf_counter()
-        index = MirrorIndex(infos[0].lease_ttl_ms)
+        index = MirrorIndex(infos[0].lease_ttl_ms, self.compat_key)
         for worker in clients[0].list_workers():
-            self._copy_worker(clients[0], index, worker.worker_id)
+            if index.follows(worker):
+                self._copy_worker(clients[0], index, worker.worker_id)
             self._drain(sub, last, backlog)
         self._drain(sub, last, backlog)
         for _, _, msg in backlog:

@@ -225,7 +225,7 @@ class TargetClient:
                                             curve=self.config.registry_curve)
             if self.config.registry_mirror:
                 self._mirror = RegistryMirror(self.config.registry_endpoint, timeout_s=timeout_ms / 1000.0,
-                                              curve=self.config.registry_curve).start()
+                                              curve=self.config.registry_curve, compat_key=self._compat_key()).start()
         self._outcomes = Outcomes()
         own: queue.SimpleQueue[TargetLoad | None] = queue.SimpleQueue()
         share = ShareLoop(shares=own, book=self._shares, report=lambda done: self._post_done(done))

@@ -373,3 +373,56 @@ def test_a_mirroring_server_behind_an_allow_list_reads_itself_with_its_own_key(t
             assert server.metrics.mirror_lookups._value.get() >= 1
     finally:
         server.close()
+
+
+def test_a_mirror_of_one_layout_holds_only_its_workers_and_answers_its_lookups_as_the_server(served):
+    """A target's mirror (``compat_key`` of its own layout) copies and follows only the workers of that layout —
+    in the snapshot and in every later write, also a worker that changes layout — and answers every lookup
+    of that layout as the server does."""
+    server, c = served()
+    c.register_worker("a1", "tcp://127.0.0.1:1100", FP, 1)
+    c.register_worker("b1", "tcp://127.0.0.1:1200", OTHER_FP, 1)
+    c.events("a1", 1, 1, [BlockEvent("stored", chain(0))])
+    c.events("b1", 1, 1, [BlockEvent("stored", chain(1) + chain(0)[:8])])
+    mirror = RegistryMirror(c.endpoint, compat_key=FP.compat_key()).start()
+    try:
+        assert mirror.wait_ready(10), mirror.last_error
+        c.register_worker("a2", "tcp://127.0.0.1:1300", FP, 1)
+        c.register_worker("b2", "tcp://127.0.0.1:1400", OTHER_FP, 1)
+        c.events("a2", 1, 1, [BlockEvent("stored", chain(2))])
+        c.events("b2", 1, 1, [BlockEvent("stored", chain(3))])
+        c.events("b1", 1, 2, [BlockEvent("removed", chain(1)[:2])])
+        c.heartbeat("b2", 1, load=3)
+        fp_key = FP.compat_key()
+        queries = [chain(k) for k in range(4)]
+
+        def same_as_server() -> list[tuple[int, object, object]]:
+            out = []
+            for k, hashes in enumerate(queries):
+                want = c.lookup(hashes, compat_key=fp_key, want_all_holders=True)
+                got = mirror.lookup(hashes, compat_key=fp_key, want_all_holders=True)
+                # It cannot tell "only other layouts hold these" from "nobody does": both are no reuse.
+                reason = "no_candidate" if want.reason == "incompatible_layout" else want.reason
+                if (got.reason, got.matched, got.holders) != (reason, want.matched, want.holders):
+                    out.append((k, got, want))
+            return out
+
+        deadline = time.monotonic() + 3
+        while (diffs := same_as_server()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert diffs == []
+        index = mirror._index
+        assert index is not None and index.counts()[:2] == (2, 2) and index.ignored == 2  # a1, a2 held
+        assert index.counts()[2] == 24 + 24  # only their hashes: the other layout's 24 + 8 + 24 are not here
+        c.register_worker("b2", "tcp://127.0.0.1:1400", FP, 2)  # b2 comes back with this layout: followed
+        c.events("b2", 2, 1, [BlockEvent("stored", chain(3)[:5])])
+        c.register_worker("a1", "tcp://127.0.0.1:1100", OTHER_FP, 2)  # a1 leaves this layout: dropped
+        deadline = time.monotonic() + 3
+        while (diffs := same_as_server()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert diffs == []
+        assert mirror.lookup(chain(3), compat_key=fp_key).best.worker_id == "b2"
+        assert mirror.lookup(chain(0), compat_key=fp_key).reason == "no_candidate"
+        assert mirror.stats().resyncs == {} and mirror.stats().snapshots == 1
+    finally:
+        mirror.close()

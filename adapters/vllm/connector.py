@@ -333,7 +333,9 @@ class RemoteG2Connector(KVConnectorBase_V1):
             curve = CurveClientConfig.from_env("REMOTE_G2_CURVE_SERVER_KEY")
             self._registry = RegistryClient(self.settings.registry, timeout_s=2.0, curve=curve)
             if self.settings.registry_mirror:
-                self._mirror = RegistryMirror(self.settings.registry, timeout_s=2.0, curve=curve).start()
+                # Only the workers whose blocks this instance's layout can use: not the whole fleet's index.
+                self._mirror = RegistryMirror(self.settings.registry, timeout_s=2.0, curve=curve,
+                                              compat_key=fp.compat_key()).start()
         try:
             reply = self._lookup(state.hashes[:reusable], fp.compat_key())
         except RemoteG2Error as e:
