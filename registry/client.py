@@ -155,8 +155,8 @@ class RegistryClient:
 
     # -- mirrors ---------------------------------------------------------------------------
 
-    def feed_info(self) -> FeedInfoReply:
-        reply: FeedInfoReply = self._call(FeedInfo())
+    def feed_info(self, *, timeout_s: float | None = None) -> FeedInfoReply:
+        reply: FeedInfoReply = self._call(FeedInfo(), timeout_ms=None if timeout_s is None else timeout_s * 1000.0)
         return reply
 
     def scan_worker(self, worker_id: str, cursor: bytes = b"", count: int = 16_384) -> ScanWorkerReply:

@@ -22,6 +22,14 @@ How it stays right
   throws the copy away and takes a fresh snapshot. Meanwhile :meth:`lookup`
   raises :class:`~remote_g2.errors.MirrorNotReady`, and callers ask the
   server instead.
+* **A server that does not answer** is left out of a snapshot as long as
+  another one answers (the store holds every write, whichever server took
+  it); the copy follows the others and asks the missing one again every
+  few seconds, taking a fresh snapshot once it is back. Writes that go
+  through a server the copy cannot reach are caught as above (sequence
+  numbers, leases): lookups may miss blocks meanwhile, or name a block
+  its worker has since dropped (the resolve then finds less), never a
+  block its worker never stored.
 * **Liveness** is judged locally: the copy renews a worker's lease when it
   sees the heartbeat, so a worker that stops heartbeating disappears from the
   mirror's lookups when its lease runs out, as on the server.
@@ -50,7 +58,9 @@ import zmq
 
 from remote_g2.curve import CurveClientConfig
 from remote_g2.endpoint_list import endpoint_list
-from remote_g2.errors import ConfigError, MirrorNotReady, ProtocolError, RegistryError, RemoteG2Error, StaleEpoch
+from remote_g2.errors import (
+    ConfigError, MirrorNotReady, ProtocolError, RegistryError, RemoteG2Error, StaleEpoch, TransportError,
+)
 from remote_g2.messages import (
     DrainWorker,
     Events,
@@ -75,6 +85,8 @@ log = logging.getLogger("remote_g2.registry.mirror")
 _FEED_TYPES = frozenset({"register_worker", "heartbeat", "events", "resync", "drain_worker", "feed_tick"})
 _RCVHWM = 1_000_000
 _MAX_RETRY_S = 30.0
+_PROBE_EVERY_S = 5.0     # how often a server left out of the copy is asked again
+_PROBE_TIMEOUT_S = 0.25  # short: the follower thread waits for it
 
 
 class MirrorIndex(MemoryStore):
@@ -259,6 +271,7 @@ class RegistryMirror:
         self._applied = self._malformed = self._snapshots = 0
         self._resyncs: dict[str, int] = {}
         self._last_snapshot_s = 0.0
+        self._missing: list[RegistryClient] = []  # servers left out of the current copy (no answer)
         self.last_error = ""
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -386,8 +399,20 @@ class RegistryMirror:
     def _snapshot(self, clients: list[RegistryClient], sub: zmq.Socket, connected: set[str]) -> dict[str, int]:
         """Take a complete copy; return each feed instance's last sequence number seen."""
         self._ready.clear()
-        infos = [replace(info, endpoint=feed_endpoint_from(client.endpoint, info.endpoint))
-                 for client, info in ((c, c.feed_info()) for c in clients)]
+        infos, answering, self._missing = [], [], []
+        for client in clients:
+            try:
+                info = client.feed_info()
+            except TransportError as e:
+                if len(clients) == 1:
+                    raise
+                log.warning("registry mirror: %s does not answer (%s); following the others", client.endpoint, e)
+                self._missing.append(client)
+                continue
+            answering.append(client)
+            infos.append(replace(info, endpoint=feed_endpoint_from(client.endpoint, info.endpoint)))
+        if not answering:
+            raise RegistryError(f"no registry server of {', '.join(self.endpoints)} answers")
         for gone in connected - {info.endpoint for info in infos}:  # a restarted server's old feed port
             sub.disconnect(gone)
             connected.discard(gone)
@@ -410,9 +435,9 @@ class RegistryMirror:
                 backlog.append(got)
         t0 = time.perf_counter()
         index = MirrorIndex(infos[0].lease_ttl_ms, self.compat_key)
-        for worker in clients[0].list_workers():
+        for worker in answering[0].list_workers():
             if index.follows(worker):
-                self._copy_worker(clients[0], index, worker.worker_id)
+                self._copy_worker(answering[0], index, worker.worker_id)
             self._drain(sub, last, backlog)
         self._drain(sub, last, backlog)
         for _, _, msg in backlog:
@@ -473,6 +498,7 @@ class RegistryMirror:
         assert index is not None
         heard = {instance: time.monotonic() for instance in last}
         next_sweep = time.monotonic() + 1.0
+        next_probe = time.monotonic() + _PROBE_EVERY_S
         while not self._stop.is_set():
             got = self._recv(sub, 100)
             now = time.monotonic()
@@ -490,3 +516,11 @@ class RegistryMirror:
             if now >= next_sweep:
                 index.sweep()
                 next_sweep = now + 1.0
+            if self._missing and now >= next_probe:
+                next_probe = now + _PROBE_EVERY_S
+                for client in self._missing:
+                    try:
+                        client.feed_info(timeout_s=_PROBE_TIMEOUT_S)
+                    except TransportError:
+                        continue
+                    raise _Resync("server_back", f"{client.endpoint} answers again")

@@ -426,3 +426,43 @@ def test_a_mirror_of_one_layout_holds_only_its_workers_and_answers_its_lookups_a
         assert mirror.stats().resyncs == {} and mirror.stats().snapshots == 1
     finally:
         mirror.close()
+
+
+def test_a_mirror_of_two_servers_follows_the_one_left_while_the_other_is_down(served, make_store):
+    """Two servers on one store, the mirror following both: one goes away (its feed falls silent); the
+    mirror takes a copy from the other, follows it, and takes the returning one back in."""
+    store = make_store(lease_ttl_ms=30_000)
+    server_a, a = served(store=store)
+    server_b, b = served(store=store)
+    endpoint_b = b.endpoint
+    mirror = RegistryMirror([a.endpoint, endpoint_b], stale_after_s=0.5, retry_s=0.2, timeout_s=0.5).start()
+    try:
+        assert mirror.wait_ready(10), mirror.last_error
+        a.register_worker("w1", "tcp://127.0.0.1:1100", FP, 1)
+        b.register_worker("w2", "tcp://127.0.0.1:1200", FP, 1)
+        a.events("w1", 1, 1, [BlockEvent("stored", chain(0))])
+        b.events("w2", 1, 1, [BlockEvent("stored", chain(1))])
+        converged(mirror, a, [chain(0), chain(1)])
+        b.close()
+        server_b.close()
+        time.sleep(0.8)  # B's feed is silent past stale_after_s: the mirror drops its copy and takes one from A
+        a.events("w1", 1, 2, [BlockEvent("stored", chain(2))])
+        a.events("w2", 1, 2, [BlockEvent("removed", chain(1)[20:])])  # w2 writes through A from now on
+        assert mirror.wait_ready(10), mirror.last_error
+        converged(mirror, a, [chain(0), chain(1), chain(2)])
+        server_b2 = RegistryServer(store, bind=endpoint_b, feed_bind="tcp://127.0.0.1:0")
+        server_b2.start()
+        try:
+            deadline = time.monotonic() + 15  # asked again every 5 s; a fresh copy then follows both
+            while mirror.stats().resyncs.get("server_back", 0) == 0:
+                assert time.monotonic() < deadline, mirror.stats()
+                time.sleep(0.05)
+            b2 = RegistryClient(endpoint_b)
+            b2.events("w2", 1, 3, [BlockEvent("stored", chain(3))])
+            assert mirror.wait_ready(10), mirror.last_error
+            converged(mirror, a, [chain(0), chain(1), chain(2), chain(3)])
+            b2.close()
+        finally:
+            server_b2.close()
+    finally:
+        mirror.close()
