@@ -112,33 +112,53 @@ def redis_url(redis_server: str) -> str:
     return redis_server
 
 
-def start_redis_cluster(workdir: Path) -> tuple[list[subprocess.Popen[bytes]], str]:
-    """Start a private 3-master Redis Cluster in ``workdir``; return its servers and ``redis://127.0.0.1:P1``.
+def cluster_node_args(workdir: Path, port: int, node_timeout_ms: int | None = None) -> list[str]:
+    """``start_redis`` arguments of a cluster node on ``port`` (the same again restarts it with its slots)."""
+    timeout = ["--cluster-node-timeout", str(node_timeout_ms)] if node_timeout_ms else []
+    return ["--cluster-enabled", "yes", *timeout, "--cluster-config-file", str(workdir / f"nodes-{port}.conf")]
+
+
+def wait_cluster_ok(ports: list[int], *, replicas_up: bool = False, timeout_s: float = 30.0) -> None:
+    """Wait until every node on ``ports`` says ``cluster_state:ok`` (and, with ``replicas_up``, every replica's
+    link to its master is up); RuntimeError after ``timeout_s``."""
+    import redis
+
+    deadline = time.monotonic() + timeout_s
+    for port in ports:
+        with redis.Redis(port=port, socket_timeout=1) as client:
+            while True:
+                try:
+                    ok = client.execute_command("CLUSTER INFO").get("cluster_state") == "ok"
+                    info = client.info("replication") if ok and replicas_up else {"role": "master"}
+                    if ok and (info["role"] == "master" or info.get("master_link_status") == "up"):
+                        break
+                except redis.RedisError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"Redis Cluster on {ports} did not reach cluster_state:ok")
+                time.sleep(0.1)
+
+
+def start_redis_cluster(workdir: Path, *, replicas: int = 0,
+                        node_timeout_ms: int | None = None) -> tuple[list[subprocess.Popen[bytes]], str]:
+    """Start a private 3-master Redis Cluster in ``workdir`` (``replicas`` per master); return its servers, in
+    port order, and ``redis://127.0.0.1:P1``.
 
     Also used by ``bench/bench_peers.py``. The caller stops the servers (``stop_redis``).
     """
-    import redis
-
     procs: list[subprocess.Popen[bytes]] = []
     try:
         ports: list[int] = []
-        while len(ports) < 3:
+        while len(ports) < 3 * (1 + replicas):
             port = free_port(with_cluster_bus=True)
             if port not in ports:
                 ports.append(port)
         for port in ports:
-            procs.append(start_redis(port, workdir, "--cluster-enabled", "yes",
-                                     "--cluster-config-file", str(workdir / f"nodes-{port}.conf")))
+            procs.append(start_redis(port, workdir, *cluster_node_args(workdir, port, node_timeout_ms)))
         subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
-                        "--cluster-replicas", "0", "--cluster-yes"],
+                        "--cluster-replicas", str(replicas), "--cluster-yes"],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60)
-        deadline = time.monotonic() + 30
-        for port in ports:
-            with redis.Redis(port=port) as client:
-                while client.execute_command("CLUSTER INFO").get("cluster_state") != "ok":
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"Redis Cluster on {ports} did not reach cluster_state:ok")
-                    time.sleep(0.1)
+        wait_cluster_ok(ports, replicas_up=replicas > 0)
     except BaseException:
         for proc in procs:
             stop_redis(proc)

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import free_port, stop_redis
+from conftest import _need_redis_binaries, free_port, start_redis, start_redis_cluster, stop_redis
 from source_procs.pattern import block_bytes_for, hash_of, make_layout
 
 from remote_g2.adapters.host_pool import HostPool
@@ -329,44 +329,6 @@ def test_a_server_of_the_failover_list_killed_under_load_loses_no_event_and_give
         client.close()
 
 
-def _cluster_with_replicas(workdir: Path, procs: list[subprocess.Popen[bytes]]) -> dict[int, subprocess.Popen[bytes]]:
-    """A private Redis Cluster of 3 masters with a replica each (node timeout 1 s), its servers in ``procs``;
-    returns port -> server process."""
-    from conftest import _need_redis_binaries, start_redis
-    _need_redis_binaries("redis-server", "redis-cli")
-    ports: list[int] = []
-    while len(ports) < 6:
-        port = free_port(with_cluster_bus=True)
-        if port not in ports:
-            ports.append(port)
-    by_port = {}
-    for port in ports:
-        by_port[port] = start_redis(port, workdir, "--cluster-enabled", "yes", "--cluster-node-timeout", "1000",
-                                    "--cluster-config-file", str(workdir / f"nodes-{port}.conf"))
-        procs.append(by_port[port])
-    subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas", "1",
-                    "--cluster-yes"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60)
-    _wait_cluster(ports, replicas_up=True)
-    return by_port
-
-
-def _wait_cluster(ports: list[int], *, replicas_up: bool = False, timeout_s: float = 30.0) -> None:
-    import redis
-    deadline = time.monotonic() + timeout_s
-    for port in ports:
-        with redis.Redis(port=port, socket_timeout=1) as c:
-            while True:
-                try:
-                    ok = c.execute_command("CLUSTER INFO").get("cluster_state") == "ok"
-                    info = c.info("replication")
-                    if ok and (not replicas_up or info["role"] == "master" or info["master_link_status"] == "up"):
-                        break
-                except redis.RedisError:
-                    pass
-                assert time.monotonic() < deadline, f"Redis Cluster on {ports} not ready"
-                time.sleep(0.1)
-
-
 def _nodes(port: int) -> list[tuple[str, int, str, str]]:
     """(id, port, 'master'/'slave', master id) of every node, as node ``port`` sees them."""
     import redis
@@ -401,16 +363,12 @@ def test_a_master_failing_over_under_load_gives_no_wrong_answer_and_every_worker
     """The master holding the meta slot is SIGKILLed under load, its replica cut off (SIGSTOPped) first so
     that it misses the last writes: lookups fail until the replica is promoted, are never wrong, and once
     the registry records the new topology every worker resyncs and every answer is whole again."""
-    by_port = _cluster_with_replicas(tmp_path / "cluster", processes)
-    url = f"redis://127.0.0.1:{min(by_port)}"
-    port = free_port()
-    serve(processes, tmp_path / "registry.log", port, "--redis-cluster-url", url, "--lease-ttl-s", "6")
-    endpoint = f"tcp://127.0.0.1:{port}"
-    srcs = [s.start() for s in sources(endpoint, 2.0)]
-    client = RegistryClient(endpoint, timeout_s=3.0)
+    _need_redis_binaries("redis-server", "redis-cli")
+    cluster, url = start_redis_cluster(tmp_path / "cluster", replicas=1, node_timeout_ms=1000)
+    processes += cluster
+    by_port = {int(str(p.args[2])): p for p in cluster}  # redis-server --port PORT ...
+    srcs, client = _serve_with_sources(processes, sources, tmp_path, "--redis-cluster-url", url)
     try:
-        assert all(s.pub.flush(10) for s in srcs)
-        wait_until_right(client, srcs, 10)
         from remote_g2.registry.store_redis import RedisClusterStore
         probe = RedisClusterStore(url)
         meta_port = int(probe._nodes.node(b"rg2:{m}:lease")[0].rsplit(":", 1)[1])
@@ -422,6 +380,19 @@ def test_a_master_failing_over_under_load_gives_no_wrong_answer_and_every_worker
               f"{_cut_off_and_kill_then_check(client, srcs, by_port[meta_port], by_port[replica_port])}")
     finally:
         client.close()
+
+
+def _serve_with_sources(processes, sources, tmp_path: Path, *store: str) -> tuple[list[Source], RegistryClient]:
+    """A registry server on ``store`` (its serve flags), two publishers streaming into it and a lookup client,
+    every chain already right."""
+    port = free_port()
+    serve(processes, tmp_path / "registry.log", port, *store, "--lease-ttl-s", "6")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    srcs = [s.start() for s in sources(endpoint, 2.0)]
+    client = RegistryClient(endpoint, timeout_s=3.0)
+    assert all(s.pub.flush(10) for s in srcs)
+    wait_until_right(client, srcs, 10)
+    return srcs, client
 
 
 def _cut_off_and_kill_then_check(client: RegistryClient, srcs: list[Source], master: subprocess.Popen[bytes],
@@ -468,7 +439,6 @@ def test_a_sentinel_failover_under_load_gives_no_wrong_answer_and_every_worker_c
     """A master, its replica and a real Redis Sentinel (quorum 1, down after 1 s); the registry follows the
     master the sentinel names (``serve --redis-sentinel``). The master dies under load with its replica cut
     off first: the sentinel promotes the replica and the registry carries on, as with a Cluster."""
-    from conftest import _need_redis_binaries, start_redis
     _need_redis_binaries()
     work = tmp_path / "sentinel"
     master_port, replica_port, sentinel_port = free_port(), free_port(), free_port()
@@ -494,15 +464,9 @@ def test_a_sentinel_failover_under_load_gives_no_wrong_answer_and_every_worker_c
             pass
         assert time.monotonic() < deadline, "the sentinel or the replica did not come up"
         time.sleep(0.1)
-    port = free_port()
-    serve(processes, tmp_path / "registry.log", port, "--redis-sentinel", f"127.0.0.1:{sentinel_port}/registry",
-          "--lease-ttl-s", "6")
-    endpoint = f"tcp://127.0.0.1:{port}"
-    srcs = [s.start() for s in sources(endpoint, 2.0)]
-    client = RegistryClient(endpoint, timeout_s=3.0)
+    srcs, client = _serve_with_sources(processes, sources, tmp_path, "--redis-sentinel",
+                                       f"127.0.0.1:{sentinel_port}/registry")
     try:
-        assert all(s.pub.flush(10) for s in srcs)
-        wait_until_right(client, srcs, 10)
         print(f"\nsentinel failover: {_cut_off_and_kill_then_check(client, srcs, master, replica)}")
         with redis.Redis(port=sentinel_port) as s:
             assert int(s.execute_command("SENTINEL", "get-master-addr-by-name", "registry")[1]) == replica_port

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import _need_redis_binaries, start_redis, start_redis_cluster, stop_redis
+from conftest import _need_redis_binaries, cluster_node_args, start_redis, start_redis_cluster, stop_redis, \
+    wait_cluster_ok
 
 from remote_g2.messages import BlockEvent, Events, LayoutFingerprint, RegisterWorker, Resync
 from remote_g2.registry.store_redis import RedisClusterStore
@@ -54,20 +55,6 @@ def answers(store: RedisClusterStore, who: dict[str, list[bytes]]) -> list[tuple
         r = store.lookup(hashes)
         out.append((wid, r.best.worker_id if r.best else None, r.matched))
     return out
-
-
-def wait_cluster_ok(ports: list[int], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    for port in ports:
-        with redis.Redis(port=port, socket_timeout=1) as c:
-            while True:
-                try:
-                    if c.execute_command("CLUSTER INFO").get("cluster_state") == "ok":
-                        break
-                except redis.RedisError:
-                    pass
-                assert time.monotonic() < deadline, f"the cluster on {ports} did not come back"
-                time.sleep(0.1)
 
 
 def memberships(ports: list[int]) -> set[bytes]:
@@ -107,8 +94,7 @@ def test_a_meta_slot_restarted_empty_gives_no_wrong_answer_and_its_leftovers_are
         meta_proc.kill()  # SIGKILL: nothing saved, nothing handed over
         meta_proc.wait(5)
         procs.remove(meta_proc)
-        procs.append(start_redis(meta_port, tmp_path, "--cluster-enabled", "yes",
-                                 "--cluster-config-file", str(tmp_path / f"nodes-{meta_port}.conf")))
+        procs.append(start_redis(meta_port, tmp_path, *cluster_node_args(tmp_path, meta_port)))
         wait_cluster_ok(ports)
         deadline = time.monotonic() + 20
         while True:  # the store finds the node again by itself (a failed call refreshes its slot table)
