@@ -161,15 +161,13 @@ class MirrorIndex(MemoryStore):
             if isinstance(req, RegisterWorker):
                 with self._lock:
                     rec = self._workers.get(req.worker_id)
-                    if rec is not None and rec.epoch > req.epoch:
-                        return True  # older than what the copy holds
-                    if req.fingerprint.compat_key() != self.compat_key:
-                        self._ignored.add(req.worker_id)
-                        if rec is not None:
-                            self._workers.pop(req.worker_id)
-                            self._drop_incarnation(rec)
-                        return True
-                    self._ignored.discard(req.worker_id)
+                if rec is not None and rec.epoch > req.epoch:
+                    return True  # older than what the copy holds
+                if req.fingerprint.compat_key() != self.compat_key:
+                    self._ignored.add(req.worker_id)
+                    self.drain_worker(req.worker_id)  # its earlier incarnation of this layout goes
+                    return True
+                self._ignored.discard(req.worker_id)
             elif req.worker_id in self._ignored:
                 return True
         with self._lock:
