@@ -160,6 +160,7 @@ class ScratchLease {
   ScratchLease(const ScratchLease &) = delete;
   ScratchLease &operator=(const ScratchLease &) = delete;
   S *operator->() { return s_; }
+  S &operator*() { return *s_; }
 
  private:
   static S &shared() {

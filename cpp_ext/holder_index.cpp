@@ -5,37 +5,42 @@
 // docstrings; this file says how.
 //
 // Layout (why): a lookup walks up to 128 hashes of a chain and, for each,
-// asks whether one or two candidate holders still hold it. With a million
-// hashes every probe misses the cache, so the cost of a walk is the number of
-// cache lines it touches. One 64-byte, line-aligned Slot per hash holds all a
-// probe needs: the tag (settles most mismatches without the key), the key's
-// 32 bytes, the holder count and the first 3 holder ids. Most hashes have at
-// most 3 holders, so a probe usually costs one line; a hash with more keeps
-// the rest in a sorted overflow array (one more line, only when a candidate
-// is not among the inline 3). The alternatives cost more lines per probe: a
-// separate tag array means a second miss for the key, and a Python
-// dict[bytes, set[int]] goes through the dict, the bytes object, the set and
-// its table.
+// asks whether one or two candidate holders still hold it; a registry mirror
+// keeps the whole fleet's hashes (tens of millions) in every process that
+// follows it. So a slot must be small and a probe must touch one cache line.
+// A 16-byte Slot holds a 64-bit fingerprint of the hash and up to two holder
+// ids; four slots share a line. Most hashes have one or two holders; a hash
+// with more keeps them all in a sorted overflow array (one more line).
 //
-// Open addressing with linear probing: the next slot of a run is the next
-// line, which the adjacent-line prefetcher often brings in anyway. Load stays
-// in 0.35..0.7 (grow x2 beyond 0.7): ~1.2 to ~2.2 slots per hit. Deletion is
-// backward-shift, so remove/add churn leaves no tombstones to lengthen runs.
-// The table never shrinks (clear() frees it): the registry's holder set grows
-// and shrinks with the fleet, and a rehash on the way down would stall a
-// lookup for no lasting gain.
+// Fingerprints, not keys (why): storing the 32-byte key would triple the
+// slot. The fingerprint is a keyed mix of the whole key and its length, with
+// a random key per table, so no caller can build two hashes that collide on
+// purpose; two different hashes share a fingerprint with probability ~2^-62.
+// A collision can only make the index name a holder for a hash it does not
+// hold, and every reader treats the index as a hint: the source pins by the
+// full hash on resolve and answers with what it really holds, so the cost is
+// a miss, never a wrong block.
+//
+// Open addressing with linear probing: the next slot of a run is usually on
+// the same line. Load stays in 0.4..0.8 (grow x2 beyond 0.8): 20..40 bytes
+// per hash. Deletion is backward-shift, so remove/add churn leaves no
+// tombstones to lengthen runs. The table never shrinks (clear() frees it):
+// the registry's holder set grows and shrinks with the fleet, and a rehash on
+// the way down would stall a lookup for no lasting gain.
 //
 // Threading: none of its own. Every call keeps the GIL for its whole run and
 // runs no Python code between reading its arguments and finishing with the
 // table, so calls are atomic with respect to each other; the registry
-// serialises them with its own lock anyway. Calls are a few µs: releasing the
-// GIL would cost more than it frees.
+// serialises them with its own lock anyway. Calls are a few µs (drop_holder,
+// a scan of the whole table, is milliseconds): releasing the GIL would cost
+// more than it frees.
 
 #include "block_key.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -45,59 +50,80 @@ namespace {
 using namespace remote_g2;
 
 constexpr long long kMaxHolder = 0xffffffffLL;
-constexpr uint32_t kInline = 3;
 // How many hashes ahead walk() prefetches: the probes of a chain are
 // independent, so their misses can overlap instead of queueing one by one.
 constexpr size_t kPrefetchAhead = 8;
 
-struct alignas(64) Slot {
-  uint64_t tag;            // Key::tag; 0 = empty
-  uint32_t count;          // holders: inl[0 .. min(count, 3)) + overflow
-  uint32_t more;           // index into Table::overflow_ when count > 3
-  uint32_t inl[kInline];   // the first holders, in no particular order
-  uint32_t unused;
-  uint64_t key[4];         // Key::w: the hash's bytes, zero-padded
+constexpr uint64_t kMany = 1;  // tag bit 0: the holders are in overflow_[a]
+constexpr uint64_t kUsed = 2;  // tag bit 1: always set in a used slot's tag
+
+struct Slot {
+  uint64_t tag;  // fingerprint | kUsed (| kMany); 0 = empty
+  uint32_t a;    // the first holder; with kMany, the index into overflow_
+  uint32_t b;    // the second holder, 0 = none; unused with kMany
 };
-static_assert(sizeof(Slot) == 64, "one slot, one cache line");
+static_assert(sizeof(Slot) == 16, "four slots, one cache line");
+
+// The keyed fingerprint of a key (words chained through fmix64, so without
+// the seed no difference between two keys can be made to cancel out).
+inline uint64_t fingerprint(const Key &k, const uint64_t seed[2]) {
+  uint64_t h = fmix64(seed[0] ^ k.w[0] ^ (uint64_t(k.len()) * 0x9e3779b97f4a7c15ULL));
+  if (k.len() > 8) {
+    h = fmix64(h ^ k.w[1] ^ seed[1]);
+    if (k.len() > 16) h = fmix64(fmix64(h ^ k.w[2]) ^ k.w[3]);
+  }
+  return (h & ~kMany) | kUsed;
+}
 
 class Table {
  public:
-  Table() : slots_(kMinSlots), mask_(kMinSlots - 1) {}
+  Table() : slots_(kMinSlots), mask_(kMinSlots - 1) {
+    std::random_device rd;
+    for (uint64_t &s : seed_) s = (uint64_t(rd()) << 32) ^ rd();
+  }
 
   size_t size() const { return size_; }
   int64_t entries() const { return entries_; }
+  size_t bytes() const {
+    size_t n = slots_.capacity() * sizeof(Slot) + overflow_.capacity() * sizeof(overflow_[0]) +
+               free_.capacity() * sizeof(uint32_t);
+    for (const std::vector<uint32_t> &v : overflow_) n += v.capacity() * sizeof(uint32_t);
+    return n;
+  }
 
-  const Slot *find(const Key &k) const {
-    for (size_t i = home(k.tag);; i = (i + 1) & mask_) {
+  uint64_t tag_of(const Key &k) const { return fingerprint(k, seed_); }
+
+  const Slot *find(uint64_t tag) const {
+    for (size_t i = home(tag);; i = (i + 1) & mask_) {
       const Slot &s = slots_[i];
       if (s.tag == 0) return nullptr;
-      if (same_key(s, k)) return &s;
+      if (same(s, tag)) return &s;
     }
   }
 
-  void prefetch(const Key &k) const { __builtin_prefetch(&slots_[home(k.tag)]); }
+  void prefetch(uint64_t tag) const { __builtin_prefetch(&slots_[home(tag)]); }
 
   bool holds(const Slot &s, uint32_t holder) const {
-    uint32_t n = std::min(s.count, kInline);
-    for (uint32_t i = 0; i < n; ++i)
-      if (s.inl[i] == holder) return true;
-    if (s.count <= kInline) return false;
-    const std::vector<uint32_t> &v = overflow_[s.more];
+    if (!(s.tag & kMany)) return s.a == holder || s.b == holder;
+    const std::vector<uint32_t> &v = overflow_[s.a];
     return std::binary_search(v.begin(), v.end(), holder);
   }
 
   // The holders of s, sorted ascending.
   void holders(const Slot &s, std::vector<uint32_t> &out) const {
-    out.assign(s.inl, s.inl + std::min(s.count, kInline));
-    if (s.count > kInline)
-      out.insert(out.end(), overflow_[s.more].begin(), overflow_[s.more].end());
-    std::sort(out.begin(), out.end());
+    if (s.tag & kMany) {
+      out = overflow_[s.a];
+      return;
+    }
+    out.clear();
+    out.push_back(s.a);
+    if (s.b) out.insert(s.b < s.a ? out.begin() : out.end(), s.b);
   }
 
-  // Adds holder to each key; returns how many pairs were new. All or
+  // Adds holder to each tag; returns how many pairs were new. All or
   // nothing: the only failure is bad_alloc, and then the pairs added so far
   // are removed again (`added` is caller-owned scratch for that).
-  int64_t add(const Key *keys, size_t n, uint32_t holder,
+  int64_t add(const uint64_t *tags, size_t n, uint32_t holder,
               std::vector<uint8_t> &added) {
     added.assign(n, 0);
     // Grow once, before any change, so no insert below can need to. Only
@@ -105,44 +131,61 @@ class Table {
     // (a repeat counts twice: an upper bound is enough).
     if (!fits(size_ + n)) {
       size_t absent = 0;
-      for (size_t i = 0; i < n; ++i) absent += find(keys[i]) == nullptr;
+      for (size_t i = 0; i < n; ++i) absent += find(tags[i]) == nullptr;
       grow_to_fit(size_ + absent);
     }
     int64_t fresh = 0;
     size_t i = 0;
     try {
       for (; i < n; ++i) {
-        added[i] = add_one(keys[i], holder);
+        added[i] = add_one(tags[i], holder);
         fresh += added[i];
       }
     } catch (...) {
       while (i-- > 0)
-        if (added[i]) remove_one(keys[i], holder);
+        if (added[i]) remove_one(tags[i], holder);
       throw;
     }
     return fresh;
   }
 
-  // Removes holder from each key; returns how many pairs existed.
-  int64_t remove(const Key *keys, size_t n, uint32_t holder) noexcept {
+  // Removes holder from each tag; returns how many pairs existed.
+  int64_t remove(const uint64_t *tags, size_t n, uint32_t holder) noexcept {
     int64_t gone = 0;
-    for (size_t i = 0; i < n; ++i) gone += remove_one(keys[i], holder);
+    for (size_t i = 0; i < n; ++i) gone += remove_one(tags[i], holder);
     return gone;
   }
 
-  // out[j] = 1 + the number of consecutive keys from keys[1] that
-  // cands[j] holds; keys[0] is taken as held. `alive` is scratch.
-  void walk(const Key *keys, size_t n, const uint32_t *cands, size_t m,
+  // Removes holder from every hash: one pass over the whole table. A slot
+  // emptied at i is refilled by the backward shift from later in its run, so
+  // i is looked at again; what wraps around from the table's start was
+  // already seen, and looking at it again removes nothing twice.
+  int64_t drop_holder(uint32_t holder) noexcept {
+    int64_t gone = 0;
+    for (size_t i = 0; i < slots_.size();) {
+      Slot &s = slots_[i];
+      if (s.tag != 0 && holds(s, holder)) {
+        gone += 1;
+        if (drop_from(i, holder)) continue;  // emptied: look at i again
+      }
+      ++i;
+    }
+    return gone;
+  }
+
+  // out[j] = 1 + the number of consecutive tags from tags[1] that
+  // cands[j] holds; tags[0] is taken as held. `alive` is scratch.
+  void walk(const uint64_t *tags, size_t n, const uint32_t *cands, size_t m,
             std::vector<size_t> &out, std::vector<size_t> &alive) const {
     out.assign(m, n);
     alive.resize(m);
     for (size_t j = 0; j < m; ++j) alive[j] = j;
     for (size_t i = 1; i < std::min(n, 1 + kPrefetchAhead); ++i)
-      prefetch(keys[i]);
+      prefetch(tags[i]);
     size_t live = m;
     for (size_t i = 1; i < n && live > 0; ++i) {
-      if (i + kPrefetchAhead < n) prefetch(keys[i + kPrefetchAhead]);
-      const Slot *s = find(keys[i]);
+      if (i + kPrefetchAhead < n) prefetch(tags[i + kPrefetchAhead]);
+      const Slot *s = find(tags[i]);
       size_t kept = 0;
       for (size_t a = 0; a < live; ++a) {
         size_t j = alive[a];
@@ -170,18 +213,13 @@ class Table {
 
   size_t home(uint64_t tag) const { return size_t(tag >> 6) & mask_; }
 
-  // Keys are zero-padded and the tag carries the length, so four word
-  // compares decide equality, all on the slot's own line.
-  static bool same_key(const Slot &s, const Key &k) {
-    return s.tag == k.tag && s.key[0] == k.w[0] && s.key[1] == k.w[1] &&
-           s.key[2] == k.w[2] && s.key[3] == k.w[3];
-  }
+  static bool same(const Slot &s, uint64_t tag) { return (s.tag | kMany) == (tag | kMany); }
 
-  bool fits(size_t hashes) const { return hashes * 10 <= slots_.size() * 7; }
+  bool fits(size_t hashes) const { return hashes * 10 <= slots_.size() * 8; }
 
   void grow_to_fit(size_t hashes) {
     size_t cap = slots_.size();
-    while (hashes * 10 > cap * 7) cap <<= 1;
+    while (hashes * 10 > cap * 8) cap <<= 1;
     if (cap == slots_.size()) return;
     std::vector<Slot> bigger(cap);  // may throw: nothing has changed yet
     size_t mask = cap - 1;
@@ -197,62 +235,69 @@ class Table {
 
   // Needs room for one more hash (add() grew the table first). Strong
   // guarantee: if it throws (bad_alloc), nothing changed.
-  bool add_one(const Key &k, uint32_t holder) {
-    size_t i = home(k.tag);
+  bool add_one(uint64_t tag, uint32_t holder) {
+    size_t i = home(tag);
     for (; slots_[i].tag != 0; i = (i + 1) & mask_) {
       Slot &s = slots_[i];
-      if (!same_key(s, k)) continue;
+      if (!same(s, tag)) continue;
       if (holds(s, holder)) return false;
-      if (s.count < kInline) {
-        s.inl[s.count] = holder;
-      } else if (s.count == kInline) {
-        s.more = new_overflow(holder);
-      } else {
-        std::vector<uint32_t> &v = overflow_[s.more];
+      if (s.tag & kMany) {
+        std::vector<uint32_t> &v = overflow_[s.a];
         v.insert(std::upper_bound(v.begin(), v.end(), holder), holder);
+      } else if (s.b == 0) {
+        s.b = holder;
+      } else {
+        uint32_t lo = std::min(s.a, s.b), hi = std::max(s.a, s.b);
+        uint32_t third[3] = {lo, hi, holder};
+        std::sort(third, third + 3);
+        s.a = new_overflow(third, third + 3);
+        s.tag |= kMany;
       }
-      ++s.count;
       ++entries_;
       return true;
     }
-    Slot &s = slots_[i];
-    s = Slot{};
-    s.tag = k.tag;
-    std::memcpy(s.key, k.w, sizeof s.key);
-    s.count = 1;
-    s.inl[0] = holder;
+    slots_[i] = Slot{tag, holder, 0};
     ++size_;
     ++entries_;
     return true;
   }
 
-  bool remove_one(const Key &k, uint32_t holder) noexcept {
-    size_t i = home(k.tag);
+  bool remove_one(uint64_t tag, uint32_t holder) noexcept {
+    size_t i = home(tag);
     for (;; i = (i + 1) & mask_) {
       if (slots_[i].tag == 0) return false;
-      if (same_key(slots_[i], k)) break;
+      if (same(slots_[i], tag)) break;
     }
+    if (!holds(slots_[i], holder)) return false;
+    drop_from(i, holder);
+    return true;
+  }
+
+  // Removes holder (which slot i holds) from slot i; true when that emptied
+  // the slot (and the backward shift may have moved another hash into i).
+  bool drop_from(size_t i, uint32_t holder) noexcept {
     Slot &s = slots_[i];
-    uint32_t *inl_end = s.inl + std::min(s.count, kInline);
-    uint32_t *at = std::find(s.inl, inl_end, holder);
-    if (s.count > kInline) {
-      std::vector<uint32_t> &v = overflow_[s.more];
-      if (at != inl_end) {  // refill the inline hole from the overflow
-        *at = v.back();
-        v.pop_back();
-      } else {
-        auto it = std::lower_bound(v.begin(), v.end(), holder);
-        if (it == v.end() || *it != holder) return false;
-        v.erase(it);
-      }
-      if (v.empty()) free_overflow(s.more);
-    } else {
-      if (at == inl_end) return false;
-      *at = *(inl_end - 1);
-    }
-    --s.count;
     --entries_;
-    if (s.count == 0) erase_slot(i);
+    if (s.tag & kMany) {
+      std::vector<uint32_t> &v = overflow_[s.a];
+      v.erase(std::lower_bound(v.begin(), v.end(), holder));
+      if (v.size() == 2) {  // back inline
+        uint32_t at = s.a;
+        s.a = v[0];
+        s.b = v[1];
+        s.tag &= ~kMany;
+        free_overflow(at);
+      }
+      return false;
+    }
+    if (s.a == holder) {
+      s.a = s.b;
+      s.b = 0;
+    } else {
+      s.b = 0;
+    }
+    if (s.a != 0) return false;
+    erase_slot(i);
     return true;
   }
 
@@ -270,9 +315,9 @@ class Table {
     --size_;
   }
 
-  // An overflow array holding `first`; throws before any change.
-  uint32_t new_overflow(uint32_t first) {
-    std::vector<uint32_t> v(1, first);
+  // An overflow array holding [first, last) (sorted); throws before any change.
+  uint32_t new_overflow(const uint32_t *first, const uint32_t *last) {
+    std::vector<uint32_t> v(first, last);
     if (!free_.empty()) {
       uint32_t at = free_.back();
       free_.pop_back();
@@ -293,10 +338,11 @@ class Table {
 
   std::vector<Slot> slots_;  // power-of-two size
   size_t mask_;
-  std::vector<std::vector<uint32_t>> overflow_;  // holders beyond the 3rd, sorted
+  std::vector<std::vector<uint32_t>> overflow_;  // holders of kMany slots, sorted
   std::vector<uint32_t> free_;                   // unused overflow_ indices
   size_t size_ = 0;                              // occupied slots (hashes)
   int64_t entries_ = 0;                          // (hash, holder) pairs
+  uint64_t seed_[2];                             // the fingerprint key
 };
 
 // ---------------------------------------------------------------------------
@@ -315,12 +361,14 @@ uint32_t read_holder(PyObject *o) {
 
 struct Scratch {
   std::vector<Key> keys;
+  std::vector<uint64_t> tags;
   std::vector<uint32_t> ids;
   std::vector<size_t> out, alive;
   std::vector<uint8_t> added;
 
   void trim() {
     trim_vector(keys);
+    trim_vector(tags);
     trim_vector(ids);
     trim_vector(out);
     trim_vector(alive);
@@ -340,16 +388,20 @@ class HolderIndex {
   int64_t add(nb::handle holder, nb::handle hashes) {
     uint32_t h = read_holder(holder.ptr());
     ScratchLease scratch;
-    read_hash_list(hashes, scratch->keys);
-    return table_.add(scratch->keys.data(), scratch->keys.size(), h,
+    read_tags(hashes, *scratch);
+    return table_.add(scratch->tags.data(), scratch->tags.size(), h,
                       scratch->added);
   }
 
   int64_t remove(nb::handle holder, nb::handle hashes) {
     uint32_t h = read_holder(holder.ptr());
     ScratchLease scratch;
-    read_hash_list(hashes, scratch->keys);
-    return table_.remove(scratch->keys.data(), scratch->keys.size(), h);
+    read_tags(hashes, *scratch);
+    return table_.remove(scratch->tags.data(), scratch->tags.size(), h);
+  }
+
+  int64_t drop_holder(nb::handle holder) {
+    return table_.drop_holder(read_holder(holder.ptr()));
   }
 
   nb::object holders(nb::handle block_hash) {
@@ -357,27 +409,36 @@ class HolderIndex {
     read_hash(block_hash.ptr(), k);
     ScratchLease scratch;
     scratch->ids.clear();
-    if (const Slot *s = table_.find(k)) table_.holders(*s, scratch->ids);
+    if (const Slot *s = table_.find(table_.tag_of(k)))
+      table_.holders(*s, scratch->ids);
     return int_list(scratch->ids.data(), scratch->ids.size());
   }
 
   nb::object walk(nb::handle hashes, nb::handle candidates) {
     ScratchLease scratch;
-    read_hash_list(hashes, scratch->keys);
-    if (scratch->keys.empty())
+    read_tags(hashes, *scratch);
+    if (scratch->tags.empty())
       throw std::invalid_argument("walk: hashes must not be empty");
     read_int_list(candidates, "candidates must be a sequence of int",
                   read_holder, scratch->ids);
-    table_.walk(scratch->keys.data(), scratch->keys.size(), scratch->ids.data(),
+    table_.walk(scratch->tags.data(), scratch->tags.size(), scratch->ids.data(),
                 scratch->ids.size(), scratch->out, scratch->alive);
     return int_list(scratch->out.data(), scratch->out.size());
   }
 
   size_t len() const { return table_.size(); }
   int64_t entries() const { return table_.entries(); }
+  size_t bytes() const { return table_.bytes(); }
   void clear() { table_.clear(); }
 
  private:
+  // The hashes' fingerprints into s.tags (every hash validated first).
+  void read_tags(nb::handle hashes, Scratch &s) const {
+    read_hash_list(hashes, s.keys);
+    s.tags.resize(s.keys.size());
+    for (size_t i = 0; i < s.keys.size(); ++i) s.tags[i] = table_.tag_of(s.keys[i]);
+  }
+
   Table table_;
 };
 
@@ -395,7 +456,9 @@ NB_MODULE(_holder_index, m) {
       .def("remove", &HolderIndex::remove, nb::arg("holder").none(), nb::arg("hashes").none())
       .def("holders", &HolderIndex::holders, nb::arg("block_hash").none())
       .def("walk", &HolderIndex::walk, nb::arg("hashes").none(), nb::arg("candidates").none())
+      .def("drop_holder", &HolderIndex::drop_holder, nb::arg("holder").none())
       .def("__len__", &HolderIndex::len)
+      .def_prop_ro("nbytes", &HolderIndex::bytes)
       .def_prop_ro("entries", &HolderIndex::entries)
       .def("clear", &HolderIndex::clear);
 }

@@ -101,6 +101,7 @@ class MirrorIndex(MemoryStore):
     """
 
     name = "mirror"
+    keeps_block_sets = False  # a copy answers lookups only: the holder index is all it keeps per hash
 
     def __init__(self, lease_ttl_ms: int, compat_key: str | None = None) -> None:
         super().__init__(lease_ttl_ms)

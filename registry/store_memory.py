@@ -5,12 +5,15 @@ It is the default of ``remote-g2 serve``, the copy a registry mirror keeps
 :mod:`.store`. Superseded incarnations are dropped synchronously (the cost is
 one pass over their blocks); dead ones are found by :meth:`MemoryStore.sweep`.
 
-Each incarnation's blocks are a Python set (for counts, scans and drops); the
-reverse map, hash → holders, is the C++ :class:`~remote_g2.holder_index.HolderIndex`,
+The reverse map, hash → holders, is the C++ :class:`~remote_g2.holder_index.HolderIndex`,
 because a lookup is one probe of it per asked hash and at a million entries
 each probe of a dict of sets costs a couple of cache misses where a probe of
 the C++ table costs one (``bench/bench_holder_index.py``; docs/benchmarks.md,
-"holder index").
+"holder index"). The store also keeps each incarnation's blocks as a Python
+set, for ``scan_worker`` and drops; a copy that never scans (a registry
+mirror, ``keeps_block_sets = False``) keeps only a count per incarnation and
+drops one with a pass over the index, so it costs the index's 20–40 bytes a
+hash and no more.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ class _Incarnation:
     compat: str
     registered_at_ms: int
     expires_at: float
-    blocks: set[bytes] = field(default_factory=set)
+    blocks: set[bytes] = field(default_factory=set)  # empty unless the store keeps_block_sets
+    count: int = 0  # (hash, this incarnation) pairs in the holder index
     last_seq: int = 0
     load: int = 0
 
@@ -53,6 +57,8 @@ class MemoryStore(RegistryStore):
     """In-process store; ``clock`` (seconds, monotonic) is injectable for tests."""
 
     name = "memory"
+    keeps_block_sets = True
+    """Whether each incarnation's hashes are kept as a set (``scan_worker`` needs them)."""
 
     def __init__(self, lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -78,20 +84,32 @@ class MemoryStore(RegistryStore):
     def _add(self, rec: _Incarnation, hashes: Iterable[bytes]) -> int:
         """Add ``hashes`` to the incarnation; returns how many were given (the ``applied`` count)."""
         hashes = list(hashes)
-        self._holders.add(rec.inc, hashes)  # validates every hash before anything changes
-        rec.blocks.update(hashes)
+        rec.count += self._holders.add(rec.inc, hashes)  # validates every hash before anything changes
+        if self.keeps_block_sets:
+            rec.blocks.update(hashes)
         return len(hashes)
 
     def _remove(self, rec: _Incarnation, hashes: Iterable[bytes]) -> int:
         """Remove ``hashes`` from the incarnation; returns how many were given."""
         hashes = list(hashes)
-        self._holders.remove(rec.inc, hashes)
-        rec.blocks.difference_update(hashes)
+        rec.count -= self._holders.remove(rec.inc, hashes)
+        if self.keeps_block_sets:
+            rec.blocks.difference_update(hashes)
         return len(hashes)
 
+    def _clear(self, rec: _Incarnation) -> int:
+        """Remove all of the incarnation's blocks; returns how many it had."""
+        n = rec.count
+        if self.keeps_block_sets:
+            self._holders.remove(rec.inc, list(rec.blocks))
+            rec.blocks.clear()
+        else:
+            self._holders.drop_holder(rec.inc)
+        rec.count = 0
+        return n
+
     def _drop_incarnation(self, rec: _Incarnation) -> int:
-        n = len(rec.blocks)
-        self._remove(rec, list(rec.blocks))
+        n = self._clear(rec)
         self._incs.pop(rec.inc, None)
         return n
 
@@ -110,7 +128,7 @@ class MemoryStore(RegistryStore):
         return WorkerRecord(
             worker_id=rec.worker_id, endpoint=rec.endpoint, epoch=rec.epoch, tp_size=rec.fingerprint.tp_size,
             fingerprint=rec.fingerprint, live=left > 0, lease_expires_in_ms=int(left * 1000),
-            blocks=len(rec.blocks), last_seq=rec.last_seq, load=rec.load, registered_at_ms=rec.registered_at_ms,
+            blocks=rec.count, last_seq=rec.last_seq, load=rec.load, registered_at_ms=rec.registered_at_ms,
         )
 
     # -- worker side -------------------------------------------------------------------
@@ -156,8 +174,7 @@ class MemoryStore(RegistryStore):
                 elif ev.kind == "removed":
                     applied += self._remove(rec, ev.hashes)
                 else:
-                    applied += len(rec.blocks)
-                    self._remove(rec, list(rec.blocks))
+                    applied += self._clear(rec)
             rec.last_seq = req.seq
             return EventsReply("ok", req.seq + 1, applied)
 
@@ -167,11 +184,11 @@ class MemoryStore(RegistryStore):
             if rec is None:
                 return ResyncReply("unknown_worker", 0, 0)
             if req.first:
-                self._remove(rec, list(rec.blocks))
+                self._clear(rec)
             self._add(rec, req.hashes)
             if req.last:
                 rec.last_seq = req.seq - 1
-            return ResyncReply("ok", rec.last_seq + 1, len(rec.blocks))
+            return ResyncReply("ok", rec.last_seq + 1, rec.count)
 
     # -- target side ---------------------------------------------------------------------
 
@@ -225,6 +242,8 @@ class MemoryStore(RegistryStore):
     def scan_worker(self, worker_id: str, cursor: bytes, count: int) -> tuple[WorkerRecord | None, list[bytes], bytes]:
         # The cursor is the last hash returned: resuming "after it" in sorted
         # order skips nothing that stayed, whatever was added or removed since.
+        if not self.keeps_block_sets:
+            raise NotImplementedError(f"a {self.name} store keeps no per-worker block lists to scan")
         with self._lock:
             rec = self._workers.get(worker_id)
             if rec is None or not self._live(rec):
@@ -252,7 +271,7 @@ class MemoryStore(RegistryStore):
     def counts(self) -> tuple[int, int, int]:
         with self._lock:
             live = sum(1 for r in self._workers.values() if self._live(r))
-            entries = sum(len(r.blocks) for r in self._incs.values())
+            entries = sum(r.count for r in self._incs.values())
             return live, len(self._workers), entries
 
 

@@ -1,16 +1,21 @@
 """The registry's holder index: block hash → set of holder ids, in C++.
 
 A :class:`HolderIndex` is what a ``dict[bytes, set[int]]`` of block hash →
-incarnations holding it would be, laid out for the registry's prefix lookup:
-one 64-byte slot (one cache line) per hash, holding the key and up to three
-holder ids, so checking a chain of 128 hashes against a few candidates costs
-about one cache miss per hash instead of the dict's several.
+incarnations holding it would be, laid out for the registry's prefix lookup
+and for a registry mirror that holds a whole fleet's hashes: one 16-byte
+slot per hash (a 64-bit fingerprint of the hash and up to two holder ids),
+so checking a chain of 128 hashes against a few candidates costs about one
+cache miss per hash, and ten million hashes fit in a few hundred MB.
 
 Contracts shared by every method:
 
-- **Hashes** are ``bytes`` of 1..32 bytes, compared in full, length included:
-  ``b"\\x00"`` and ``b"\\x00\\x00"`` are different hashes. Anything else raises
-  ``TypeError`` (not bytes) or ``ValueError`` (bad length).
+- **Hashes** are ``bytes`` of 1..32 bytes. Anything else raises
+  ``TypeError`` (not bytes) or ``ValueError`` (bad length). The table keeps a
+  keyed 64-bit fingerprint of each hash (all its bytes and its length, under
+  a random key per index), not the hash: two different hashes are confused
+  with probability about 2**-62, and nobody can pick two that are. Callers
+  treat an answer as a hint for that reason: the source pins by the full hash
+  on resolve, so a confusion costs a miss, never a wrong block.
 - **Holder ids** are ints in ``1 .. MAX_HOLDER`` (``2**32 - 1``); anything
   with ``__index__`` is accepted. A non-int raises ``TypeError``, an int out
   of that range ``ValueError`` (never ``OverflowError``, however large).
@@ -23,10 +28,11 @@ Contracts shared by every method:
   and runs no Python code while it reads or changes the table, so calls are
   atomic with respect to each other; a caller that needs several calls to be
   one step (the registry) holds its own lock around them.
-- **Memory**: 64 bytes a slot, at a load between 0.35 and 0.7 (the table
-  doubles beyond 0.7), so 90..180 bytes per hash; a hash with more than three
-  holders keeps the rest in a separate array (4 bytes a holder, plus ~40).
-  The table never shrinks when hashes are removed; :meth:`clear` frees it.
+- **Memory**: 16 bytes a slot, at a load between 0.4 and 0.8 (the table
+  doubles beyond 0.8), so 20..40 bytes per hash; a hash with more than two
+  holders keeps them all in a separate array (4 bytes a holder, plus ~40).
+  :attr:`nbytes` says what the index holds. The table never shrinks when
+  hashes are removed; :meth:`clear` frees it.
 
 The compiled core is the private ``remote_g2._holder_index``. The property
 tests in ``tests/test_holder_index.py`` compare it step by step with a
@@ -80,6 +86,14 @@ class HolderIndex:
         """
         return self._index.remove(holder, hashes)
 
+    def drop_holder(self, holder: int) -> int:
+        """Remove ``holder`` from every hash; returns how many pairs it had.
+
+        One pass over the whole table (milliseconds per million hashes): for
+        a caller that keeps no list of a holder's hashes (a registry mirror).
+        """
+        return self._index.drop_holder(holder)
+
     def clear(self) -> None:
         """Remove every hash and free the table."""
         self._index.clear()
@@ -110,6 +124,11 @@ class HolderIndex:
     def __len__(self) -> int:
         """Number of distinct hashes present."""
         return len(self._index)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the index holds now (its table and overflow arrays)."""
+        return self._index.nbytes
 
     @property
     def entries(self) -> int:

@@ -81,6 +81,10 @@ class DictHolderIndex:
             out.append(i)
         return out
 
+    def drop_holder(self, holder) -> int:
+        holder = _checked_holder(holder)
+        return self.remove(holder, [x for x, held in self._holders.items() if holder in held])
+
     def clear(self) -> None:
         self._holders.clear()
 
@@ -203,8 +207,8 @@ def _from_words(words: list[int], n: int) -> bytes:
 def test_keys_with_the_same_table_hash_stay_distinct(make):
     # White-box: cpp_ext/block_key.h hashes words 1..3 into word 0's hash
     # with xors, so a key whose later words cancel the change to the earlier
-    # ones gets the very same tag. Such keys share a home slot and a tag;
-    # only the full key compare keeps them apart.
+    # ones gets the very same unkeyed tag. The index's keyed fingerprint
+    # chains the words instead, so such keys still land apart.
     a32 = bytes(range(1, 33))
     w = _words(a32)
     b32 = _from_words([w[0], w[1], w[2] ^ _fmix64(w[3]) ^ _fmix64(w[3] ^ 1), w[3] ^ 1], 32)
@@ -374,6 +378,49 @@ def test_growth_through_many_resizes_and_back():
     assert index.walk(chain, [1, 2, 3, 4, 5, 6]) == model.walk(chain, [1, 2, 3, 4, 5, 6])
 
 
+def test_drop_holder_removes_it_everywhere(make):
+    index = make()
+    keys = [h(i) for i in range(3000)]
+    for holder in (1, 2, 3, 4):  # up to four holders a hash: inline and overflow slots
+        index.add(holder, keys[holder * 500:])
+    before = {x: index.holders(x) for x in keys}
+    assert index.drop_holder(3) == 3000 - 1500
+    assert index.drop_holder(3) == 0 and index.drop_holder(99) == 0
+    assert all(index.holders(x) == [y for y in before[x] if y != 3] for x in keys)
+    assert index.drop_holder(1) == 2500 and index.drop_holder(2) == 2000
+    assert len(index) == 1000 and index.entries == 1000  # only holder 4's hashes are left
+    assert index.walk(keys[2000:2010], [4, 3]) == [10, 1]
+    with pytest.raises(ValueError):
+        index.drop_holder(0)
+
+
+def test_drop_holder_through_wrapped_probe_runs():
+    """Many small tables: a run that wraps from the last slot to the first
+    is shifted back across the end while one pass removes a holder."""
+    rng = random.Random(7)
+    for _ in range(200):
+        index, model = HolderIndex(), DictHolderIndex()
+        keys = [rng.randbytes(8) for _ in range(rng.randint(5, 12))]  # 16 slots: dense, runs wrap
+        for holder in (1, 2, 3):
+            part = rng.sample(keys, rng.randint(1, len(keys)))
+            index.add(holder, part)
+            model.add(holder, part)
+        gone = rng.randint(1, 3)
+        assert index.drop_holder(gone) == model.drop_holder(gone)
+        assert len(index) == len(model) and index.entries == model.entries
+        assert [index.holders(x) for x in keys] == [model.holders(x) for x in keys]
+
+
+def test_nbytes_stays_within_forty_bytes_a_hash():
+    index = HolderIndex()
+    keys = [h(i, 32) for i in range(200_000)]
+    for i in range(0, len(keys), 1000):  # two holders a hash: the common case
+        index.add(1 + i % 7, keys[i:i + 1000])
+        index.add(9, keys[i:i + 1000])
+    assert len(index) == 200_000
+    assert 16 * len(index) < index.nbytes <= 40 * len(index)
+
+
 def test_random_churn_matches_model():
     """Seeded add/remove churn over a few hundred keys: the table's size hovers
     around its growth points, and deletions land in the middle of probe runs."""
@@ -458,6 +505,10 @@ class HolderIndexMachine(RuleBasedStateMachine):
     @rule(holder=some_holders, hashes=st.lists(some_hashes, max_size=8))
     def remove(self, holder, hashes):
         self.both("remove", holder, hashes)
+
+    @rule(holder=some_holders)
+    def drop_holder(self, holder):
+        self.both("drop_holder", holder)
 
     @rule(block_hash=some_hashes)
     def holders(self, block_hash):
