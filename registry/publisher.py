@@ -120,6 +120,12 @@ class SourcePublisher:
         if full:
             self._wake.set()
 
+    @property
+    def backlog_hashes(self) -> int:
+        """Hashes queued and not yet sent (an engine may slow down while it is large; past
+        ``max_backlog_hashes`` the backlog is dropped for a resync)."""
+        return self._queued_hashes
+
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> SourcePublisher:

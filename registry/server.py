@@ -140,6 +140,7 @@ class RegistryServer:
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> str:
+        self.store.prepare()
         endpoint = self._rpc.start()
         if self._feed_bind:
             self.feed = FeedPublisher(self._feed_bind, context=self._rpc.context, curve=self._curve,

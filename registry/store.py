@@ -219,6 +219,10 @@ class RegistryStore(ABC):
     @abstractmethod
     def counts(self) -> tuple[int, int, int]: ...
 
+    def prepare(self) -> None:
+        """Called once by a server before it answers anything; a store that keeps state about its
+        backend (the Redis stores' topology) records it here. Must not raise for an unreachable backend."""
+
     def ping(self) -> None:
         """Raise :class:`~remote_g2.errors.StoreUnavailable` if the backend is unreachable."""
 

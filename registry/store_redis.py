@@ -764,6 +764,14 @@ class _SweepCommands(_RedisBase):
         self.record_topology()
         return removed
 
+    def prepare(self) -> None:
+        # Recorded before the first registration, so workers that register now are marked with it and
+        # the first sweep does not find them all "filled under another topology" (a needless resync each).
+        try:
+            self.record_topology()
+        except (StoreUnavailable, redis.RedisError, OSError) as e:
+            log.warning("registry store: could not record the Redis topology yet (%s); the sweeper will", e)
+
     def record_topology(self) -> bytes:
         """Record which Redis processes hold the data now (each master's run id) in ``P{m}:topo``; the value.
 

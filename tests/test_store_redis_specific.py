@@ -375,3 +375,28 @@ def test_open_store_picks_the_backend_by_url() -> None:
         open_store(key_prefix="x:")
     with pytest.raises(ValueError):
         RedisStore("redis://127.0.0.1:1/0", key_prefix="{x}:")
+
+
+def test_a_server_records_the_topology_before_it_answers_so_the_first_sweep_resyncs_nobody(
+        backend: tuple[str, list[redis.Redis]]) -> None:
+    # A worker registered before any topology was recorded is "filled under another topology" once
+    # the first one is: recording it in prepare() (RegistryServer.start) spares every worker that resync.
+    store = make(backend)
+    for node in backend[1]:
+        assert not any(b":topo" in k for k in node.keys()), "the store starts with no topology recorded"
+    store.prepare()
+    register(store, "w1")
+    events(store, "w1", 1, stored(CHAIN[:8]))
+    store.sweep()  # records the topology again: unchanged
+    assert store.heartbeat(Heartbeat("w1", 1, 0)).status == "ok"
+    events(store, "w1", 2, stored(CHAIN[8:16]))
+    assert store.lookup(CHAIN[:16]).matched == 16
+
+
+def test_a_worker_registered_before_the_first_recorded_topology_is_asked_to_resync(
+        backend: tuple[str, list[redis.Redis]]) -> None:
+    # The counterpart: without prepare(), the first record makes the earlier registration stale.
+    store = make(backend)
+    register(store, "w1")
+    store.sweep()
+    assert store.heartbeat(Heartbeat("w1", 1, 0)).status == "resync_needed"

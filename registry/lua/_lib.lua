@@ -54,6 +54,23 @@ local function fresh_inc(nonce)
   return tostring(redis.call('INCR', CTR)) .. nonce
 end
 
+-- Add (`adding`) or remove ARGV[a .. b] to/from incarnation `inc` (its block list `wb` and each
+-- hash's block set), where both live on this node. Per chunk of 1000 (under Lua's unpack limit):
+-- one SMISMEMBER and one variadic SADD/SREM on wb, then one block-set write per hash whose
+-- membership changed: about half the commands of a SADD-then-SADD per hash. A hash repeated in a
+-- chunk gets its block-set write twice, which is idempotent.
+local function apply_blocks(inc, wb, a, b, adding)
+  local cmd, was = adding and 'SADD' or 'SREM', adding and 0 or 1
+  for s = a, b, 1000 do
+    local e = math.min(s + 999, b)
+    local flags = redis.call('SMISMEMBER', wb, unpack(ARGV, s, e))
+    redis.call(cmd, wb, unpack(ARGV, s, e))
+    for k = 1, #flags do
+      if flags[k] == was then redis.call(cmd, BP .. ARGV[s + k - 1], inc) end
+    end
+  end
+end
+
 -- Whether `inc` was filled under another Redis topology than the current one: a master failed over or
 -- restarted since, and may have lost some of its writes, so the worker must resync. Never before any
 -- server recorded a topology.

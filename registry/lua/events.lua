@@ -15,15 +15,9 @@ if last ~= prev or stale_topology(inc) then return {'resync_needed', last} end
 local wb, applied, a = wb_key(inc), 0, 9 + #kinds
 for e = 1, #kinds do
   local kind, n = kinds:sub(e, e), tonumber(ARGV[8 + e])
-  -- wb:{inc} doubles as "already applied?", so a repeated hash costs one command.
-  if kind == 's' then
-    for j = a, a + n - 1 do
-      if redis.call('SADD', wb, ARGV[j]) == 1 then redis.call('SADD', BP .. ARGV[j], inc) end
-    end
-  elseif kind == 'r' then
-    for j = a, a + n - 1 do
-      if redis.call('SREM', wb, ARGV[j]) == 1 then redis.call('SREM', BP .. ARGV[j], inc) end
-    end
+  -- wb:{inc} doubles as "already applied?": a repeated hash costs no block-set write.
+  if kind == 's' or kind == 'r' then
+    if n > 0 then apply_blocks(inc, wb, a, a + n - 1, kind == 's') end
   else
     local held = redis.call('SCARD', wb)
     applied = applied + held

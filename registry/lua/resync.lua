@@ -13,8 +13,6 @@ if ARGV[6] == '1' then
   mark_topology(inc)
 end
 local wb = wb_key(inc)
-for j = 8, #ARGV - 1 do
-  if redis.call('SADD', wb, ARGV[j]) == 1 then redis.call('SADD', BP .. ARGV[j], inc) end
-end
+if #ARGV - 1 >= 8 then apply_blocks(inc, wb, 8, #ARGV - 1, true) end
 if ARGV[7] ~= '' then redis.call('HSET', inc_key(inc), 'seq', ARGV[7]) end
 return {'ok', redis.call('HGET', inc_key(inc), 'seq'), redis.call('SCARD', wb)}
