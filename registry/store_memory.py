@@ -200,9 +200,11 @@ class MemoryStore(RegistryStore):
             first = self._holders.holders(hashes[0])
             cands: list[_Incarnation] = []
             saw_self = saw_incompatible = False
+            # A popular first block is held by much of the fleet: this loop is per holder, keep it lean.
+            now, incs, workers = self._clock(), self._incs, self._workers
             for inc in first:
-                rec = self._incs[inc]
-                if not self._live(rec) or self._workers.get(rec.worker_id) is not rec:
+                rec = incs[inc]
+                if rec.expires_at <= now or workers.get(rec.worker_id) is not rec:
                     continue
                 if rec.worker_id == requester:
                     saw_self = True

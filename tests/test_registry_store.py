@@ -259,6 +259,30 @@ def test_many_blocks_and_workers(store):
     assert store.counts()[2] == sum(250 * (w + 1) for w in range(8))
 
 
+def test_a_first_block_most_of_the_fleet_holds(store):
+    """40 holders of the first block, two layouts, the requester among them: only the eligible are
+    ranked, the longest prefix wins, load breaks the tie, and every eligible holder is reported."""
+    other = fp(dtype="fp8")
+    held = {}
+    for w in range(40):
+        wid = f"w{w:02d}"
+        register(store, wid, fingerprint=other if w % 3 == 0 else FP)
+        held[wid] = 1 + (w * 7) % 20  # prefix lengths 1..20, several workers each
+        stored(store, wid, 1, CHAIN[:held[wid]])
+    ours = {wid: n for wid, n in held.items() if int(wid[1:]) % 3 != 0 and wid != "w01"}
+    top = max(ours.values())
+    best = sorted(wid for wid, n in ours.items() if n == top)
+    store.heartbeat(Heartbeat(best[0], 1, load=3))  # the lowest load wins among the longest
+    r = store.lookup(CHAIN, requester="w01", want_all_holders=True)
+    assert (r.reason, r.matched) == ("ok", top)
+    assert r.best.worker_id in best[1:] or len(best) == 1
+    assert [(x.worker_id, x.matched) for x in r.holders] == sorted(ours.items(), key=lambda x: (-x[1], x[0]))
+    theirs = store.lookup(CHAIN, compat_key=other.compat_key())
+    assert theirs.matched == max(n for wid, n in held.items() if int(wid[1:]) % 3 == 0)
+    anyone = store.lookup(CHAIN)
+    assert anyone.matched == max(held.values())
+
+
 def _scan_all(store, wid: str, count: int, between=None):
     """Every chunk of ``scan_worker``; ``between(i)`` runs after chunk i (to change the set mid-scan)."""
     got, records, cursor, i = [], [], b"", 0

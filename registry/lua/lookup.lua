@@ -5,10 +5,11 @@
 -- walk, kinds; ARGV[9..] = one entry per asked hash. kinds: one char per asked
 -- hash, 'k' = its block set is on this node and the entry is the hash, 'm' =
 -- another node's block set, already read, and the entry is its members joined by ','.
--- walk 'inc' (single node: every key is here, all kinds 'k'): each candidate's
--- prefix is read from its own wb set, one SMISMEMBER over many hashes per
--- candidate; walk 'pos' (Cluster: wb sets live elsewhere): one SMISMEMBER of
--- the candidates per hash, over the hash's block set or its inline members.
+-- walk 'inc' (single node: every key is here, all kinds 'k'): with up to 4
+-- candidates, each one's prefix is read from its own wb set, one SMISMEMBER
+-- over many hashes per candidate; otherwise, and with walk 'pos' (Cluster: wb
+-- sets live elsewhere): one SMISMEMBER of the candidates still holding per
+-- hash, over the hash's block set or its inline members.
 -- Returns {reason} or {'ok', matched, tied, holders}: `tied` = {wid, endpoint, tp}
 -- of every candidate with the longest prefix and the lowest load among those
 -- (the caller picks one with the tie breaker, ordering ids byte-wise, which Lua's
@@ -57,17 +58,23 @@ for s = 1, #first, 1000 do  -- chunks stay under Lua's unpack limit
     scores[#scores + 1] = score
   end
 end
+-- A popular first block is held by much of the fleet: only what the filter needs is read for
+-- every holder (nothing when there is no requester and no layout to match); the rest of a
+-- record is read for the candidates that rank first.
+local filtered = requester ~= '' or compat ~= ''
 for k, inc in ipairs(first) do
   local score = scores[k]   -- only current incarnations have one
   if score and tonumber(score) > now then
-    local r = redis.call('HMGET', inc_key(inc), 'wid', 'compat', 'load', 'endpoint', 'tp')
-    if r[1] == requester then
-      saw_self = true
-    elseif compat ~= '' and r[2] ~= compat then
-      saw_incompatible = true
-    else
-      cands[#cands + 1] = {inc = inc, wid = r[1], load = tonumber(r[3]), ep = r[4], tp = r[5], matched = 1}
+    local ok = true
+    if filtered then
+      local r = redis.call('HMGET', inc_key(inc), 'wid', 'compat')
+      if r[1] == requester then
+        saw_self, ok = true, false
+      elseif compat ~= '' and r[2] ~= compat then
+        saw_incompatible, ok = true, false
+      end
     end
+    if ok then cands[#cands + 1] = {inc = inc, matched = 1} end
   end
 end
 if #cands == 0 then
@@ -92,7 +99,10 @@ local function prefix_in_wb(inc)
   return m
 end
 
-if by_inc then
+-- A few candidates: each one's prefix from its own wb set (a call or two each). Many (a popular
+-- prefix): hash by hash over the candidates still holding on, so the work is the sum of how far
+-- each one holds, not candidates x asked hashes.
+if by_inc and #cands <= 4 then
   for _, c in ipairs(cands) do c.matched = prefix_in_wb(c.inc) end
 else
   -- Walk on while any candidate still holds the next hash; a candidate's
@@ -122,9 +132,15 @@ else
   for _, c in ipairs(alive) do c.matched = i - 1 end
 end
 
-local top, low = 0, nil
+local top = 0
 for _, c in ipairs(cands) do if c.matched > top then top = c.matched end end
+local function record(c)
+  local r = redis.call('HMGET', inc_key(c.inc), 'wid', 'load', 'endpoint', 'tp')
+  c.wid, c.load, c.ep, c.tp = r[1], tonumber(r[2]), r[3], r[4]
+end
+local low = nil
 for _, c in ipairs(cands) do
+  if c.matched == top or want_all then record(c) end
   if c.matched == top and (low == nil or c.load < low) then low = c.load end
 end
 local tied, holders = {}, {}
