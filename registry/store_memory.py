@@ -197,28 +197,69 @@ class MemoryStore(RegistryStore):
         with self._lock:
             if compat_key is None and requester is not None and requester in self._workers:
                 compat_key = self._workers[requester].compat
-            first = self._holders.holders(hashes[0])
-            cands: list[_Incarnation] = []
-            saw_self = saw_incompatible = False
-            # A popular first block is held by much of the fleet: this loop is per holder, keep it lean.
+            saw = {"self": False, "incompatible": False}
             now, incs, workers = self._clock(), self._incs, self._workers
-            for inc in first:
-                rec = incs[inc]
-                if rec.expires_at <= now or workers.get(rec.worker_id) is not rec:
-                    continue
-                if rec.worker_id == requester:
-                    saw_self = True
-                elif compat_key is not None and rec.compat != compat_key:
-                    saw_incompatible = True
-                else:
-                    cands.append(rec)
-            if not cands:
-                reason = ("incompatible_layout" if saw_incompatible
-                          else "source_is_target" if saw_self else "no_candidate")
-                return LookupReply(reason, 0)
-            incs = [rec.inc for rec in cands]
-            matched = dict(zip(incs, self._holders.walk(hashes, incs)))
-            return _choose(cands, matched, want_all_holders, tie_breaker)
+
+            def eligible(holders: list[int]) -> list[_Incarnation]:
+                # A popular block is held by much of the fleet: this loop is per holder, keep it lean.
+                out = []
+                for inc in holders:
+                    rec = incs[inc]
+                    if rec.expires_at <= now or workers.get(rec.worker_id) is not rec:
+                        continue
+                    if rec.worker_id == requester:
+                        saw["self"] = True
+                    elif compat_key is not None and rec.compat != compat_key:
+                        saw["incompatible"] = True
+                    else:
+                        out.append(rec)
+                return out
+
+            if want_all_holders:
+                cands = eligible(self._holders.holders(hashes[0]))
+                if cands:
+                    ids = [rec.inc for rec in cands]
+                    return _choose(cands, dict(zip(ids, self._holders.walk(hashes, ids))), True, tie_breaker)
+            else:
+                cands, top = self._longest_held(hashes, eligible)
+                if cands:
+                    return _choose(cands, {rec.inc: top for rec in cands}, False, tie_breaker)
+            reason = ("incompatible_layout" if saw["incompatible"]
+                      else "source_is_target" if saw["self"] else "no_candidate")
+            return LookupReply(reason, 0)
+
+    def _longest_held(self, hashes: Sequence[bytes],
+                      eligible: Callable[[list[int]], list[_Incarnation]]) -> tuple[list[_Incarnation], int]:
+        """(every eligible incarnation holding ``hashes[:p]`` whole, p) for the largest such p; ([], 0) if none.
+
+        Who holds the first p hashes whole shrinks as p grows, so binary search on
+        p, each probe starting from the holders of ``hashes[p - 1]``: past a
+        popular shared head those are a few, so a lookup costs the few holders
+        of its tail, not the many of its head. The whole chain first: the usual
+        answer. Lock held.
+        """
+        def holding_all(p: int) -> list[_Incarnation]:
+            cands = eligible(self._holders.holders(hashes[p - 1]))
+            if not cands or p == 1:
+                return cands
+            ids = [rec.inc for rec in cands]
+            # walk() takes its first hash as held (they hold hashes[p - 1]) and checks the rest in order.
+            reach = self._holders.walk([hashes[p - 1], *hashes[:p]], ids)
+            return [rec for rec, r in zip(cands, reach) if r == p + 1]
+
+        n = len(hashes)
+        best = holding_all(n)
+        if best:
+            return best, n
+        lo, hi, top = 1, n - 1, 0
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            found = holding_all(mid)
+            if found:
+                best, top, lo = found, mid, mid + 1
+            else:
+                hi = mid - 1
+        return best, top
 
     # -- admin -------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ redis-server and a real 3-master Redis Cluster in turn.
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -281,6 +282,26 @@ def test_a_first_block_most_of_the_fleet_holds(store):
     assert theirs.matched == max(n for wid, n in held.items() if int(wid[1:]) % 3 == 0)
     anyone = store.lookup(CHAIN)
     assert anyone.matched == max(held.values())
+
+
+def test_best_holder_search_agrees_with_the_full_walk_over_holes(store):
+    """The best-holder lookup (binary search on the prefix length) against the walk every holder gets
+    when all are asked for: same length, and the best is among the longest, with pools full of holes."""
+    rng = random.Random(5)
+    for w in range(12):
+        register(store, f"w{w}", fingerprint=FP if w % 4 else fp(dtype="fp8"))
+        keep = [x for i, x in enumerate(CHAIN) if i < rng.randint(0, 20) or rng.random() < 0.3]
+        if keep:
+            stored(store, f"w{w}", 1, keep)
+    for trial in range(40):
+        n = rng.randint(1, len(CHAIN))
+        kw = rng.choice([{}, {"requester": f"w{rng.randrange(12)}"}, {"compat_key": FP.compat_key()}])
+        fast = store.lookup(CHAIN[:n], tie_breaker=trial, **kw)
+        full = store.lookup(CHAIN[:n], tie_breaker=trial, want_all_holders=True, **kw)
+        assert (fast.reason, fast.matched) == (full.reason, full.matched), (trial, n, kw)
+        if fast.reason == "ok":
+            assert fast.best.worker_id in {x.worker_id for x in full.holders if x.matched == full.matched}
+            assert fast.best == full.best  # same tie set, same load order, same tie breaker
 
 
 def _scan_all(store, wid: str, count: int, between=None):

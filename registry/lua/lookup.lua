@@ -5,11 +5,13 @@
 -- walk, kinds; ARGV[9..] = one entry per asked hash. kinds: one char per asked
 -- hash, 'k' = its block set is on this node and the entry is the hash, 'm' =
 -- another node's block set, already read, and the entry is its members joined by ','.
--- walk 'inc' (single node: every key is here, all kinds 'k'): with up to 4
--- candidates, each one's prefix is read from its own wb set, one SMISMEMBER
--- over many hashes per candidate; otherwise, and with walk 'pos' (Cluster: wb
--- sets live elsewhere): one SMISMEMBER of the candidates still holding per
--- hash, over the hash's block set or its inline members.
+-- walk 'inc' (single node: every key is here, all kinds 'k'): the best holder
+-- alone is found by binary search on the prefix length, intersecting block sets
+-- (below); with every holder asked for, up to 4 candidates each read their
+-- prefix from their own wb set, one SMISMEMBER over many hashes each; walk
+-- 'pos' (Cluster: wb sets live elsewhere), and many candidates on one node: one
+-- SMISMEMBER of the candidates still holding per hash, over the hash's block
+-- set or its inline members.
 -- Returns {reason} or {'ok', matched, tied, holders}: `tied` = {wid, endpoint, tp}
 -- of every candidate with the longest prefix and the lowest load among those
 -- (the caller picks one with the tie breaker, ordering ids byte-wise, which Lua's
@@ -51,37 +53,96 @@ if compat == '' and requester ~= '' then
   if rinc then compat = redis.call('HGET', inc_key(rinc), 'compat') or '' end
 end
 local now = now_ms()
-local cands, saw_self, saw_incompatible = {}, false, false
-local first, scores = members(1), {}
-for s = 1, #first, 1000 do  -- chunks stay under Lua's unpack limit
-  for _, score in ipairs(redis.call('ZMSCORE', LEASE, unpack(first, s, math.min(s + 999, #first)))) do
-    scores[#scores + 1] = score
-  end
-end
--- A popular first block is held by much of the fleet: only what the filter needs is read for
--- every holder (nothing when there is no requester and no layout to match); the rest of a
--- record is read for the candidates that rank first.
+local saw_self, saw_incompatible = false, false
+-- A popular first block is held by much of the fleet: only what the filter needs is read for a
+-- holder (nothing when there is no requester and no layout to match); the rest of a record is
+-- read for the candidates that rank first.
 local filtered = requester ~= '' or compat ~= ''
-for k, inc in ipairs(first) do
-  local score = scores[k]   -- only current incarnations have one
-  if score and tonumber(score) > now then
-    local ok = true
-    if filtered then
-      local r = redis.call('HMGET', inc_key(inc), 'wid', 'compat')
-      if r[1] == requester then
-        saw_self, ok = true, false
-      elseif compat ~= '' and r[2] ~= compat then
-        saw_incompatible, ok = true, false
-      end
+
+-- The incarnations in `incs` that may answer: current (a lease score in the future), not the
+-- requester, of the layout asked for. Each becomes {inc = id, matched = 1}.
+local function eligible(incs)
+  local scores, out = {}, {}
+  for s = 1, #incs, 1000 do  -- chunks stay under Lua's unpack limit
+    for _, score in ipairs(redis.call('ZMSCORE', LEASE, unpack(incs, s, math.min(s + 999, #incs)))) do
+      scores[#scores + 1] = score
     end
-    if ok then cands[#cands + 1] = {inc = inc, matched = 1} end
   end
+  for k, inc in ipairs(incs) do
+    local score = scores[k]   -- only current incarnations have one
+    if score and tonumber(score) > now then
+      local ok = true
+      if filtered then
+        local r = redis.call('HMGET', inc_key(inc), 'wid', 'compat')
+        if r[1] == requester then
+          saw_self, ok = true, false
+        elseif compat ~= '' and r[2] ~= compat then
+          saw_incompatible, ok = true, false
+        end
+      end
+      if ok then out[#out + 1] = {inc = inc, matched = 1} end
+    end
+  end
+  return out
 end
-if #cands == 0 then
+
+local function no_candidate()
   if saw_incompatible then return {'incompatible_layout'} end
   if saw_self then return {'source_is_target'} end
   return {'no_candidate'}
 end
+
+-- The reply: the top candidates' records (lowest load among them), and every candidate's when asked.
+local function answer(cands)
+  local top = 0
+  for _, c in ipairs(cands) do if c.matched > top then top = c.matched end end
+  local low = nil
+  for _, c in ipairs(cands) do
+    if c.matched == top or want_all then
+      local r = redis.call('HMGET', inc_key(c.inc), 'wid', 'load', 'endpoint', 'tp')
+      c.wid, c.load, c.ep, c.tp = r[1], tonumber(r[2]), r[3], r[4]
+    end
+    if c.matched == top and (low == nil or c.load < low) then low = c.load end
+  end
+  local tied, holders = {}, {}
+  for _, c in ipairs(cands) do
+    if c.matched == top and c.load == low then tied[#tied + 1] = {c.wid, c.ep, c.tp} end
+    if want_all then holders[#holders + 1] = {c.wid, c.ep, c.tp, c.matched} end
+  end
+  return {'ok', top, tied, holders}
+end
+
+if by_inc and not want_all then
+  -- Single node, best holder only: the longest prefix some candidate holds whole. Who holds all
+  -- of the first p hashes is SINTER of their block sets, and shrinks as p grows, so binary search
+  -- on p; Redis intersects from the smallest set, so a probe past a popular shared head costs the
+  -- few holders of the tail, not the many of the head. The whole chain first: the usual answer.
+  local function holding_all(p)
+    local keys = {}
+    for i = 1, p do keys[i] = BP .. P[i] end
+    local found = eligible(redis.call('SINTER', unpack(keys)))
+    for _, c in ipairs(found) do c.matched = p end
+    return found
+  end
+  local best = holding_all(n)
+  if #best == 0 and n > 1 then
+    local lo, hi = 1, n - 1
+    while lo <= hi do
+      local mid = math.floor((lo + hi) / 2)
+      local found = holding_all(mid)
+      if #found > 0 then
+        best, lo = found, mid + 1
+      else
+        hi = mid - 1
+      end
+    end
+  end
+  if #best == 0 then return no_candidate() end
+  return answer(best)
+end
+
+local cands = eligible(members(1))
+if #cands == 0 then return no_candidate() end
 
 -- The number of leading hashes, from the 2nd on, that `inc`'s wb set holds:
 -- a first chunk of 128, then doubling, so a short prefix costs one call.
@@ -99,9 +160,9 @@ local function prefix_in_wb(inc)
   return m
 end
 
--- A few candidates: each one's prefix from its own wb set (a call or two each). Many (a popular
--- prefix): hash by hash over the candidates still holding on, so the work is the sum of how far
--- each one holds, not candidates x asked hashes.
+-- A few candidates: each one's prefix from its own wb set (a call or two each). Many: hash by hash
+-- over the candidates still holding on, so the work is the sum of how far each one holds, not
+-- candidates x asked hashes.
 if by_inc and #cands <= 4 then
   for _, c in ipairs(cands) do c.matched = prefix_in_wb(c.inc) end
 else
@@ -131,21 +192,4 @@ else
   end
   for _, c in ipairs(alive) do c.matched = i - 1 end
 end
-
-local top = 0
-for _, c in ipairs(cands) do if c.matched > top then top = c.matched end end
-local function record(c)
-  local r = redis.call('HMGET', inc_key(c.inc), 'wid', 'load', 'endpoint', 'tp')
-  c.wid, c.load, c.ep, c.tp = r[1], tonumber(r[2]), r[3], r[4]
-end
-local low = nil
-for _, c in ipairs(cands) do
-  if c.matched == top or want_all then record(c) end
-  if c.matched == top and (low == nil or c.load < low) then low = c.load end
-end
-local tied, holders = {}, {}
-for _, c in ipairs(cands) do
-  if c.matched == top and c.load == low then tied[#tied + 1] = {c.wid, c.ep, c.tp} end
-  if want_all then holders[#holders + 1] = {c.wid, c.ep, c.tp, c.matched} end
-end
-return {'ok', top, tied, holders}
+return answer(cands)
