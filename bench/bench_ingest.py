@@ -43,13 +43,11 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 import bench_servers  # noqa: E402
+from bench_registry import FP  # noqa: E402  (the registry benches' layout)
 from conftest import start_redis_cluster  # noqa: E402  (the test suite's cluster builder)
 
-from remote_g2.messages import LayoutFingerprint  # noqa: E402
 from remote_g2.registry import RegistryClient, SourcePublisher  # noqa: E402
 
-FP = LayoutFingerprint(model_id="bench", dtype="bf16", tokens_per_block=16, kv_layout="HND",
-                       num_layers=32, num_kv_heads=8, head_dim=128, tp_size=1)
 
 
 def _play(endpoint: str, first: int, count: int, args: dict[str, Any], go: Any, stop: Any, out: Any) -> None:

@@ -38,11 +38,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from remote_g2.messages import LayoutFingerprint, Lookup, WorkerRecord
-from registry.mirror import MirrorIndex
+from bench_registry import FP  # the registry benches' layout
+from remote_g2.messages import Lookup, WorkerRecord
+from remote_g2.registry.mirror import MirrorIndex
 
-FP = LayoutFingerprint(model_id="bench", dtype="bf16", tokens_per_block=16, kv_layout="HND",
-                       num_layers=32, num_kv_heads=8, head_dim=128, tp_size=1)
 HASH_LEN = 32
 
 
