@@ -34,7 +34,10 @@ from remote_g2.messages import (
 
 from .store import DEFAULT_LEASE_TTL_MS, RegistryStore
 
-__all__ = ["MemoryStore"]
+__all__ = ["MemoryStore", "TIE_LIMIT"]
+
+#: A best-holder lookup breaks a tie among at most this many holders of the longest prefix.
+TIE_LIMIT = 16
 
 
 @dataclass
@@ -230,36 +233,48 @@ class MemoryStore(RegistryStore):
 
     def _longest_held(self, hashes: Sequence[bytes],
                       eligible: Callable[[list[int]], list[_Incarnation]]) -> tuple[list[_Incarnation], int]:
-        """(every eligible incarnation holding ``hashes[:p]`` whole, p) for the largest such p; ([], 0) if none.
+        """(eligible incarnations holding ``hashes[:p]`` whole, p) for the largest such p; ([], 0) if none.
 
-        Who holds the first p hashes whole shrinks as p grows, so binary search on
-        p, each probe starting from the holders of ``hashes[p - 1]``: past a
-        popular shared head those are a few, so a lookup costs the few holders
-        of its tail, not the many of its head. The whole chain first: the usual
-        answer. Lock held.
+        Binary search on p: a probe asks the holders of ``hashes[p - 1]``,
+        ``TIE_LIMIT`` at a time, whether they hold the first p hashes, and stops
+        at the first that does, so a prefix most of the fleet holds costs a few
+        candidates per probe, not each of them; each holder's eligibility is
+        decided once. The answer lists at most ``TIE_LIMIT`` of the holders of
+        the whole prefix (the tie is broken among them). Lock held.
         """
-        def holding_all(p: int) -> list[_Incarnation]:
-            cands = eligible(self._holders.holders(hashes[p - 1]))
-            if not cands or p == 1:
-                return cands
-            ids = [rec.inc for rec in cands]
+        verdict: dict[int, _Incarnation | None] = {}
+
+        def witnesses(p: int, limit: int) -> list[_Incarnation]:
+            holders = self._holders.holders(hashes[p - 1])
             # walk() takes its first hash as held (they hold hashes[p - 1]) and checks the rest in order.
-            reach = self._holders.walk([hashes[p - 1], *hashes[:p]], ids)
-            return [rec for rec, r in zip(cands, reach) if r == p + 1]
+            seq, found = [hashes[p - 1], *hashes[:p]], []
+            for s in range(0, len(holders), TIE_LIMIT):  # a slice at a time: most probes stop in the first
+                part = holders[s:s + TIE_LIMIT]
+                fresh = [inc for inc in part if inc not in verdict]
+                if fresh:
+                    ok = {rec.inc: rec for rec in eligible(fresh)}
+                    verdict.update((inc, ok.get(inc)) for inc in fresh)
+                cands = [rec for inc in part if (rec := verdict[inc]) is not None]
+                if cands and p > 1:
+                    cands = [rec for rec, r in zip(cands, self._holders.walk(seq, [c.inc for c in cands]))
+                             if r == p + 1]
+                found += cands
+                if len(found) >= limit:
+                    break
+            return found[:limit]
 
         n = len(hashes)
-        best = holding_all(n)
+        best = witnesses(n, TIE_LIMIT)
         if best:
             return best, n
         lo, hi, top = 1, n - 1, 0
         while lo <= hi:
             mid = (lo + hi) // 2
-            found = holding_all(mid)
-            if found:
-                best, top, lo = found, mid, mid + 1
+            if witnesses(mid, 1):
+                top, lo = mid, mid + 1
             else:
                 hi = mid - 1
-        return best, top
+        return (witnesses(top, TIE_LIMIT), top) if top else ([], 0)
 
     # -- admin -------------------------------------------------------------------------------
 

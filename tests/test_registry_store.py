@@ -304,6 +304,18 @@ def test_best_holder_search_agrees_with_the_full_walk_over_holes(store):
             assert fast.best == full.best  # same tie set, same load order, same tie breaker
 
 
+def test_a_tie_among_more_holders_than_the_tie_limit(store):
+    for w in range(30):
+        register(store, f"w{w:02d}")
+        stored(store, f"w{w:02d}", 1, CHAIN[: 20 if w % 2 else 12])
+    asked = CHAIN + [h(900), h(901)]  # a request's own last blocks: nobody holds them
+    picks = {store.lookup(asked, tie_breaker=t).best.worker_id for t in range(40)}
+    assert all(int(w[1:]) % 2 for w in picks) and 1 < len(picks) <= 16
+    assert store.lookup(asked).matched == 20
+    everyone = store.lookup(asked, want_all_holders=True)
+    assert [x.matched for x in everyone.holders] == [20] * 15 + [12] * 15
+
+
 def _scan_all(store, wid: str, count: int, between=None):
     """Every chunk of ``scan_worker``; ``between(i)`` runs after chunk i (to change the set mid-scan)."""
     got, records, cursor, i = [], [], b"", 0

@@ -6,8 +6,8 @@
 -- hash, 'k' = its block set is on this node and the entry is the hash, 'm' =
 -- another node's block set, already read, and the entry is its members joined by ','.
 -- walk 'inc' (single node: every key is here, all kinds 'k'): the best holder
--- alone is found by binary search on the prefix length, intersecting block sets
--- (below); with every holder asked for, up to 4 candidates each read their
+-- alone is found by binary search on the prefix length (below); with every
+-- holder asked for, up to 4 candidates each read their
 -- prefix from their own wb set, one SMISMEMBER over many hashes each; walk
 -- 'pos' (Cluster: wb sets live elsewhere), and many candidates on one node: one
 -- SMISMEMBER of the candidates still holding per hash, over the hash's block
@@ -113,29 +113,62 @@ local function answer(cands)
 end
 
 if by_inc and not want_all then
-  -- Single node, best holder only: the longest prefix some candidate holds whole. Who holds all
-  -- of the first p hashes is SINTER of their block sets, and shrinks as p grows, so binary search
-  -- on p; Redis intersects from the smallest set, so a probe past a popular shared head costs the
-  -- few holders of the tail, not the many of the head. The whole chain first: the usual answer.
-  local function holding_all(p)
-    local keys = {}
-    for i = 1, p do keys[i] = BP .. P[i] end
-    local found = eligible(redis.call('SINTER', unpack(keys)))
-    for _, c in ipairs(found) do c.matched = p end
+  -- Single node, best holder only. The longest prefix some candidate holds whole, by binary search
+  -- on its length p: a probe asks the holders of hash p, in turn, whether their own block list
+  -- (wb) has hashes 1..p, and stops at the first that does, so a prefix most of the fleet holds
+  -- costs a few candidates per probe, not each of them. Eligibility is read once per holder. The
+  -- answer's tie is then among the first TIE_LIMIT holders of the whole prefix, not all of them.
+  local TIE_LIMIT = 16
+  local verdict = {}  -- inc -> true (a candidate) / false, read once per lookup
+
+  local function holds_prefix(inc, p)
+    local wb = wb_key(inc)
+    for s = 1, p, 1000 do  -- chunks stay under Lua's unpack limit
+      for _, f in ipairs(redis.call('SMISMEMBER', wb, unpack(P, s, math.min(s + 999, p)))) do
+        if f ~= 1 then return false end
+      end
+    end
+    return true
+  end
+
+  -- Up to `limit` candidates holding hashes 1..p whole, from the holders of hash p, read a slice at a
+  -- time (SSCAN) so a probe that finds its witnesses early reads no more of a large set.
+  local function witnesses(p, limit)
+    local found, taken, cursor = {}, {}, '0'
+    repeat
+      local page = redis.call('SSCAN', BP .. P[p], cursor, 'COUNT', 64)
+      cursor = page[1]
+      local fresh = {}
+      for _, inc in ipairs(page[2]) do
+        if verdict[inc] == nil then
+          verdict[inc] = false
+          fresh[#fresh + 1] = inc
+        end
+      end
+      for _, c in ipairs(eligible(fresh)) do verdict[c.inc] = true end
+      for _, inc in ipairs(page[2]) do
+        if verdict[inc] and not taken[inc] and holds_prefix(inc, p) then  -- SSCAN may repeat a member
+          taken[inc] = true
+          found[#found + 1] = {inc = inc, matched = p}
+          if #found >= limit then return found end
+        end
+      end
+    until cursor == '0'
     return found
   end
-  local best = holding_all(n)
+
+  local best = witnesses(n, TIE_LIMIT)
   if #best == 0 and n > 1 then
-    local lo, hi = 1, n - 1
+    local lo, hi, top = 1, n - 1, 0
     while lo <= hi do
       local mid = math.floor((lo + hi) / 2)
-      local found = holding_all(mid)
-      if #found > 0 then
-        best, lo = found, mid + 1
+      if #witnesses(mid, 1) > 0 then
+        top, lo = mid, mid + 1
       else
         hi = mid - 1
       end
     end
+    if top > 0 then best = witnesses(top, TIE_LIMIT) end
   end
   if #best == 0 then return no_candidate() end
   return answer(best)
