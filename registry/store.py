@@ -50,8 +50,9 @@ Semantics every backend implements
     ``hashes`` it holds without a gap. Best: longest ``matched``, then lowest
     load, then ``tie_breaker`` modulo the tied count (over tied workers
     sorted by worker id); when more than 16 candidates hold the longest
-    prefix, the tie is broken among 16 of them (a popular prefix must not
-    cost a lookup per holder), all of them only with ``want_all_holders``. With no candidate the reason is
+    prefix, a store may break the tie among 16 of them (a popular prefix
+    must not cost a lookup per holder; all of them with
+    ``want_all_holders``). With no candidate the reason is
     ``incompatible_layout`` if an incompatible live holder was excluded, else
     ``source_is_target`` if the requester was the only live holder, else
     ``no_candidate``; ``matched`` is then 0 and ``best`` None. ``holders``
