@@ -218,11 +218,13 @@ class MemoryStore(RegistryStore):
                         out.append(rec)
                 return out
 
-            if want_all_holders:
-                cands = eligible(self._holders.holders(hashes[0]))
+            first = self._holders.holders(hashes[0])
+            if want_all_holders or len(first) <= 2 * TIE_LIMIT:  # a few holders: walking each is cheaper
+                cands = eligible(first)
                 if cands:
                     ids = [rec.inc for rec in cands]
-                    return _choose(cands, dict(zip(ids, self._holders.walk(hashes, ids))), True, tie_breaker)
+                    return _choose(cands, dict(zip(ids, self._holders.walk(hashes, ids))), want_all_holders,
+                                   tie_breaker)
             else:
                 cands, top = self._longest_held(hashes, eligible)
                 if cands:

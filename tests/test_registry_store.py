@@ -288,32 +288,35 @@ def test_best_holder_search_agrees_with_the_full_walk_over_holes(store):
     """The best-holder lookup (binary search on the prefix length) against the walk every holder gets
     when all are asked for: same length, and the best is among the longest, with pools full of holes."""
     rng = random.Random(5)
-    for w in range(12):
+    for w in range(40):  # more than 32 holders of the first block: the search, not the walk of each
         register(store, f"w{w}", fingerprint=FP if w % 4 else fp(dtype="fp8"))
         keep = [x for i, x in enumerate(CHAIN) if i < rng.randint(0, 20) or rng.random() < 0.3]
         if keep:
             stored(store, f"w{w}", 1, keep)
     for trial in range(40):
         n = rng.randint(1, len(CHAIN))
-        kw = rng.choice([{}, {"requester": f"w{rng.randrange(12)}"}, {"compat_key": FP.compat_key()}])
+        kw = rng.choice([{}, {"requester": f"w{rng.randrange(40)}"}, {"compat_key": FP.compat_key()}])
         fast = store.lookup(CHAIN[:n], tie_breaker=trial, **kw)
         full = store.lookup(CHAIN[:n], tie_breaker=trial, want_all_holders=True, **kw)
         assert (fast.reason, fast.matched) == (full.reason, full.matched), (trial, n, kw)
         if fast.reason == "ok":
-            assert fast.best.worker_id in {x.worker_id for x in full.holders if x.matched == full.matched}
-            assert fast.best == full.best  # same tie set, same load order, same tie breaker
+            tied = {x.worker_id for x in full.holders if x.matched == full.matched}
+            assert fast.best.worker_id in tied
+            if len(tied) <= 16:
+                assert fast.best == full.best  # same tie set, same load order, same tie breaker
 
 
 def test_a_tie_among_more_holders_than_the_tie_limit(store):
-    for w in range(30):
+    for w in range(40):  # more than 32 holders of the first block, 20 of the longest prefix
         register(store, f"w{w:02d}")
         stored(store, f"w{w:02d}", 1, CHAIN[: 20 if w % 2 else 12])
     asked = CHAIN + [h(900), h(901)]  # a request's own last blocks: nobody holds them
     picks = {store.lookup(asked, tie_breaker=t).best.worker_id for t in range(40)}
-    assert all(int(w[1:]) % 2 for w in picks) and 1 < len(picks) <= 16
+    # One node and the memory store break the tie among 16; a Cluster still walks every holder.
+    assert all(int(w[1:]) % 2 for w in picks) and 1 < len(picks) <= (20 if store.name == "redis-cluster" else 16)
     assert store.lookup(asked).matched == 20
     everyone = store.lookup(asked, want_all_holders=True)
-    assert [x.matched for x in everyone.holders] == [20] * 15 + [12] * 15
+    assert [x.matched for x in everyone.holders] == [20] * 20 + [12] * 20
 
 
 def _scan_all(store, wid: str, count: int, between=None):

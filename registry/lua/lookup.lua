@@ -6,8 +6,8 @@
 -- hash, 'k' = its block set is on this node and the entry is the hash, 'm' =
 -- another node's block set, already read, and the entry is its members joined by ','.
 -- walk 'inc' (single node: every key is here, all kinds 'k'): the best holder
--- alone is found by binary search on the prefix length (below); with every
--- holder asked for, up to 4 candidates each read their
+-- alone, among more than 32 holders of the first block, is found by binary
+-- search on the prefix length (below); otherwise, up to 4 candidates each read their
 -- prefix from their own wb set, one SMISMEMBER over many hashes each; walk
 -- 'pos' (Cluster: wb sets live elsewhere), and many candidates on one node: one
 -- SMISMEMBER of the candidates still holding per hash, over the hash's block
@@ -112,7 +112,8 @@ local function answer(cands)
   return {'ok', top, tied, holders}
 end
 
-if by_inc and not want_all then
+-- Up to 32 holders of the first block: walking each (below) is cheaper than searching.
+if by_inc and not want_all and redis.call('SCARD', BP .. P[1]) > 32 then
   -- Single node, best holder only. The longest prefix some candidate holds whole, by binary search
   -- on its length p: a probe asks the holders of hash p, in turn, whether their own block list
   -- (wb) has hashes 1..p, and stops at the first that does, so a prefix most of the fleet holds
