@@ -123,6 +123,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 import bench_servers  # noqa: E402
+from bench_registry import percentiles  # noqa: E402
 from conftest import cluster_masters, start_redis_cluster  # noqa: E402  (the test suite's cluster builder)
 
 from remote_g2.messages import BlockEvent, LayoutFingerprint  # noqa: E402
@@ -266,13 +267,6 @@ class SimWorker:
                 return sent
             self.register(hb_interval)  # unknown_worker: register, then send the pool again
         return sent
-
-
-def _percentiles(samples: list[float]) -> dict[str, float]:
-    if not samples:
-        return {"p50_ms": 0.0, "p99_ms": 0.0, "n": 0}
-    s = sorted(samples)
-    return {"p50_ms": s[len(s) // 2] * 1e3, "p99_ms": s[min(len(s) - 1, int(len(s) * 0.99))] * 1e3, "n": len(s)}
 
 
 def _new_counters() -> dict[str, Any]:
@@ -788,9 +782,9 @@ def run_config(n_servers: int, store: str, n_workers: int, lookups: str, args: a
     })
     for name, r in phase.items():
         secs = r["t1"] - r["t0"]
-        ev = _percentiles(r["lat"])
+        ev = percentiles(r["lat"])
         lat = [x for t in targets for x in t[name]["lat"]]
-        lk = _percentiles(lat)
+        lk = percentiles(lat)
         reasons: dict[str, int] = {}
         for t in targets:
             for k, v in t[name]["reasons"].items():

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_registry import FP  # the registry benches' layout
+from bench_registry import FP, percentiles  # the registry benches' layout and latency summary
 from remote_g2.messages import Lookup, WorkerRecord
 from remote_g2.registry.mirror import MirrorIndex
 
@@ -97,12 +97,6 @@ def fill_dynamo(args: argparse.Namespace, chains: int) -> Any:
             progress = time.monotonic()
             print(f"  dynamo: {c * args.chain:,} / {chains * args.chain:,} hashes", file=sys.stderr)
     return tree
-
-
-def percentiles(samples: list[float]) -> dict[str, float]:
-    s = sorted(samples)
-    return {"p50_us": s[len(s) // 2] * 1e6, "p99_us": s[min(len(s) - 1, int(len(s) * 0.99))] * 1e6,
-            "mean_us": sum(s) / len(s) * 1e6, "n": len(s)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                 reply = call(asked)
                 samples[name].append(time.perf_counter() - t)
                 check(reply)
-    lat = {name: percentiles(s) for name, s in samples.items()}
+    lat = {name: percentiles(s, "us") for name, s in samples.items()}
 
     print(f"\n{'system':<46} {'p50 µs':>9} {'p99 µs':>9}")
     for name, v in lat.items():

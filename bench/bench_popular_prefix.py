@@ -23,6 +23,7 @@ lookup made before the binary search, and still makes when asked for all).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -35,13 +36,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench_servers  # noqa: E402
-from bench_registry import FP  # noqa: E402  (the registry benches' layout)
+from bench_registry import FP, percentiles  # noqa: E402  (the registry benches' layout and latency summary)
 
-from remote_g2.messages import BlockEvent, Events, LayoutFingerprint, RegisterWorker  # noqa: E402
+from remote_g2.messages import BlockEvent, Events, RegisterWorker  # noqa: E402
 from remote_g2.registry import RegistryClient  # noqa: E402
 from remote_g2.registry.store_memory import MemoryStore  # noqa: E402
 
-OTHER = LayoutFingerprint(**{**{f: getattr(FP, f) for f in FP.__dataclass_fields__}, "dtype": "fp8"})
+OTHER = dataclasses.replace(FP, dtype="fp8")
 
 
 def chains(workers: int, shape: str) -> dict[int, list[bytes]]:
@@ -58,8 +59,7 @@ def timed(lookup: Callable[..., Any], held: dict[int, list[bytes]], n: int, **kw
         reply = lookup(asked, **kw)
         samples.append(time.perf_counter() - t)
         assert reply.reason == "ok" and reply.matched == 128, reply
-    samples.sort()
-    return {"p50_ms": samples[len(samples) // 2] * 1e3, "p99_ms": samples[int(len(samples) * 0.99)] * 1e3}
+    return percentiles(samples)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -105,10 +105,14 @@ def wait_mirror_ready(endpoint: str, timeout_s: float) -> float:
     return time.monotonic() - t0
 
 
-def _percentiles(samples: list[float]) -> dict[str, float]:
+def percentiles(samples: list[float], unit: str = "ms") -> dict[str, float]:
+    """p50, p99 and mean of latencies in seconds, as ``p50_<unit>`` etc. (``ms`` or ``us``); zeros when empty."""
+    scale = {"ms": 1e3, "us": 1e6}[unit]
+    if not samples:
+        return {f"p50_{unit}": 0.0, f"p99_{unit}": 0.0, f"mean_{unit}": 0.0, "n": 0}
     s = sorted(samples)
-    return {"p50_ms": s[len(s) // 2] * 1e3, "p99_ms": s[min(len(s) - 1, int(len(s) * 0.99))] * 1e3,
-            "mean_ms": sum(s) / len(s) * 1e3, "n": len(s)}
+    return {f"p50_{unit}": s[len(s) // 2] * scale, f"p99_{unit}": s[min(len(s) - 1, int(len(s) * 0.99))] * scale,
+            f"mean_{unit}": sum(s) / len(s) * scale, "n": len(s)}
 
 
 class RawLookup:
@@ -172,7 +176,7 @@ def latency(calls: dict[str, tuple[Any, Any]], chains: int, n: int, rounds: int)
                 reply = call(c)
                 out.append(time.perf_counter() - t0)
                 check(reply)
-    return {name: _percentiles(s) for name, s in samples.items()}
+    return {name: percentiles(s) for name, s in samples.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
