@@ -112,6 +112,23 @@ local function answer(cands)
   return {'ok', top, tied, holders}
 end
 
+-- How many of the asked hashes from the `from`-th to the `upto`-th, in order, `inc`'s wb set holds
+-- before the first it lacks: a first chunk of 128, then doubling (to 4096, under Lua's unpack
+-- limit), so a short run costs one call.
+local function run_in_wb(inc, from, upto)
+  local wb, m, s, size = wb_key(inc), 0, from, 128
+  while s <= upto do
+    local e = math.min(upto, s + size - 1)
+    local flags = redis.call('SMISMEMBER', wb, unpack(P, s, e))
+    for j = 1, #flags do
+      if flags[j] ~= 1 then return m end
+      m = m + 1
+    end
+    s, size = e + 1, math.min(size * 2, 4096)
+  end
+  return m
+end
+
 -- Up to 32 holders of the first block: walking each (below) is cheaper than searching.
 if by_inc and not want_all and redis.call('SCARD', BP .. P[1]) > 32 then
   -- Single node, best holder only. The longest prefix some candidate holds whole, by binary search
@@ -121,16 +138,6 @@ if by_inc and not want_all and redis.call('SCARD', BP .. P[1]) > 32 then
   -- answer's tie is then among the first TIE_LIMIT holders of the whole prefix, not all of them.
   local TIE_LIMIT = 16
   local verdict = {}  -- inc -> true (a candidate) / false, read once per lookup
-
-  local function holds_prefix(inc, p)
-    local wb = wb_key(inc)
-    for s = 1, p, 1000 do  -- chunks stay under Lua's unpack limit
-      for _, f in ipairs(redis.call('SMISMEMBER', wb, unpack(P, s, math.min(s + 999, p)))) do
-        if f ~= 1 then return false end
-      end
-    end
-    return true
-  end
 
   -- Up to `limit` candidates holding hashes 1..p whole, from the holders of hash p, read a slice at a
   -- time (SSCAN) so a probe that finds its witnesses early reads no more of a large set.
@@ -148,7 +155,7 @@ if by_inc and not want_all and redis.call('SCARD', BP .. P[1]) > 32 then
       end
       for _, c in ipairs(eligible(fresh)) do verdict[c.inc] = true end
       for _, inc in ipairs(page[2]) do
-        if verdict[inc] and not taken[inc] and holds_prefix(inc, p) then  -- SSCAN may repeat a member
+        if verdict[inc] and not taken[inc] and run_in_wb(inc, 1, p) == p then  -- SSCAN may repeat a member
           taken[inc] = true
           found[#found + 1] = {inc = inc, matched = p}
           if #found >= limit then return found end
@@ -178,27 +185,11 @@ end
 local cands = eligible(members(1))
 if #cands == 0 then return no_candidate() end
 
--- The number of leading hashes, from the 2nd on, that `inc`'s wb set holds:
--- a first chunk of 128, then doubling, so a short prefix costs one call.
-local function prefix_in_wb(inc)
-  local wb, m, s, size = wb_key(inc), 1, 2, 128
-  while s <= n do
-    local e = math.min(n, s + size - 1)
-    local flags = redis.call('SMISMEMBER', wb, unpack(P, s, e))
-    for j = 1, #flags do
-      if flags[j] ~= 1 then return m end
-      m = m + 1
-    end
-    s, size = e + 1, math.min(size * 2, 4096)
-  end
-  return m
-end
-
 -- A few candidates: each one's prefix from its own wb set (a call or two each). Many: hash by hash
 -- over the candidates still holding on, so the work is the sum of how far each one holds, not
 -- candidates x asked hashes.
 if by_inc and #cands <= 4 then
-  for _, c in ipairs(cands) do c.matched = prefix_in_wb(c.inc) end
+  for _, c in ipairs(cands) do c.matched = 1 + run_in_wb(c.inc, 2, n) end
 else
   -- Walk on while any candidate still holds the next hash; a candidate's
   -- `matched` is fixed when it drops out (or at the end, for the survivors).
