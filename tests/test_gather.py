@@ -257,6 +257,41 @@ def test_a_reader_never_reads_past_the_counter_and_fails_at_its_deadline_when_it
     assert rig.arena.filled(21, addr) and rig.arena.release(21) > 0
 
 
+def test_a_counter_read_refused_for_its_deadline_reports_the_deadline_with_what_was_staged(rig, monkeypatch):
+    """The deadline can pass between the reader's own check and the adapter's (``not_after``): that is the
+    deadline, reported with what was staged, not a READ error. Stand-in: the adapter's start is held past
+    ``not_after``, as a thread preempted between the two checks is, for the counter READs after the first chunk."""
+    ids = np.random.default_rng(5).permutation(64)[:24].tolist()
+    block = Reader.LAYOUT.block_bytes
+    addr = rig.arena.take(22, 24 * block + 8)
+    ready = addr + 24 * block
+    rig.arena.store_word(ready, 0)
+    staged = np.frombuffer(rig.arena.buffer, dtype=np.uint8)[addr - rig.arena.base:ready - rig.arena.base]
+    want = rig.expected(0, ids)
+    reader = rig.readers[0]
+    transfer = reader.worker._transfer
+    real, late = transfer.start_read, []
+
+    def start_read(agent, local, remote, nbytes, *, not_after=None):
+        if late and len(nbytes) == 1 and int(nbytes[0]) == 8 and not_after is not None:  # a counter READ
+            time.sleep(max(0.0, not_after - time.monotonic()) + 0.002)
+        return real(agent, local, remote, nbytes, not_after=not_after)
+
+    monkeypatch.setattr(transfer, "start_read", start_read)
+    reader.start(1, rig.info, ids, [GatherSlot(0, addr, block, 24, ready, 8)], timeout_ms=300)
+    staged[:8 * block] = want[:8 * block]
+    rig.arena.store_word(ready, 8)
+    for _ in range(3):
+        time.sleep(0.002)
+        reader.worker.poll()
+    assert np.array_equal(reader.landed(24)[:8 * block], want[:8 * block])
+    late.append(True)
+    done = reader.wait()
+    assert not done.ok and "staged 8 of 24 blocks" in done.error, done.error
+    assert not reader.landed(24)[8 * block:].any()
+    assert rig.arena.filled(22, addr) and rig.arena.release(22) > 0
+
+
 def test_a_lease_that_ends_before_its_part_is_packed_stops_the_gather_and_frees_its_range(monkeypatch):
     gate = threading.Event()
     pack = gather_module.pack_chunks
