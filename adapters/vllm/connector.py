@@ -57,7 +57,6 @@ otherwise). Uniform attention layers, the layouts in :mod:`.kv_blocks`.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from dataclasses import dataclass, field, replace
@@ -73,6 +72,7 @@ from ..landing_slots import LandingSlots, valid_prefix
 from . import block_identity
 from .fetches import FetchTable, RequestLoad
 from .kv_blocks import VllmKvLayout
+from .settings import ConnectorSettings
 from .tp_sync import FetchOutcome, TpSync
 
 try:  # vLLM is an optional dependency: `make test-vllm` installs it
@@ -96,46 +96,6 @@ __all__ = ["RemoteG2Connector", "RemoteG2ConnectorMetadata", "RemoteG2WorkerMeta
            "check_vllm_config"]
 
 log = logging.getLogger("remote_g2.adapters.vllm")
-
-
-@dataclass(frozen=True)
-class ConnectorSettings:
-    """``kv_connector_extra_config``, checked. ``registry`` may also come from ``REMOTE_G2_REGISTRY``."""
-
-    registry: str | None
-    worker_id: str
-    g2_blocks: int = 1024
-    landing_blocks: int = 256
-    source: bool = True
-    target: bool = True
-    transfer: str = "nixl"
-    transfer_timeout_ms: int = 10_000
-    ipc_dir: str | None = None
-    model_id: str | None = None
-    failed_source_cooldown_s: float = 30.0
-    load: str = "async"
-    registry_mirror: bool = False
-
-    @classmethod
-    def from_extra(cls, extra: dict[str, Any], *, default_worker_id: str | None = None) -> ConnectorSettings:
-        """``default_worker_id``: the name when ``worker_id`` is not set (the same in every process of the
-        instance: its scheduler and every TP rank must agree on it)."""
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = set(extra) - known
-        if unknown:
-            raise ConfigError(f"unknown remote-g2 settings in kv_connector_extra_config: {sorted(unknown)} "
-                              f"(known: {sorted(known)})")
-        values = dict(extra)
-        values.setdefault("registry", os.environ.get("REMOTE_G2_REGISTRY"))
-        values.setdefault("worker_id", default_worker_id or f"vllm-{socket.gethostname()}-{os.getpid()}")
-        s = cls(**values)
-        if s.g2_blocks < 1 or s.landing_blocks < 1:
-            raise ConfigError("g2_blocks and landing_blocks must be >= 1")
-        if s.load not in ("async", "sync"):
-            raise ConfigError(f"load must be 'async' or 'sync', not {s.load!r}")
-        if not s.failed_source_cooldown_s >= 0:
-            raise ConfigError(f"failed_source_cooldown_s must be >= 0, not {s.failed_source_cooldown_s}")
-        return s
 
 
 def _tp_comm(tp_size: int) -> Any:
@@ -477,8 +437,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
             if s.target and s.registry:
                 self.target = maybe_start_target_client(
                     self._pool, worker_id=s.worker_id, tp_rank=rank, tp_size=tp, comm=comm,
-                    config=replace(TargetConfig.from_env(), enabled=True, transfer=s.transfer,
-                                   transfer_timeout_ms=s.transfer_timeout_ms, **common))
+                    config=replace(TargetConfig.from_env(), enabled=True, **common, **s.target_overrides()))
         except BaseException:
             self.shutdown()
             raise
@@ -601,8 +560,8 @@ class RemoteG2Connector(KVConnectorBase_V1):
         late end copies nothing into them).
         """
         pending = {rid for rid in request_ids if self._fetches.load(rid) is not None}
-        wait_s = 1.0 + (self.settings.transfer_timeout_ms
-                        + 2 * (self.target.config.rpc_timeout_ms if self.target is not None else 0)) / 1e3
+        cfg = self.target.config if self.target is not None else None
+        wait_s = 1.0 + ((cfg.transfer_timeout_ms + 2 * cfg.rpc_timeout_ms) / 1e3 if cfg is not None else 0.0)
         deadline = time.monotonic() + wait_s  # only rank 0 checks it
         ready = [ld for ld in self._fetches.ready_now() if ld.request_id in pending]
         while True:

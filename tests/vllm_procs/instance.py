@@ -73,7 +73,7 @@ def main() -> None:
                               kv_role="kv_both", kv_load_failure_policy="recompute",
                               kv_connector_extra_config={"registry": a.registry, "worker_id": a.worker_id,
                                                          "g2_blocks": 256, "landing_blocks": 64,
-                                                         "transfer": a.transfer, "transfer_timeout_ms": 10000,
+                                                         "transfer": a.transfer,
                                                          "load": a.load, "registry_mirror": a.registry_mirror})
     engine_kw = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1} if a.lora else {}
     if a.hf_overrides:
