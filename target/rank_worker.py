@@ -116,6 +116,7 @@ class _Staged:
     bounce: Bounce | None = None
     posted: int = 0
     counter: Any = None
+    counts_read: int = 0  # counter READs completed (a stall's report tells a silent source from a slow one)
 
     @property
     def complete(self) -> bool:
@@ -270,7 +271,8 @@ class RankWorker:
         elif all(s == "done" for s in states) and all(s.complete for s in flight.staged):
             self._finish(key, None)
         elif now > flight.deadline:
-            short = [f"source rank {s.reads.source_rank} staged {self._count(s)} of {int(s.reads.need[-1])} blocks"
+            short = [f"source rank {s.reads.source_rank} staged {self._count(s) if s.counts_read else 0} of "
+                     f"{int(s.reads.need[-1])} blocks (counter read back {s.counts_read} times)"
                      for s in flight.staged if not s.complete]
             self._finish(key, f"READ not finished within {flight.load.timeout_ms} ms"
                          + (f" ({'; '.join(short)}: its lease ended or the source stopped)" if short else ""))
@@ -330,6 +332,7 @@ class RankWorker:
             return
         self._transfer.release(staged.counter)
         staged.counter = None
+        staged.counts_read += 1
         reads = staged.reads
         assert reads.need is not None
         ready = int(np.searchsorted(reads.need, np.uint64(self._count(staged)), side="right"))
