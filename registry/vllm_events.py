@@ -72,6 +72,7 @@ import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from remote_g2.endpoint_list import endpoint_problem
 from remote_g2.errors import ConfigError, ProtocolError, RemoteG2Error
 from remote_g2.messages import (
     BlockEvent,
@@ -162,17 +163,10 @@ def parse_subscriptions(text: str) -> list[Subscription]:
 
 
 def _endpoint_problem(endpoint: str, bind: bool) -> str | None:
-    if endpoint.startswith("ipc://"):
-        return None if len(endpoint) > len("ipc://") else "the ipc:// path is empty"
-    if not endpoint.startswith("tcp://"):
-        return f"endpoint {endpoint!r} is neither tcp://HOST:PORT nor ipc://PATH"
-    host, colon, port = endpoint[len("tcp://"):].rpartition(":")
-    if not colon or not host or not port.isdigit() or int(port) > 65535:
-        return f"endpoint {endpoint!r} is not tcp://HOST:PORT"
-    if not bind and (host == "*" or port == "0"):
-        return (f"cannot connect to {endpoint!r}: connect to the publisher's host and port, or write @{endpoint} "
-                "to bind it")
-    return None
+    why = endpoint_problem(endpoint, bind=bind)
+    if why and not bind and endpoint.startswith("tcp://") and why.startswith("cannot connect"):
+        return f"{why}, or write @{endpoint} to bind it"
+    return why
 
 
 def _name_problem(what: str, name: str, max_len: int) -> str | None:

@@ -15,20 +15,40 @@ from collections.abc import Sequence
 
 from .errors import ConfigError
 
-__all__ = ["endpoint_list", "EndpointRotation"]
+__all__ = ["endpoint_list", "endpoint_problem", "EndpointRotation"]
 
 
 def endpoint_list(value: str | Sequence[str]) -> list[str]:
-    """The endpoints a setting names: one, or several separated by commas (blanks ignored), each once."""
+    """The endpoints a setting names: one, or several separated by commas (blanks ignored), each once.
+
+    Every one is checked here (``ConfigError``), not when a failover first dials it.
+    """
     items = value.split(",") if isinstance(value, str) else list(value)
     out: list[str] = []
     for item in items:
         item = item.strip()
+        why = endpoint_problem(item, bind=False) if item else None
+        if why is not None:
+            raise ConfigError(f"{value!r}: {why}")
         if item and item not in out:
             out.append(item)
     if not out:
         raise ConfigError(f"no endpoint in {value!r}")
     return out
+
+
+def endpoint_problem(endpoint: str, *, bind: bool) -> str | None:
+    """What is wrong with a ZMQ ``endpoint`` to bind (``bind``) or to connect to; None: nothing."""
+    if endpoint.startswith("ipc://"):
+        return None if len(endpoint) > len("ipc://") else "the ipc:// path is empty"
+    if not endpoint.startswith("tcp://"):
+        return f"endpoint {endpoint!r} is neither tcp://HOST:PORT nor ipc://PATH"
+    host, colon, port = endpoint[len("tcp://"):].rpartition(":")
+    if not colon or not host or not port.isdigit() or int(port) > 65535:
+        return f"endpoint {endpoint!r} is not tcp://HOST:PORT"
+    if not bind and (host == "*" or port == "0"):
+        return f"cannot connect to {endpoint!r}: name the host and port to connect to"
+    return None
 
 
 class EndpointRotation:

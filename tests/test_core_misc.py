@@ -143,6 +143,15 @@ def test_an_endpoint_setting_names_one_server_or_a_failover_list_and_moves_past_
     assert endpoint_list(" tcp://a:1, tcp://b:2,,tcp://a:1 ") == ["tcp://a:1", "tcp://b:2"]  # blanks, repeats
     with pytest.raises(errors.ConfigError, match="no endpoint"):
         endpoint_list(" , ")
+    assert endpoint_list("ipc:///run/r.sock,tcp://[::1]:7450") == ["ipc:///run/r.sock", "tcp://[::1]:7450"]
+    # A bad entry anywhere in the list is refused up front, not when a failover first dials it.
+    for bad, why in (("tcp://a:1,bogus", "neither tcp://HOST:PORT"), ("tcp://a:1,tcp://b", "not tcp://HOST:PORT"),
+                     ("tcp://a:99999", "not tcp://HOST:PORT"), ("tcp://*:7450", "cannot connect"),
+                     ("ipc://", "path is empty")):
+        with pytest.raises(errors.ConfigError, match=why):
+            endpoint_list(bad)
+        with pytest.raises(errors.ConfigError, match=why):
+            EndpointRotation(bad)
     servers = EndpointRotation("tcp://a:1,tcp://b:2")
     assert servers.current == "tcp://a:1"
     assert servers.failed("tcp://a:1") == "tcp://b:2"
