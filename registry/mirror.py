@@ -59,7 +59,7 @@ import zmq
 from remote_g2.curve import CurveClientConfig
 from remote_g2.endpoint_list import endpoint_list
 from remote_g2.errors import (
-    ConfigError, MirrorNotReady, ProtocolError, RegistryError, RemoteG2Error, StaleEpoch, TransportError,
+    MirrorNotReady, ProtocolError, RegistryError, RemoteG2Error, StaleEpoch, TransportError,
 )
 from remote_g2.messages import (
     DrainWorker,
@@ -252,10 +252,7 @@ class RegistryMirror:
         """``compat_key``: hold only workers of that layout (``LayoutFingerprint.compat_key()``: a target's own),
         not the whole fleet; None: every worker (a server's mirror answers every layout)."""
         self.compat_key = compat_key
-        try:
-            self.endpoints = endpoint_list(endpoints)  # one server, or several (comma-separated or a list)
-        except ConfigError:
-            raise ValueError("a mirror needs at least one registry endpoint") from None
+        self.endpoints = endpoint_list(endpoints)  # one server, or several (comma-separated or a list); checked
         self._timeout_s = timeout_s
         self._curve = curve
         self._scan_count = scan_count

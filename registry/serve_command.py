@@ -8,6 +8,7 @@ import signal
 import threading
 
 from remote_g2.curve import CurveServerConfig
+from remote_g2.endpoint_list import endpoint_list
 from remote_g2.errors import ConfigError
 from remote_g2.net_address import is_wildcard, reachable_elsewhere, split_tcp
 from remote_g2.rpc_server import free_port_on_host_of
@@ -83,7 +84,7 @@ def build_server(args: argparse.Namespace) -> RegistryServer:
     return RegistryServer(store, bind=args.bind, workers=args.workers, curve=curve,
                           feed_bind=feed_endpoint(args.bind, args.feed_bind), feed_advertise=feed_advertise,
                           mirror_lookups=args.mirror_lookups,
-                          mirror_peers=[p.strip() for p in args.mirror_peers.split(",") if p.strip()])
+                          mirror_peers=endpoint_list(args.mirror_peers) if args.mirror_peers else [])
 
 
 def feed_endpoint(bind: str, feed_bind: str) -> str | None:

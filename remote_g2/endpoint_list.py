@@ -29,7 +29,7 @@ def endpoint_list(value: str | Sequence[str]) -> list[str]:
         item = item.strip()
         why = endpoint_problem(item, bind=False) if item else None
         if why is not None:
-            raise ConfigError(f"{value!r}: {why}")
+            raise ConfigError(why if len(items) == 1 else f"{why} (in the list {value!r})")
         if item and item not in out:
             out.append(item)
     if not out:

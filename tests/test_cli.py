@@ -53,6 +53,15 @@ def test_bad_log_level_is_a_usage_error(server, capsys):
     assert "unknown log level" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["admin", "--registry", "tcp://127.0.0.1:1,bogus", "workers"],
+                                  ["serve", "--redis-url", "redis://127.0.0.1:1/0", "--mirror-lookups",
+                                   "--mirror-peers", "tcp://127.0.0.1:1,tcp://h"]])
+def test_a_bad_endpoint_in_a_failover_list_is_a_usage_error_before_anything_is_dialled(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "tcp://HOST:PORT" in err and "in the list" in err and "Traceback" not in err
+
+
 def test_keygen_writes_usable_keys(tmp_path, capsys):
     assert main(["keygen", str(tmp_path), "--name", "reg", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
