@@ -68,7 +68,7 @@ def test_two_vllm_instances_share_prefix_kv_and_generate_identically(tmp_path: P
     with vh.source_a(tmp_path, model_dir, prompts_file, registry, published) as (a, out_a):
         b = vh.Instance(tmp_path, "b", model_dir, prompts_file, registry)
         out_b = b.run()
-    out_c = vh.Instance(tmp_path, "c", model_dir, prompts_file, None).run()
+    out_c = vh.plain_outputs(tmp_path, model_dir, prompts_file)
 
     log_b = b.log.read_text(errors="replace")
     assert out_a[0]["num_cached_tokens"] == 0  # A computed everything itself
@@ -136,7 +136,7 @@ def test_lora_and_cache_salt_never_share_across_identities_and_outputs_match_pla
     with vh.source_a(tmp_path, model_dir, a_file, registry, len(pairs) * (300 // BLOCK), "--lora", str(lora_dir)):
         b = vh.Instance(tmp_path, "b", model_dir, b_file, registry, "--lora", str(lora_dir))
         out_b = b.run()
-    out_c = vh.Instance(tmp_path, "c", model_dir, b_file, None, "--lora", str(lora_dir)).run()
+    out_c = vh.plain_outputs(tmp_path, model_dir, b_file, "--lora", str(lora_dir))
     log_b = b.log.read_text(errors="replace")
     assert [o["num_cached_tokens"] for o in out_b] == [reusable if ok else 0 for _, _, ok in pairs], log_b[-4000:]
     assert [o["num_cached_tokens"] for o in out_c] == [0] * len(pairs)
@@ -155,7 +155,7 @@ def test_instances_with_different_kv_dtypes_never_share(tmp_path: Path, model_di
                 fps = {w.worker_id: w.fingerprint for w in reg.list_workers(include_dead=True)}
         finally:
             b.stop()
-    out_c = vh.Instance(tmp_path, "c", model_dir, prompts, None, "--dtype", "bfloat16").run()
+    out_c = vh.plain_outputs(tmp_path, model_dir, prompts, "--dtype", "bfloat16")
     assert (fps["vllm-a"].dtype, fps["vllm-b"].dtype) == ("float16", "bfloat16")
     assert fps["vllm-a"].compat_key() != fps["vllm-b"].compat_key()
     assert [o["num_cached_tokens"] for o in out_b] == [0, 0]
@@ -171,7 +171,7 @@ def test_the_same_model_path_with_another_rope_base_never_shares(tmp_path: Path,
     with vh.source_a(tmp_path, model_dir, prompts, registry, 2 * (300 // BLOCK)):
         b = vh.Instance(tmp_path, "b", model_dir, prompts, registry, "--hf-overrides", rope)
         out_b = b.run()
-    out_c = vh.Instance(tmp_path, "c", model_dir, prompts, None, "--hf-overrides", rope).run()
+    out_c = vh.plain_outputs(tmp_path, model_dir, prompts, "--hf-overrides", rope)
     assert [o["num_cached_tokens"] for o in out_b] == [0, 0]
     assert vh.blocks_fetched(b.log.read_text(errors="replace")) == 0
     assert [o["tokens"] for o in out_b] == [o["tokens"] for o in out_c]

@@ -95,7 +95,7 @@ def test_tp_pairings_land_the_sources_kv_bit_for_bit_and_generate_as_plain_vllm(
     assert [o["num_cached_tokens"] for o in out_b] == [FULL * BLOCK] * 3, why
     assert log_b.count(f"{FULL} of {FULL} blocks loaded from a remote G2") == 3 * tp_b, why
     _assert_landed_is_sources(_dumps(tmp_path / "g2-a", tp_a), _dumps(tmp_path / "g2-b", tp_b), 3 * FULL)
-    plain_b = vh.Instance(tmp_path, "c", model_dir, prompts, None, tp=tp_b).run()
+    plain_b = vh.plain_outputs(tmp_path, model_dir, prompts, tp=tp_b)
     assert [o["tokens"] for o in out_b] == [o["tokens"] for o in plain_b]
     if tp_a == tp_b:
         assert [o["tokens"] for o in out_a] == [o["tokens"] for o in out_b]
@@ -183,8 +183,8 @@ def test_lora_cache_salt_and_kv_dtype_edges_hold_at_tp2(tmp_path: Path, model_di
         d = vh.Instance(tmp_path, "d", model_dir, b_file, registry, *lora, "--dtype", "bfloat16", tp=2,
                         env=PATIENT, nice=READER_NICE)
         out_d = d.run()
-    out_c = vh.Instance(tmp_path, "c", model_dir, b_file, None, *lora, tp=2).run()
-    out_e = vh.Instance(tmp_path, "e", model_dir, b_file, None, *lora, "--dtype", "bfloat16", tp=2).run()
+    out_c = vh.plain_outputs(tmp_path, model_dir, b_file, *lora, tp=2)
+    out_e = vh.plain_outputs(tmp_path, model_dir, b_file, *lora, "--dtype", "bfloat16", tp=2)
     log_b = b.text()
     assert [o["num_cached_tokens"] for o in out_b] == [FULL * BLOCK if ok else 0 for _, _, ok in pairs], log_b[-4000:]
     assert vh.blocks_fetched(log_b) == 2 * 2 * FULL, log_b[-4000:]  # two prompts, on each of B's two ranks
@@ -225,7 +225,7 @@ def test_mla_latents_land_bit_for_bit_at_tp2_and_tp1_and_generate_as_plain_vllm(
         b1 = vh.Instance(tmp_path, "d", mla, prompts, registry, *bf16, "--dump-g2", str(tmp_path / "g2-d"),
                          env=PATIENT, nice=READER_NICE)
         out_b1 = b1.run()
-    plain = vh.Instance(tmp_path, "c", mla, twice, None, *bf16, tp=2).run()
+    plain = vh.plain_outputs(tmp_path, mla, twice, *bf16, tp=2)
     for inst, out in ((b, out_b), (b1, out_b1)):
         assert [o["num_cached_tokens"] for o in out] == [FULL * BLOCK] * 2, inst.tail()
     a_dump = _dumps(tmp_path / "g2-a", 2)

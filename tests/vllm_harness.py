@@ -8,6 +8,8 @@ core per TP rank).
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
 import os
 import random
@@ -22,7 +24,7 @@ from pathlib import Path
 from remote_g2.registry import RegistryClient
 
 __all__ = ["HERE", "INSTANCE", "BLOCK", "Instance", "make_model", "prompts", "write_prompts", "blocks_fetched", "instance_env",
-           "wait_published", "source_a"]
+           "wait_published", "source_a", "plain_outputs"]
 
 HERE = Path(__file__).resolve().parent
 INSTANCE = HERE / "vllm_procs" / "instance.py"
@@ -159,3 +161,16 @@ def source_a(tmp: Path, model: Path, prompts: Path, registry: str, blocks: int, 
         yield a, out_a
     finally:
         a.stop()
+
+
+_PLAIN: dict[tuple, list[dict]] = {}
+
+
+def plain_outputs(tmp: Path, model: Path, prompts: Path, *args: str, tp: int = 1) -> list[dict]:
+    """Plain vLLM's outputs (no connector) for ``prompts`` at TP ``tp``: run once per session for the same model,
+    prompts, arguments and TP size. A run is deterministic (greedy, seed 0, one process group of its own), and
+    each vLLM start costs most of a minute on a 2-core box."""
+    key = (str(model), hashlib.sha256(prompts.read_bytes()).hexdigest(), args, tp)
+    if key not in _PLAIN:
+        _PLAIN[key] = Instance(tmp, "c", model, prompts, None, *args, tp=tp).run()
+    return copy.deepcopy(_PLAIN[key])
