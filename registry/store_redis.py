@@ -787,10 +787,13 @@ class _SweepCommands(_RedisBase):
             run_ids.append(f"{name}={client.info('server')['run_id']}")
         topology = hashlib.sha1("\n".join(run_ids).encode()).hexdigest()[:16].encode()
         _, meta = self._nodes.node(self._keys.topo)
-        if meta.get(self._keys.topo) != topology:
+        before = meta.get(self._keys.topo)
+        if before != topology:
             meta.set(self._keys.topo, topology)
-            log.warning("registry store: Redis topology is now %s (%s); workers resync", topology.decode(),
-                        ", ".join(run_ids))
+            # No record before: a fresh store (every start on an empty Redis), or a meta node that lost it.
+            log.log(logging.INFO if before is None else logging.WARNING,
+                    "registry store: Redis topology %s %s (%s); any worker stored under another record resyncs",
+                    "recorded:" if before is None else "is now", topology.decode(), ", ".join(run_ids))
         return topology
 
     def audit(self) -> tuple[int, int]:
