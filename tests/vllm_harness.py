@@ -173,8 +173,7 @@ def plain_outputs(tmp: Path, model: Path, prompts: Path, *args: str, tp: int = 1
 
     The engine core runs in the instance's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; TP workers are
     still processes of their own): the same tokens, without a second import of vLLM and the engine core's
-    shutdown wait (a TP-1 reference run takes 13 s instead of 42 here). Instances with the connector keep
-    vLLM's default process layout, the one deployments run.
+    shutdown wait. Instances with the connector keep vLLM's default process layout, the one deployments run.
     """
     key = (str(model), hashlib.sha256(prompts.read_bytes()).hexdigest(), args, tp)
     if key not in _PLAIN:
