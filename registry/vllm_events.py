@@ -164,7 +164,7 @@ def parse_subscriptions(text: str) -> list[Subscription]:
 
 def _endpoint_problem(endpoint: str, bind: bool) -> str | None:
     why = endpoint_problem(endpoint, bind=bind)
-    if why and not bind and endpoint.startswith("tcp://") and why.startswith("cannot connect"):
+    if why and why.startswith("cannot connect"):  # (only ever said of a tcp:// endpoint to connect to)
         return f"{why}, or write @{endpoint} to bind it"
     return why
 

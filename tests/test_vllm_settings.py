@@ -3,8 +3,6 @@ target's own ``REMOTE_G2_TARGET_*`` settings rather than hiding them."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 from remote_g2.adapters.vllm.settings import ConnectorSettings
 
@@ -13,9 +11,9 @@ from remote_g2.target import TargetConfig
 
 
 def _target(extra: dict, env: dict[str, str]) -> TargetConfig:
-    """The target config the connector's workers start with (as ``register_kv_caches`` builds it)."""
+    """The target config the connector's workers start with (``register_kv_caches`` calls the same method)."""
     s = ConnectorSettings.from_extra({"registry": "tcp://127.0.0.1:1", **extra}, default_worker_id="w")
-    return replace(TargetConfig.from_env(env=env), enabled=True, **s.target_overrides())
+    return s.target_config(env=env)
 
 
 def test_unset_transfer_settings_keep_the_targets_environment() -> None:

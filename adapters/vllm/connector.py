@@ -404,7 +404,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from remote_g2.adapters.host_pool import HostPool
         from remote_g2.source import SourceConfig, maybe_start_source_service
-        from remote_g2.target import TargetConfig, maybe_start_target_client
+        from remote_g2.target import maybe_start_target_client
 
         s = self.settings
         comm = _tp_comm(self._tp_size)
@@ -437,7 +437,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
             if s.target and s.registry:
                 self.target = maybe_start_target_client(
                     self._pool, worker_id=s.worker_id, tp_rank=rank, tp_size=tp, comm=comm,
-                    config=replace(TargetConfig.from_env(), enabled=True, **common, **s.target_overrides()))
+                    config=s.target_config(**common))
         except BaseException:
             self.shutdown()
             raise

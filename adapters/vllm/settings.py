@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from remote_g2.errors import ConfigError
+from remote_g2.target import TargetConfig
 
 __all__ = ["ConnectorSettings"]
 
@@ -56,6 +58,8 @@ class ConnectorSettings:
             raise ConfigError(f"failed_source_cooldown_s must be >= 0, not {s.failed_source_cooldown_s}")
         return s
 
-    def target_overrides(self) -> dict[str, Any]:
-        """The target client settings this config sets; the rest keep the target's own (``REMOTE_G2_TARGET_*``)."""
-        return {k: v for k in ("transfer", "transfer_timeout_ms") if (v := getattr(self, k)) is not None}
+    def target_config(self, *, env: Mapping[str, str] | None = None, **fields: Any) -> TargetConfig:
+        """The target client's config: ``REMOTE_G2_TARGET_*`` (of ``env``, else the process's), then what this
+        config sets of it (``transfer``, ``transfer_timeout_ms``; unset keeps the target's own), then ``fields``."""
+        mine = {k: v for k in ("transfer", "transfer_timeout_ms") if (v := getattr(self, k)) is not None}
+        return replace(TargetConfig.from_env(env=env), enabled=True, **fields, **mine)
