@@ -95,6 +95,8 @@ class Instance:
         source instance on a small box yields them to the source's service threads)."""
         self.name = name
         self.out, self.hold, self.log = tmp / f"{name}.json", tmp / f"{name}.stop", tmp / f"{name}.log"
+        # result() takes the first out file it sees: an earlier instance's would pass for this one's.
+        assert not self.out.exists(), f"instance {name!r} already ran in {tmp}: give this one another name"
         cmd = [sys.executable, str(INSTANCE), "--model", str(model), "--prompts", str(prompts),
                "--out", str(self.out), "--hold-file", str(self.hold), "--worker-id", f"vllm-{name}",
                "--tp", str(tp), *args]
@@ -177,6 +179,7 @@ def plain_outputs(tmp: Path, model: Path, prompts: Path, *args: str, tp: int = 1
     """
     key = (str(model), hashlib.sha256(prompts.read_bytes()).hexdigest(), args, tp)
     if key not in _PLAIN:
-        _PLAIN[key] = Instance(tmp, "c", model, prompts, None, *args, tp=tp,
+        name = "c-" + hashlib.sha256(repr(key).encode()).hexdigest()[:8]  # one per key: two in one test differ
+        _PLAIN[key] = Instance(tmp, name, model, prompts, None, *args, tp=tp,
                                env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}).run()
     return copy.deepcopy(_PLAIN[key])
