@@ -107,18 +107,18 @@ SLOW_TRANSFER = "fault_procs.slow_transfer:SlowNixlTransfer"  # blocks before it
 
 
 def _worker_pid(inst: vh.Instance, title: str) -> int:
-    """The pid of the process titled ``VLLM::<title>`` (vLLM names its workers) in ``inst``'s session."""
+    """The pid of the process titled ``VLLM::<title>`` (vLLM names its workers) in ``inst``'s process group."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if os.getsid(int(entry.name)) != inst.proc.pid:
+            if os.getpgid(int(entry.name)) != inst.proc.pid:
                 continue
             if (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace") == f"VLLM::{title}":
                 return int(entry.name)
         except (OSError, ProcessLookupError):
             continue
-    raise AssertionError(f"no VLLM::{title} process in {inst.name}'s session")
+    raise AssertionError(f"no VLLM::{title} process in {inst.name}'s process group")
 
 
 @pytest.mark.parametrize("load", ["async", "sync"])

@@ -92,7 +92,13 @@ class Instance:
     def __init__(self, tmp: Path, name: str, model: Path, prompts: Path, registry: str | None, *args: str,
                  env: dict[str, str] | None = None, tp: int = 1, nice: int = 0) -> None:
         """``nice``: the instance's processes run at this nice value (a reader sharing its cores with a
-        source instance on a small box yields them to the source's service threads)."""
+        source instance on a small box yields them to the source's service threads).
+
+        The instance gets a process group of its own (for :meth:`kill`), not a session: with the kernel's
+        autogroup scheduling on (the default here), each session is a scheduling group and nice values count
+        only inside their group: a niced reader in a session of its own took as much of a shared core as a
+        source in another session, and a source rank pinned there was once starved for a minute (its READ
+        waited out the reader's 60 s timeout)."""
         self.name = name
         self.out, self.hold, self.log = tmp / f"{name}.json", tmp / f"{name}.stop", tmp / f"{name}.log"
         # result() takes the first out file it sees: an earlier instance's would pass for this one's.
@@ -104,7 +110,7 @@ class Instance:
             cmd += ["--registry", registry]
         self._log = open(self.log, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**instance_env(name, tp), **(env or {})}, start_new_session=True,
+                                     env={**instance_env(name, tp), **(env or {})}, process_group=0,
                                      preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
     def run(self) -> list[dict]:
