@@ -116,8 +116,8 @@ def test_blocks_evicted_between_lookup_and_load_are_recomputed(registry: str) ->
         src = source.client.generate("p", prompt, 4, cache="local")
         assert _wait_registry_blocks(registry, "src", len(hashes)) >= len(hashes)
         base = target.client.generate("base", prompt, 4, cache="none")
-        # The target looks up (the registry promises every block), then holds the request for 20 s ...
-        target.client.submit("remote", prompt, 4, cache="all", pause_after_lookup_ms=20_000)
+        # The target looks up (the registry promises every block), then holds the request for 8 s ...
+        target.client.submit("remote", prompt, 4, cache="all", pause_after_lookup_ms=8_000)
         deadline = time.monotonic() + 15
         while "remote" not in target.client.paused():
             assert time.monotonic() < deadline, "the target never reached its lookup"

@@ -25,7 +25,10 @@ distinct remote block once; a request aborted while its (slowed) load runs
 gets nothing copied into its blocks and the others answer as before; a
 source killed mid-load means recompute; ``vllm serve`` reuses remote KV over
 HTTP; a TP size that would replicate KV heads is refused with a ConfigError
-before the model loads (TP > 1 itself: ``test_vllm_tp.py``).
+before the model loads (TP > 1 itself: ``test_vllm_tp.py``). The identity
+edges, the batch, the killed source and the abort's source run with vLLM's
+engine core in the instance's own process (``vh.IN_PROCESS``), the rest in
+vLLM's default process layout.
 """
 
 from __future__ import annotations
@@ -90,13 +93,13 @@ def test_a_source_killed_mid_load_means_vllm_recomputes_and_still_generates_iden
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     marker = tmp_path / "reading"
-    a = vh.Instance(tmp_path, "a", model_dir, prompts_file, registry)
+    a = vh.Instance(tmp_path, "a", model_dir, prompts_file, registry, env=vh.IN_PROCESS)
     try:
         out_a = a.result()
         vh.wait_published(registry, "vllm-a", 2 * (300 // BLOCK), a)
         b = vh.Instance(tmp_path, "b", model_dir, prompts_file, registry, "--transfer", SLOW_TRANSFER,
-                     env={"PYTHONPATH": str(HERE), "REMOTE_G2_TEST_READING_FILE": str(marker),
-                          "REMOTE_G2_TEST_READ_DELAY_S": "2"})
+                        env={**vh.IN_PROCESS, "PYTHONPATH": str(HERE), "REMOTE_G2_TEST_READING_FILE": str(marker),
+                             "REMOTE_G2_TEST_READ_DELAY_S": "2"})
         deadline = time.monotonic() + 240
         while not marker.exists() and time.monotonic() < deadline and b.proc.poll() is None:
             time.sleep(0.05)
@@ -133,8 +136,9 @@ def test_lora_and_cache_salt_never_share_across_identities_and_outputs_match_pla
              ({"ids": p[7]},                  {"ids": p[7]},                  True)]
     a_file = vh.write_prompts(tmp_path, "a", [x for x, _, _ in pairs])
     b_file = vh.write_prompts(tmp_path, "b", [y for _, y, _ in pairs])
-    with vh.source_a(tmp_path, model_dir, a_file, registry, len(pairs) * (300 // BLOCK), "--lora", str(lora_dir)):
-        b = vh.Instance(tmp_path, "b", model_dir, b_file, registry, "--lora", str(lora_dir))
+    with vh.source_a(tmp_path, model_dir, a_file, registry, len(pairs) * (300 // BLOCK), "--lora", str(lora_dir),
+                     env=vh.IN_PROCESS):
+        b = vh.Instance(tmp_path, "b", model_dir, b_file, registry, "--lora", str(lora_dir), env=vh.IN_PROCESS)
         out_b = b.run()
     out_c = vh.plain_outputs(tmp_path, model_dir, b_file, "--lora", str(lora_dir))
     log_b = b.log.read_text(errors="replace")
@@ -147,8 +151,9 @@ def test_lora_and_cache_salt_never_share_across_identities_and_outputs_match_pla
 def test_instances_with_different_kv_dtypes_never_share(tmp_path: Path, model_dir: Path, registry: str) -> None:
     """float16 A and bfloat16 B: same prompts, same model, no remote hit; B answers as plain bfloat16 vLLM."""
     prompts = vh.write_prompts(tmp_path, "p", vh.prompts(6, 2))
-    with vh.source_a(tmp_path, model_dir, prompts, registry, 2 * (300 // BLOCK), "--dtype", "float16"):
-        b = vh.Instance(tmp_path, "b", model_dir, prompts, registry, "--dtype", "bfloat16")
+    with vh.source_a(tmp_path, model_dir, prompts, registry, 2 * (300 // BLOCK), "--dtype", "float16",
+                     env=vh.IN_PROCESS):
+        b = vh.Instance(tmp_path, "b", model_dir, prompts, registry, "--dtype", "bfloat16", env=vh.IN_PROCESS)
         try:
             out_b = b.result()
             with RegistryClient(registry) as reg:
@@ -168,8 +173,8 @@ def test_the_same_model_path_with_another_rope_base_never_shares(tmp_path: Path,
     """B overrides the model's RoPE base (hf_overrides): its K differs for the same tokens, so no remote hit."""
     prompts = vh.write_prompts(tmp_path, "p", vh.prompts(11, 2))
     rope = json.dumps({"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}})
-    with vh.source_a(tmp_path, model_dir, prompts, registry, 2 * (300 // BLOCK)):
-        b = vh.Instance(tmp_path, "b", model_dir, prompts, registry, "--hf-overrides", rope)
+    with vh.source_a(tmp_path, model_dir, prompts, registry, 2 * (300 // BLOCK), env=vh.IN_PROCESS):
+        b = vh.Instance(tmp_path, "b", model_dir, prompts, registry, "--hf-overrides", rope, env=vh.IN_PROCESS)
         out_b = b.run()
     out_c = vh.plain_outputs(tmp_path, model_dir, prompts, "--hf-overrides", rope)
     assert [o["num_cached_tokens"] for o in out_b] == [0, 0]
@@ -184,8 +189,8 @@ def test_a_batch_sharing_a_remote_prefix_reads_each_block_once(tmp_path: Path, m
     shared = [rng.randrange(3, 500) for _ in range(12 * BLOCK)]
     prompts = vh.write_prompts(tmp_path, "p", [shared + [rng.randrange(3, 500) for _ in range(40)] for _ in range(4)])
     per_request = (12 * BLOCK + 40 - 1) // BLOCK  # 13: the shared prefix and each prompt's own next block
-    with vh.source_a(tmp_path, model_dir, prompts, registry, 12 + 4, "--batch") as (_, out_a):
-        b = vh.Instance(tmp_path, "b", model_dir, prompts, registry, "--batch")
+    with vh.source_a(tmp_path, model_dir, prompts, registry, 12 + 4, "--batch", env=vh.IN_PROCESS) as (_, out_a):
+        b = vh.Instance(tmp_path, "b", model_dir, prompts, registry, "--batch", env=vh.IN_PROCESS)
         out_b = b.run()
     log_b = b.log.read_text(errors="replace")
     assert [o["num_cached_tokens"] for o in out_b] == [per_request * BLOCK] * 4, log_b[-4000:]
@@ -199,11 +204,12 @@ def test_a_request_aborted_mid_load_gets_nothing_and_the_others_are_unchanged(tm
     """B's first request is aborted while its (slowed) READ runs: its late blocks are dropped, not copied."""
     prompts = vh.write_prompts(tmp_path, "p", vh.prompts(8, 3))
     marker = tmp_path / "reading"
-    with vh.source_a(tmp_path, model_dir, prompts, registry, 3 * (300 // BLOCK)) as (_, out_a):
+    with vh.source_a(tmp_path, model_dir, prompts, registry, 3 * (300 // BLOCK), env=vh.IN_PROCESS) as (_, out_a):
+        # B aborts from its main thread while its engine core runs the load: B keeps vLLM's default layout.
         b = vh.Instance(tmp_path, "b", model_dir, prompts, registry, "--abort-first", str(marker),
-                     "--transfer", LATE_TRANSFER,
-                     env={"PYTHONPATH": str(HERE), "REMOTE_G2_TEST_READING_FILE": str(marker),
-                          "REMOTE_G2_TEST_DONE_DELAY_S": "3"})
+                        "--transfer", LATE_TRANSFER,
+                        env={"PYTHONPATH": str(HERE), "REMOTE_G2_TEST_READING_FILE": str(marker),
+                             "REMOTE_G2_TEST_DONE_DELAY_S": "3"})
         out_b = b.run()
     log_b = b.log.read_text(errors="replace")
     blocks = (300 - 1) // BLOCK

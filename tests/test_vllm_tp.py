@@ -81,12 +81,14 @@ def test_tp_pairings_land_the_sources_kv_bit_for_bit_and_generate_as_plain_vllm(
         tmp_path: Path, model_dir: Path, registry: str, tp_a: int, tp_b: int, load: str) -> None:
     p = vh.prompts(21, 3, LENGTH)
     prompts = vh.write_prompts(tmp_path, "p", p)
+    # A TP-1 side runs vLLM's engine core in its own process (the TP-2 sides keep vLLM's default layout).
+    env_a, env_b = ({**PATIENT, **(vh.IN_PROCESS if tp == 1 else {})} for tp in (tp_a, tp_b))
     with vh.source_a(tmp_path, model_dir, prompts, registry, 3 * FULL, "--dump-g2", str(tmp_path / "g2-a"),
-                     tp=tp_a, env=PATIENT) as (a, out_a):
+                     tp=tp_a, env=env_a) as (a, out_a):
         # The sync run's scheduler also looks up from an in-process registry mirror (it follows the feed).
         mirror = ["--registry-mirror"] if load == "sync" else []
         b = vh.Instance(tmp_path, "b", model_dir, prompts, registry, "--dump-g2", str(tmp_path / "g2-b"),
-                        "--load", load, *mirror, tp=tp_b, env=PATIENT, nice=READER_NICE)
+                        "--load", load, *mirror, tp=tp_b, env=env_b, nice=READER_NICE)
         out_b = b.run()
     log_b = b.text()
     why = f"{log_b[-4000:]}\n--- source A's log ---\n{a.tail()}"  # a stalled load may be the source's doing
@@ -130,14 +132,14 @@ def test_one_source_rank_killed_mid_load_at_tp2_means_recompute_on_every_rank(
     p = vh.prompts(22, 2, LENGTH)
     prompts = vh.write_prompts(tmp_path, "p", p)
     marker = tmp_path / "reading"
-    a = vh.Instance(tmp_path, "a", model_dir, prompts, registry, tp=2)
+    a = vh.Instance(tmp_path, "a", model_dir, prompts, registry, tp=2, env=vh.IN_PROCESS)
     try:
         out_a = a.result()
         vh.wait_published(registry, "vllm-a", 2 * FULL, a)
         victim = _worker_pid(a, "Worker_TP1")
         b = vh.Instance(tmp_path, "b", model_dir, prompts, registry, "--transfer", SLOW_TRANSFER, "--load", load,
                         tp=2,
-                        env={"PYTHONPATH": str(vh.HERE), "REMOTE_G2_TEST_READING_FILE": str(marker),
+                        env={**vh.IN_PROCESS, "PYTHONPATH": str(vh.HERE), "REMOTE_G2_TEST_READING_FILE": str(marker),
                              "REMOTE_G2_TEST_READ_DELAY_S": "2"})
         deadline = time.monotonic() + 240
         while not marker.exists() and time.monotonic() < deadline and b.proc.poll() is None:
@@ -177,11 +179,12 @@ def test_lora_cache_salt_and_kv_dtype_edges_hold_at_tp2(tmp_path: Path, model_di
     a_file = vh.write_prompts(tmp_path, "a", [x for x, _, _ in pairs])
     b_file = vh.write_prompts(tmp_path, "b", [y for _, y, _ in pairs])
     lora = ("--lora", str(lora_dir))
-    with vh.source_a(tmp_path, model_dir, a_file, registry, len(pairs) * FULL, *lora, tp=2, env=PATIENT):
-        b = vh.Instance(tmp_path, "b", model_dir, b_file, registry, *lora, tp=2, env=PATIENT, nice=READER_NICE)
+    env = {**PATIENT, **vh.IN_PROCESS}
+    with vh.source_a(tmp_path, model_dir, a_file, registry, len(pairs) * FULL, *lora, tp=2, env=env):
+        b = vh.Instance(tmp_path, "b", model_dir, b_file, registry, *lora, tp=2, env=env, nice=READER_NICE)
         out_b = b.run()
         d = vh.Instance(tmp_path, "d", model_dir, b_file, registry, *lora, "--dtype", "bfloat16", tp=2,
-                        env=PATIENT, nice=READER_NICE)
+                        env=env, nice=READER_NICE)
         out_d = d.run()
     out_c = vh.plain_outputs(tmp_path, model_dir, b_file, *lora, tp=2)
     out_e = vh.plain_outputs(tmp_path, model_dir, b_file, *lora, "--dtype", "bfloat16", tp=2)

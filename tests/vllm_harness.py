@@ -23,12 +23,18 @@ from pathlib import Path
 
 from remote_g2.registry import RegistryClient
 
-__all__ = ["HERE", "INSTANCE", "BLOCK", "Instance", "make_model", "prompts", "write_prompts", "blocks_fetched", "instance_env",
-           "wait_published", "source_a", "plain_outputs"]
+__all__ = ["HERE", "INSTANCE", "BLOCK", "IN_PROCESS", "Instance", "make_model", "prompts", "write_prompts",
+           "blocks_fetched", "instance_env", "wait_published", "source_a", "plain_outputs"]
 
 HERE = Path(__file__).resolve().parent
 INSTANCE = HERE / "vllm_procs" / "instance.py"
 BLOCK = 32
+
+#: vLLM's other process layout: the engine core (and a TP-1 worker) in the instance's own process, as
+#: ``LLM(...)`` runs with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the connector's scheduler and worker sides
+#: then share one process. Such an instance starts sooner (one vLLM import fewer): the edge-case tests run
+#: in it, the main paths (and every TP > 1 test) in vLLM's default layout.
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def make_model(out: Path, **kw: int) -> Path:
@@ -186,6 +192,5 @@ def plain_outputs(tmp: Path, model: Path, prompts: Path, *args: str, tp: int = 1
     key = (str(model), hashlib.sha256(prompts.read_bytes()).hexdigest(), args, tp)
     if key not in _PLAIN:
         name = "c-" + hashlib.sha256(repr(key).encode()).hexdigest()[:8]  # one per key: two in one test differ
-        _PLAIN[key] = Instance(tmp, name, model, prompts, None, *args, tp=tp,
-                               env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}).run()
+        _PLAIN[key] = Instance(tmp, name, model, prompts, None, *args, tp=tp, env=IN_PROCESS).run()
     return copy.deepcopy(_PLAIN[key])
