@@ -32,8 +32,8 @@ BLOCK = 32
 
 #: vLLM's other process layout: the engine core (and a TP-1 worker) in the instance's own process, as
 #: ``LLM(...)`` runs with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the connector's scheduler and worker sides
-#: then share one process. Such an instance starts sooner (one vLLM import fewer): the edge-case tests run
-#: in it, the main paths (and every TP > 1 test) in vLLM's default layout.
+#: then share one process (at TP > 1 the workers stay processes of their own). Such an instance starts
+#: sooner (one vLLM import fewer): the edge-case tests run in it, the main paths in vLLM's default layout.
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
