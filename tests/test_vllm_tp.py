@@ -81,7 +81,7 @@ def test_tp_pairings_land_the_sources_kv_bit_for_bit_and_generate_as_plain_vllm(
         tmp_path: Path, model_dir: Path, registry: str, tp_a: int, tp_b: int, load: str) -> None:
     p = vh.prompts(21, 3, LENGTH)
     prompts = vh.write_prompts(tmp_path, "p", p)
-    # A TP-1 side runs vLLM's engine core in its own process (the TP-2 sides keep vLLM's default layout).
+    # A TP-1 side runs vLLM's engine core in the instance's process (vh.IN_PROCESS); TP-2 sides keep the default.
     env_a, env_b = ({**PATIENT, **(vh.IN_PROCESS if tp == 1 else {})} for tp in (tp_a, tp_b))
     with vh.source_a(tmp_path, model_dir, prompts, registry, 3 * FULL, "--dump-g2", str(tmp_path / "g2-a"),
                      tp=tp_a, env=env_a) as (a, out_a):

@@ -103,8 +103,8 @@ class Instance:
         The instance gets a process group of its own (for :meth:`kill`), not a session: with the kernel's
         autogroup scheduling on (the default here), each session is a scheduling group and nice values count
         only inside their group: a niced reader in a session of its own took as much of a shared core as a
-        source in another session, and a source rank pinned there was once starved for a minute (its READ
-        waited out the reader's 60 s timeout)."""
+        source in another session, and a source rank pinned there was once starved until the reader's READ
+        timed out."""
         self.name = name
         self.out, self.hold, self.log = tmp / f"{name}.json", tmp / f"{name}.stop", tmp / f"{name}.log"
         # result() takes the first out file it sees: an earlier instance's would pass for this one's.
