@@ -131,7 +131,10 @@ class LayoutFingerprint:
     never a configuration string such as ``"auto"``. ``hash_scheme`` names
     the hash space the worker's block hashes live in (the engine's algorithm
     and seed): equal hashes mean the same prefix only between workers of one
-    scheme.
+    scheme. ``model_id`` reads ``LABEL#IDENTITY``: the identity is a digest of
+    the weights the engine loaded and the options that change K and V
+    (:mod:`remote_g2.model_identity`), the label a name for people that
+    matching ignores.
     """
 
     model_id: Annotated[str, Limits(min_len=1, max_len=256)]
@@ -145,9 +148,15 @@ class LayoutFingerprint:
     is_mla: bool = False
     hash_scheme: _Short = ""
 
+    @property
+    def model_identity(self) -> str:
+        """The part of ``model_id`` that matching compares: after its last ``#`` (the label before it is for
+        people; :mod:`remote_g2.model_identity`), all of it when there is none."""
+        return self.model_id.rpartition("#")[2]
+
     def compat_key(self) -> str:
-        """A short stable digest of every field but ``tp_size``."""
-        text = "|".join(str(x) for x in (self.model_id, self.dtype, self.tokens_per_block, self.kv_layout,
+        """A short stable digest of every field but ``tp_size`` (of ``model_id``, its :attr:`model_identity`)."""
+        text = "|".join(str(x) for x in (self.model_identity, self.dtype, self.tokens_per_block, self.kv_layout,
                                           self.num_layers, self.num_kv_heads, self.head_dim, self.is_mla)
                         + ((self.hash_scheme,) if self.hash_scheme else ()))
         return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()

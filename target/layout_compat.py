@@ -102,7 +102,7 @@ def check_fingerprints(source: LayoutFingerprint, target: LayoutFingerprint) -> 
     reason = check_tp(source.tp_size, target.tp_size)
     if reason:
         return reason
-    if source.model_id != target.model_id:
+    if source.model_identity != target.model_identity:
         return f"model differs: source {source.model_id!r}, target {target.model_id!r}"
     if source.is_mla != target.is_mla:
         return f"MLA differs: source is_mla={source.is_mla}, target is_mla={target.is_mla}"

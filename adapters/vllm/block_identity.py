@@ -13,7 +13,9 @@ the same thing:
   SHA-256 algorithms and from random bytes for xxhash, which therefore cannot
   be shared). :func:`hash_scheme` names that space, or refuses with a
   :class:`~remote_g2.errors.ConfigError` saying what to set.
-* **What the bytes mean** — the model, the KV tensors' dtype (and the KV-cache
+* **What the bytes mean** — the model as loaded (:func:`model_identity`: a
+  digest of the weight files vLLM read and the options that change K and V,
+  never the path they were read from), the KV tensors' dtype (and the KV-cache
   quantisation, if any), the block size and the per-layer shape: the
   :class:`~remote_g2.messages.LayoutFingerprint` built by
   :func:`fingerprint`. The scheduler builds it from the configuration
@@ -28,17 +30,23 @@ attribute, so they are tested without it.
 from __future__ import annotations
 
 import hashlib
-import json
+import logging
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from remote_g2.errors import ConfigError
 from remote_g2.messages import LayoutFingerprint
+from remote_g2.model_identity import WeightsDigest, checkpoint_files, model_id_for, override_model_id, weights_digest
 
-__all__ = ["hash_scheme", "kv_dtype_name", "model_identity", "prompt_block_hashes", "fingerprint"]
+__all__ = ["ModelIdentity", "hash_scheme", "kv_dtype_name", "load_options", "model_identity", "prompt_block_hashes",
+           "fingerprint", "weights_location"]
+
+log = logging.getLogger("remote_g2.vllm")
 
 # vLLM's chain seed for cryptographic algorithms when PYTHONHASHSEED is unset
 # (vllm.v1.core.kv_cache_utils.DEFAULT_NONE_HASH_SEED).
@@ -107,27 +115,99 @@ def resolved_kv_dtype(model_dtype: Any, cache_dtype: str) -> torch.dtype:
 
 # Config keys that say nothing about the computation (or differ between installs of one model).
 _VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path"})
+# vLLM load formats whose weights are files remote-g2 can find and digest (vLLM 0.32's loaders), with the
+# checkpoint forms each reads, in its order of preference. Any other format (tensorizer, a streamer from
+# object storage, ...) has no identity here: the instance shares nothing unless the model_id setting names it.
+_FILE_FORMATS: dict[str, tuple[str, ...]] = {
+    "auto": ("safetensors", "bin", "pt"), "hf": ("safetensors", "bin", "pt"),
+    "safetensors": ("safetensors",), "fastsafetensors": ("safetensors",), "instanttensor": ("safetensors",),
+    "mistral": ("safetensors",), "sharded_state": ("safetensors",),
+    "pt": ("pt",), "npcache": ("bin",), "bitsandbytes": ("safetensors", "bin", "pt"), "gguf": ("gguf",),
+}
+_GENERATED_FORMATS = frozenset({"dummy"})
 
 
-def model_identity(model: str, revision: str | None, override: str | None, *,
-                   config: Mapping[str, Any] | None = None, quantization: str | None = None) -> str:
-    """The fingerprint's ``model_id``: the ``model_id`` setting, else the model and its revision; then a digest.
+@dataclass(frozen=True, slots=True)
+class ModelIdentity:
+    """The fingerprint's ``model_id`` for this instance, or why it has none (then it shares nothing)."""
 
-    The digest covers the model's (text) config as vLLM loaded it —
-    ``hf_overrides``, RoPE parameters, sliding windows and every other
-    architecture field — and the weight quantisation: one path served with
-    another RoPE base or quantised differently computes other K and V for the
-    same tokens, so it must not match. Keys starting with ``_`` and the
-    ``transformers_version`` are left out.
+    model_id: str | None
+    why_not: str = ""
+    weights: WeightsDigest | None = None
+    where: str = ""  # the checkpoint that was digested
+
+
+def load_options(model_config: Any, load_config: Any, cache_config: Any) -> dict[str, Any]:
+    """Everything besides the weights' bytes that changes K or V for the same tokens, as vLLM resolved it.
+
+    The model's (text) config as vLLM read it — ``hf_overrides``, RoPE
+    parameters, sliding windows and every other architecture field; keys
+    starting with ``_`` and ``transformers_version`` left out — the model
+    dtype, the weight quantisation, the load format (``bitsandbytes``
+    quantises while loading), the loader's extra config, the model
+    implementation, and whether fp8 KV scales are computed at run time.
     """
-    name = override or (f"{model}@{revision}" if revision else str(model))
-    if config is None and quantization is None:
-        return name[:256]
-    text = json.dumps({"config": {k: v for k, v in (config or {}).items()
-                                  if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS},
-                       "quantization": quantization}, sort_keys=True, default=str)
-    digest = hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
-    return f"{name[:256 - 13]}#{digest}"
+    text = getattr(model_config, "hf_text_config", None)
+    config = text.to_dict() if hasattr(text, "to_dict") else dict(text or {})
+    return {
+        "config": {k: v for k, v in config.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS},
+        "dtype": str(getattr(model_config, "dtype", "")).removeprefix("torch."),
+        "quantization": getattr(model_config, "quantization", None),
+        "model_impl": str(getattr(model_config, "model_impl", "auto")),
+        "load_format": str(getattr(load_config, "load_format", "auto")),
+        "model_loader_extra_config": getattr(load_config, "model_loader_extra_config", None) or {},
+        "calculate_kv_scales": bool(getattr(cache_config, "calculate_kv_scales", False)),
+    }
+
+
+def weights_location(model: str, revision: str | None, download_dir: str | None) -> Path | None:
+    """Where vLLM read ``model``'s weights: the local path, or the hub snapshot in the local cache (None if absent).
+
+    Hub snapshots are found without the network (``local_files_only``): by
+    the time the connector asks, vLLM has downloaded what it loaded.
+    """
+    if os.path.exists(model):
+        return Path(model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, revision=revision, cache_dir=download_dir, local_files_only=True))
+    except Exception as e:  # not cached, no huggingface_hub, a bad id: no identity
+        log.debug("no local snapshot of %s@%s: %s", model, revision, e)
+        return None
+
+
+def model_identity(model_config: Any, load_config: Any, cache_config: Any, override: str | None = None, *,
+                   digest_cache: Any = True) -> ModelIdentity:
+    """This instance's model identity (:mod:`remote_g2.model_identity`): the loaded weights' digest and
+    :func:`load_options`; with ``override`` (the ``model_id`` setting) the operator's name in place of the
+    digest. No identity — so no sharing — for generated weights (``load_format="dummy"``), a load format
+    whose files remote-g2 cannot find, or a checkpoint it cannot locate or read.
+    """
+    options = load_options(model_config, load_config, cache_config)
+    fmt = options["load_format"]
+    if override:
+        return ModelIdentity(override_model_id(override, options), where=f"model_id setting {override!r}")
+    if fmt in _GENERATED_FORMATS:
+        return ModelIdentity(None, f"the weights are generated, not loaded (load_format={fmt!r}): they have no "
+                                   "identity another instance could match")
+    if fmt not in _FILE_FORMATS:
+        return ModelIdentity(None, f"load_format={fmt!r} reads weights remote-g2 cannot digest; set the model_id "
+                                   "setting to name them (and change it whenever they change)")
+    model = str(getattr(model_config, "model", ""))
+    where = weights_location(model, getattr(model_config, "revision", None),
+                             getattr(load_config, "download_dir", None))
+    if where is None:
+        return ModelIdentity(None, f"the weights of {model!r} are not on this host's disk to digest")
+    trust_code = bool(getattr(model_config, "trust_remote_code", False))
+    try:
+        # GGUF is one file; a directory's checkpoint files as the format reads them. Remote code is the model's
+        # computation too.
+        files = checkpoint_files(where, order=_FILE_FORMATS[fmt], also=("*.py",) if trust_code else ())
+        digest = weights_digest(files, where if where.is_dir() else where.parent, cache=digest_cache)
+    except (OSError, ConfigError) as e:
+        return ModelIdentity(None, f"cannot digest the weights at {where}: {e}")
+    return ModelIdentity(model_id_for(model, digest.digest, options), weights=digest, where=str(where))
 
 
 def prompt_block_hashes(block_hashes: Sequence[bytes], num_tokens: int, prompt_len: int,

@@ -204,11 +204,8 @@ class RemoteG2Connector(KVConnectorBase_V1):
         if policy != "recompute":
             log.warning("kv_load_failure_policy=%r: a failed remote load fails the request; set \"recompute\" to "
                         "recompute the blocks instead", policy)
-        mc, cc = vllm_config.model_config, vllm_config.cache_config
-        self._model_id = block_identity.model_identity(
-            str(mc.model), getattr(mc, "revision", None), self.settings.model_id,
-            config=mc.hf_text_config.to_dict(), quantization=getattr(mc, "quantization", None))
-        self._cache_dtype = str(cc.cache_dtype)
+        self._cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        self._identity: block_identity.ModelIdentity | None = None
         # scheduler side
         self._registry: Any = None
         self._mirror: Any = None  # a RegistryMirror answering lookups from memory (registry_mirror)
@@ -229,8 +226,31 @@ class RemoteG2Connector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._received: set[str] = set()
         self._source_failures: set[str] = set()  # for the scheduler, in the next worker metadata
-        log.info("remote-g2 connector (%s) for %s: registry %s, worker %s, hashes %s", role.name, self._model_id,
-                 self.settings.registry, self.settings.worker_id, self._hash_scheme)
+        log.info("remote-g2 connector (%s) for %s: registry %s, worker %s, hashes %s", role.name,
+                 vllm_config.model_config.model, self.settings.registry, self.settings.worker_id, self._hash_scheme)
+        if role.name == "SCHEDULER":  # vLLM makes the scheduler's connector after the model loaded
+            self._model_identity()
+
+    def _model_identity(self) -> block_identity.ModelIdentity:
+        """This instance's model identity (the loaded weights' digest), worked out once per process.
+
+        Asked once the weights are on disk: the scheduler's connector is made
+        after the model loaded, a worker's asks in ``register_kv_caches``. The
+        file digests are cached on the node, so the second process to ask
+        (and every restart) reads nothing. Without one, the instance shares
+        nothing: the scheduler says so in one warning.
+        """
+        if self._identity is None:
+            vc = self._vllm_config
+            self._identity = ident = block_identity.model_identity(vc.model_config, vc.load_config, vc.cache_config,
+                                                                   self.settings.model_id)
+            if ident.model_id is None:
+                if self._role.name == "SCHEDULER":
+                    log.warning("remote-g2: not sharing KV blocks: %s", ident.why_not)
+            else:
+                log.info("remote-g2 model identity %s (%s)", ident.model_id,
+                         f"{ident.where}: {ident.weights.summary()}" if ident.weights else ident.where)
+        return self._identity
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -241,7 +261,12 @@ class RemoteG2Connector(KVConnectorBase_V1):
     # ======================= scheduler side =======================
 
     def _scheduler_fingerprint(self) -> LayoutFingerprint | None:
-        """The layout this worker's blocks have, as the scheduler knows it (model config; dtype resolved)."""
+        """The layout this worker's blocks have, as the scheduler knows it (model config; dtype resolved).
+
+        None when there is none to match by (no model identity, no layout): then nothing is loaded or saved."""
+        model_id = self._model_identity().model_id
+        if model_id is None:
+            return None
         if self._fingerprint is None:
             mc = self._vllm_config.model_config
             mla = bool(getattr(mc, "use_mla", False))
@@ -254,7 +279,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
                 return None
             dtype = block_identity.resolved_kv_dtype(mc.dtype, self._cache_dtype)
             self._fingerprint = block_identity.fingerprint(
-                model_id=self._model_id, dtype=block_identity.kv_dtype_name(dtype, self._cache_dtype),
+                model_id=model_id, dtype=block_identity.kv_dtype_name(dtype, self._cache_dtype),
                 block_size=self.block_size, num_layers=layers, num_kv_heads=heads, head_dim=head_dim,
                 scheme=self._hash_scheme, tp_size=self._tp_size, is_mla=mla)
         return self._fingerprint
@@ -360,7 +385,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = RemoteG2ConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
-        if not self.settings.source:
+        if not self.settings.source or self._scheduler_fingerprint() is None:
             return meta
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
@@ -408,11 +433,19 @@ class RemoteG2Connector(KVConnectorBase_V1):
 
         s = self.settings
         comm = _tp_comm(self._tp_size)
+        # Every rank digested the same files; should one have failed, none shares (a rank left out of the
+        # source's start-up exchange would hang the others).
+        ids = comm.allgather(self._model_identity().model_id) if comm is not None else [self._identity.model_id]
+        if None in ids or len(set(ids)) != 1:
+            log.info("remote-g2 worker %s: not sharing KV blocks (model identity on the TP ranks: %s)", s.worker_id,
+                     ids)
+            return
+        model_id = ids[0]
         self._sync = TpSync(comm)
         rank, tp = self._sync.rank, self._sync.size
         self._kv = kv = VllmKvLayout.from_kv_caches(kv_caches, self.block_size,
                                                     mla=bool(getattr(self._vllm_config.model_config, "use_mla", False)))
-        fp = block_identity.fingerprint(model_id=self._model_id,
+        fp = block_identity.fingerprint(model_id=model_id,
                                         dtype=block_identity.kv_dtype_name(kv.dtype, self._cache_dtype),
                                         block_size=self.block_size, num_layers=len(kv.views),
                                         # MLA: one latent on every rank; otherwise each rank holds its heads
