@@ -1,8 +1,13 @@
 """``remote-g2 admin``: who holds which blocks, which workers are live, and operator actions.
 
-Subcommands: ``workers``, ``worker ID``, ``who-has HASH…``, ``prefix HASH…``,
+Subcommands: ``workers``, ``worker ID``, ``models``, ``who-has HASH…``, ``prefix HASH…``,
 ``stats``, ``feed``, ``drain ID``. Hashes are hex (``0x`` optional). Every subcommand
 takes ``--json``. An unreachable registry (or store) exits 1 with one line.
+
+``models`` groups the workers by model identity (the part of a fingerprint's
+``model_id`` after its last ``#``: what matching compares) and names a label
+(the part before it) that more than one identity is served under: during a
+rolling update, old and new weights under one path.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w = sub.add_parser("workers", parents=[common], help="list workers")
     w.add_argument("--all", action="store_true", help="include workers whose lease lapsed (not yet swept)")
     sub.add_parser("worker", parents=[common], help="one worker's record").add_argument("worker_id")
+    m = sub.add_parser("models", parents=[common], help="model identities the workers hold, and who shares each")
+    m.add_argument("--all", action="store_true", help="include workers whose lease lapsed (not yet swept)")
     who = sub.add_parser("who-has", parents=[common], help="holders of each hash")
     who.add_argument("hashes", nargs="+", metavar="HASH")
     who.add_argument("--all", action="store_true", help="include dead holders")
@@ -70,6 +77,51 @@ def _print_workers(workers: list[WorkerRecord]) -> None:
     )
 
 
+def _label(model_id: str) -> str | None:
+    """The part of ``model_id`` before its last ``#`` (for people; matching ignores it); None without one."""
+    label, sep, _ = model_id.rpartition("#")
+    return label if sep and label else None
+
+
+_MAX_IDS = 4  # worker ids a models row names before "+N more"
+
+
+def _models_doc(workers: list[WorkerRecord]) -> dict[str, Any]:
+    groups: dict[str, list[WorkerRecord]] = {}
+    for w in workers:
+        groups.setdefault(w.fingerprint.model_identity, []).append(w)
+    models = []
+    for identity, ws in groups.items():
+        ws = sorted(ws, key=lambda w: w.worker_id)
+        models.append({
+            "identity": identity,
+            "labels": sorted({lb for w in ws if (lb := _label(w.fingerprint.model_id)) is not None}),
+            "workers": [{"worker_id": w.worker_id, "live": w.live, "tp_size": w.tp_size, "blocks": w.blocks,
+                         "dtype": w.fingerprint.dtype, "label": _label(w.fingerprint.model_id),
+                         "endpoint": w.endpoint} for w in ws],
+            "live_workers": sum(1 for w in ws if w.live),
+            "blocks": sum(w.blocks for w in ws if w.live),
+        })
+    models.sort(key=lambda m: (-m["blocks"], m["identity"]))
+    by_label: dict[str, set[str]] = {}
+    for m in models:
+        for label in m["labels"]:
+            by_label.setdefault(label, set()).add(m["identity"])
+    # an id without a label is all identity: two such ids are two names, not one name split
+    split = {label: sorted(ids) for label, ids in sorted(by_label.items()) if len(ids) > 1}
+    return {"models": models, "split_labels": split}
+
+
+def _ids_cell(workers: list[dict[str, Any]]) -> str:
+    names = [w["worker_id"] + ("" if w["live"] else " (dead)") for w in workers]
+    more = len(names) - _MAX_IDS
+    return ", ".join(names) if more <= 0 else ", ".join(names[:_MAX_IDS - 1]) + f" +{more + 1} more"
+
+
+def _distinct(values: list[Any]) -> str:
+    return ", ".join(str(v) for v in sorted(set(values)))
+
+
 def run(args: argparse.Namespace) -> int:
     settings = ClientSettings.from_env()
     endpoint = args.registry or settings.registry_endpoint
@@ -106,6 +158,28 @@ def _worker(client: RegistryClient, args: argparse.Namespace) -> int:
         fp = w.fingerprint
         print(f"\nlayout: {fp.model_id} {fp.dtype} {fp.kv_layout} layers={fp.num_layers} kv_heads={fp.num_kv_heads} "
               f"head_dim={fp.head_dim} tokens/block={fp.tokens_per_block} mla={fp.is_mla}")
+    return 0
+
+
+def _models(client: RegistryClient, args: argparse.Namespace) -> int:
+    doc = _models_doc(client.list_workers(include_dead=args.all))
+    if args.json:
+        print_json(doc)
+        return 0
+    if not doc["models"]:
+        print("no workers registered")
+        return 0
+    print_table(
+        ["identity", "labels", "live/total", "worker_ids", "tp", "dtype", "blocks"],
+        [[m["identity"], ", ".join(m["labels"]) or "-", f"{m['live_workers']}/{len(m['workers'])}",
+          _ids_cell(m["workers"]), _distinct([w["tp_size"] for w in m["workers"]]),
+          _distinct([w["dtype"] for w in m["workers"]]), m["blocks"]] for m in doc["models"]],
+    )
+    if doc["split_labels"]:
+        print()
+    for label, ids in doc["split_labels"].items():
+        print(f"label {label}: {len(ids)} identities (different weights under one name: a rolling update, "
+              f"or diverged copies): {', '.join(ids)}")
     return 0
 
 
@@ -182,5 +256,5 @@ def _drain(client: RegistryClient, args: argparse.Namespace) -> int:
     return 0 if r.existed else 1
 
 
-_COMMANDS = {"workers": _workers, "worker": _worker, "who-has": _who_has, "prefix": _prefix, "stats": _stats,
-             "feed": _feed, "drain": _drain}
+_COMMANDS = {"workers": _workers, "worker": _worker, "models": _models, "who-has": _who_has, "prefix": _prefix,
+             "stats": _stats, "feed": _feed, "drain": _drain}

@@ -11,6 +11,8 @@ import pytest
 
 import remote_g2
 from remote_g2.cli import main
+from remote_g2.messages import BlockEvent, LayoutFingerprint
+from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer
 from remote_g2.rpc_server import RpcServer
 
 
@@ -67,6 +69,106 @@ def test_keygen_writes_usable_keys(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["public_key_file"].endswith("reg.key")
     assert (tmp_path / "reg.key_secret").stat().st_mode & 0o077 == 0
+
+
+OLD, NEW = "w-" + "a" * 32, "w-" + "b" * 32
+CHAIN = [i.to_bytes(8, "big") for i in range(1, 65)]
+
+
+def fingerprint(model_id: str, tp_size: int = 2, dtype: str = "bf16") -> LayoutFingerprint:
+    return LayoutFingerprint(model_id=model_id, dtype=dtype, tokens_per_block=16, kv_layout="HND", num_layers=2,
+                             num_kv_heads=4, head_dim=32, tp_size=tp_size)
+
+
+@pytest.fixture
+def registry():
+    """A registry on a clock the test moves (``now[0]``, seconds); the sweeper stays out of the way."""
+    now = [1000.0]
+    server = RegistryServer(MemoryStore(lease_ttl_ms=2000, clock=lambda: now[0]), bind="tcp://127.0.0.1:0",
+                            sweep_interval_s=3600)
+    client = RegistryClient(server.start(), timeout_s=5)
+    yield server.endpoint, client, now
+    client.close()
+    server.close()
+
+
+def admin(capsys, endpoint: str, *argv: str) -> tuple[int, str]:
+    code = main(["admin", "--registry", endpoint, *argv])
+    return code, capsys.readouterr().out
+
+
+def test_admin_models_groups_one_identity_under_several_labels(registry, capsys):
+    ep, c, _ = registry
+    c.register_worker("w1", "tcp://10.0.0.1:7460", fingerprint(f"/models/llama#{OLD}"), epoch=1)
+    c.register_worker("w2", "tcp://10.0.0.2:7460", fingerprint(f"/mnt/copy/llama#{OLD}", tp_size=4), epoch=1)
+    c.events("w1", 1, 1, [BlockEvent("stored", CHAIN[:5])])
+    c.events("w2", 1, 1, [BlockEvent("stored", CHAIN[:3])])
+    code, out = admin(capsys, ep, "models")
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split() == ["identity", "labels", "live/total", "worker_ids", "tp", "dtype",
+                                              "blocks"]
+    assert len(lines) == 3  # header, rule, one row; no split-label line: same weights under two paths is fine
+    assert lines[2].split() == [OLD, "/mnt/copy/llama,", "/models/llama", "2/2", "w1,", "w2", "2,", "4", "bf16", "8"]
+    doc = json.loads(admin(capsys, ep, "models", "--json")[1])
+    assert doc["split_labels"] == {} and len(doc["models"]) == 1
+    assert doc["models"][0]["labels"] == ["/mnt/copy/llama", "/models/llama"]
+
+
+def test_admin_models_reports_a_label_split_between_identities(registry, capsys):
+    ep, c, _ = registry
+    c.register_worker("old-1", "tcp://10.0.0.1:7460", fingerprint(f"/models/llama#{OLD}"), epoch=1)
+    c.register_worker("old-2", "tcp://10.0.0.2:7460", fingerprint(f"/models/llama#{OLD}"), epoch=1)
+    c.register_worker("new-1", "tcp://10.0.0.3:7460", fingerprint(f"/models/llama#{NEW}"), epoch=1)
+    c.register_worker("t1", "tcp://10.0.0.4:7460", fingerprint("tiny"), epoch=1)  # no label: all identity
+    c.register_worker("t2", "tcp://10.0.0.5:7460", fingerprint("small"), epoch=1)  # ... and not a split
+    c.events("new-1", 1, 1, [BlockEvent("stored", CHAIN[:6])])
+    c.events("old-1", 1, 1, [BlockEvent("stored", CHAIN[:4])])
+    code, out = admin(capsys, ep, "models")
+    rows = [line.split()[:3] for line in out.splitlines()[2:7]]
+    assert code == 0 and rows == [[NEW, "/models/llama", "1/1"], [OLD, "/models/llama", "2/2"],
+                                  ["small", "-", "1/1"], ["tiny", "-", "1/1"], []]  # blocks desc, then identity
+    assert out.splitlines()[7:] == [
+        f"label /models/llama: 2 identities (different weights under one name: a rolling update, or diverged "
+        f"copies): {OLD}, {NEW}"]
+    doc = json.loads(admin(capsys, ep, "models", "--json")[1])
+    assert doc["split_labels"] == {"/models/llama": [OLD, NEW]}
+    assert [m["identity"] for m in doc["models"]] == [NEW, OLD, "small", "tiny"]
+
+
+def test_admin_models_json_shape_and_dead_workers(registry, capsys):
+    ep, c, now = registry
+    c.register_worker("gone", "tcp://10.0.0.9:7460", fingerprint(f"/models/llama#{OLD}", dtype="fp16"), epoch=1)
+    c.events("gone", 1, 1, [BlockEvent("stored", CHAIN[:7])])
+    now[0] += 3  # its lease (2 s) lapses; the sweeper is asleep
+    for i in range(1, 6):
+        c.register_worker(f"w{i}", f"tcp://10.0.0.{i}:7460", fingerprint(f"/models/llama#{OLD}"), epoch=1)
+    c.events("w1", 1, 1, [BlockEvent("stored", CHAIN[:2])])
+    doc = json.loads(admin(capsys, ep, "models", "--json")[1])
+    assert set(doc) == {"models", "split_labels"} and len(doc["models"]) == 1
+    m = doc["models"][0]
+    assert set(m) == {"identity", "labels", "workers", "live_workers", "blocks"}
+    assert (m["identity"], m["labels"], m["live_workers"], m["blocks"]) == (OLD, ["/models/llama"], 5, 2)
+    assert m["workers"][0] == {"worker_id": "w1", "live": True, "tp_size": 2, "blocks": 2, "dtype": "bf16",
+                               "label": "/models/llama", "endpoint": "tcp://10.0.0.1:7460"}
+    code, out = admin(capsys, ep, "models")
+    assert code == 0 and out.splitlines()[2].split()[2:] == ["5/5", "w1,", "w2,", "w3", "+2", "more", "2", "bf16",
+                                                            "2"]
+
+    doc = json.loads(admin(capsys, ep, "models", "--all", "--json")[1])
+    m = doc["models"][0]
+    assert (m["live_workers"], len(m["workers"]), m["blocks"]) == (5, 6, 2)  # a dead worker's blocks don't count
+    assert m["workers"][0] == {"worker_id": "gone", "live": False, "tp_size": 2, "blocks": 7, "dtype": "fp16",
+                               "label": "/models/llama", "endpoint": "tcp://10.0.0.9:7460"}
+    out = admin(capsys, ep, "models", "--all")[1]
+    assert out.splitlines()[2].split()[2:] == ["5/6", "gone", "(dead),", "w1,", "w2", "+3", "more", "2", "bf16,",
+                                               "fp16", "2"]
+
+
+def test_admin_models_empty_registry(registry, capsys):
+    ep, _, _ = registry
+    assert admin(capsys, ep, "models") == (0, "no workers registered\n")
+    code, out = admin(capsys, ep, "models", "--json")
+    assert code == 0 and json.loads(out) == {"models": [], "split_labels": {}}
 
 
 SCRIPT = Path(sys.executable).parent / "remote-g2"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -215,6 +216,26 @@ def test_configs_that_would_break_exactness_are_refused() -> None:
     with pytest.raises(ConfigError, match="num_q_heads=6 is not a multiple of num_kv_heads=4"):
         ModelConfig(num_q_heads=6)
     assert ModelConfig().model_id != ModelConfig(seed=1).model_id
+
+
+def test_the_model_id_is_the_digest_of_every_weight_element_and_not_of_the_rank() -> None:
+    """The reference engine's weights are its checkpoint: one element of one tensor changes its identity."""
+    from remote_g2.adapters.reference.weights import full_weights, weights_digest
+    from remote_g2.model_identity import identity_of, model_id_for
+
+    c = ModelConfig(num_layers=2, vocab_size=256, max_positions=512)
+    full = full_weights(c)
+    assert c.model_id == model_id_for("reference-gqa", weights_digest(full), dataclasses.asdict(c))
+    assert c.model_id.startswith("reference-gqa#w-")
+    base = weights_digest(full)
+    for name, index in (("layers.1.wk", (3, 5)), ("tok_emb", (0, 0)), ("final_norm", (c.hidden - 1,))):
+        t = full[name].clone()
+        t[index] = torch.nextafter(t[index], torch.tensor(math.inf, dtype=t.dtype))  # one ulp, one element
+        assert weights_digest({**full, name: t}) != base, name
+    # shards of the same full tensors on every rank: the identity does not depend on the TP layout
+    assert ReferenceModel(c).config.model_id == c.model_id
+    assert identity_of(ModelConfig(num_layers=2, vocab_size=256, max_positions=512, rms_eps=1e-6).model_id) \
+        != identity_of(c.model_id)  # no weight changed, but K and V do
 
 
 def test_past_kv_of_the_wrong_shape_is_refused(models: dict, reference: dict) -> None:

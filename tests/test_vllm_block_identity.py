@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 import torch
 from remote_g2.adapters.vllm import block_identity as bi
 from remote_g2.adapters.vllm.fetches import FetchTable
 
 from remote_g2.errors import ConfigError
+from remote_g2.model_identity import identity_of
 
 
 def _fp(**kw: object) -> object:
@@ -49,24 +53,121 @@ def test_every_byte_defining_field_changes_the_compat_key() -> None:
         assert _fp(**kw).compat_key() != base, kw
 
 
-def test_model_identity_includes_the_revision_or_the_override() -> None:
-    assert bi.model_identity("org/m", None, None) == "org/m"
-    assert bi.model_identity("org/m", "abc123", None) == "org/m@abc123"
-    assert bi.model_identity("org/m", "abc123", "my-model-v2") == "my-model-v2"
+def _weights(d: Path, fill: bytes = b"\x01", *, shards: int = 2) -> Path:
+    d.mkdir(parents=True)
+    for i in range(shards):
+        (d / f"model-0000{i + 1}-of-0000{shards}.safetensors").write_bytes(fill * 4096)
+    (d / "config.json").write_text("{}")
+    return d
 
 
-def test_model_identity_tells_apart_configs_that_change_the_kv_and_ignores_volatile_keys() -> None:
+def _configs(model: Path | str, *, load_format: str = "auto", config: dict | None = None, **mc: object):
+    text = SimpleNamespace(to_dict=lambda: dict(config or {"num_hidden_layers": 2}))
+    model_config = SimpleNamespace(**{"model": str(model), "revision": None, "hf_text_config": text,
+                                      "dtype": torch.float32, "quantization": None, "model_impl": "auto",
+                                      "trust_remote_code": False, **mc})
+    return (model_config, SimpleNamespace(load_format=load_format, download_dir=None, model_loader_extra_config={}),
+            SimpleNamespace(calculate_kv_scales=False))
+
+
+def _identity(*args: object, override: str | None = None, **kw: object) -> bi.ModelIdentity:
+    return bi.model_identity(*_configs(*args, **kw), override, digest_cache=None)
+
+
+def test_the_model_identity_is_the_loaded_weights_not_their_path(tmp_path: Path) -> None:
+    a = _identity(_weights(tmp_path / "models" / "x"))
+    copy = _identity(_weights(tmp_path / "mnt" / "cache" / "x"))  # the same bytes under another path
+    assert a.model_id is not None and a.model_id.startswith(str(tmp_path / "models" / "x") + "#w-")
+    assert identity_of(copy.model_id) == identity_of(a.model_id) and copy.model_id != a.model_id
+    new = _identity(_weights(tmp_path / "v2", b"\x02"))  # new weights under a name: another identity
+    assert identity_of(new.model_id) != identity_of(a.model_id)
+    assert a.weights is not None and len(a.weights.files) == 2  # the shards, not config.json or the tokenizer
+
+
+def test_options_that_change_k_or_v_change_the_identity_and_volatile_keys_do_not(tmp_path: Path) -> None:
+    d = _weights(tmp_path / "m")
     cfg = {"num_hidden_layers": 2, "rope_parameters": {"rope_theta": 10000.0}, "transformers_version": "5.1",
            "_name_or_path": "/a/m"}
-    base = bi.model_identity("org/m", None, None, config=cfg)
-    assert base.startswith("org/m#") and len(base) == len("org/m#") + 12
+    base = identity_of(_identity(d, config=cfg).model_id)
     other_rope = {**cfg, "rope_parameters": {"rope_theta": 500000.0}}  # e.g. an hf_overrides on one instance
-    assert bi.model_identity("org/m", None, None, config=other_rope) != base
-    assert bi.model_identity("org/m", None, None, config=cfg, quantization="fp8") != base
+    assert identity_of(_identity(d, config=other_rope).model_id) != base
+    for kw in ({"quantization": "fp8"}, {"load_format": "bitsandbytes"}, {"model_impl": "transformers"}):
+        mc, lc, cc = _configs(d, config=cfg)
+        for k, v in kw.items():
+            setattr(lc if k == "load_format" else mc, k, v)
+        assert identity_of(bi.model_identity(mc, lc, cc, digest_cache=None).model_id) != base, kw
+    mc, lc, cc = _configs(d, config=cfg)
+    mc.dtype = torch.bfloat16  # the model's dtype: K and V are computed in it (an fp8 cache stores the same type)
+    assert identity_of(bi.model_identity(mc, lc, cc, digest_cache=None).model_id) != base
     same = {**cfg, "transformers_version": "5.2", "_name_or_path": "/b/m"}  # another install of the same model
-    assert bi.model_identity("org/m", None, None, config=same) == base
-    long = bi.model_identity("x" * 400, None, None, config=cfg)
-    assert len(long) == 256 and long.endswith(base[-13:])  # a long name is cut, never the digest
+    assert identity_of(_identity(d, config=same).model_id) == base
+
+
+def test_generated_or_undigestable_weights_have_no_identity_and_say_why(tmp_path: Path) -> None:
+    d = _weights(tmp_path / "m")
+    dummy = _identity(d, load_format="dummy")
+    assert dummy.model_id is None and "generated, not loaded (load_format='dummy')" in dummy.why_not
+    streamed = _identity(d, load_format="tensorizer")
+    assert streamed.model_id is None and "model_id setting" in streamed.why_not
+    missing = _identity("org/not-on-this-host")
+    assert missing.model_id is None and "not on this host's disk" in missing.why_not
+    (tmp_path / "empty").mkdir()
+    assert "no checkpoint files" in _identity(tmp_path / "empty").why_not
+
+
+def test_the_model_id_setting_names_the_weights_instead_of_their_digest(tmp_path: Path) -> None:
+    d = _weights(tmp_path / "m")
+    o = _identity(d, override="llama-8b@r2")
+    assert o.model_id is not None and o.model_id.startswith("llama-8b@r2#o-") and o.weights is None
+    assert identity_of(_identity(d, override="llama-8b@r3").model_id) != identity_of(o.model_id)
+    assert identity_of(o.model_id) != identity_of(_identity(d).model_id)
+    # the override names the weights, not the options: another dtype still tells instances apart
+    mc, lc, cc = _configs(d)
+    mc.dtype = torch.float16
+    assert identity_of(bi.model_identity(mc, lc, cc, "llama-8b@r2").model_id) != identity_of(o.model_id)
+    # generated weights under an operator's name: the operator answers for it
+    assert _identity(d, load_format="dummy", override="test-model").model_id is not None
+
+
+def test_remote_code_is_part_of_a_trust_remote_code_model(tmp_path: Path) -> None:
+    d = _weights(tmp_path / "m")
+    (d / "modeling_x.py").write_text("ROPE = 1\n")
+    trusted = _identity(d, trust_remote_code=True)
+    plain = _identity(d)
+    (d / "modeling_x.py").write_text("ROPE = 2\n")
+    assert identity_of(_identity(d, trust_remote_code=True).model_id) != identity_of(trusted.model_id)
+    assert identity_of(_identity(d).model_id) == identity_of(plain.model_id)
+
+
+def test_gguf_and_bin_checkpoints_are_digested_whole(tmp_path: Path) -> None:
+    gguf = tmp_path / "m.Q4.gguf"
+    gguf.write_bytes(b"GGUF" + b"\x00" * 100)
+    g = _identity(gguf, load_format="gguf")
+    gguf.write_bytes(b"GGUF" + b"\x00" * 99 + b"\x01")
+    assert identity_of(_identity(gguf, load_format="gguf").model_id) != identity_of(g.model_id)
+    d = tmp_path / "bin"
+    d.mkdir()
+    (d / "pytorch_model.bin").write_bytes(b"a" * 100)
+    assert _identity(d).weights.files[0].path.endswith("pytorch_model.bin")
+    assert _identity(d, load_format="safetensors").model_id is None  # that loader would find no file either
+
+
+@pytest.mark.vllm
+def test_a_hub_id_is_digested_from_its_local_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM downloaded the model into the hub cache: the snapshot's files are what it loaded."""
+    pytest.importorskip("huggingface_hub")
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--org--tiny"
+    _weights(repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    mc, lc, cc = _configs("org/tiny")
+    lc.download_dir = str(tmp_path / "hub")
+    hub = bi.model_identity(mc, lc, cc, digest_cache=None)
+    assert hub.where == str(repo / "snapshots" / commit), hub.why_not
+    local = _identity(_weights(tmp_path / "copy"))
+    assert identity_of(hub.model_id) == identity_of(local.model_id)  # the hub's bytes, copied: the same model
 
 
 def test_prompt_block_hashes_take_one_hash_per_block_even_when_vllm_hashes_finer() -> None:

@@ -109,7 +109,6 @@ shapes (torch SDPA) — about 1.5–2× for exactness.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import zlib
 from collections.abc import Sequence
@@ -121,6 +120,7 @@ import torch
 from remote_g2.errors import ConfigError
 
 from .tp import TpComm
+from .weights import _W_MAX, W_FRAC_BITS, full_weights, remember_digest, weights_model_id
 
 __all__ = [
     "ACT_FRAC_BITS",
@@ -143,15 +143,12 @@ __all__ = [
 ACT_FRAC_BITS = 16
 #: ... that are integers below 2**ACT_INT_BITS in magnitude in those units (|x| < 64), saturating.
 ACT_INT_BITS = 22
-#: Weight matrices are multiples of 2**-W_FRAC_BITS with |w| < 1.
-W_FRAC_BITS = 20
 #: Attention probabilities are integers in [0, 2**PROB_BITS] (units of 2**-PROB_BITS).
 PROB_BITS = 19
 #: The dtype K/V are returned in and taken back as (exact: ACT_INT_BITS <= 24).
 KV_DTYPE = torch.float32
 
 _ACT_MAX = float(2**ACT_INT_BITS - 1)
-_W_MAX = float(2**W_FRAC_BITS - 1)
 _EXACT = 2**53  # float64 holds every integer up to here exactly
 
 # exp(u) Taylor coefficients, highest degree first (see _exp_on_prob_grid).
@@ -216,9 +213,14 @@ class ModelConfig:
 
     @property
     def model_id(self) -> str:
-        """A name that changes with any field (for layout fingerprints): ``reference-<gqa|mla>-<hash>``."""
-        digest = hashlib.sha256(repr(dataclasses.astuple(self)).encode()).hexdigest()[:12]
-        return f"reference-{'mla' if self.mla else 'gqa'}-{digest}"
+        """The fingerprint's model id: ``reference-<gqa|mla>#w-…``, the digest of this config's weights.
+
+        The engine's weights are its checkpoint: every element of every full
+        (unsharded) tensor, so every TP size of one config has the same
+        identity, and a change to any weight — or to a field that changes K
+        or V, such as ``rms_eps`` — gives another (:func:`weights_model_id`).
+        """
+        return weights_model_id(self)
 
 
 @dataclass(frozen=True)
@@ -413,43 +415,31 @@ class ReferenceModel:
 
     # -- weights --------------------------------------------------------------------------
 
-    def _full(self, name: str, shape: tuple[int, ...], std: float, *, on_grid: bool) -> torch.Tensor:
-        """The full tensor ``name``: its own generator seeded from (seed, name), so no other tensor shifts it."""
-        gen = torch.Generator().manual_seed((self.config.seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63)
-        w = torch.randn(shape, generator=gen, dtype=torch.float64).mul_(std)
-        if on_grid:
-            scale = float(2**W_FRAC_BITS)
-            w = torch.round(w * scale).clamp_(-_W_MAX, _W_MAX).mul_(1.0 / scale)
-        return w
-
     def _build_weights(self) -> None:
         c, s = self.config, self.shard
         d = c.head_dim
         q_cols = slice(s.q_heads.start * d, s.q_heads.stop * d)
         kv_cols = slice(s.kv_heads.start * d, s.kv_heads.stop * d)
         mlp = slice(s.mlp.start, s.mlp.stop)
-        self.tok_emb = self._full("tok_emb", (c.vocab_size, c.hidden), 1.0, on_grid=False)
-        self.pos_emb = self._full("pos_emb", (c.max_positions, c.hidden), 0.5, on_grid=False)
-        self.final_norm = 1.0 + self._full("final_norm", (c.hidden,), 0.1, on_grid=False)
-        self.lm_head = self._full("lm_head", (c.hidden, c.vocab_size), 2.0 / math.sqrt(c.hidden),
-                                  on_grid=True)[:, s.vocab.start:s.vocab.stop].contiguous()
+        full = full_weights(c)
+        remember_digest(c, full)  # the identity of exactly these tensors, for the fingerprint
+        self.tok_emb = full["tok_emb"]
+        self.pos_emb = full["pos_emb"]
+        self.final_norm = 1.0 + full["final_norm"]
+        self.lm_head = full["lm_head"][:, s.vocab.start:s.vocab.stop].contiguous()
         self.layers: list[dict[str, torch.Tensor]] = []
-        in_std = 1.0 / math.sqrt(c.hidden)
         for i in range(c.num_layers):
-            def w(name: str, shape: tuple[int, ...], std: float, i: int = i) -> torch.Tensor:
-                return self._full(f"layers.{i}.{name}", shape, std, on_grid=True)
+            def w(name: str, i: int = i) -> torch.Tensor:
+                return full[f"layers.{i}.{name}"]
 
-            wq = w("wq", (c.hidden, c.num_q_heads * d), in_std)[:, q_cols]
-            wk = w("wk", (c.hidden, c.num_kv_heads * d), in_std)[:, kv_cols]
-            wv = w("wv", (c.hidden, c.num_kv_heads * d), in_std)[:, kv_cols]
             self.layers.append({
-                "attn_norm": 1.0 + self._full(f"layers.{i}.attn_norm", (c.hidden,), 0.1, on_grid=False),
+                "attn_norm": 1.0 + w("attn_norm"),
                 # one matmul for q|k|v: the columns are independent dot products, exact either way
-                "wqkv": torch.cat([wq, wk, wv], dim=1).contiguous(),
-                "wo": w("wo", (c.num_q_heads * d, c.hidden), 1.0 / math.sqrt(c.num_q_heads * d))[q_cols].contiguous(),
-                "mlp_norm": 1.0 + self._full(f"layers.{i}.mlp_norm", (c.hidden,), 0.1, on_grid=False),
-                "w_up": w("w_up", (c.hidden, c.mlp_hidden), in_std)[:, mlp].contiguous(),
-                "w_down": w("w_down", (c.mlp_hidden, c.hidden), 1.0 / math.sqrt(c.mlp_hidden))[mlp].contiguous(),
+                "wqkv": torch.cat([w("wq")[:, q_cols], w("wk")[:, kv_cols], w("wv")[:, kv_cols]], dim=1).contiguous(),
+                "wo": w("wo")[q_cols].contiguous(),
+                "mlp_norm": 1.0 + w("mlp_norm"),
+                "w_up": w("w_up")[:, mlp].contiguous(),
+                "w_down": w("w_down")[mlp].contiguous(),
             })
 
     def shard_shapes(self) -> dict[str, list[int]]:
