@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -227,7 +228,7 @@ def test_fingerprint_dtype_follows_the_pool_tensor_not_the_configuration() -> No
     assert fp16.compat_key() != bf16.compat_key()  # the registry never pairs them
     assert (fp16.num_layers, fp16.num_kv_heads, fp16.head_dim, fp16.tokens_per_block, fp16.kv_layout,
             fp16.tp_size, fp16.is_mla) == (LAYERS, HEADS * 2, DIM, TPB, "HND", 2, False)
-    assert fp16.hash_scheme == "trtllm/u64" and fp16.model_id == "m"
+    assert fp16.hash_scheme == "trtllm/u64" and fp16.model_id.startswith("m#o-")
     # The manager's declared dtype is HALF in both: a plain float type adds nothing to the tensor's.
     assert _pool_fingerprint(torch.bfloat16, dtype=DataType.BF16).dtype == "bfloat16"
 
@@ -289,7 +290,7 @@ def test_the_model_id_comes_from_configuration(monkeypatch: pytest.MonkeyPatch) 
     for var in ("REMOTE_G2_SOURCE", "REMOTE_G2_TARGET", "REMOTE_G2_REGISTRY", "REMOTE_G2_SOURCE_FINGERPRINT",
                 "REMOTE_G2_TARGET_FINGERPRINT"):
         monkeypatch.delenv(var, raising=False)
-    with pytest.raises(ConfigError, match=r"no model id .*model_id=.*REMOTE_G2_SOURCE_FINGERPRINT"):
+    with pytest.raises(ConfigError, match=r"no model identity .*checkpoint=.*model_id=.*REMOTE_G2_SOURCE_FINGERPRINT"):
         start_remote_g2(PyManager(CppManager()), worker_id="w", source_config=SourceConfig(enabled=True))
     # Nothing enabled: nothing to announce, so no model id is needed.
     hooks = start_remote_g2(PyManager(CppManager()), worker_id="w")
@@ -299,7 +300,60 @@ def test_the_model_id_comes_from_configuration(monkeypatch: pytest.MonkeyPatch) 
     configured = replace(_pool_fingerprint(), model_id="from-config", tp_size=8, hash_scheme="")
     fp = resolve_fingerprint(TrtllmSecondaryPool(PyManager(CppManager())), tp_size=2,
                              configured=[("REMOTE_G2_TARGET_FINGERPRINT", configured)])
-    assert (fp.model_id, fp.tp_size, fp.hash_scheme) == ("from-config", 2, "trtllm/u64")
+    assert fp.model_id.startswith("from-config#o-") and (fp.tp_size, fp.hash_scheme) == (2, "trtllm/u64")
+
+
+def _checkpoint(d: Path, weights: bytes = b"\x01" * 4096) -> Path:
+    """A TensorRT-LLM checkpoint directory: the build options and one rank's weights."""
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"dtype": "float16", "rotary_base": 10000.0}))
+    (d / "rank0.safetensors").write_bytes(weights)
+    return d
+
+
+def test_the_model_identity_is_the_digest_of_the_checkpoint_the_engine_loaded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REMOTE_G2_DIGEST_CACHE_DIR", str(tmp_path / "digests"))
+    pool = TrtllmSecondaryPool(PyManager(CppManager()))
+    v1 = resolve_fingerprint(pool, tp_size=2, checkpoint=_checkpoint(tmp_path / "models" / "llama"))
+    assert v1.model_id.startswith(str(tmp_path / "models" / "llama") + "#w-")
+    copy = resolve_fingerprint(pool, tp_size=2, checkpoint=_checkpoint(tmp_path / "mnt" / "llama"))
+    assert copy.model_identity == v1.model_identity and copy.compat_key() == v1.compat_key()
+    one_byte = bytearray(b"\x01" * 4096)
+    one_byte[2049] = 2  # one weight element
+    v2 = resolve_fingerprint(pool, tp_size=2, checkpoint=_checkpoint(tmp_path / "v2", bytes(one_byte)))
+    assert v2.model_identity != v1.model_identity
+    rope = _checkpoint(tmp_path / "rope")
+    (rope / "config.json").write_text(json.dumps({"dtype": "float16", "rotary_base": 500000.0}))
+    assert resolve_fingerprint(pool, tp_size=2, checkpoint=rope).model_identity != v1.model_identity
+    engines = tmp_path / "engines"  # a built engine directory: its engines and build config
+    engines.mkdir()
+    (engines / "config.json").write_text("{}")
+    (engines / "rank0.engine").write_bytes(b"plan-a")
+    e1 = resolve_fingerprint(pool, tp_size=2, checkpoint=engines).model_identity
+    (engines / "rank0.engine").write_bytes(b"plan-b")
+    assert resolve_fingerprint(pool, tp_size=2, checkpoint=engines).model_identity != e1
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no checkpoint files"):
+        resolve_fingerprint(pool, tp_size=2, checkpoint=tmp_path / "empty")
+    # The operator's model_id overrides the digest; a configured fingerprint must name the same model.
+    named = resolve_fingerprint(pool, tp_size=2, model_id="llama@r2", checkpoint=tmp_path / "v2")
+    assert named.model_id.startswith("llama@r2#o-")
+    with pytest.raises(ConfigError, match="names model 'llama@r1'"):
+        resolve_fingerprint(pool, tp_size=2, checkpoint=tmp_path / "v2",
+                            configured=[("source_config.fingerprint", replace(v2, model_id="llama@r1"))])
+    assert resolve_fingerprint(pool, tp_size=2, checkpoint=tmp_path / "v2",
+                               configured=[("x", replace(v2, model_id="other-label#" + v2.model_identity))]) == v2
+    # start_remote_g2 takes the checkpoint from the environment as well
+    for var in ("REMOTE_G2_SOURCE", "REMOTE_G2_TARGET", "REMOTE_G2_REGISTRY", "REMOTE_G2_SOURCE_FINGERPRINT",
+                "REMOTE_G2_TARGET_FINGERPRINT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("REMOTE_G2_MODEL_CHECKPOINT", str(tmp_path / "models" / "llama"))
+    hooks = start_remote_g2(PyManager(CppManager()), worker_id="trt-ckpt", source_config=SourceConfig(enabled=True))
+    try:
+        assert hooks.source.config.fingerprint.model_identity == v1.model_identity
+    finally:
+        hooks.shutdown()
 
 
 def test_real_source_service_resolves_and_releases_through_the_adapter() -> None:
@@ -309,8 +363,9 @@ def test_real_source_service_resolves_and_releases_through_the_adapter() -> None
                             source_config=SourceConfig(enabled=True))
     try:
         assert hooks.source is not None and hooks.target is None and (hooks.tp_rank, hooks.tp_size) == (0, 1)
+        assert hooks.source.config.fingerprint.model_id.startswith("standin-model#o-")
         assert hooks.source.config.fingerprint == LayoutFingerprint(
-            model_id="standin-model", dtype="float16", tokens_per_block=TPB, kv_layout="HND", num_layers=LAYERS,
+            model_id=hooks.source.config.fingerprint.model_id, dtype="float16", tokens_per_block=TPB, kv_layout="HND", num_layers=LAYERS,
             num_kv_heads=HEADS, head_dim=DIM, tp_size=1, is_mla=False, hash_scheme="trtllm/u64")
         with RpcClient(hooks.source.endpoint, timeout_ms=5000) as client:
             reply = client.call(Resolve(hashes[:4], 10_000, "tester", []))

@@ -4,33 +4,45 @@
 
     from remote_g2.adapters.trtllm import start_remote_g2
     hooks = start_remote_g2(kv_cache_manager, worker_id="node7-engine0", executor=self,  # in PyExecutor.__init__
-                            model_id="llama-3.1-8b-instruct@<revision>")
+                            checkpoint="/models/llama-3.1-8b-instruct")  # the engine or checkpoint it loaded
     ...
     hooks.pool.notify("stored", u64_hashes)   # from the executor's KV-cache events for the secondary pool
     hooks.shutdown()                          # in PyExecutor.shutdown
 
 The layout fingerprint both hooks use is resolved here, from the pool
 (:func:`resolve_fingerprint`): a configured one is checked against it, never
-trusted in its place.
+trusted in its place. Its model part is the digest of the files the engine
+loaded (``checkpoint=``, or ``$REMOTE_G2_MODEL_CHECKPOINT``: a TensorRT
+engine directory, a TensorRT-LLM checkpoint or a Hugging Face directory;
+:mod:`remote_g2.model_identity`), or an operator's ``model_id`` that must
+change whenever the weights do.
 
 Not run against TensorRT-LLM (no GPU here); see :mod:`.pool`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 from remote_g2.config import env_flag
 from remote_g2.errors import ConfigError
 from remote_g2.messages import BlockLayout, LayoutFingerprint
+from remote_g2.model_identity import checkpoint_files, model_id_for, override_model_id, weights_digest
 
 from .pool import TrtllmSecondaryPool, tp_from_executor
 
-__all__ = ["RemoteG2Hooks", "resolve_fingerprint", "start_remote_g2"]
+__all__ = ["CHECKPOINT_ENV", "RemoteG2Hooks", "checkpoint_model_id", "resolve_fingerprint", "start_remote_g2"]
 
+log = logging.getLogger("remote_g2.trtllm")
+# Besides the weights: the build options (dtype, quantisation, RoPE) and the engines that were built from them.
+_ALSO = ("config.json", "*.engine")
+
+CHECKPOINT_ENV = "REMOTE_G2_MODEL_CHECKPOINT"
 _SOURCE_FP_ENV = "REMOTE_G2_SOURCE_FINGERPRINT"
 _TARGET_FP_ENV = "REMOTE_G2_TARGET_FINGERPRINT"
 
@@ -53,7 +65,8 @@ class RemoteG2Hooks:
 
 
 def start_remote_g2(kv_cache_manager: Any, *, worker_id: str, executor: Any = None, comm: Any = None,
-                    layout: BlockLayout | None = None, model_id: str | None = None, source_config: Any = None,
+                    layout: BlockLayout | None = None, model_id: str | None = None,
+                    checkpoint: str | os.PathLike[str] | None = None, source_config: Any = None,
                     target_config: Any = None) -> RemoteG2Hooks:
     """Wrap the manager's secondary pool and start the source service and target client when enabled.
 
@@ -63,9 +76,11 @@ def start_remote_g2(kv_cache_manager: Any, *, worker_id: str, executor: Any = No
     the TP group (every rank calls it).
 
     When either hook is enabled, both get the fingerprint
-    :func:`resolve_fingerprint` builds from the pool; ``model_id`` names the
-    model, else the configured fingerprint's does. Raises ``ConfigError``
-    before starting anything when there is no model id, or when a configured
+    :func:`resolve_fingerprint` builds from the pool and the model's
+    identity: the digest of ``checkpoint`` (else ``$REMOTE_G2_MODEL_CHECKPOINT``),
+    the files this engine loaded; or ``model_id``, an operator's name for the
+    weights, else the configured fingerprint's. Raises ``ConfigError`` before
+    starting anything when there is no model identity, or when a configured
     fingerprint disagrees with the pool.
     """
     from remote_g2.source import SourceConfig, maybe_start_source_service
@@ -78,6 +93,7 @@ def start_remote_g2(kv_cache_manager: Any, *, worker_id: str, executor: Any = No
     if not (_enabled(source_config, SOURCE_ENABLE_ENV) or _enabled(target_config, TARGET_ENABLE_ENV)):
         return RemoteG2Hooks(pool, None, None, tp_rank, tp_size)
     fp = resolve_fingerprint(pool, tp_size=tp_size, model_id=model_id,
+                             checkpoint=checkpoint or os.environ.get(CHECKPOINT_ENV, "").strip() or None,
                              configured=_configured_fingerprints(source_config, target_config))
     if source_config is None:
         source_config = SourceConfig.from_env(fingerprint=fp)
@@ -97,30 +113,61 @@ def start_remote_g2(kv_cache_manager: Any, *, worker_id: str, executor: Any = No
     return RemoteG2Hooks(pool, source, target, tp_rank, tp_size)
 
 
-def resolve_fingerprint(pool: TrtllmSecondaryPool, *, tp_size: int, model_id: str | None = None,
-                        configured: Sequence[tuple[str, LayoutFingerprint]] = ()) -> LayoutFingerprint:
-    """This worker's fingerprint: what the bytes are from the pool, the model id from configuration.
+def checkpoint_model_id(checkpoint: str | os.PathLike[str]) -> str:
+    """``PATH#w-…``: the identity of the TensorRT-LLM model at ``checkpoint``, from every byte it loads.
 
-    ``configured`` lists the fingerprints the configuration names, each with
-    where it was named (for errors). The model id is ``model_id``, else the
-    first configured fingerprint's; every configured one must name the same
-    model, and the same dtype, layout and hash space as the pool
-    (``tp_size`` excepted: the TP group's is announced). A configured
-    fingerprint without ``hash_scheme`` takes the pool's. Anything else is a
-    ``ConfigError`` naming both sides: a worker announcing bytes it does not
-    hold would hand targets KV that is not theirs.
+    A directory's weight files (safetensors, else ``.bin``, else ``.pt``) with
+    its ``config.json`` (a TensorRT-LLM checkpoint's or engine's build options:
+    dtype, quantisation, RoPE) and every ``*.engine``; or the one file given.
+    A directory of engines alone is its engines and config.
     """
-    if not model_id:
-        if not configured:
-            raise ConfigError("no model id for the layout fingerprint: pass start_remote_g2(..., model_id=...), "
-                              f"or a fingerprint in the source/target config or {_SOURCE_FP_ENV} / {_TARGET_FP_ENV}")
-        model_where, model_id = configured[0][0], configured[0][1].model_id
+    path = Path(checkpoint)
+    try:
+        files = checkpoint_files(path, also=_ALSO)
+    except ConfigError:
+        files = sorted({f for pattern in _ALSO for f in path.glob(pattern) if f.is_file()}) if path.is_dir() else []
+        if not any(f.suffix == ".engine" for f in files):
+            raise
+    digest = weights_digest(files, path if path.is_dir() else path.parent)
+    log.info("model identity of %s: %s", path, digest.summary())
+    return model_id_for(str(path), digest.digest, {"engine": "tensorrt_llm"})
+
+
+def resolve_fingerprint(pool: TrtllmSecondaryPool, *, tp_size: int, model_id: str | None = None,
+                        checkpoint: str | os.PathLike[str] | None = None,
+                        configured: Sequence[tuple[str, LayoutFingerprint]] = ()) -> LayoutFingerprint:
+    """This worker's fingerprint: what the bytes are from the pool, the model's identity from what it loaded.
+
+    The model part is ``model_id`` (an operator's name for the weights:
+    ``NAME#o-…``), else the digest of ``checkpoint`` (:func:`checkpoint_model_id`),
+    else the first configured fingerprint's ``model_id`` (a name, taken as
+    ``model_id`` would be; a full ``LABEL#IDENTITY`` as it is).
+    ``configured`` lists the fingerprints the configuration names, each with
+    where it was named (for errors). Every configured one must name the same
+    model (by that name or identity), and the same dtype, layout and hash
+    space as the pool (``tp_size`` excepted: the TP group's is announced). A
+    configured fingerprint without ``hash_scheme`` takes the pool's. Anything
+    else is a ``ConfigError`` naming both sides: a worker announcing bytes it
+    does not hold would hand targets KV that is not theirs.
+    """
+    if model_id:
+        model_where, name = "model_id=", model_id
+    elif checkpoint:
+        model_where, name = "checkpoint=", None
+    elif configured:
+        model_where, name = configured[0][0], configured[0][1].model_id
     else:
-        model_where = "model_id="
-    own = pool.fingerprint(model_id=model_id, tp_size=tp_size)
+        raise ConfigError("no model identity for the layout fingerprint: pass start_remote_g2(..., checkpoint=...) "
+                          f"(or {CHECKPOINT_ENV}), model_id=..., or a fingerprint in the source/target config or "
+                          f"{_SOURCE_FP_ENV} / {_TARGET_FP_ENV}")
+    if name is None:
+        resolved = checkpoint_model_id(checkpoint)  # type: ignore[arg-type]
+    else:
+        resolved = name if "#" in name else override_model_id(name, {"engine": "tensorrt_llm"})
+    own = pool.fingerprint(model_id=resolved, tp_size=tp_size)
     for where, fp in configured:
-        if fp.model_id != model_id:
-            raise ConfigError(f"{where} names model {fp.model_id!r}, {model_where} names {model_id!r}")
+        if fp.model_id not in (name, resolved) and fp.model_identity != own.model_identity:
+            raise ConfigError(f"{where} names model {fp.model_id!r}, {model_where} names {name or resolved!r}")
         differ = [f.name for f in fields(LayoutFingerprint)
                   if f.name not in ("model_id", "tp_size") and _named(fp, f.name) != _named(own, f.name)
                   and not (f.name == "hash_scheme" and not fp.hash_scheme)]
