@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from remote_g2.model_identity import checkpoint_files, weights_digest
 from remote_g2.registry import RegistryClient
 
 __all__ = ["HERE", "INSTANCE", "BLOCK", "IN_PROCESS", "Instance", "make_model", "prompts", "write_prompts",
@@ -181,15 +182,17 @@ _PLAIN: dict[tuple, list[dict]] = {}
 
 
 def plain_outputs(tmp: Path, model: Path, prompts: Path, *args: str, tp: int = 1) -> list[dict]:
-    """Plain vLLM's outputs (no connector) for ``prompts`` at TP ``tp``: run once per session for the same model,
-    prompts, arguments and TP size. A run is deterministic (greedy, seed 0, one process group of its own), and
-    each vLLM start costs most of a minute on a 2-core box.
+    """Plain vLLM's outputs (no connector) for ``prompts`` at TP ``tp``: run once per session for the same model
+    (path and weights), prompts, arguments and TP size. A run is deterministic (greedy, seed 0, one process group
+    of its own), and each vLLM start costs most of a minute on a 2-core box.
 
     The engine core runs in the instance's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; TP workers are
     still processes of their own): the same tokens, without a second import of vLLM and the engine core's
     shutdown wait. Instances with the connector keep vLLM's default process layout, the one deployments run.
     """
-    key = (str(model), hashlib.sha256(prompts.read_bytes()).hexdigest(), args, tp)
+    # Keyed by the weights' bytes, not only the path: a test may load other weights under one path.
+    weights = weights_digest(checkpoint_files(model), model, cache=None).digest
+    key = (str(model), weights, hashlib.sha256(prompts.read_bytes()).hexdigest(), args, tp)
     if key not in _PLAIN:
         name = "c-" + hashlib.sha256(repr(key).encode()).hexdigest()[:8]  # one per key: two in one test differ
         _PLAIN[key] = Instance(tmp, name, model, prompts, None, *args, tp=tp, env=IN_PROCESS).run()

@@ -435,7 +435,8 @@ class RemoteG2Connector(KVConnectorBase_V1):
         comm = _tp_comm(self._tp_size)
         # Every rank digested the same files; should one have failed, none shares (a rank left out of the
         # source's start-up exchange would hang the others).
-        ids = comm.allgather(self._model_identity().model_id) if comm is not None else [self._identity.model_id]
+        mine = self._model_identity().model_id
+        ids = comm.allgather(mine) if comm is not None else [mine]
         if None in ids or len(set(ids)) != 1:
             log.info("remote-g2 worker %s: not sharing KV blocks (model identity on the TP ranks: %s)", s.worker_id,
                      ids)

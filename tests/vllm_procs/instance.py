@@ -1,7 +1,7 @@
 """One vLLM instance for the connector tests: generate greedily for the prompts, write the outputs, then wait.
 
 ``python tests/vllm_procs/instance.py --model DIR --prompts P.json --out O.json [--registry E --worker-id W]
-[--hold-file F] [--dtype D] [--lora DIR] [--hf-overrides JSON] [--batch] [--abort-first MARKER]
+[--hold-file F] [--dtype D] [--lora DIR] [--hf-overrides JSON] [--load-format F] [--batch] [--abort-first MARKER]
 [--transfer T] [--load async|sync] [--registry-mirror] [--tp N] [--dump-g2 PREFIX]``.
 
 With ``--registry`` the RemoteG2Connector is enabled (source and target);
@@ -55,6 +55,7 @@ def main() -> None:
     p.add_argument("--registry-mirror", action="store_true", help="the connector's registry_mirror setting")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--hf-overrides", help="JSON object: vLLM's hf_overrides (e.g. another RoPE base)")
+    p.add_argument("--load-format", help="vLLM's load_format (e.g. dummy: generated weights)")
     p.add_argument("--dump-g2")
     p.add_argument("--hold-file")
     p.add_argument("--hold-s", type=float, default=300)
@@ -78,6 +79,8 @@ def main() -> None:
     engine_kw = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1} if a.lora else {}
     if a.hf_overrides:
         engine_kw["hf_overrides"] = json.loads(a.hf_overrides)
+    if a.load_format:
+        engine_kw["load_format"] = a.load_format
     llm = LLM(model=a.model, tokenizer=a.model, dtype=a.dtype, block_size=32, enforce_eager=True,
               max_model_len=1024, max_num_seqs=8, kv_transfer_config=kv, seed=0, tensor_parallel_size=a.tp,
               **engine_kw)
