@@ -75,6 +75,7 @@ bench: venv redis
 	$(VPY) bench/bench_transfer.py --json bench/results/transfer.json
 	$(VPY) bench/bench_gather.py --json bench/results/gather.json
 	$(VPY) bench/bench_e2e.py --json bench/results/e2e.json
+	$(VPY) bench/bench_weight_digest.py --json bench/results/weight_digest.json
 
 # What the transport under a resolve costs, and what a woken process pays per hop (bench/diagnostics/).
 bench-diagnostics: venv
@@ -82,13 +83,15 @@ bench-diagnostics: venv
 	$(VPY) bench/diagnostics/bench_resolve_floor.py --json bench/results/resolve_floor.json
 	$(VPY) bench/diagnostics/bench_wake_cost.py --json bench/results/wake_cost.json
 
-# What the vLLM connector adds to vLLM (lookup per request, G2 save per step) against plain vLLM, and time to
-# first token at TP 2 -> 2 and 1 -> 2 with a remote hit vs a local hit vs recompute (matplotlib for --plot).
+# What the vLLM connector adds to vLLM (lookup per request, G2 save per step) against plain vLLM, time to
+# first token at TP 2 -> 2 and 1 -> 2 with a remote hit vs a local hit vs recompute (matplotlib for --plot),
+# and what the model identity adds to a vLLM start (first start, restart with the digest cache).
 bench-vllm: venv-vllm redis
 	@mkdir -p bench/results
 	$(VLLM_PY) -m pip install -q matplotlib
 	$(VLLM_PY) bench/bench_vllm_overhead.py --json bench/results/vllm_overhead.json
 	$(VLLM_PY) bench/bench_vllm_tp_ttft.py --json bench/results/vllm_tp_ttft.json --plot bench/results/vllm_tp_ttft.png
+	$(VLLM_PY) bench/bench_vllm_identity_startup.py --json bench/results/vllm_identity_startup.json
 
 # The systems remote-g2 is compared with (bench/bench_peers.py) and matplotlib for --plot.
 # Mooncake's wheel needs libibverbs even for TCP; Debian's package, installed when root.
