@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -36,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_bench_common import vllm_version
+from vllm_bench_common import vllm_version, write_result
 
 HERE = Path(__file__).resolve().parent
 BLOCK = 32
@@ -174,16 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{m:10s} {med[m]:9.2f} {rounds:>28s} {statistics.median(read_gb[m]):18.2f} "
               f"{statistics.median(worker_s[m]):16.2f}")
     if a.json:
-        result = {"benchmark": "vllm_identity_startup", "gb": size / 1e9, "layers": layers, "rounds": a.rounds,
-                  "vllm": vllm_version(), "cpus": os.cpu_count(), "host": platform.node(),
-                  "date": time.strftime("%Y-%m-%d"),
-                  "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                           cwd=HERE).stdout.strip(),
-                  "median_start_s": med, "added_vs_plain_s": added, "worker_digest_s": worker_s,
-                  "identity_gb_read": read_gb, "raw": runs}
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=1))
-        print(f"wrote {a.json}")
+        write_result(a.json, "vllm_identity_startup", gb=size / 1e9, layers=layers, rounds=a.rounds,
+                     median_start_s=med, added_vs_plain_s=added, worker_digest_s=worker_s, identity_gb_read=read_gb,
+                     raw=runs)
     return 0
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -37,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_bench_common import pct, vllm_version
+from vllm_bench_common import pct, vllm_version, write_result
 
 HERE = Path(__file__).resolve().parent
 BLOCK = 32
@@ -170,15 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"connector / plain: {ratio50:.3f} at p50, {ratio99:.3f} at p99; of a plain request's p50 the lookup is "
           f"{100 * lookup_share:.2f} %, the save {100 * save_share:.2f} %")
     if a.json:
-        result = {"benchmark": "vllm_overhead", "tokens": a.tokens, "requests": a.requests, "rounds": a.rounds,
-                  "vllm": vllm_version(), "cpus": os.cpu_count(), "host": platform.node(),
-                  "date": time.strftime("%Y-%m-%d"),
-                  "summary": {name: {"n": len(xs), "p50_ms": pct(xs, 50), "p99_ms": pct(xs, 99),
+        write_result(a.json, "vllm_overhead", tokens=a.tokens, requests=a.requests, rounds=a.rounds,
+                     summary={name: {"n": len(xs), "p50_ms": pct(xs, 50), "p99_ms": pct(xs, 99),
                                      "mean_ms": statistics.fmean(xs) if xs else None} for name, xs in rows},
-                  "ratio_p50": ratio50, "ratio_p99": ratio99, "raw": runs}
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=1))
-        print(f"wrote {a.json}")
+                     ratio_p50=ratio50, ratio_p99=ratio99, raw=runs)
     return 0
 
 

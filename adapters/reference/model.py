@@ -110,7 +110,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
