@@ -248,17 +248,20 @@ def digest_file(path: str | os.PathLike[str], cache: DigestCache | None = None, 
     try:
         version = FileVersion.of(real, os.fstat(fd))
         if cache is not None:
-            hit = cache.get(version, algorithm)
-            if hit is not None:
-                return FileDigest(real, version.size, algorithm, hit, True, time.perf_counter() - t0)
-            with cache.lock(real):
-                hit = cache.get(version, algorithm)  # another process may have read it while we waited
+            try:
+                hit = cache.get(version, algorithm)
                 if hit is not None:
                     return FileDigest(real, version.size, algorithm, hit, True, time.perf_counter() - t0)
-                digest, version = _stable_digest(fd, real, version, algorithm)
-                cache.put(version, algorithm, digest)
-        else:
-            digest, version = _stable_digest(fd, real, version, algorithm)
+                with cache.lock(real):
+                    hit = cache.get(version, algorithm)  # another process may have read it while we waited
+                    if hit is not None:
+                        return FileDigest(real, version.size, algorithm, hit, True, time.perf_counter() - t0)
+                    digest, version = _stable_digest(fd, real, version, algorithm)
+                    cache.put(version, algorithm, digest)
+                return FileDigest(real, version.size, algorithm, digest, False, time.perf_counter() - t0)
+            except OSError as e:  # a full or read-only cache volume costs the cache, never the digest
+                log.warning("digest cache %s failed (%s): digesting %s without it", cache.directory, e, real)
+        digest, version = _stable_digest(fd, real, version, algorithm)
     finally:
         os.close(fd)
     return FileDigest(real, version.size, algorithm, digest, False, time.perf_counter() - t0)

@@ -245,3 +245,31 @@ def test_a_file_that_keeps_changing_has_no_digest(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(fd, "_read_digest", write_while_reading)
     with pytest.raises(ConfigError, match="kept changing while it was read"):
         fd.digest_file(f)
+
+
+def test_a_cache_that_cannot_be_written_costs_the_cache_not_the_digest(tmp_path: Path) -> None:
+    cache = fd.DigestCache(tmp_path / "c", racy_window_s=0)
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"z" * 5000)
+    _age(f)
+    want = fd.digest_file(f).digest
+    # The entry's lock path taken by a directory: opening it fails (EISDIR) for any user, root included.
+    cache._entry_path(os.path.realpath(f)).with_suffix(".lock").mkdir()
+    got = fd.digest_file(f, cache)
+    assert got.digest == want and not got.cached
+    assert not list(cache.directory.glob("*.json"))
+
+
+def test_a_full_cache_volume_costs_the_cache_not_the_digest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stand-in for a full disk (no real volume fills on demand here): every write of the cache fails."""
+    cache = fd.DigestCache(tmp_path / "c", racy_window_s=0)
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"y" * 5000)
+    _age(f)
+
+    def full(*_: object, **__: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fd.DigestCache, "put", full)
+    got = fd.digest_file(f, cache)
+    assert got.digest == fd.digest_file(f).digest and not got.cached
