@@ -181,16 +181,16 @@ def model_identity(model_config: Any, load_config: Any, cache_config: Any, overr
                    digest_cache: Any = True) -> ModelIdentity:
     """This instance's model identity (:mod:`remote_g2.model_identity`): the loaded weights' digest and
     :func:`load_options`; with ``override`` (the ``model_id`` setting) the operator's name in place of the
-    digest. No identity — so no sharing — for generated weights (``load_format="dummy"``), a load format
-    whose files remote-g2 cannot find, or a checkpoint it cannot locate or read.
+    digest. No identity — so no sharing — for generated weights (``load_format="dummy"``, whatever the
+    override), a load format whose files remote-g2 cannot find, or a checkpoint it cannot locate or read.
     """
     options = load_options(model_config, load_config, cache_config)
     fmt = options["load_format"]
-    if override:
-        return ModelIdentity(override_model_id(override, options), where=f"model_id setting {override!r}")
-    if fmt in _GENERATED_FORMATS:
+    if fmt in _GENERATED_FORMATS:  # not even under an operator's name: each TP size generates other weights
         return ModelIdentity(None, f"the weights are generated, not loaded (load_format={fmt!r}): they have no "
                                    "identity another instance could match")
+    if override:
+        return ModelIdentity(override_model_id(override, options), where=f"model_id setting {override!r}")
     if fmt not in _FILE_FORMATS:
         return ModelIdentity(None, f"load_format={fmt!r} reads weights remote-g2 cannot digest; set the model_id "
                                    "setting to name them (and change it whenever they change)")
