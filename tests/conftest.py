@@ -11,6 +11,7 @@ test`` installs them, so CI runs everything).
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import socket
@@ -305,6 +306,19 @@ def lora_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from make_model import make_lora  # on the path once model_dir made the model
 
     return make_lora(model_dir, tmp_path_factory.mktemp("tiny-lora"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _digest_cache_in_the_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Weight digests (model identity) are cached in this session's temp dir, not the user's ``~/.cache``;
+    the engines and vLLM instances the tests start inherit it."""
+    before = os.environ.get("REMOTE_G2_DIGEST_CACHE_DIR")
+    os.environ["REMOTE_G2_DIGEST_CACHE_DIR"] = str(tmp_path_factory.mktemp("digest-cache"))
+    yield
+    if before is None:
+        os.environ.pop("REMOTE_G2_DIGEST_CACHE_DIR", None)
+    else:
+        os.environ["REMOTE_G2_DIGEST_CACHE_DIR"] = before
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:  # type: ignore[no-untyped-def]
