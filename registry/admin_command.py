@@ -22,6 +22,7 @@ from remote_g2.curve import CurveClientConfig
 from remote_g2.errors import ConfigError
 from remote_g2.hashing import hash_from_hex
 from remote_g2.messages import WorkerRecord
+from remote_g2.model_identity import model_label
 
 from .client import RegistryClient
 
@@ -77,12 +78,6 @@ def _print_workers(workers: list[WorkerRecord]) -> None:
     )
 
 
-def _label(model_id: str) -> str | None:
-    """The part of ``model_id`` before its last ``#`` (for people; matching ignores it); None without one."""
-    label, sep, _ = model_id.rpartition("#")
-    return label if sep and label else None
-
-
 _MAX_IDS = 4  # worker ids a models row names before "+N more"
 
 
@@ -95,9 +90,9 @@ def _models_doc(workers: list[WorkerRecord]) -> dict[str, Any]:
         ws = sorted(ws, key=lambda w: w.worker_id)
         models.append({
             "identity": identity,
-            "labels": sorted({lb for w in ws if (lb := _label(w.fingerprint.model_id)) is not None}),
+            "labels": sorted({lb for w in ws if (lb := model_label(w.fingerprint.model_id)) is not None}),
             "workers": [{"worker_id": w.worker_id, "live": w.live, "tp_size": w.tp_size, "blocks": w.blocks,
-                         "dtype": w.fingerprint.dtype, "label": _label(w.fingerprint.model_id),
+                         "dtype": w.fingerprint.dtype, "label": model_label(w.fingerprint.model_id),
                          "endpoint": w.endpoint} for w in ws],
             "live_workers": sum(1 for w in ws if w.live),
             "blocks": sum(w.blocks for w in ws if w.live),

@@ -37,6 +37,7 @@ worker of a fleet must use the same one, so it is not a setting.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -136,6 +137,11 @@ class DigestCache:
     def _check(fields: dict[str, Any]) -> str:
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
+    @staticmethod
+    def _key(version: FileVersion, algorithm: str) -> dict[str, Any]:
+        """What an entry must record to stand for ``version``'s digest by ``algorithm``."""
+        return {"format": _ENTRY_FORMAT, **dataclasses.asdict(version), "algorithm": algorithm}
+
     def get(self, version: FileVersion, algorithm: str) -> str | None:
         """The cached digest of exactly this file version, or None (no entry, another version, or unreadable)."""
         entry = self._entry_path(version.path)
@@ -146,9 +152,7 @@ class DigestCache:
         except (OSError, ValueError) as e:
             log.warning("digest cache entry %s is unreadable (%s): ignored", entry, e)
             return None
-        want = {"format": _ENTRY_FORMAT, "path": version.path, "dev": version.dev, "ino": version.ino,
-                "size": version.size, "mtime_ns": version.mtime_ns, "ctime_ns": version.ctime_ns,
-                "algorithm": algorithm}
+        want = self._key(version, algorithm)
         if not isinstance(raw, dict) or set(raw) != set(want) | {"digest", "check"}:
             log.warning("digest cache entry %s has unexpected fields: ignored", entry)
             return None
@@ -167,9 +171,7 @@ class DigestCache:
         if time.time() - newest_s < self.racy_window_s:
             log.debug("%s changed %.2f s ago: its digest is not cached", version.path, time.time() - newest_s)
             return False
-        fields = {"format": _ENTRY_FORMAT, "path": version.path, "dev": version.dev, "ino": version.ino,
-                  "size": version.size, "mtime_ns": version.mtime_ns, "ctime_ns": version.ctime_ns,
-                  "algorithm": algorithm, "digest": digest}
+        fields = {**self._key(version, algorithm), "digest": digest}
         entry = self._entry_path(version.path)
         tmp = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({**fields, "check": self._check(fields)}, sort_keys=True))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal, TypeVar
 
 from remote_g2.errors import UnknownMessage
+from remote_g2.model_identity import identity_of
 from remote_g2.schema import BlockHash, HashList, Limits, Packed, decoder_for, encoder_for
 
 T = TypeVar("T")
@@ -152,7 +153,7 @@ class LayoutFingerprint:
     def model_identity(self) -> str:
         """The part of ``model_id`` that matching compares: after its last ``#`` (the label before it is for
         people; :mod:`remote_g2.model_identity`), all of it when there is none."""
-        return self.model_id.rpartition("#")[2]
+        return identity_of(self.model_id)
 
     def compat_key(self) -> str:
         """A short stable digest of every field but ``tp_size`` (of ``model_id``, its :attr:`model_identity`)."""

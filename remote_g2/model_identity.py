@@ -41,7 +41,7 @@ from remote_g2.errors import ConfigError
 from remote_g2.file_digest import ALGORITHM, DigestCache, FileDigest, default_cache, digest_file
 
 __all__ = ["WEIGHT_GROUPS", "WeightsDigest", "checkpoint_files", "identity_of", "label_of", "model_id_for",
-           "override_model_id", "weights_digest"]
+           "model_label", "override_model_id", "weights_digest"]
 
 log = logging.getLogger("remote_g2.model_identity")
 
@@ -50,12 +50,13 @@ _ID_HEX = 32  # 128 bits
 
 #: Checkpoint forms, in the order engines prefer them: the first group with files in a directory is what loads
 #: (vLLM's default loader: safetensors, else ``.bin``, else ``.pt``). An index file goes with its group.
-#: A directory of GGUF files is digested whole only when asked for (``order=("gguf",)``).
+#: GGUF files and TensorRT engines count only where ``order`` names them.
 WEIGHT_GROUPS: dict[str, tuple[str, ...]] = {
     "safetensors": ("*.safetensors", "*.safetensors.index.json"),
     "bin": ("*.bin", "pytorch_model*.bin.index.json", "*.bin.index.json"),
     "pt": ("*.pt", "*.pth", "*.pt.index.json"),
     "gguf": ("*.gguf",),
+    "engine": ("*.engine",),  # built TensorRT engines
 }
 _DEFAULT_ORDER = ("safetensors", "bin", "pt")
 
@@ -166,3 +167,9 @@ def override_model_id(override: str, options: Mapping[str, Any]) -> str:
 def identity_of(model_id: str) -> str:
     """The part of a fingerprint's ``model_id`` that matching compares: after the last ``#`` (all of it without one)."""
     return model_id.rpartition("#")[2]
+
+
+def model_label(model_id: str) -> str | None:
+    """The part of a fingerprint's ``model_id`` before its last ``#``, for people; None when there is none."""
+    label, sep, _ = model_id.rpartition("#")
+    return label if sep and label else None

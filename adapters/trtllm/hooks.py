@@ -39,7 +39,9 @@ from .pool import TrtllmSecondaryPool, tp_from_executor
 __all__ = ["CHECKPOINT_ENV", "RemoteG2Hooks", "checkpoint_model_id", "resolve_fingerprint", "start_remote_g2"]
 
 log = logging.getLogger("remote_g2.trtllm")
-# Besides the weights: the build options (dtype, quantisation, RoPE) and the engines that were built from them.
+# The weights, else (an engine directory) the engines alone; with either, the build options (dtype, quantisation,
+# RoPE) and every engine built from them.
+_ORDER = ("safetensors", "bin", "pt", "engine")
 _ALSO = ("config.json", "*.engine")
 
 CHECKPOINT_ENV = "REMOTE_G2_MODEL_CHECKPOINT"
@@ -122,12 +124,7 @@ def checkpoint_model_id(checkpoint: str | os.PathLike[str]) -> str:
     A directory of engines alone is its engines and config.
     """
     path = Path(checkpoint)
-    try:
-        files = checkpoint_files(path, also=_ALSO)
-    except ConfigError:
-        files = sorted({f for pattern in _ALSO for f in path.glob(pattern) if f.is_file()}) if path.is_dir() else []
-        if not any(f.suffix == ".engine" for f in files):
-            raise
+    files = checkpoint_files(path, order=_ORDER, also=_ALSO)
     digest = weights_digest(files, path if path.is_dir() else path.parent)
     log.info("model identity of %s: %s", path, digest.summary())
     return model_id_for(str(path), digest.digest, {"engine": "tensorrt_llm"})
