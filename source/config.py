@@ -21,8 +21,11 @@ variable                                field                                   
 ``REMOTE_G2_SOURCE_PEER_RESOLVE``       ``peer_resolve`` (ranks > 0 answer their own)  on
 ``REMOTE_G2_SOURCE_PEER_TRANSPORT``     ``peer_transport`` (``stream`` or ``zmq``)   ``stream``
 ``REMOTE_G2_SOURCE_METRICS_PORT``       ``metrics_port`` (rank r serves port + r)    off
-``REMOTE_G2_SOURCE_PROGRESS_MS``        ``progress_interval_ms`` (leases open)       see below
-``REMOTE_G2_SOURCE_IDLE_PROGRESS_MS``   ``idle_progress_interval_ms`` (none open)    20
+``REMOTE_G2_SOURCE_PROGRESS``           ``progress`` (``event`` or ``poll``)         ``event``
+``REMOTE_G2_SOURCE_EVENT_TIMEOUT_MS``   ``event_timeout_ms`` (event mode)            100
+``REMOTE_G2_SOURCE_PROGRESS_MS``        ``progress_interval_ms`` (poll mode)         0.2
+``REMOTE_G2_SOURCE_ONE_SIDED_PROGRESS_MS`` ``one_sided_progress_interval_ms``        5
+``REMOTE_G2_SOURCE_IDLE_PROGRESS_MS``   ``idle_progress_interval_ms`` (poll mode)    1000
 ``REMOTE_G2_SOURCE_STAGING_MIB``        ``staging_mib`` (0: never gather)             64
 ``REMOTE_G2_SOURCE_GATHER_MIN_DESCRIPTORS`` ``gather_min_descriptors``               16
 ``REMOTE_G2_SOURCE_GATHER_MAX_PIECE_KIB``  ``gather_max_piece_kib``                  8
@@ -44,6 +47,7 @@ from remote_g2.config import env_fingerprint, env_flag, env_float, env_int, env_
 from remote_g2.curve import CurveClientConfig, CurveServerConfig
 from remote_g2.errors import ConfigError
 from remote_g2.messages import LayoutFingerprint
+from .progress_pace import MODES, ProgressPace
 
 __all__ = ["SourceConfig", "ENABLE_ENV"]
 
@@ -103,13 +107,18 @@ class SourceConfig:
       lane is never used (it is plaintext): ``zmq`` whatever this says.
     * ``metrics_port`` — serve Prometheus ``/metrics`` on ``metrics_addr``,
       port ``metrics_port + tp_rank``; None: not served over HTTP.
-    * ``progress_interval_ms`` / ``idle_progress_interval_ms`` — how often each
-      rank drives its NIXL agent (NIXL's progress thread is off) while leases
-      are open / while none are; a lease opening wakes it at once. A
-      reader's connection needs the source's progress, and over UCX TCP so
-      does every READ: the busy pace bounds how long a READ waits for it
-      (docs/benchmarks.md, "Across hosts over UCX TCP", has what it buys
-      and costs).
+    * ``progress`` — how each rank's NIXL agent gets the progress readers
+      need (:mod:`source.progress_pace`): ``event``, NIXL's thread woken by
+      the UCX worker's event descriptor (asleep at most
+      ``event_timeout_ms``), or ``poll``, our thread at a pace. ``event``
+      falls back to ``poll`` where NIXL cannot run its thread.
+    * ``progress_interval_ms`` / ``one_sided_progress_interval_ms`` /
+      ``idle_progress_interval_ms`` — poll mode's paces: while leases are
+      open and READs may be emulated (``UCX_TLS`` allows TCP, UD or the
+      shared-memory mailboxes, or is unset), while leases are open and every
+      allowed transport is one-sided (only wire-ups need us), and while no
+      lease is open; a lease opening wakes the thread at once
+      (docs/benchmarks.md, "Source progress", has what each costs).
     * ``reap_interval_ms`` — the lease reaper's longest sleep.
     * ``staging_mib`` — each rank's staging region (registered with its
       agent, touched at start-up): where a resolve that asks for it packs a
@@ -147,8 +156,11 @@ class SourceConfig:
     peer_transport: str = "stream"
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
+    progress: str = "event"
+    event_timeout_ms: float = 100.0
     progress_interval_ms: float = 0.2
-    idle_progress_interval_ms: float = 20.0
+    one_sided_progress_interval_ms: float = 5.0
+    idle_progress_interval_ms: float = 1000.0
     reap_interval_ms: float = 50.0
     staging_mib: int = 64
     gather_min_descriptors: int = 16
@@ -164,8 +176,8 @@ class SourceConfig:
                      "rpc_workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"SourceConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("progress_interval_ms", "idle_progress_interval_ms", "reap_interval_ms",
-                     "registry_timeout_s"):
+        for name in ("progress_interval_ms", "one_sided_progress_interval_ms", "idle_progress_interval_ms",
+                     "event_timeout_ms", "reap_interval_ms", "registry_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"SourceConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.staging_mib < 0 or min(self.gather_min_descriptors, self.gather_max_piece_kib,
@@ -180,6 +192,8 @@ class SourceConfig:
             raise ConfigError(f"min_lease_ttl_ms {self.min_lease_ttl_ms} > max_lease_ttl_ms {self.max_lease_ttl_ms}")
         if self.default_lease_ttl_ms > self.max_lease_ttl_ms:  # lowering the maximum lowers the default
             object.__setattr__(self, "default_lease_ttl_ms", self.max_lease_ttl_ms)
+        if self.progress not in MODES:
+            raise ConfigError(f"SourceConfig.progress must be one of {MODES}, got {self.progress!r}")
         if self.peer_transport not in ("stream", "zmq"):
             raise ConfigError(f"SourceConfig.peer_transport must be 'stream' or 'zmq', got {self.peer_transport!r}")
         if self.bind is not None and not self.bind.startswith("tcp://"):
@@ -195,6 +209,13 @@ class SourceConfig:
     def stream_lane(self) -> bool:
         """Whether the peer endpoints are stream lanes (asked for, and no CURVE to keep)."""
         return self.peer_resolve and self.peer_transport == "stream" and self.curve is None
+
+    def progress_pace(self, ucx_tls: str | None = None) -> ProgressPace:
+        """The progress settings for a rank's agent created under ``ucx_tls`` (default: this process's ``UCX_TLS``)."""
+        return ProgressPace(mode=self.progress, emulated_s=self.progress_interval_ms / 1000,
+                            one_sided_s=self.one_sided_progress_interval_ms / 1000,
+                            idle_s=self.idle_progress_interval_ms / 1000, event_timeout_s=self.event_timeout_ms / 1000,
+                            ucx_tls=ucx_tls if ucx_tls is not None else os.environ.get("UCX_TLS"))
 
     def lease_ttl_ms(self, asked_ms: int) -> int:
         """The TTL a lease gets: the asked one, clamped to ``[min_lease_ttl_ms, max_lease_ttl_ms]``."""
@@ -230,12 +251,16 @@ class SourceConfig:
             if (number := env_int(var, e)) is not None:
                 kw[name] = number
         for var, name in (("REMOTE_G2_SOURCE_PROGRESS_MS", "progress_interval_ms"),
-                          ("REMOTE_G2_SOURCE_IDLE_PROGRESS_MS", "idle_progress_interval_ms")):
+                          ("REMOTE_G2_SOURCE_ONE_SIDED_PROGRESS_MS", "one_sided_progress_interval_ms"),
+                          ("REMOTE_G2_SOURCE_IDLE_PROGRESS_MS", "idle_progress_interval_ms"),
+                          ("REMOTE_G2_SOURCE_EVENT_TIMEOUT_MS", "event_timeout_ms")):
             if env_str(var, e) is not None:
                 kw[name] = env_float(var, 1.0, e)
         for var, name in ((ENABLE_ENV, "enabled"), ("REMOTE_G2_SOURCE_PEER_RESOLVE", "peer_resolve")):
             if (flag := env_flag(var, e, default=None)) is not None:
                 kw[name] = flag
+        if e.get("REMOTE_G2_SOURCE_PROGRESS", "").strip():
+            kw["progress"] = e["REMOTE_G2_SOURCE_PROGRESS"].strip().lower()
         if e.get("REMOTE_G2_SOURCE_PEER_TRANSPORT", "").strip():
             kw["peer_transport"] = e["REMOTE_G2_SOURCE_PEER_TRANSPORT"].strip().lower()
         if (fingerprint := env_fingerprint("REMOTE_G2_SOURCE_FINGERPRINT", e)) is not None:

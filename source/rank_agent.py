@@ -1,27 +1,27 @@
 """This rank's NIXL agent: the pool registered for remote READs, and the progress it needs.
 
-The agent runs with neither NIXL's listen thread (metadata travels in the
-RPCs) nor its progress thread (with no delay configured it spins a core;
-docs/benchmarks.md, "One-off measurements"). But a reader's READs need the
-source side's progress: always for the UCX wire-up (without it the reader's
-transfer stays ``PROC`` and the connection is dropped), and for *every* READ
-where the transport emulates it in software — UCX over TCP, the usual
-fabric between cloud VMs — while over shared memory (``cma``) or RDMA a
-connected reader's READs complete without us. So a small thread here drives
-the agent by polling ``get_new_notifs()``: every ``busy_interval_s`` while
-leases are open (a reader is connecting or reading), every
-``idle_interval_s`` otherwise, and at once when :meth:`wake` says a lease
-opened — a READ posted right after its resolve then never waits out an idle
-sleep.
+The agent runs without NIXL's listen thread (metadata travels in the RPCs).
+Its progress follows :mod:`source.progress_pace`: in ``event`` mode NIXL's
+own progress thread, given a finite sleep so that it waits on the UCX
+worker's event descriptor instead of spinning a core (NIXL's Python API
+hard-codes that sleep to 0, so :func:`_event_driven_agent` sets it on the
+way to the bindings); in ``poll`` mode — asked for, or when NIXL cannot run
+its thread — a small thread of ours calls ``get_new_notifs()`` (which
+drives the UCX worker) at the pace's interval for the current state, and at
+once when :meth:`wake` says a lease opened, so that a READ posted right
+after its resolve never waits out an idle sleep.
 
-Only that thread touches the agent after start-up, and :meth:`close` stops
-it before tearing the agent down, so the agent's thread-unsafe default sync
-mode is fine. Teardown order: progress thread, memory deregistration, agent.
+In poll mode only our thread touches the agent after start-up, and
+:meth:`close` stops it before tearing the agent down, so the agent's
+thread-unsafe default sync mode is fine; in event mode NIXL's thread only
+progresses the (multi-threaded) UCX worker. Teardown order: progress
+thread, memory deregistration, agent.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +29,8 @@ from typing import Any
 
 from remote_g2.secondary_pool import MemoryRegion
 from remote_g2.errors import SourceError
+
+from .progress_pace import ProgressPace
 
 __all__ = ["RankAgent", "agent_name_for"]
 
@@ -44,7 +46,7 @@ class RankAgent:
     """Create the agent, register ``regions``; ``start_progress()`` then ``close()``."""
 
     def __init__(self, name: str, regions: Sequence[MemoryRegion], *, busy: Callable[[], bool] = lambda: False,
-                 busy_interval_s: float = 0.002, idle_interval_s: float = 0.02) -> None:
+                 pace: ProgressPace | None = None) -> None:
         if not regions:
             raise SourceError("the pool reports no memory regions to register")
         try:
@@ -53,15 +55,24 @@ class RankAgent:
             raise SourceError(f"NIXL is not importable ({e}); the source service needs it") from e
         self.name = name
         self._busy = busy
-        self._busy_interval = busy_interval_s
-        self._idle_interval = idle_interval_s
+        self.pace = pace if pace is not None else ProgressPace(ucx_tls=os.environ.get("UCX_TLS"))
+        #: the mode in effect: ``event`` (NIXL's thread) or ``poll`` (ours; asked for, or NIXL could not)
+        self.progress_mode = "poll"
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
         self._regs: list[Any] = []
-        self._agent: Any = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
-                                                              backends=["UCX"]))
+        self._agent: Any = None
+        if self.pace.mode == "event":
+            try:
+                self._agent = _event_driven_agent(name, self.pace.event_timeout_s)
+                self.progress_mode = "event"
+            except Exception as e:  # e.g. a UCX built without multi-threading: our polling instead
+                log.warning("NIXL agent %s: no event-driven progress (%s); polling instead", name, e)
+        if self._agent is None:
+            self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
+                                                             backends=["UCX"]))
         try:
             if "UCX" not in self._agent.backends:
                 raise SourceError(f"NIXL agent {name}: the UCX backend is not available")
@@ -76,17 +87,17 @@ class RankAgent:
         except BaseException:
             self.close()
             raise
-        log.info("NIXL agent %s registered %d region(s), %d bytes", name, len(regions),
-                 sum(r.nbytes for r in regions))
+        log.info("NIXL agent %s registered %d region(s), %d bytes; progress %s", name, len(regions),
+                 sum(r.nbytes for r in regions), self.pace.describe(self.progress_mode))
 
     def start_progress(self) -> None:
-        """Start the thread that drives the agent (see the module docstring)."""
-        if self._thread is None and not self._closed:
+        """Start the thread that drives the agent in poll mode (event mode has NIXL's; see the module docstring)."""
+        if self._thread is None and not self._closed and self.progress_mode == "poll":
             self._thread = threading.Thread(target=self._progress, name=f"{self.name}-progress", daemon=True)
             self._thread.start()
 
     def wake(self) -> None:
-        """Make progress now and poll at the busy pace (a lease just opened); cheap, any thread."""
+        """Poll mode: make progress now and poll at the busy pace (a lease just opened); cheap, any thread."""
         self._wake.set()
 
     def _progress(self) -> None:
@@ -100,7 +111,7 @@ class RankAgent:
                 if now - last_error > 10:
                     log.warning("NIXL agent %s: progress failed: %s", self.name, e)
                     last_error = now
-            self._wake.wait(self._busy_interval if self._busy() else self._idle_interval)
+            self._wake.wait(self.pace.poll_interval_s(self._busy()))
 
     def close(self) -> None:
         """Stop progress, deregister the pool, drop the agent; idempotent."""
@@ -123,3 +134,45 @@ class RankAgent:
         self._regs.clear()
         del agent  # the last reference: the C++ agent is destroyed here, not at interpreter exit
         log.info("NIXL agent %s closed", self.name)
+
+
+_BINDINGS_LOCK = threading.Lock()
+
+
+def _event_driven_agent(name: str, timeout_s: float) -> Any:
+    """A NIXL agent whose own progress thread sleeps on the UCX worker's event descriptor.
+
+    NIXL's thread ``poll()``s the worker's event fd for at most its
+    ``pthrDelay``; ``nixl_agent`` sets that to 0 (a busy spin) with no way
+    to change it, so the config object is given the delay just before it
+    reaches the bindings' ``nixlAgent``: the module's ``nixlBind`` is
+    swapped, under a lock, for a forwarder for the span of the constructor.
+    Raises when this NIXL has no such setting (it would spin) or cannot run
+    its thread (UCX without multi-threading).
+    """
+    import nixl._api as api
+
+    bindings = getattr(api, "nixlBind", None)
+    if bindings is None or not hasattr(bindings.nixlAgentConfig(), "pthrDelay"):
+        raise SourceError("this NIXL's Python API has no progress-thread delay to set")
+    delay_us = max(1000, int(timeout_s * 1e6))  # NIXL rounds up to whole milliseconds
+
+    class _WithDelay:
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(bindings, attr)
+
+        @staticmethod
+        def nixlAgent(agent_name: str, config: Any) -> Any:  # noqa: N802 (the bindings' name)
+            config.pthrDelay = delay_us
+            return bindings.nixlAgent(agent_name, config)
+
+    with _BINDINGS_LOCK:
+        api.nixlBind = _WithDelay()
+        try:
+            agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False,
+                                                               backends=["UCX"]))
+        finally:
+            api.nixlBind = bindings
+    if "UCX" not in agent.backends:
+        raise SourceError("the UCX backend did not start with a progress thread")
+    return agent

@@ -288,9 +288,7 @@ class SourceService:
                                      max_piece_bytes=cfg.gather_max_piece_kib << 10,
                                      chunk_bytes=cfg.gather_chunk_kib << 10, observe=self.metrics.gather_outcome)
         self._agent = RankAgent(agent_name_for(self.worker_id, self.rank), list(regions) + staging_regions,
-                                busy=lambda: self.leases.open_leases > 0,
-                                busy_interval_s=cfg.progress_interval_ms / 1000,
-                                idle_interval_s=cfg.idle_progress_interval_ms / 1000)
+                                busy=lambda: self.leases.open_leases > 0, pace=cfg.progress_pace())
         self._agent.start_progress()
         sibling_endpoint = None
         if self.rank > 0:

@@ -1,14 +1,66 @@
-"""The source rank's NIXL agent (source/rank_agent.py): its progress thread, with a real agent."""
+"""The source rank's NIXL agent (source/rank_agent.py) and its progress rule (source/progress_pace.py).
+
+The rule is pinned as a table; the agent with real NIXL agents: a reader in
+another process READs a source's pool over each fabric (``cma`` on one
+host, ``UCX_TLS=tcp`` where every READ needs the source) in each mode, and
+the source's CPU is measured while it is idle.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from remote_g2.secondary_pool import MemoryRegion
+from remote_g2.source.config import SourceConfig
+from remote_g2.source.progress_pace import ProgressPace, reads_need_source
 from remote_g2.source.rank_agent import RankAgent
+from remote_g2.errors import ConfigError
+
+PAIR = Path(__file__).resolve().parent / "source_procs" / "progress_pair.py"
+
+
+@pytest.mark.parametrize(("ucx_tls", "needs"), [
+    (None, True), ("", True), ("all", True),            # UCX picks per peer: TCP to another host may be among them
+    ("tcp", True), ("tcp,cma", True), ("ud_x,rc_x", True),  # emulated READs (and UD) allowed
+    ("sm,self", True), ("posix,self", True),             # the shared-memory mailboxes emulate READ too
+    ("ib", True),                                        # the alias brings UD
+    ("cma,self", False), ("cma", False), ("rc_x,dc_x,cma,self", False), ("rc,cuda_copy,cuda_ipc", False),
+    ("^tcp", True),                                      # everything else stays: UD, the mailboxes
+    ("^tcp,ud,mm", False),                               # nothing emulating is left
+    ("CMA, Self", False), ("frobnicate", True),          # case and spaces; unknown names count as emulating
+])
+def test_which_transports_need_the_sources_progress(ucx_tls: str | None, needs: bool) -> None:
+    assert reads_need_source(ucx_tls) is needs
+
+
+def test_poll_paces_by_state_and_fabric() -> None:
+    tcp = ProgressPace(mode="poll", emulated_s=0.0002, one_sided_s=0.005, idle_s=1.0, ucx_tls="tcp")
+    cma = ProgressPace(mode="poll", emulated_s=0.0002, one_sided_s=0.005, idle_s=1.0, ucx_tls="cma,self")
+    assert tcp.poll_interval_s(leases_open=True) == 0.0002  # every READ waits for our progress
+    assert cma.poll_interval_s(leases_open=True) == 0.005  # only wire-ups do
+    assert tcp.poll_interval_s(leases_open=False) == cma.poll_interval_s(leases_open=False) == 1.0
+    assert "event-driven" in tcp.describe("event") and "0.2 ms" in tcp.describe("poll")
+    assert "one-sided" in cma.describe("poll")
+
+
+def test_the_source_config_builds_the_pace_and_rejects_bad_settings() -> None:
+    cfg = SourceConfig.from_env({"REMOTE_G2_SOURCE_PROGRESS": "Poll", "REMOTE_G2_SOURCE_ONE_SIDED_PROGRESS_MS": "2",
+                                 "REMOTE_G2_SOURCE_EVENT_TIMEOUT_MS": "50"})
+    pace = cfg.progress_pace("cma")
+    assert (pace.mode, pace.one_sided_s, pace.event_timeout_s, pace.ucx_tls) == ("poll", 0.002, 0.05, "cma")
+    assert SourceConfig().progress == "event" and SourceConfig().idle_progress_interval_ms >= 1000
+    with pytest.raises(ConfigError, match="progress"):
+        SourceConfig.from_env({"REMOTE_G2_SOURCE_PROGRESS": "spin"})
+    with pytest.raises(ConfigError, match="EVENT_TIMEOUT"):
+        SourceConfig.from_env({"REMOTE_G2_SOURCE_EVENT_TIMEOUT_MS": "0"})
 
 
 def _wait_for(cond, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
@@ -21,10 +73,11 @@ def _wait_for(cond, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
 
 
 def test_a_wake_makes_progress_at_once_instead_of_after_the_idle_sleep() -> None:
-    """Over UCX TCP every READ needs the source's progress: a lease opening must not wait out the idle pace."""
+    """Poll mode: a lease opening must not wait out the idle pace (over TCP every READ needs the source)."""
     buf = np.zeros(1 << 16, dtype=np.uint8)
     agent = RankAgent(f"test-rank-agent-{os.getpid()}", [MemoryRegion(buf.ctypes.data, buf.nbytes)],
-                      idle_interval_s=30.0, busy_interval_s=30.0)
+                      pace=ProgressPace(mode="poll", idle_s=30.0, emulated_s=30.0, one_sided_s=30.0))
+    assert agent.progress_mode == "poll"
     calls: list[float] = []
     real = agent._agent.get_new_notifs
     agent._agent.get_new_notifs = lambda: (calls.append(time.monotonic()), real())[1]
@@ -41,3 +94,73 @@ def test_a_wake_makes_progress_at_once_instead_of_after_the_idle_sleep() -> None
         t0 = time.monotonic()
         agent.close()  # also wakes the thread: closing never waits out a sleep
     assert time.monotonic() - t0 < 5.0
+
+
+def test_event_mode_runs_no_thread_of_ours() -> None:
+    buf = np.zeros(1 << 16, dtype=np.uint8)
+    agent = RankAgent(f"test-rank-agent-ev-{os.getpid()}", [MemoryRegion(buf.ctypes.data, buf.nbytes)],
+                      pace=ProgressPace(mode="event"))
+    try:
+        assert agent.progress_mode == "event"
+        agent.start_progress()
+        agent.wake()  # harmless: NIXL's thread needs no wake-up
+        assert agent._thread is None
+    finally:
+        agent.close()
+
+
+def _json_line(stream) -> dict:  # type: ignore[no-untyped-def]
+    """The next line that is a JSON object (NIXL logs to stdout too)."""
+    for line in stream:
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError("the process ended without its JSON line")
+
+
+def _pair(mode: str, ucx_tls: str | None, reads: int, idle_s: float) -> tuple[dict, dict, float]:
+    """A source in ``mode`` and a reader doing ``reads`` READs; the source's CPU over ``idle_s`` idle after."""
+    env = dict(os.environ)
+    env.pop("UCX_TLS", None)
+    if ucx_tls:
+        env["UCX_TLS"] = ucx_tls
+    src = subprocess.Popen([sys.executable, str(PAIR), "source", mode], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert src.stdin is not None and src.stdout is not None
+        info = _json_line(src.stdout)
+        rd = subprocess.run([sys.executable, str(PAIR), "reader", str(reads)], input=json.dumps(info) + "\n",
+                            capture_output=True, text=True, env=env, timeout=120)
+        result = _json_line(iter(rd.stdout.splitlines()))
+        src.stdin.write("cpu\n")
+        src.stdin.flush()
+        before = _json_line(src.stdout)["cpu_s"]
+        time.sleep(idle_s)
+        src.stdin.write("cpu\n")
+        src.stdin.flush()
+        idle_cpu = _json_line(src.stdout)["cpu_s"] - before
+        src.stdin.write("quit\n")
+        src.stdin.flush()
+        src.wait(30)
+        return info, result, idle_cpu
+    finally:
+        if src.poll() is None:
+            src.kill()
+            src.wait()
+
+
+@pytest.mark.parametrize("ucx_tls", [None, "tcp"], ids=["one-host", "tcp"])
+@pytest.mark.parametrize("mode", ["event", "poll"])
+def test_reads_complete_in_each_mode_and_an_idle_source_takes_no_cpu(mode: str, ucx_tls: str | None) -> None:
+    """Every READ of 4 MiB comes back byte-exact; then, with no reader, the source sleeps.
+
+    Over TCP each READ is messages the source must answer: event mode answers
+    them because UCX wakes NIXL's thread, poll mode because leases are "open"
+    (the source here is always busy). Idle, in event mode, costs only NIXL's
+    timed wake-ups (10 a second by default).
+    """
+    info, result, idle_cpu = _pair(mode, ucx_tls, reads=20, idle_s=1.0)
+    assert info["mode"] == mode
+    assert result["ok"], result
+    assert result["seconds"] < 30
+    if mode == "event":
+        assert idle_cpu < 0.05, f"an idle event-driven source used {idle_cpu:.3f} s of CPU in 1 s"
