@@ -3,14 +3,14 @@
 The rule is pinned as a table; the agent with real NIXL agents: a reader in
 another process READs a source's pool over each fabric (``cma`` on one
 host, ``UCX_TLS=tcp`` where every READ needs the source) in each mode, and
-the source's CPU is measured while it is idle.
+the source's CPU is measured while it is idle (the processes of
+``bench/bench_source_progress.py``).
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,7 +24,8 @@ from remote_g2.source.progress_pace import ProgressPace, reads_need_source
 from remote_g2.source.rank_agent import RankAgent
 from remote_g2.errors import ConfigError
 
-PAIR = Path(__file__).resolve().parent / "source_procs" / "progress_pair.py"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import bench_source_progress  # noqa: E402  (its source and reader processes)
 
 
 @pytest.mark.parametrize(("ucx_tls", "needs"), [
@@ -109,48 +110,15 @@ def test_event_mode_runs_no_thread_of_ours() -> None:
         agent.close()
 
 
-def _json_line(stream) -> dict:  # type: ignore[no-untyped-def]
-    """The next line that is a JSON object (NIXL logs to stdout too)."""
-    for line in stream:
-        if line.startswith("{"):
-            return json.loads(line)
-    raise AssertionError("the process ended without its JSON line")
+def _run_pair(mode: str, fabric: str, tmp_path: Path) -> dict:
+    """One source (4 MiB) in ``mode`` and a reader, over ``fabric``: bench/bench_source_progress.py's run."""
+    args = argparse.Namespace(mib=4, reps=3, read_timeout_s=10.0, idle_s=1.0)
+    return bench_source_progress.run_once(bench_source_progress.Config(fabric, 1, 64), mode, args, tmp_path)
 
 
-def _pair(mode: str, ucx_tls: str | None, reads: int, idle_s: float) -> tuple[dict, dict, float]:
-    """A source in ``mode`` and a reader doing ``reads`` READs; the source's CPU over ``idle_s`` idle after."""
-    env = dict(os.environ)
-    env.pop("UCX_TLS", None)
-    if ucx_tls:
-        env["UCX_TLS"] = ucx_tls
-    src = subprocess.Popen([sys.executable, str(PAIR), "source", mode], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        assert src.stdin is not None and src.stdout is not None
-        info = _json_line(src.stdout)
-        rd = subprocess.run([sys.executable, str(PAIR), "reader", str(reads)], input=json.dumps(info) + "\n",
-                            capture_output=True, text=True, env=env, timeout=120)
-        result = _json_line(iter(rd.stdout.splitlines()))
-        src.stdin.write("cpu\n")
-        src.stdin.flush()
-        before = _json_line(src.stdout)["cpu_s"]
-        time.sleep(idle_s)
-        src.stdin.write("cpu\n")
-        src.stdin.flush()
-        idle_cpu = _json_line(src.stdout)["cpu_s"] - before
-        src.stdin.write("quit\n")
-        src.stdin.flush()
-        src.wait(30)
-        return info, result, idle_cpu
-    finally:
-        if src.poll() is None:
-            src.kill()
-            src.wait()
-
-
-@pytest.mark.parametrize("ucx_tls", [None, "tcp"], ids=["one-host", "tcp"])
+@pytest.mark.parametrize("fabric", ["one-host", "tcp"])
 @pytest.mark.parametrize("mode", ["event", "poll"])
-def test_reads_complete_in_each_mode_and_an_idle_source_takes_no_cpu(mode: str, ucx_tls: str | None) -> None:
+def test_reads_complete_in_each_mode_and_an_idle_source_takes_no_cpu(mode: str, fabric: str, tmp_path: Path) -> None:
     """Every READ of 4 MiB comes back byte-exact; then, with no reader, the source sleeps.
 
     Over TCP each READ is messages the source must answer: event mode answers
@@ -158,9 +126,8 @@ def test_reads_complete_in_each_mode_and_an_idle_source_takes_no_cpu(mode: str, 
     (the source here is always busy). Idle, in event mode, costs only NIXL's
     timed wake-ups (10 a second by default).
     """
-    info, result, idle_cpu = _pair(mode, ucx_tls, reads=20, idle_s=1.0)
-    assert info["mode"] == mode
-    assert result["ok"], result
-    assert result["seconds"] < 30
+    run = _run_pair(mode, fabric, tmp_path)  # raises on a wrong byte, a stalled READ, or a mode not in effect
+    assert run["mode"] == mode and run["bytes_checked"] == {"warmup": True, "last_read": True}
+    assert run["poll_interval_s"] == (None if mode == "event" else 0.0002)  # UCX_TLS unset or tcp: emulated pace
     if mode == "event":
-        assert idle_cpu < 0.05, f"an idle event-driven source used {idle_cpu:.3f} s of CPU in 1 s"
+        assert run["idle_cpu_pct_per_source"] < 5, f"an idle event-driven source used {run['idle_cpu_pct']} % CPU"
