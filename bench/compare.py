@@ -160,7 +160,9 @@ BENCHES: dict[str, Bench] = {
     "fetch": Bench("bench_transfer.py", _fetch_args, (
         Metric("ratio_e2e_over_raw", per_block_size("ratio_e2e_over_raw"), H),
         Metric("e2e_s", per_block_size("e2e_s"), L),
+        Metric("raw_s", per_block_size("raw_s"), L),  # the baseline itself: a ratio can move because it did
         Metric("one_block_e2e_s", per_block_size("one_block_e2e_s"), L),
+        Metric("one_block_over_raw", per_block_size("one_block_ratio"), L),
     )),
     "registry": Bench("bench_registry.py", _registry_args, (
         Metric("ingest_events_per_s", field_at("ingest", "events_per_s"), H),
