@@ -25,28 +25,61 @@ a connection that has gone, or of another transport's connection. Instead:
 
 Identities never leave the server and are never reused: an owner from one
 transport can never equal an owner from another.
+
+An identity also records whether its peer is on this host (its last byte,
+:func:`is_local`: a Unix socket, a loopback address, or the address the
+connection reached us on), which the source's progress pace reads
+(``source/progress_pace.py``). Unknown counts as another host.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
+import socket
 import struct
 from collections.abc import Sequence
 
 import zmq
 
-__all__ = ["ZmqConnectionIdentities", "new_identity"]
+__all__ = ["ZmqConnectionIdentities", "is_local", "new_identity", "peer_is_local"]
+
+_LOCAL, _REMOTE = b"l", b"r"
 
 log = logging.getLogger("remote_g2.rpc")
 
 _MONITORED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 
 
-def new_identity(key: bytes = b"") -> bytes:
-    """A fresh connection identity: 16 random bytes, after the client's CURVE key when there is one."""
-    token = secrets.token_bytes(16)
+def new_identity(key: bytes = b"", *, local: bool = False) -> bytes:
+    """A fresh connection identity: 16 random bytes (after the client's CURVE key when there is one), then locality."""
+    token = secrets.token_bytes(16) + (_LOCAL if local else _REMOTE)
     return key + b"/" + token if key else token
+
+
+def is_local(identity: bytes) -> bool:
+    """Whether the connection ``identity`` names came from this host (see the module docstring)."""
+    return identity.endswith(_LOCAL)
+
+
+def peer_is_local(sock: socket.socket) -> bool:
+    """Whether a connected socket's peer is on this host: Unix socket, loopback, or our own address."""
+    try:
+        if sock.family == socket.AF_UNIX:
+            return True
+        peer, own = sock.getpeername()[0], sock.getsockname()[0]
+    except OSError:
+        return False
+    return peer == own or peer.startswith("127.") or peer in ("::1", "::ffff:127.0.0.1")
+
+
+def _fd_peer_is_local(fd: int) -> bool:
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            return peer_is_local(sock)
+    except OSError:
+        return False
 
 
 class ZmqConnectionIdentities:
@@ -75,7 +108,7 @@ class ZmqConnectionIdentities:
             if known is not None and known[0] == routing_id:
                 out.append(known[1])
                 continue
-            identity = new_identity(_client_key(frames[0]))
+            identity = new_identity(_client_key(frames[0]), local=fd >= 0 and _fd_peer_is_local(fd))
             if fd >= 0:
                 self._by_fd[fd] = (routing_id, identity)
             else:  # no descriptor to tie it to: an identity for this message alone (its owner cannot end it)

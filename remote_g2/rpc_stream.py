@@ -46,7 +46,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from remote_g2.connection_identity import new_identity
+from remote_g2.connection_identity import new_identity, peer_is_local
 from remote_g2.errors import ConfigError, ProtocolError, RpcClosed, TransportError
 from remote_g2.rpc_server import Handler, RpcServer, free_port_on_host_of
 from remote_g2.wire import DEFAULT_MAX_FRAME_BYTES, encode_err, read_stream, stream_frame, take_stream_frames
@@ -180,7 +180,7 @@ class _ServerSide:
     def __init__(self, sock: socket.socket, peer: bytes) -> None:
         self.sock = sock
         self.peer = peer
-        self.identity = new_identity()
+        self.identity = new_identity(local=peer_is_local(sock))
         self.inbox = bytearray()
         self.outbox = bytearray()
         self.closing = False  # close once the outbox is written (after a frame we could not resynchronise past)

@@ -21,9 +21,9 @@ variable                                field                                   
 ``REMOTE_G2_SOURCE_PEER_RESOLVE``       ``peer_resolve`` (ranks > 0 answer their own)  on
 ``REMOTE_G2_SOURCE_PEER_TRANSPORT``     ``peer_transport`` (``stream`` or ``zmq``)   ``stream``
 ``REMOTE_G2_SOURCE_METRICS_PORT``       ``metrics_port`` (rank r serves port + r)    off
-``REMOTE_G2_SOURCE_PROGRESS``           ``progress`` (``event`` or ``poll``)         ``event``
-``REMOTE_G2_SOURCE_EVENT_TIMEOUT_MS``   ``event_timeout_ms`` (event mode)            100
-``REMOTE_G2_SOURCE_PROGRESS_MS``        ``progress_interval_ms`` (poll mode)         0.2
+``REMOTE_G2_SOURCE_PROGRESS``           ``progress`` (``poll`` or ``event``)         ``poll``
+``REMOTE_G2_SOURCE_EVENT_TIMEOUT_MS``   ``event_timeout_ms`` (event mode)            5
+``REMOTE_G2_SOURCE_PROGRESS_MS``        ``progress_interval_ms`` (emulated READs)    0.2
 ``REMOTE_G2_SOURCE_ONE_SIDED_PROGRESS_MS`` ``one_sided_progress_interval_ms``        5
 ``REMOTE_G2_SOURCE_IDLE_PROGRESS_MS``   ``idle_progress_interval_ms`` (poll mode)    1000
 ``REMOTE_G2_SOURCE_STAGING_MIB``        ``staging_mib`` (0: never gather)             64
@@ -47,7 +47,7 @@ from remote_g2.config import env_fingerprint, env_flag, env_float, env_int, env_
 from remote_g2.curve import CurveClientConfig, CurveServerConfig
 from remote_g2.errors import ConfigError
 from remote_g2.messages import LayoutFingerprint
-from .progress_pace import MODES, ProgressPace
+from .progress_pace import MODES, ProgressPace, cma_usable
 
 __all__ = ["SourceConfig", "ENABLE_ENV"]
 
@@ -108,17 +108,18 @@ class SourceConfig:
     * ``metrics_port`` — serve Prometheus ``/metrics`` on ``metrics_addr``,
       port ``metrics_port + tp_rank``; None: not served over HTTP.
     * ``progress`` — how each rank's NIXL agent gets the progress readers
-      need (:mod:`source.progress_pace`): ``event``, NIXL's thread woken by
-      the UCX worker's event descriptor (asleep at most
-      ``event_timeout_ms``), or ``poll``, our thread at a pace. ``event``
-      falls back to ``poll`` where NIXL cannot run its thread.
+      need (:mod:`source.progress_pace`): ``poll``, our thread at a pace
+      chosen by where the open leases' readers are, or ``event``, NIXL's
+      thread woken by the UCX worker's event descriptor (asleep at most
+      ``event_timeout_ms``; opt-in, see that module). ``event`` falls back
+      to ``poll`` where NIXL cannot run its thread.
     * ``progress_interval_ms`` / ``one_sided_progress_interval_ms`` /
-      ``idle_progress_interval_ms`` — poll mode's paces: while leases are
-      open and READs may be emulated (``UCX_TLS`` allows TCP, UD or the
-      shared-memory mailboxes, or is unset), while leases are open and every
-      allowed transport is one-sided (only wire-ups need us), and while no
-      lease is open; a lease opening wakes the thread at once
-      (docs/benchmarks.md, "Source progress", has what each costs).
+      ``idle_progress_interval_ms`` — poll mode's paces: while a reader
+      whose READs may be emulated holds a lease (one on another host while
+      ``UCX_TLS`` allows TCP or UD, or is unset; one on this host without
+      ``cma``), while every reader READs one-sided (only wire-ups need
+      us), and while no lease is open; a lease opening wakes the thread at
+      once (docs/benchmarks.md, "Source progress", has what each costs).
     * ``reap_interval_ms`` — the lease reaper's longest sleep.
     * ``staging_mib`` — each rank's staging region (registered with its
       agent, touched at start-up): where a resolve that asks for it packs a
@@ -156,8 +157,8 @@ class SourceConfig:
     peer_transport: str = "stream"
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
-    progress: str = "event"
-    event_timeout_ms: float = 100.0
+    progress: str = "poll"
+    event_timeout_ms: float = 5.0
     progress_interval_ms: float = 0.2
     one_sided_progress_interval_ms: float = 5.0
     idle_progress_interval_ms: float = 1000.0
@@ -212,7 +213,7 @@ class SourceConfig:
 
     def progress_pace(self, ucx_tls: str | None = None) -> ProgressPace:
         """The progress settings for a rank's agent created under ``ucx_tls`` (default: this process's ``UCX_TLS``)."""
-        return ProgressPace(mode=self.progress, emulated_s=self.progress_interval_ms / 1000,
+        return ProgressPace(mode=self.progress, emulated_s=self.progress_interval_ms / 1000, cma_ok=cma_usable(),
                             one_sided_s=self.one_sided_progress_interval_ms / 1000,
                             idle_s=self.idle_progress_interval_ms / 1000, event_timeout_s=self.event_timeout_ms / 1000,
                             ucx_tls=ucx_tls if ucx_tls is not None else os.environ.get("UCX_TLS"))

@@ -44,6 +44,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from remote_g2.connection_identity import is_local
 from remote_g2.secondary_pool import SecondaryPool
 from remote_g2.errors import SourceError
 
@@ -159,6 +160,13 @@ class LeaseTable:
     @property
     def open_leases(self) -> int:
         return len(self._leases)
+
+    def readers(self) -> str:
+        """Where the open leases' readers are: ``none``, ``local`` (all on this host) or ``remote`` (any elsewhere)."""
+        with self._lock:
+            if not self._leases:
+                return "none"
+            return "local" if all(is_local(lease.owner) for lease in self._leases.values()) else "remote"
 
     @property
     def pinned_blocks(self) -> int:

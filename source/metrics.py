@@ -57,6 +57,9 @@ class SourceMetrics(PrivateMetrics):
                                     "How late the lease reaper woke past its timer: time this process did not "
                                     "run (a starved CPU, a C call holding the GIL, a stopped process)",
                                     buckets=_LAG_BUCKETS, registry=r)
+        self.progress_mode = Gauge("remote_g2_source_progress_mode",
+                                   "1 for the progress mode this rank's NIXL agent runs in (event or poll)", ["mode"],
+                                   registry=r)
         self.staging_in_use = Gauge("remote_g2_source_staging_bytes_in_use",
                                     "Bytes of this rank's staging region held by leases", registry=r)
         self.gathers = Counter("remote_g2_source_gathers",

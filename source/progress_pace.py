@@ -9,35 +9,41 @@ progress in two cases only:
   ``ud`` family, the ``posix``/``sysv`` shared-memory mailboxes) carries a
   READ as messages our worker must answer, one round per fragment.
 
-Over ``cma``/``knem``/``xpmem`` on one host, and over RDMA (``rc``/``dc``),
-a connected reader's READs complete without us, and progress we make
-there only takes CPU from the ranks doing the copying.
+A reader on this host READs with ``cma`` (one-sided: it copies out of our
+memory without us) where ``UCX_TLS`` allows it and the kernel lets
+processes read each other (Yama ``ptrace_scope`` 0 or 1, which UCX handles,
+or ``CAP_SYS_PTRACE``); a reader on another host READs over RDMA
+(one-sided) or TCP (emulated), and unless ``UCX_TLS`` rules TCP and UD out,
+we cannot know which. Progress made where it is not needed only takes CPU
+from the ranks doing the copying.
 
 Two modes:
 
-``event`` (the default)
-    NIXL's own progress thread sleeps in ``poll()`` on the UCX worker's
-    event descriptor and progresses when something arrives: every emulated
-    READ's message and every wire-up wakes it at once, a one-sided READ
-    never does, and an idle source sleeps. NIXL also wakes it every
-    ``event_timeout_s`` (its guard against a wake-up UCX misses).
-``poll``
-    Used when asked for, or when this NIXL cannot run an event-driven
-    thread: our own thread calls into the agent at the pace
-    :meth:`ProgressPace.poll_interval_s` gives — fast while leases are open
-    and READs may be emulated (``UCX_TLS`` allows such a transport, or is
-    unset: UCX then picks per peer and we cannot know), slower while leases
-    are open and every allowed transport is one-sided (only wire-ups need
-    us), and seldom while no lease is open (no reader is reading).
+``poll`` (the default)
+    Our own thread calls into the agent at :meth:`ProgressPace.poll_interval_s`
+    for where the open leases' readers are (their connections say:
+    :func:`remote_g2.connection_identity.is_local`): ``emulated_s`` while a
+    reader whose READs may be emulated holds a lease, ``one_sided_s`` while
+    every reader's READs are one-sided (only wire-ups need us), ``idle_s``
+    while no lease is open (no reader is reading); a lease opening wakes it.
+``event``
+    NIXL's own progress thread, sleeping in ``poll()`` on the UCX worker's
+    event descriptor: woken at once by emulated READs and wire-ups, never
+    by one-sided READs, and every ``event_timeout_s`` (NIXL's guard against
+    a wake-up UCX misses). Opt-in: inside vLLM's workers a source rank's
+    event-driven thread has been seen to spin a core and stop serving
+    (docs/source.md, "NIXL").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MODES", "ProgressPace", "reads_need_source"]
+__all__ = ["MODES", "READERS", "ProgressPace", "cma_usable", "local_reads_one_sided", "reads_need_source"]
 
-MODES = ("event", "poll")
+MODES = ("poll", "event")
+#: where the open leases' readers are, as :meth:`source.leases.LeaseTable.readers` says
+READERS = ("none", "local", "remote")
 
 #: UCX transports (and aliases) whose READ (get) completes without the remote side's progress.
 ONE_SIDED_TRANSPORTS = frozenset({
@@ -79,6 +85,37 @@ def reads_need_source(ucx_tls: str | None) -> bool:
     return "all" in allowed or not allowed <= ONE_SIDED_TRANSPORTS
 
 
+def _allows(ucx_tls: str | None, transport: str) -> bool:
+    text = (ucx_tls or "").strip().lower()
+    if not text or text == "all":
+        return True
+    names = {t.strip() for t in text.lstrip("^").split(",") if t.strip()}
+    listed = transport in _expand(names) or "all" in names
+    return not listed if text.startswith("^") else listed
+
+
+def local_reads_one_sided(ucx_tls: str | None, cma_ok: bool) -> bool:
+    """Whether a reader on this host READs one-sided: ``cma`` allowed by ``UCX_TLS`` and by the kernel."""
+    return cma_ok and _allows(ucx_tls, "cma")
+
+
+def cma_usable(proc: str = "/proc") -> bool:
+    """Whether the kernel lets UCX's ``cma`` read another process (Yama ptrace_scope <= 1, or CAP_SYS_PTRACE)."""
+    try:
+        with open(f"{proc}/sys/kernel/yama/ptrace_scope") as f:
+            scope = int(f.read().strip())
+    except (OSError, ValueError):
+        return True  # no Yama: ordinary ptrace rules, same user may read
+    if scope <= 1:
+        return True  # UCX declares any process its ptracer at scope 1
+    try:
+        with open(f"{proc}/self/status") as f:
+            caps = next((line.split()[1] for line in f if line.startswith("CapEff:")), "0")
+        return scope == 2 and bool(int(caps, 16) >> 19 & 1)
+    except (OSError, ValueError):
+        return False
+
+
 @dataclass(frozen=True)
 class ProgressPace:
     """The progress settings of one source rank (``SourceConfig`` fills them; see the module docstring).
@@ -88,12 +125,13 @@ class ProgressPace:
     ``UCX_TLS`` the agent is created under.
     """
 
-    mode: str = "event"
+    mode: str = "poll"
     emulated_s: float = 0.0002
     one_sided_s: float = 0.005
     idle_s: float = 1.0
-    event_timeout_s: float = 0.1
+    event_timeout_s: float = 0.005
     ucx_tls: str | None = None
+    cma_ok: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -105,16 +143,18 @@ class ProgressPace:
     def reads_need_source(self) -> bool:
         return reads_need_source(self.ucx_tls)
 
-    def poll_interval_s(self, leases_open: bool) -> float:
-        """Poll mode: how long to sleep between two progress calls in this state."""
-        if not leases_open:
+    def poll_interval_s(self, readers: str) -> float:
+        """Poll mode: how long to sleep between two progress calls while the leases' readers are ``readers``."""
+        if readers == "none":
             return self.idle_s
+        if readers == "local":
+            return self.one_sided_s if local_reads_one_sided(self.ucx_tls, self.cma_ok) else self.emulated_s
         return self.emulated_s if self.reads_need_source else self.one_sided_s
 
     def describe(self, mode: str) -> str:
         """One line for the start-up log: the mode in effect and its paces."""
         if mode == "event":
             return f"event-driven (NIXL's thread, woken by UCX; at most {self.event_timeout_s * 1e3:g} ms asleep)"
-        kind = "may be emulated" if self.reads_need_source else "one-sided"
-        return (f"polled: every {self.poll_interval_s(True) * 1e3:g} ms while leases are open "
-                f"(READs {kind}, UCX_TLS={self.ucx_tls or 'unset'}), every {self.idle_s * 1e3:g} ms otherwise")
+        return (f"polled (UCX_TLS={self.ucx_tls or 'unset'}): every {self.poll_interval_s('local') * 1e3:g} ms "
+                f"while readers on this host hold leases, every {self.poll_interval_s('remote') * 1e3:g} ms "
+                f"while one elsewhere does, every {self.idle_s * 1e3:g} ms otherwise")

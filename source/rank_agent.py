@@ -1,15 +1,16 @@
 """This rank's NIXL agent: the pool registered for remote READs, and the progress it needs.
 
 The agent runs without NIXL's listen thread (metadata travels in the RPCs).
-Its progress follows :mod:`source.progress_pace`: in ``event`` mode NIXL's
-own progress thread, given a finite sleep so that it waits on the UCX
-worker's event descriptor instead of spinning a core (NIXL's Python API
-hard-codes that sleep to 0, so :func:`_event_driven_agent` sets it on the
-way to the bindings); in ``poll`` mode — asked for, or when NIXL cannot run
-its thread — a small thread of ours calls ``get_new_notifs()`` (which
-drives the UCX worker) at the pace's interval for the current state, and at
-once when :meth:`wake` says a lease opened, so that a READ posted right
-after its resolve never waits out an idle sleep.
+Its progress follows :mod:`source.progress_pace`: in ``poll`` mode (the
+default, and where NIXL cannot run an event-driven thread) a small thread
+of ours calls ``get_new_notifs()`` (which drives the UCX worker) at the
+pace's interval for where the open leases' readers are, and at once when
+:meth:`wake` says a lease opened, so that a READ posted right after its
+resolve never waits out an idle sleep; in ``event`` mode NIXL's own
+progress thread, given a finite sleep so that it waits on the UCX worker's
+event descriptor instead of spinning a core (NIXL's Python API hard-codes
+that sleep to 0, so :func:`_event_driven_agent` sets it on the way to the
+bindings).
 
 In poll mode only our thread touches the agent after start-up, and
 :meth:`close` stops it before tearing the agent down, so the agent's
@@ -45,7 +46,7 @@ def agent_name_for(worker_id: str, rank: int) -> str:
 class RankAgent:
     """Create the agent, register ``regions``; ``start_progress()`` then ``close()``."""
 
-    def __init__(self, name: str, regions: Sequence[MemoryRegion], *, busy: Callable[[], bool] = lambda: False,
+    def __init__(self, name: str, regions: Sequence[MemoryRegion], *, readers: Callable[[], str] = lambda: "none",
                  pace: ProgressPace | None = None) -> None:
         if not regions:
             raise SourceError("the pool reports no memory regions to register")
@@ -54,7 +55,7 @@ class RankAgent:
         except ImportError as e:
             raise SourceError(f"NIXL is not importable ({e}); the source service needs it") from e
         self.name = name
-        self._busy = busy
+        self._readers = readers
         self.pace = pace if pace is not None else ProgressPace(ucx_tls=os.environ.get("UCX_TLS"))
         #: the mode in effect: ``event`` (NIXL's thread) or ``poll`` (ours; asked for, or NIXL could not)
         self.progress_mode = "poll"
@@ -97,7 +98,7 @@ class RankAgent:
             self._thread.start()
 
     def wake(self) -> None:
-        """Poll mode: make progress now and poll at the busy pace (a lease just opened); cheap, any thread."""
+        """Poll mode: make progress now, then poll at the pace for the new readers (a lease opened); any thread."""
         self._wake.set()
 
     def _progress(self) -> None:
@@ -111,7 +112,7 @@ class RankAgent:
                 if now - last_error > 10:
                     log.warning("NIXL agent %s: progress failed: %s", self.name, e)
                     last_error = now
-            self._wake.wait(self.pace.poll_interval_s(self._busy()))
+            self._wake.wait(self.pace.poll_interval_s(self._readers()))
 
     def close(self) -> None:
         """Stop progress, deregister the pool, drop the agent; idempotent."""

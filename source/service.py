@@ -213,7 +213,7 @@ class SourceService:
     def _lease_table_changed(self, open_leases: int, pinned: int) -> None:
         self.metrics.lease_table_changed(open_leases, pinned)
         agent = self._agent  # None until _start_local made it
-        if open_leases and agent is not None:  # a reader is about to READ: progress now, then at the busy pace
+        if open_leases and agent is not None:  # a reader is about to READ: progress now, then at its pace
             agent.wake()
 
     def _lease_ended(self, lease_id: int) -> None:
@@ -288,8 +288,9 @@ class SourceService:
                                      max_piece_bytes=cfg.gather_max_piece_kib << 10,
                                      chunk_bytes=cfg.gather_chunk_kib << 10, observe=self.metrics.gather_outcome)
         self._agent = RankAgent(agent_name_for(self.worker_id, self.rank), list(regions) + staging_regions,
-                                busy=lambda: self.leases.open_leases > 0, pace=cfg.progress_pace())
+                                readers=self.leases.readers, pace=cfg.progress_pace())
         self._agent.start_progress()
+        self.metrics.progress_mode.labels(self._agent.progress_mode).set(1)
         sibling_endpoint = None
         if self.rank > 0:
             directory = prepare_ipc_dir(cfg.ipc_dir or default_ipc_dir())

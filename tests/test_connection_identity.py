@@ -9,6 +9,7 @@ of it.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 import zmq
 from zmq_clients import call_with_routing_id
 
+from remote_g2.connection_identity import is_local, new_identity, peer_is_local
 from remote_g2.curve import CurveClientConfig, CurveServerConfig, generate_keypair
 from remote_g2.messages import Release, ReleaseReply
 from remote_g2.rpc_client import RpcClient
@@ -54,7 +56,8 @@ def test_identities_are_per_connection_and_never_follow_a_routing_id(workers: in
         a_ids = {rec.seen[100 + i] for i in range(5)}
         b_ids = {rec.seen[200 + i] for i in range(5)}
         assert len(a_ids) == 1 and len(b_ids) == 1 and a_ids != b_ids
-        assert all(isinstance(x, bytes) and len(x) == 16 for x in a_ids | b_ids)
+        assert all(isinstance(x, bytes) and len(x) == 17 for x in a_ids | b_ids)
+        assert all(is_local(x) for x in a_ids | b_ids)  # over loopback: a reader on this host
         # One routing id, three connections one after another (each on the descriptor the last one freed):
         # three identities.
         for k in range(3):
@@ -117,6 +120,50 @@ def test_with_curve_and_no_allow_list_the_clients_key_is_still_part_of_its_ident
         _dealer_call(endpoint, b"a", 1, client)
         _dealer_call(endpoint, b"b", 2, anonymous)
         assert rec.seen[1].startswith(client.public_key + b"/")
-        assert len(rec.seen[2]) == 40 + 1 + 16 and not rec.seen[2].startswith(client.public_key)
+        assert len(rec.seen[2]) == 40 + 1 + 17 and not rec.seen[2].startswith(client.public_key)
+    finally:
+        server.close()
+
+
+class _Connected:
+    """Stands in for a connected socket whose peer is another host (no second host is reachable from a unit test)."""
+
+    family = socket.AF_INET
+
+    def __init__(self, peer: str, own: str) -> None:
+        self._peer, self._own = peer, own
+
+    def getpeername(self) -> tuple[str, int]:
+        return self._peer, 40000
+
+    def getsockname(self) -> tuple[str, int]:
+        return self._own, 5555
+
+
+def test_an_identity_records_whether_its_peer_is_on_this_host() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    with listener, socket.create_connection(listener.getsockname()) as client:
+        accepted, _ = listener.accept()
+        with accepted:
+            assert peer_is_local(accepted) and peer_is_local(client)
+    a, b = socket.socketpair(socket.AF_UNIX)
+    with a, b:
+        assert peer_is_local(a)
+    assert peer_is_local(_Connected("10.0.0.5", "10.0.0.5"))  # our own address: another process of this host
+    assert not peer_is_local(_Connected("10.0.0.7", "10.0.0.5"))  # another host
+    assert is_local(new_identity(local=True)) and not is_local(new_identity())  # unknown counts as elsewhere
+    assert is_local(new_identity(b"K" * 40, local=True)) and not is_local(new_identity(b"K" * 40))
+
+
+def test_the_stream_lane_marks_a_loopback_reader_local() -> None:
+    from remote_g2.rpc_stream import StreamRpcServer
+
+    rec = Recorder()
+    server = StreamRpcServer("tcp+stream://127.0.0.1:0", {"release": rec})
+    endpoint = server.start()
+    try:
+        with RpcClient(endpoint, timeout_ms=3000) as c:
+            c.call(Release(7))
+        assert is_local(rec.seen[7])
     finally:
         server.close()

@@ -551,6 +551,7 @@ class FakeAgent:
 
     def __init__(self, name: str, regions: object, **kw: object) -> None:
         self.name = name
+        self.progress_mode = "poll"
         self.metadata = b"fake-metadata:" + name.encode()
 
     def start_progress(self) -> None:

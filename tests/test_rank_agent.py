@@ -20,7 +20,7 @@ import pytest
 
 from remote_g2.secondary_pool import MemoryRegion
 from remote_g2.source.config import SourceConfig
-from remote_g2.source.progress_pace import ProgressPace, reads_need_source
+from remote_g2.source.progress_pace import ProgressPace, cma_usable, reads_need_source
 from remote_g2.source.rank_agent import RankAgent
 from remote_g2.errors import ConfigError
 
@@ -42,22 +42,42 @@ def test_which_transports_need_the_sources_progress(ucx_tls: str | None, needs: 
     assert reads_need_source(ucx_tls) is needs
 
 
-def test_poll_paces_by_state_and_fabric() -> None:
-    tcp = ProgressPace(mode="poll", emulated_s=0.0002, one_sided_s=0.005, idle_s=1.0, ucx_tls="tcp")
-    cma = ProgressPace(mode="poll", emulated_s=0.0002, one_sided_s=0.005, idle_s=1.0, ucx_tls="cma,self")
-    assert tcp.poll_interval_s(leases_open=True) == 0.0002  # every READ waits for our progress
-    assert cma.poll_interval_s(leases_open=True) == 0.005  # only wire-ups do
-    assert tcp.poll_interval_s(leases_open=False) == cma.poll_interval_s(leases_open=False) == 1.0
-    assert "event-driven" in tcp.describe("event") and "0.2 ms" in tcp.describe("poll")
-    assert "one-sided" in cma.describe("poll")
+@pytest.mark.parametrize(("ucx_tls", "cma_ok", "local", "remote"), [
+    (None, True, 0.005, 0.0002),           # the default: cma on this host, TCP (or RDMA) elsewhere
+    (None, False, 0.0002, 0.0002),         # the kernel forbids cma: this host's READs are mailbox messages
+    ("tcp", True, 0.0002, 0.0002),         # UCX_TLS=tcp: every READ is emulated
+    ("^tcp,ud,mm", True, 0.005, 0.005),    # nothing emulating left: only wire-ups need us
+    ("rc_x,cma,self", True, 0.005, 0.005),
+    ("posix,tcp", True, 0.0002, 0.0002),   # no cma allowed
+])
+def test_poll_paces_by_where_the_readers_are(ucx_tls: str | None, cma_ok: bool, local: float, remote: float) -> None:
+    pace = ProgressPace(mode="poll", emulated_s=0.0002, one_sided_s=0.005, idle_s=1.0, ucx_tls=ucx_tls, cma_ok=cma_ok)
+    assert pace.poll_interval_s("local") == local
+    assert pace.poll_interval_s("remote") == remote
+    assert pace.poll_interval_s("none") == 1.0  # no lease open: nobody is reading
+    assert "event-driven" in pace.describe("event") and "UCX_TLS" in pace.describe("poll")
+
+
+@pytest.mark.parametrize(("scope", "cap_eff", "usable"), [
+    (None, "0", True), ("0", "0", True), ("1", "0", True),   # no Yama / classic / UCX sets PR_SET_PTRACER
+    ("2", "0000000000080000", True), ("2", "0", False),      # admin-only: CAP_SYS_PTRACE (bit 19) needed
+    ("3", "000001ffffffffff", False),                        # no attach at all
+])
+def test_cma_follows_the_kernels_ptrace_policy(tmp_path: Path, scope: str | None, cap_eff: str, usable: bool) -> None:
+    (tmp_path / "self").mkdir()
+    (tmp_path / "self" / "status").write_text(f"Name:\tpython\nCapEff:\t{cap_eff}\n")
+    if scope is not None:
+        (tmp_path / "sys" / "kernel" / "yama").mkdir(parents=True)
+        (tmp_path / "sys" / "kernel" / "yama" / "ptrace_scope").write_text(scope + "\n")
+    assert cma_usable(str(tmp_path)) is usable
 
 
 def test_the_source_config_builds_the_pace_and_rejects_bad_settings() -> None:
-    cfg = SourceConfig.from_env({"REMOTE_G2_SOURCE_PROGRESS": "Poll", "REMOTE_G2_SOURCE_ONE_SIDED_PROGRESS_MS": "2",
+    cfg = SourceConfig.from_env({"REMOTE_G2_SOURCE_PROGRESS": "Event", "REMOTE_G2_SOURCE_ONE_SIDED_PROGRESS_MS": "2",
                                  "REMOTE_G2_SOURCE_EVENT_TIMEOUT_MS": "50"})
     pace = cfg.progress_pace("cma")
-    assert (pace.mode, pace.one_sided_s, pace.event_timeout_s, pace.ucx_tls) == ("poll", 0.002, 0.05, "cma")
-    assert SourceConfig().progress == "event" and SourceConfig().idle_progress_interval_ms >= 1000
+    assert (pace.mode, pace.one_sided_s, pace.event_timeout_s, pace.ucx_tls) == ("event", 0.002, 0.05, "cma")
+    assert SourceConfig().progress == "poll" and SourceConfig().idle_progress_interval_ms >= 1000
     with pytest.raises(ConfigError, match="progress"):
         SourceConfig.from_env({"REMOTE_G2_SOURCE_PROGRESS": "spin"})
     with pytest.raises(ConfigError, match="EVENT_TIMEOUT"):
@@ -124,10 +144,11 @@ def test_reads_complete_in_each_mode_and_an_idle_source_takes_no_cpu(mode: str, 
     Over TCP each READ is messages the source must answer: event mode answers
     them because UCX wakes NIXL's thread, poll mode because leases are "open"
     (the source here is always busy). Idle, in event mode, costs only NIXL's
-    timed wake-ups (10 a second by default).
+    timed wake-ups (every 5 ms by default).
     """
     run = _run_pair(mode, fabric, tmp_path)  # raises on a wrong byte, a stalled READ, or a mode not in effect
     assert run["mode"] == mode and run["bytes_checked"] == {"warmup": True, "last_read": True}
-    assert run["poll_interval_s"] == (None if mode == "event" else 0.0002)  # UCX_TLS unset or tcp: emulated pace
+    # the reader is on this host: cma (one-sided) unless UCX_TLS=tcp, where every READ is emulated
+    assert run["poll_interval_s"] == (None if mode == "event" else {"one-host": 0.005 if cma_usable() else 0.0002, "tcp": 0.0002}[fabric])
     if mode == "event":
         assert run["idle_cpu_pct_per_source"] < 5, f"an idle event-driven source used {run['idle_cpu_pct']} % CPU"

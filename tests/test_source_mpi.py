@@ -526,9 +526,11 @@ def test_metrics_are_served_per_rank(make_worker) -> None:
     assert 'remote_g2_source_resolves_total{outcome="miss"} 1.0' in text0
     assert "remote_g2_source_leases_released_total 1.0" in text0
     assert "remote_g2_source_resolve_seconds_bucket" in text0
+    assert 'remote_g2_source_progress_mode{mode="poll"} 1.0' in text0  # the default
     text1 = urllib.request.urlopen(f"http://127.0.0.1:{port + 1}/metrics", timeout=5).read().decode()
     assert "remote_g2_source_blocks_pinned 0.0" in text1
     assert 'remote_g2_source_requests_total{outcome="ok",type="sibling_resolve"}' in text1  # forwarded as it arrived
+    assert 'remote_g2_source_progress_mode{mode="poll"} 1.0' in text1
     worker.stop()
 
 

@@ -17,6 +17,7 @@ import zmq
 from remote_g2.adapters.host_pool import HostPool
 from remote_g2.source import PinBudget, SourceConfig, maybe_start_source_service
 from remote_g2.source import service as service_mod
+from remote_g2.connection_identity import new_identity
 from remote_g2.source.leases import LeaseTable
 from remote_g2.tp_group import RankRecord, TpGroup, exchange
 from source_procs.pattern import block_bytes_for, hash_of, make_layout
@@ -98,6 +99,21 @@ def test_pin_trim_release_leaves_no_pins() -> None:
     assert table.release(1, b"a") is True and table.release(1, b"a") is False
     assert pool.stats()["total_pins"] == 0 and budget.available == 32
     assert table.trim(1, 2) is False and table.open_leases == 0 and table.pinned_blocks == 0
+
+
+def test_the_table_says_where_its_readers_are() -> None:
+    """The source's progress pace reads this: a reader on another host may need every READ answered."""
+    table = LeaseTable(_pool())
+    here, elsewhere = new_identity(local=True), new_identity()
+    assert table.readers() == "none"
+    table.pin(1, _hashes(0, 2), time.monotonic() + 10, here)
+    assert table.readers() == "local"
+    table.pin(2, _hashes(2, 2), time.monotonic() + 10, elsewhere)
+    assert table.readers() == "remote"
+    table.release(2, elsewhere)
+    assert table.readers() == "local"
+    table.release(1, here)
+    assert table.readers() == "none"
 
 
 def test_pin_of_a_missing_prefix_records_nothing() -> None:
@@ -354,6 +370,7 @@ class FakeAgent:
 
     def __init__(self, name: str, regions, **kw) -> None:
         self.name = name
+        self.progress_mode = "poll"
         self.metadata = b"fake-metadata:" + name.encode()
         self.closed = False
         self.wakes = 0

@@ -3,8 +3,8 @@
     python bench/progress_procs/source.py MODE --mib N --seed S
 
 A :class:`~remote_g2.source.rank_agent.RankAgent` (progress ``event`` or
-``poll``; poll with ``busy=lambda: True``, as while leases are open, so it
-paces at :meth:`ProgressPace.poll_interval_s(True)` for this ``UCX_TLS``)
+``poll``; poll as while a reader on this host holds a lease, so it paces at
+:meth:`ProgressPace.poll_interval_s("local")` for this ``UCX_TLS``)
 over ``--mib`` MiB of :func:`pattern` bytes for ``--seed``. Prints one JSON
 line ``{"metadata", "base", "nbytes", "mode", "pace", "poll_interval_s",
 "pid"}`` (``poll_interval_s``: null in event mode; NIXL logs on stdout too:
@@ -35,18 +35,18 @@ def pattern(seed: int, nbytes: int) -> np.ndarray:
 
 def serve(mode: str, mib: int, seed: int) -> None:
     from remote_g2.secondary_pool import MemoryRegion
-    from remote_g2.source.progress_pace import ProgressPace
+    from remote_g2.source.config import SourceConfig
     from remote_g2.source.rank_agent import RankAgent
 
     buf = pattern(seed, mib << 20)
-    pace = ProgressPace(mode=mode, ucx_tls=os.environ.get("UCX_TLS"))
+    pace = SourceConfig.from_env().with_overrides(progress=mode).progress_pace()  # REMOTE_G2_SOURCE_*_MS apply
     agent = RankAgent(f"bench-progress-src{seed}-{os.getpid()}", [MemoryRegion(buf.ctypes.data, buf.nbytes)],
-                      busy=lambda: True, pace=pace)
+                      readers=lambda: "local", pace=pace)  # the reader runs on this host
     try:
         agent.start_progress()
         print(json.dumps({"metadata": agent.metadata.hex(), "base": buf.ctypes.data, "nbytes": buf.nbytes,
                           "mode": agent.progress_mode, "pace": pace.describe(agent.progress_mode),
-                          "poll_interval_s": pace.poll_interval_s(True) if agent.progress_mode == "poll" else None,
+                          "poll_interval_s": pace.poll_interval_s("local") if agent.progress_mode == "poll" else None,
                           "pid": os.getpid()}), flush=True)
         for line in sys.stdin:
             cmd = line.strip()
