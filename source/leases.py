@@ -55,6 +55,9 @@ log = logging.getLogger("remote_g2.source.leases")
 #: How many released lease ids a table remembers (each costs ~100 bytes).
 MAX_TOMBSTONES = 65_536
 
+#: Connections remembered as served (an owner forgotten is only polled fast again for its next lease)
+_SERVED_OWNERS = 4096
+
 
 class PinBudget:
     """How many blocks remote leases may hold pinned on one rank; thread-safe."""
@@ -152,6 +155,7 @@ class LeaseTable:
         self._tombstone_ttl = tombstone_ttl_s
         self._pinned = 0
         self._lock = threading.Lock()
+        self._served: OrderedDict[bytes, None] = OrderedDict()  # owners that released a lease (see readers())
         self._on_change = on_change
         self._on_end = on_end
 
@@ -162,11 +166,20 @@ class LeaseTable:
         return len(self._leases)
 
     def readers(self) -> str:
-        """Where the open leases' readers are: ``none``, ``local`` (all on this host) or ``remote`` (any elsewhere)."""
+        """Who holds the open leases, for the progress pace (``source/progress_pace.py``).
+
+        ``none``; ``new``: a connection that has not yet released a lease here
+        holds one (its reader's first READ may still be wiring UCX up, which
+        needs this side's progress); ``local``: only readers on this host;
+        ``remote``: any reader elsewhere.
+        """
         with self._lock:
             if not self._leases:
                 return "none"
-            return "local" if all(is_local(lease.owner) for lease in self._leases.values()) else "remote"
+            owners = {lease.owner for lease in self._leases.values()}
+            if any(owner not in self._served for owner in owners):
+                return "new"
+        return "local" if all(is_local(owner) for owner in owners) else "remote"
 
     @property
     def pinned_blocks(self) -> int:
@@ -299,6 +312,10 @@ class LeaseTable:
             if lease is None:
                 return None
             self._pinned -= len(lease.block_ids)
+            self._served[lease.owner] = None
+            self._served.move_to_end(lease.owner)
+            if len(self._served) > _SERVED_OWNERS:
+                self._served.popitem(last=False)
         self._unpin(lease.block_ids, lease_id)
         self._changed()
         self._ended(lease_id)

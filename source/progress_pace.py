@@ -23,9 +23,10 @@ Two modes:
     Our own thread calls into the agent at :meth:`ProgressPace.poll_interval_s`
     for where the open leases' readers are (their connections say:
     :func:`remote_g2.connection_identity.is_local`): ``emulated_s`` while a
-    reader whose READs may be emulated holds a lease, ``one_sided_s`` while
-    every reader's READs are one-sided (only wire-ups need us), ``idle_s``
-    while no lease is open (no reader is reading); a lease opening wakes it.
+    reader whose READs may be emulated holds a lease, or one this rank has
+    not served before (its wire-up), ``one_sided_s`` while every reader's
+    READs are one-sided, ``idle_s`` while no lease is open (no reader is
+    reading); a lease opening wakes it.
 ``event``
     NIXL's own progress thread, sleeping in ``poll()`` on the UCX worker's
     event descriptor: woken at once by emulated READs and wire-ups, never
@@ -42,8 +43,8 @@ from dataclasses import dataclass
 __all__ = ["MODES", "READERS", "ProgressPace", "cma_usable", "local_reads_one_sided", "reads_need_source"]
 
 MODES = ("poll", "event")
-#: where the open leases' readers are, as :meth:`source.leases.LeaseTable.readers` says
-READERS = ("none", "local", "remote")
+#: who holds the open leases, as :meth:`source.leases.LeaseTable.readers` says
+READERS = ("none", "new", "local", "remote")
 
 #: UCX transports (and aliases) whose READ (get) completes without the remote side's progress.
 ONE_SIDED_TRANSPORTS = frozenset({
@@ -147,6 +148,8 @@ class ProgressPace:
         """Poll mode: how long to sleep between two progress calls while the leases' readers are ``readers``."""
         if readers == "none":
             return self.idle_s
+        if readers == "new":  # a reader's first READ: UCX's wire-up waits on us
+            return self.emulated_s
         if readers == "local":
             return self.one_sided_s if local_reads_one_sided(self.ucx_tls, self.cma_ok) else self.emulated_s
         return self.emulated_s if self.reads_need_source else self.one_sided_s

@@ -55,6 +55,7 @@ def test_poll_paces_by_where_the_readers_are(ucx_tls: str | None, cma_ok: bool, 
     assert pace.poll_interval_s("local") == local
     assert pace.poll_interval_s("remote") == remote
     assert pace.poll_interval_s("none") == 1.0  # no lease open: nobody is reading
+    assert pace.poll_interval_s("new") == 0.0002  # a reader's first READ: the wire-up waits on us
     assert "event-driven" in pace.describe("event") and "UCX_TLS" in pace.describe("poll")
 
 

@@ -102,17 +102,23 @@ def test_pin_trim_release_leaves_no_pins() -> None:
 
 
 def test_the_table_says_where_its_readers_are() -> None:
-    """The source's progress pace reads this: a reader on another host may need every READ answered."""
+    """The source's progress pace reads this: a new reader wires UCX up, one elsewhere may need every READ answered."""
     table = LeaseTable(_pool())
     here, elsewhere = new_identity(local=True), new_identity()
     assert table.readers() == "none"
     table.pin(1, _hashes(0, 2), time.monotonic() + 10, here)
-    assert table.readers() == "local"
-    table.pin(2, _hashes(2, 2), time.monotonic() + 10, elsewhere)
-    assert table.readers() == "remote"
-    table.release(2, elsewhere)
-    assert table.readers() == "local"
+    assert table.readers() == "new"  # its first lease: the reader's first READ connects to us
     table.release(1, here)
+    table.pin(2, _hashes(0, 2), time.monotonic() + 10, here)
+    assert table.readers() == "local"
+    table.pin(3, _hashes(2, 2), time.monotonic() + 10, elsewhere)
+    assert table.readers() == "new"
+    table.release(3, elsewhere)
+    table.pin(4, _hashes(2, 2), time.monotonic() + 10, elsewhere)
+    assert table.readers() == "remote"
+    table.release(4, elsewhere)
+    assert table.readers() == "local"
+    table.release(2, here)
     assert table.readers() == "none"
 
 
