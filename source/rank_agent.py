@@ -61,6 +61,7 @@ class RankAgent:
         self.progress_mode = "poll"
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._asleep_for = float("inf")  # the interval the progress thread waits out now
         self._thread: threading.Thread | None = None
         self._closed = False
         self._regs: list[Any] = []
@@ -98,8 +99,14 @@ class RankAgent:
             self._thread.start()
 
     def wake(self) -> None:
-        """Poll mode: make progress now, then poll at the pace for the new readers (a lease opened); any thread."""
-        self._wake.set()
+        """Poll mode: a lease opened; make progress now if its readers need a faster pace than the one asleep.
+
+        A reader on this host that READs one-sided needs nothing from us once
+        wired up, so its leases do not cut a sleep at their own pace short
+        (a wake there costs a switch to this thread just as its READ starts).
+        """
+        if self.pace.poll_interval_s(self._readers()) < self._asleep_for:
+            self._wake.set()
 
     def _progress(self) -> None:
         last_error = 0.0
@@ -112,7 +119,8 @@ class RankAgent:
                 if now - last_error > 10:
                     log.warning("NIXL agent %s: progress failed: %s", self.name, e)
                     last_error = now
-            self._wake.wait(self.pace.poll_interval_s(self._readers()))
+            self._asleep_for = self.pace.poll_interval_s(self._readers())
+            self._wake.wait(self._asleep_for)
 
     def close(self) -> None:
         """Stop progress, deregister the pool, drop the agent; idempotent."""

@@ -97,8 +97,10 @@ def _wait_for(cond, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
 def test_a_wake_makes_progress_at_once_instead_of_after_the_idle_sleep() -> None:
     """Poll mode: a lease opening must not wait out the idle pace (over TCP every READ needs the source)."""
     buf = np.zeros(1 << 16, dtype=np.uint8)
+    readers = ["none"]
     agent = RankAgent(f"test-rank-agent-{os.getpid()}", [MemoryRegion(buf.ctypes.data, buf.nbytes)],
-                      pace=ProgressPace(mode="poll", idle_s=30.0, emulated_s=30.0, one_sided_s=30.0))
+                      readers=lambda: readers[0],
+                      pace=ProgressPace(mode="poll", idle_s=30.0, emulated_s=0.5, one_sided_s=30.0, cma_ok=True))
     assert agent.progress_mode == "poll"
     calls: list[float] = []
     real = agent._agent.get_new_notifs
@@ -108,10 +110,16 @@ def test_a_wake_makes_progress_at_once_instead_of_after_the_idle_sleep() -> None
         assert _wait_for(lambda: len(calls) == 1, 5.0)
         time.sleep(0.3)
         assert len(calls) == 1  # idle: asleep for 30 s
+        readers[0] = "local"  # a lease of a reader on this host that READs with cma: no hurry
+        agent.wake()
+        time.sleep(0.3)
+        assert len(calls) == 1
+        readers[0] = "remote"  # one elsewhere (UCX_TLS unset: READs may be emulated)
         woke_at = time.monotonic()
         agent.wake()
-        assert _wait_for(lambda: len(calls) == 2, 2.0)
-        assert calls[1] - woke_at < 0.5
+        assert _wait_for(lambda: len(calls) == 2, 0.3)
+        assert calls[1] - woke_at < 0.3
+        assert _wait_for(lambda: len(calls) == 3, 2.0)  # and it keeps the emulated pace (0.5 s here)
     finally:
         t0 = time.monotonic()
         agent.close()  # also wakes the thread: closing never waits out a sleep
