@@ -1,10 +1,10 @@
 """The source rank's NIXL agent (source/rank_agent.py) and its progress rule (source/progress_pace.py).
 
 The rule is pinned as a table; the agent with real NIXL agents: a reader in
-another process READs a source's pool over each fabric (``cma`` on one
-host, ``UCX_TLS=tcp`` where every READ needs the source) in each mode, and
-the source's CPU is measured while it is idle (the processes of
-``bench/bench_source_progress.py``).
+another process READs a source's pool on one host (``cma``) in each mode,
+and the source's CPU is measured while it is idle (the processes of
+``bench/bench_source_progress.py``, whose smoke test runs both modes over
+``UCX_TLS=tcp``, where every READ needs the source).
 """
 
 from __future__ import annotations
@@ -150,10 +150,10 @@ def _run_pair(mode: str, fabric: str, tmp_path: Path) -> dict:
 def test_reads_complete_in_each_mode_and_an_idle_source_takes_no_cpu(mode: str, fabric: str, tmp_path: Path) -> None:
     """Every READ of 4 MiB comes back byte-exact; then, with no reader, the source sleeps.
 
-    Over TCP each READ is messages the source must answer: event mode answers
-    them because UCX wakes NIXL's thread, poll mode because leases are "open"
-    (the source here is always busy). Idle, in event mode, costs only NIXL's
-    timed wake-ups (every 5 ms by default).
+    The reader is on this host: its READs are one-sided (``cma``), the
+    wire-up is what needs the source. Idle, in event mode, costs only NIXL's
+    timed wake-ups (every 5 ms by default); poll mode's pace is the one for
+    readers on this host.
     """
     run = _run_pair(mode, fabric, tmp_path)  # raises on a wrong byte, a stalled READ, or a mode not in effect
     assert run["mode"] == mode and run["bytes_checked"] == {"warmup": True, "last_read": True}
