@@ -22,7 +22,6 @@ thread, memory deregistration, agent.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -46,8 +45,8 @@ def agent_name_for(worker_id: str, rank: int) -> str:
 class RankAgent:
     """Create the agent, register ``regions``; ``start_progress()`` then ``close()``."""
 
-    def __init__(self, name: str, regions: Sequence[MemoryRegion], *, readers: Callable[[], str] = lambda: "none",
-                 pace: ProgressPace | None = None) -> None:
+    def __init__(self, name: str, regions: Sequence[MemoryRegion], *, pace: ProgressPace,
+                 readers: Callable[[], str] = lambda: "none") -> None:
         if not regions:
             raise SourceError("the pool reports no memory regions to register")
         try:
@@ -56,7 +55,7 @@ class RankAgent:
             raise SourceError(f"NIXL is not importable ({e}); the source service needs it") from e
         self.name = name
         self._readers = readers
-        self.pace = pace if pace is not None else ProgressPace(ucx_tls=os.environ.get("UCX_TLS"))
+        self.pace = pace  # SourceConfig.progress_pace(): UCX_TLS and the kernel's cma policy read once
         #: the mode in effect: ``event`` (NIXL's thread) or ``poll`` (ours; asked for, or NIXL could not)
         self.progress_mode = "poll"
         self._stop = threading.Event()
