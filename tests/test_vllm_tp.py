@@ -85,14 +85,15 @@ def test_tp_pairings_land_the_sources_kv_bit_for_bit_and_generate_as_plain_vllm(
     env_a, env_b = ({**PATIENT, **(vh.IN_PROCESS if tp == 1 else {})} for tp in (tp_a, tp_b))
     with vh.source_a(tmp_path, model_dir, prompts, registry, 3 * FULL, "--dump-g2", str(tmp_path / "g2-a"),
                      tp=tp_a, env=env_a) as (a, out_a):
-        # The sync run's scheduler also looks up from an in-process registry mirror (it follows the feed).
-        mirror = ["--registry-mirror"] if load == "sync" else []
+        # The async runs' schedulers ask the registry server; the sync run's, by default, its in-process
+        # registry mirror (which follows the feed).
+        mirror = ["--registry-mirror", "off"] if load == "async" else []
         b = vh.Instance(tmp_path, "b", model_dir, prompts, registry, "--dump-g2", str(tmp_path / "g2-b"),
                         "--load", load, *mirror, tp=tp_b, env=env_b, nice=READER_NICE)
         out_b = b.run()
     log_b = b.text()
     why = f"{log_b[-4000:]}\n--- source A's log ---\n{a.tail()}"  # a stalled load may be the source's doing
-    if mirror:  # the mirror was complete before the first request, which the engine's start-up takes longer than
+    if not mirror:  # the mirror was complete before the first request, which the engine's start-up takes longer than
         assert "registry lookups are answered by the in-process registry mirror" in log_b, why
     assert [o["num_cached_tokens"] for o in out_b] == [FULL * BLOCK] * 3, why
     assert log_b.count(f"{FULL} of {FULL} blocks loaded from a remote G2") == 3 * tp_b, why

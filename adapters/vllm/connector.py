@@ -32,8 +32,14 @@ Worker side (each model runner; one per TP rank)
   resolves each load and hands every rank its share (heterogeneous TP as the
   core plans it), and the ranks agree on what each step decides
   (:mod:`.tp_sync`).
-  ``wait_for_save`` copies the step's full prompt blocks into G2 (the
-  source's pool listener publishes them to the registry). ``start_load_kv``
+  ``wait_for_save`` queues the step's new full prompt blocks for the
+  worker's copy thread (:mod:`.saver`), which copies them into G2 beside the
+  engine's next step; the source's pool listener publishes them to the
+  registry once copied. A finished request's blocks are kept (vLLM's delayed
+  free: ``request_finished`` says so, ``get_finished`` reports the request
+  finished sending) until no copy reads them, and ``handle_preemptions``
+  waits for a preempted request's copies before its blocks can be reused.
+  ``start_load_kv``
   starts each request's load: blocks already in this worker's G2 are copied
   at once, blocks another request is already fetching are waited for
   (:mod:`.fetches`: one READ per block), the rest are read into landing
@@ -72,6 +78,7 @@ from ..landing_slots import LandingSlots, valid_prefix
 from . import block_identity
 from .fetches import FetchTable, RequestLoad
 from .kv_blocks import VllmKvLayout
+from .saver import BlockSaver
 from .settings import ConnectorSettings
 from .tp_sync import FetchOutcome, TpSync
 
@@ -96,6 +103,11 @@ __all__ = ["RemoteG2Connector", "RemoteG2ConnectorMetadata", "RemoteG2WorkerMeta
            "check_vllm_config"]
 
 log = logging.getLogger("remote_g2.adapters.vllm")
+
+#: How long a step waits for the copies of a preempted request's blocks before it drops them.
+_PREEMPT_WAIT_S = 30.0
+#: Tests only: called in the saver's thread between a job's gather and its store (see :mod:`.saver`).
+_SAVE_COPY_HOOK: Any = None
 
 
 def _tp_comm(tp_size: int) -> Any:
@@ -147,11 +159,14 @@ class _Load:
 
 @dataclass
 class RemoteG2ConnectorMetadata(KVConnectorMetadata):
-    """One step's plan, scheduler → worker: loads to start, full prompt blocks to save."""
+    """One step's plan, scheduler → worker: loads to start, full prompt blocks to save (of which request),
+    requests vLLM preempted (their blocks may be reused in this very step)."""
 
     loads: list[_Load] = field(default_factory=list)
     save_hashes: list[bytes] = field(default_factory=list)
     save_block_ids: list[int] = field(default_factory=list)
+    save_request_ids: list[str] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -221,6 +236,9 @@ class RemoteG2Connector(KVConnectorBase_V1):
         self.source: Any = None
         self.target: Any = None
         self._landing: LandingSlots | None = None
+        self._saver: BlockSaver | None = None
+        self._save_reqs: set[str] = set()  # requests some step's metadata sent blocks of for saving
+        self._finishing: set[str] = set()  # of those, finished by vLLM: their blocks are kept until copied
         self._fetches = FetchTable()
         self._sync = TpSync()
         self._load_errors: set[int] = set()
@@ -383,7 +401,8 @@ class RemoteG2Connector(KVConnectorBase_V1):
                 self._failed_sources.note_failure(state.source[0], rid)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = RemoteG2ConnectorMetadata(loads=self._pending_loads)
+        meta = RemoteG2ConnectorMetadata(loads=self._pending_loads,
+                                         preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ()))
         self._pending_loads = []
         if not self.settings.source or self._scheduler_fingerprint() is None:
             return meta
@@ -392,7 +411,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
             if state is not None:
                 state.blocks = list(new.block_ids[0])
                 after = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
-                self._plan_save(meta, state, after)
+                self._plan_save(meta, new.req_id, state, after)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._reqs.get(req_id)
@@ -404,25 +423,30 @@ class RemoteG2Connector(KVConnectorBase_V1):
                     state.blocks = list(new_ids[0])
                 else:
                     state.blocks.extend(new_ids[0])
-            self._plan_save(meta, state, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id])
+            self._plan_save(meta, req_id, state,
+                            cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id])
         return meta
 
-    def _plan_save(self, meta: RemoteG2ConnectorMetadata, state: _ReqState, computed_after_step: int) -> None:
+    def _plan_save(self, meta: RemoteG2ConnectorMetadata, request_id: str, state: _ReqState,
+                   computed_after_step: int) -> None:
         full = min(len(state.hashes), computed_after_step // self.block_size, len(state.blocks))
         if full > state.saved:
             meta.save_hashes += state.hashes[state.saved:full]
             meta.save_block_ids += state.blocks[state.saved:full]
+            meta.save_request_ids += [request_id] * (full - state.saved)
             state.saved = full
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Saves are synchronous (``wait_for_save``), so nothing here needs the blocks kept.
+        """Keep the blocks of a request that had blocks sent for saving until the workers' copies of them ended.
 
+        The rule is the workers' too: a request any step's metadata named in ``save_request_ids`` is
+        reported finished sending (``get_finished``) once no copy reads its blocks; vLLM frees them then.
         A request finished while its remote load runs is in ``WAITING_FOR_REMOTE_KVS``: vLLM itself
         keeps its blocks until the worker reports it received, which happens only after its fetches
         ended (and nothing is copied into them then).
         """
-        self._reqs.pop(request.request_id, None)
-        return False, None
+        state = self._reqs.pop(request.request_id, None)
+        return (state is not None and state.saved > 0), None
 
     # ======================= worker side =======================
 
@@ -460,6 +484,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
         self._pool = HostPool(kv.g2_layout(s.g2_blocks + s.landing_blocks), reserved_blocks=s.landing_blocks)
         self._pool_rows = kv.pool_view(self._pool.tensor)
         self._landing = LandingSlots(self._pool.reserved_block_ids, clock=self._sync.now)
+        self._saver = BlockSaver(kv, self._pool, copy_hook=_SAVE_COPY_HOOK)
         common = {"registry_endpoint": s.registry, "fingerprint": fp}
         if s.ipc_dir:
             common["ipc_dir"] = s.ipc_dir
@@ -485,14 +510,19 @@ class RemoteG2Connector(KVConnectorBase_V1):
         assert isinstance(meta, RemoteG2ConnectorMetadata)
         if not meta.loads:
             return
-        # A block is copied from this instance's own G2 only if every rank holds it (one exchange a step);
-        # nothing evicts from G2 until this step's loads started (this thread alone stores into it).
+        # A block is copied from this instance's own G2 only if every rank holds it (one exchange a step).
+        # Each is pinned until its copy is done: the saver's thread stores into G2 meanwhile, and may evict.
         wanted = list(dict.fromkeys(h for load in meta.loads for h in load.hashes))
-        rows = [None if self._pool is None else self._pool.lookup(h) for h in wanted]
-        agreed = self._sync.held_everywhere([row is not None for row in rows])
-        everywhere = {h: row for h, row, ok in zip(wanted, rows, agreed) if ok}
-        for load in meta.loads:
-            self._start_load(load, everywhere)
+        rows = [None] * len(wanted) if self._pool is None else \
+            [(pinned[0] if (pinned := self._pool.find_and_pin([h])) else None) for h in wanted]
+        try:
+            agreed = self._sync.held_everywhere([row is not None for row in rows])
+            everywhere = {h: row for h, row, ok in zip(wanted, rows, agreed) if ok}
+            for load in meta.loads:
+                self._start_load(load, everywhere)
+        finally:
+            if any(row is not None for row in rows):
+                self._pool.unpin_blocks_by_id([row for row in rows if row is not None])
         if self.settings.load == "sync":
             self._wait_sync_loads([load.request_id for load in meta.loads])
 
@@ -540,26 +570,51 @@ class RemoteG2Connector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # whole blocks of every layer are saved at once, in wait_for_save
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before a step's forward: wait for the copies reading blocks of requests vLLM preempted.
+
+        vLLM freed those blocks when it preempted the request and may hand them to another request in
+        this very step. Should a copy not end in time, its blocks are dropped instead of stored: a
+        block overwritten while it was copied must never enter G2.
+        """
+        meta = kv_connector_metadata
+        if self._saver is None or not isinstance(meta, RemoteG2ConnectorMetadata) or not meta.preempted:
+            return
+        t0 = time.perf_counter()
+        if not self._saver.wait_for(meta.preempted, timeout_s=_PREEMPT_WAIT_S):
+            log.error("copies of preempted requests %s did not end within %.0f s: their blocks are not saved",
+                      sorted(meta.preempted), _PREEMPT_WAIT_S)
+            self._saver.drop(meta.preempted)
+        else:
+            log.info("%d requests preempted: no copy reads their blocks any more (waited %.1f ms)",
+                     len(meta.preempted), (time.perf_counter() - t0) * 1e3)
+
     def wait_for_save(self) -> None:
-        """Copy this step's newly full prompt blocks into G2 (cached ones are skipped)."""
-        if self._pool is None or not self.has_connector_metadata():
+        """Queue this step's newly full prompt blocks for the saver's thread (:mod:`.saver`); returns at once."""
+        if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
-        assert isinstance(meta, RemoteG2ConnectorMetadata) and self._kv is not None
-        todo = [(h, b) for h, b in zip(meta.save_hashes, meta.save_block_ids) if self._pool.lookup(h) is None]
-        if not todo:
+        assert isinstance(meta, RemoteG2ConnectorMetadata)
+        if not meta.save_hashes:
             return
-        data = self._kv.gather([b for _, b in todo])
-        try:
-            self._pool.store([h for h, _ in todo], list(data))
-        except RemoteG2Error as e:  # every G2 block pinned by readers: these blocks just are not shared
-            log.warning("saving %d blocks to G2 failed: %s", len(todo), e)
+        # Every rank sees the same metadata: each reports these requests finished sending alike.
+        self._save_reqs.update(meta.save_request_ids)
+        if self._saver is not None:
+            self._saver.submit(meta.save_request_ids, meta.save_hashes, meta.save_block_ids)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """``(None, received)``: requests whose remote load ended (loaded or failed) since the last call."""
+        """``(sent, received)``: finished requests none of whose blocks a save still copies (vLLM frees their
+        blocks now), and requests whose remote load ended (loaded or failed) since the last call."""
         for rid in finished_req_ids:
             if self._fetches.abort(rid):
                 log.info("%s finished by vLLM while its remote load runs: its blocks get nothing", rid)
+            if rid in self._save_reqs:
+                self._save_reqs.discard(rid)
+                self._finishing.add(rid)
+        sent: set[str] = set()
+        if self._finishing:
+            sent = {rid for rid in self._finishing if self._saver is None or not self._saver.pending(rid)}
+            self._finishing -= sent
         received, self._received = self._received, set()
         ready: list[RequestLoad] = self._fetches.ready_now()
         if self.target is not None and len(self._fetches):
@@ -568,7 +623,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
             self._finish(load)
             if self.settings.load == "async":  # vLLM waits on async loads only
                 received.add(load.request_id)
-        return None, (received or None)
+        return (sent or None), (received or None)
 
     def _take_ended(self, ended: FetchOutcome) -> list[RequestLoad]:
         """Apply the fetches that ended (the same outcome on every rank); the requests now ready."""
@@ -676,6 +731,9 @@ class RemoteG2Connector(KVConnectorBase_V1):
         return out
 
     def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saver.close()
+            self._saver = None
         for name in ("target", "source"):
             hook = getattr(self, name)
             if hook is not None:

@@ -106,13 +106,18 @@ class VllmKvLayout:
         return pool_tensor.view(self.dtype).view(-1, len(self.views), self.kv, self.kv_heads, self.block_size,
                                                  self.head_dim)
 
-    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """vLLM blocks ``block_ids`` as a new ``[n, layers, kv, kv_heads, block_size, head_dim]`` tensor."""
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+    def gather(self, block_ids: Sequence[int], *, pin_memory: bool = False) -> torch.Tensor:
+        """vLLM blocks ``block_ids`` as a new host tensor ``[n, layers, kv, kv_heads, block_size, head_dim]``.
+
+        From a device's KV the copies are issued ``non_blocking`` on the current stream into a
+        ``pin_memory`` buffer: the caller synchronises that stream before reading the result.
+        """
+        device = self.views[0].device
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=device)
         out = torch.empty((len(idx), len(self.views), self.kv, self.kv_heads, self.block_size, self.head_dim),
-                          dtype=self.dtype)
+                          dtype=self.dtype, pin_memory=pin_memory)
         for layer, view in enumerate(self.views):
-            out[:, layer] = view[idx]
+            out[:, layer].copy_(view[idx], non_blocking=device.type != "cpu")
         return out
 
     def scatter(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:

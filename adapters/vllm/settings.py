@@ -35,7 +35,7 @@ class ConnectorSettings:
     model_id: str | None = None
     failed_source_cooldown_s: float = 30.0
     load: str = "async"
-    registry_mirror: bool = False
+    registry_mirror: bool = True
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any], *, default_worker_id: str | None = None) -> ConnectorSettings:

@@ -2,7 +2,8 @@
 
 ``python tests/vllm_procs/instance.py --model DIR --prompts P.json --out O.json [--registry E --worker-id W]
 [--hold-file F] [--dtype D] [--lora DIR] [--hf-overrides JSON] [--load-format F] [--batch] [--abort-first MARKER]
-[--transfer T] [--load async|sync] [--registry-mirror] [--tp N] [--dump-g2 PREFIX]``.
+[--transfer T] [--load async|sync] [--registry-mirror on|off] [--tp N] [--dump-g2 PREFIX] [--kv-blocks N]
+[--save-delay-s S --save-marker F]``.
 
 With ``--registry`` the RemoteG2Connector is enabled (source and target);
 without it this is plain vLLM. Each prompt is a token-id list, or an object
@@ -15,7 +16,16 @@ and vLLM's ``num_cached_tokens``.
 * ``--abort-first MARKER``: the first prompt is submitted alone, aborted as
   soon as MARKER exists (the slowed transfer of ``--transfer`` touches it
   when its READ is about to be posted), then the others run; its output is
-  ``{"aborted": true}``.
+  ``{"aborted": true}``. ``MARKER`` may also be ``--save-marker``'s file:
+  the victim is then aborted while its blocks' copy into G2 runs.
+
+``--save-delay-s S --save-marker F`` (vLLM's engine core in this process,
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the saver's copy hook is set here):
+each G2 save job, once its blocks are gathered, appends a line to ``F``
+(``{"start": t, "hashes": [hex...]}``, ``t`` in ``time.time()``), sleeps
+``S`` seconds, then stores — a slowed copy on purpose. ``--kv-blocks N``:
+vLLM's KV cache holds N blocks (``num_gpu_blocks_override``), to force
+preemptions.
 
 With ``--dump-g2 PREFIX``, once the prompts ran every TP rank writes its G2
 pool (block hash hex → the block as ``[layers, 2, rank's kv heads,
@@ -52,21 +62,29 @@ def main() -> None:
     p.add_argument("--abort-first")
     p.add_argument("--transfer", default="nixl")
     p.add_argument("--load", default="async", help="the connector's load setting (async or sync)")
-    p.add_argument("--registry-mirror", action="store_true", help="the connector's registry_mirror setting")
+    p.add_argument("--registry-mirror", default="on", choices=("on", "off"),
+                   help="the connector's registry_mirror setting (default on, as the connector's)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--hf-overrides", help="JSON object: vLLM's hf_overrides (e.g. another RoPE base)")
     p.add_argument("--load-format", help="vLLM's load_format (e.g. dummy: generated weights)")
     p.add_argument("--dump-g2")
+    p.add_argument("--dump-g2-late", help="as --dump-g2, but after the outputs are written (saves may still run)")
+    p.add_argument("--kv-blocks", type=int, help="vLLM's num_gpu_blocks_override")
+    p.add_argument("--save-delay-s", type=float, default=0.0)
+    p.add_argument("--save-marker")
     p.add_argument("--hold-file")
     p.add_argument("--hold-s", type=float, default=300)
     a = p.parse_args()
 
-    if a.dump_g2:
+    if a.dump_g2 or a.dump_g2_late:
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of a function (this test's own)
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
+
+    if a.save_marker:
+        slow_saves(a.save_marker, a.save_delay_s)
 
     kv = None
     if a.registry:
@@ -75,12 +93,14 @@ def main() -> None:
                               kv_connector_extra_config={"registry": a.registry, "worker_id": a.worker_id,
                                                          "g2_blocks": 256, "landing_blocks": 64,
                                                          "transfer": a.transfer,
-                                                         "load": a.load, "registry_mirror": a.registry_mirror})
+                                                         "load": a.load, "registry_mirror": a.registry_mirror == "on"})
     engine_kw = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1} if a.lora else {}
     if a.hf_overrides:
         engine_kw["hf_overrides"] = json.loads(a.hf_overrides)
     if a.load_format:
         engine_kw["load_format"] = a.load_format
+    if a.kv_blocks:
+        engine_kw["num_gpu_blocks_override"] = a.kv_blocks
     llm = LLM(model=a.model, tokenizer=a.model, dtype=a.dtype, block_size=32, enforce_eager=True,
               max_model_len=1024, max_num_seqs=8, kv_transfer_config=kv, seed=0, tensor_parallel_size=a.tp,
               **engine_kw)
@@ -106,9 +126,14 @@ def main() -> None:
         engine.add_request("victim", prompt(first), params, lora_request=lora_of(first))
         # The engine core runs in its own process and schedules the victim by itself; step() would block
         # here until the victim produced a token, i.e. until its load ended.
+        # In this process's engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0) nothing runs unless stepped.
+        in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         deadline = time.monotonic() + 60
         while not os.path.exists(a.abort_first) and time.monotonic() < deadline:
-            time.sleep(0.01)
+            if in_process:
+                engine.step()
+            else:
+                time.sleep(0.01)
         if not os.path.exists(a.abort_first):
             raise SystemExit("the victim's remote load never started")
         engine.abort_request(["victim"])
@@ -134,21 +159,42 @@ def main() -> None:
             results.append(record(out))
     if a.dump_g2:
         llm.collective_rpc(dump_g2, args=(a.dump_g2,))
+    if a.dump_g2_late:
+        write_and_hold(a.out, results, None, 0)
+        llm.collective_rpc(dump_g2, args=(a.dump_g2_late,))
     write_and_hold(a.out, results, a.hold_file, a.hold_s)
     del llm
     os._exit(0)  # vLLM's engine-core child and NIXL threads: do not wait for interpreter teardown
 
 
+def slow_saves(marker: str, delay_s: float) -> None:
+    """Make every G2 save job of this process log itself to ``marker`` and take ``delay_s`` longer."""
+    from remote_g2.adapters.vllm import connector
+
+    def hook(job: Any) -> None:
+        with open(marker, "a") as f:
+            f.write(json.dumps({"start": time.time(), "hashes": [h.hex() for h in job.hashes]}) + "\n")
+        time.sleep(delay_s)
+
+    connector._SAVE_COPY_HOOK = hook
+
+
 def dump_g2(worker: Any, prefix: str) -> int:
-    """In a vLLM worker: write this rank's G2 pool to ``PREFIX.rank{R}.pt``; how many blocks it holds."""
+    """In a vLLM worker: write this rank's G2 pool to ``PREFIX.rank{R}.pt`` once its saves ended; how many
+    blocks it holds."""
     import torch
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.distributed.parallel_state import get_tp_group
 
     conn = get_kv_transfer_group()
+    deadline = time.monotonic() + 60
+    while conn._saver is not None and not conn._saver.idle() and time.monotonic() < deadline:
+        time.sleep(0.05)
     pool, rows = conn._pool, conn._pool_rows
     blocks = {h.hex(): rows[pool.lookup(h)].clone() for h in pool.block_hashes()}
-    torch.save(blocks, f"{prefix}.rank{get_tp_group().rank_in_group}.pt")
+    path = f"{prefix}.rank{get_tp_group().rank_in_group}.pt"
+    torch.save(blocks, path + ".tmp")
+    os.replace(path + ".tmp", path)  # a test waiting for the file never reads half of it
     return len(blocks)
 
 
