@@ -100,11 +100,12 @@ def test_a_slowed_save_is_unknown_until_copied_then_read_byte_for_byte(tmp_path:
 
 def test_abort_and_preemption_while_saves_are_in_flight_answer_as_plain_vllm(tmp_path: Path, model_dir: Path,
                                                                              registry: str) -> None:
-    """A 40-block KV cache, eight 300-token prompts generating 48 tokens each: vLLM preempts. Every save
-    is slowed; the first request is aborted while its copy runs."""
+    """A 34-block KV cache, eight 300-token prompts generating 96 tokens each: vLLM preempts (three run at
+    once, and grow to 13 blocks each). Every save is slowed; the first request is aborted while its copy
+    runs."""
     prompts = vh.write_prompts(tmp_path, "p", vh.prompts(22, 8))
     marker = tmp_path / "saves.jsonl"
-    common = ("--kv-blocks", "40", "--max-tokens", "48")
+    common = ("--kv-blocks", "34", "--max-tokens", "96")
     a = vh.Instance(tmp_path, "a", model_dir, prompts, registry, *common, "--save-delay-s", "0.3",
                     "--save-marker", str(marker), "--abort-first", str(marker), env=vh.IN_PROCESS)
     out_a = a.run()

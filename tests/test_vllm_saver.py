@@ -138,3 +138,24 @@ def test_cuda_blocks_are_copied_on_a_side_stream_after_the_steps_compute() -> No
         assert torch.equal(got, kv_cpu.gather([3])[0] * 2.0)
     finally:
         saver.close()
+
+
+def test_landed_blocks_are_kept_from_their_slots_and_wait_job_says_when_the_slots_are_free() -> None:
+    kv, _ = _kv()
+    pool = HostPool(kv.g2_layout(16), reserved_blocks=4)  # blocks 12..15 are landing slots
+    rows = kv.pool_view(pool.tensor)
+    landed = kv.gather([1, 2])
+    rows[12], rows[13] = landed[0], landed[1]
+    pool.store([_h(9)], list(kv.gather([0])))
+    gate = _Gate()
+    saver = BlockSaver(kv, pool, copy_hook=gate)
+    try:
+        assert saver.submit_landed([_h(9)], [14]) is None  # G2 holds it already: nothing to keep
+        job = saver.submit_landed([_h(1), _h(2)], [12, 13])
+        assert job is not None and job.hashes == [_h(1), _h(2)]
+        assert saver.wait_job(job, timeout_s=10)  # host to host: no copy hook, no engine's blocks read
+        assert torch.equal(rows[pool.lookup(_h(1))], landed[0]) and torch.equal(rows[pool.lookup(_h(2))], landed[1])
+        assert pool.lookup(_h(1)) < 12 and pool.lookup(_h(2)) < 12  # into the cache proper, not the slots
+    finally:
+        gate.go.set()
+        saver.close()

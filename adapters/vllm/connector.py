@@ -239,6 +239,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
         self._saver: BlockSaver | None = None
         self._save_reqs: set[str] = set()  # requests some step's metadata sent blocks of for saving
         self._finishing: set[str] = set()  # of those, finished by vLLM: their blocks are kept until copied
+        self._slots_after_keep: list[tuple[Any, list[int]]] = []  # (saver job, landing slots it reads)
         self._fetches = FetchTable()
         self._sync = TpSync()
         self._load_errors: set[int] = set()
@@ -611,6 +612,8 @@ class RemoteG2Connector(KVConnectorBase_V1):
             if rid in self._save_reqs:
                 self._save_reqs.discard(rid)
                 self._finishing.add(rid)
+        if self._slots_after_keep:
+            self._give_back_kept_slots()
         sent: set[str] = set()
         if self._finishing:
             sent = {rid for rid in self._finishing if self._saver is None or not self._saver.pending(rid)}
@@ -634,7 +637,9 @@ class RemoteG2Connector(KVConnectorBase_V1):
                 continue
             good = valid_prefix(fetch.slots, ended.invalid) if fid in ended.done else 0
             ready += self._fetches.ended(fid, good, failed=fid in ended.failed)
-            self._keep_fetched(fetch.hashes[:good], fetch.slots[:good])
+            if good and self._saver is not None:  # kept in G2 too, off this thread: shared and reused later
+                fetch.kept = True  # on every rank alike, whether or not this rank's G2 already held them
+                fetch.keep = self._saver.submit_landed(fetch.hashes[:good], fetch.slots[:good])
             if fid in ended.failed:
                 self._source_failures.add(fid)
             log.info("fetch %s: %d of %d blocks read from a remote G2", fid, good, len(fetch.hashes))
@@ -690,16 +695,6 @@ class RemoteG2Connector(KVConnectorBase_V1):
             self.target.failure_reasons()  # the target client logged each one (with the backend's words)
         return FetchOutcome(done, failed, self.target.invalid_block_ids())
 
-    def _keep_fetched(self, hashes: list[bytes], slots: list[int]) -> None:
-        """Keep what a fetch brought in G2 too: this worker can share it in turn, and reuse it locally."""
-        if not hashes:
-            return
-        assert self._pool is not None and self._pool_rows is not None
-        try:
-            self._pool.store(hashes, list(self._pool_rows[torch.as_tensor(slots)]))
-        except RemoteG2Error as e:
-            log.warning("caching %d loaded blocks in G2 failed: %s", len(hashes), e)
-
     def _finish(self, load: RequestLoad) -> None:
         """Copy a ready request's blocks into vLLM's (unless vLLM finished it), give back freed slots."""
         good = load.good_blocks()
@@ -716,8 +711,25 @@ class RemoteG2Connector(KVConnectorBase_V1):
         for fetch in self._fetches.done(load):
             if fetch.failed:
                 self._landing.quarantine(fetch.slots)
+            elif fetch.kept:  # the saver may still read them: back at the next step, on every rank
+                self._slots_after_keep.append((fetch.keep, fetch.slots))
             else:
                 self._landing.give_back(fetch.slots)
+
+    def _give_back_kept_slots(self) -> None:
+        """Landing slots whose blocks the saver kept in G2 go back once its job ended.
+
+        At the same point of the next step on every rank (the job took a copy's time; should it be slower,
+        this waits), so the ranks' landing slots stay alike (:mod:`.tp_sync`)."""
+        kept, self._slots_after_keep = self._slots_after_keep, []
+        for job, slots in kept:
+            assert self._saver is not None and self._landing is not None
+            if job is not None and not self._saver.wait_job(job):
+                log.error("keeping %d loaded blocks in G2 did not end: their landing slots sit out a quarantine",
+                          len(job.hashes))
+                self._landing.quarantine(slots)
+            else:
+                self._landing.give_back(slots)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """This step's loads that failed at the source (see :class:`RemoteG2WorkerMetadata`)."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["Fetch", "RequestLoad", "FetchTable"]
 
@@ -42,6 +43,8 @@ class Fetch:
     waiters: int = 0
     good: int | None = None
     failed: bool = False
+    kept: bool = False  # its blocks went to the saver to keep in G2: the slots go back a step later
+    keep: Any = None  # that saver job (None: G2 held them all already); the slots stay taken until it ended
 
     @property
     def ended(self) -> bool:

@@ -59,12 +59,14 @@ log = logging.getLogger("remote_g2.adapters.vllm")
 
 @dataclass(eq=False)
 class SaveJob:
-    """One step's blocks to copy: vLLM block ``block_ids[i]`` holds ``hashes[i]`` for request ``request_ids[i]``."""
+    """One step's blocks to copy: vLLM block ``block_ids[i]`` holds ``hashes[i]`` for request ``request_ids[i]``;
+    or, with ``from_slots``, G2 landing slot ``from_slots[i]`` holds ``hashes[i]`` (a remote load's blocks)."""
 
     job_id: int
     hashes: list[bytes]
     block_ids: list[int]
     request_ids: list[str]
+    from_slots: list[int] | None = None
     ready: Any = None  # CUDA: the event recorded after the step's compute
     dropped: bool = False  # its blocks may have been overwritten while it copied: store nothing
     queued_at: float = field(default_factory=time.perf_counter)
@@ -81,6 +83,7 @@ class BlockSaver:
         self._kv = kv
         self._pool = pool
         self._copy_hook = copy_hook
+        self._pool_rows = kv.pool_view(pool.tensor)
         self._device = kv.views[0].device
         self._cuda = self._device.type == "cuda"
         self._stream = torch.cuda.Stream(device=self._device) if self._cuda else None
@@ -122,6 +125,37 @@ class BlockSaver:
             job.ready.record(torch.cuda.current_stream(self._device))
         self._jobs.put(job)
         return job
+
+    def submit_landed(self, hashes: Sequence[bytes], slots: Sequence[int]) -> SaveJob | None:
+        """Queue keeping blocks a remote load landed (``hashes[i]`` in landing slot ``slots[i]``) in G2.
+
+        The caller keeps the slots until :meth:`wait_job` says the job ended. Hashes G2 holds, or a
+        queued job copies, are left out; None when nothing is left.
+        """
+        keep: dict[bytes, int] = {}
+        with self._cond:
+            for h, slot in zip(hashes, slots):
+                if h not in keep and h not in self._in_flight and self._pool.lookup(h) is None:
+                    keep[h] = slot
+            if not keep:
+                return None
+            self._next_id += 1
+            job = SaveJob(self._next_id, list(keep), [], [], from_slots=list(keep.values()))
+            self._in_flight.update(job.hashes)
+            self._queued.append(job)
+        self._jobs.put(job)
+        return job
+
+    def wait_job(self, job: SaveJob, timeout_s: float = 30.0) -> bool:
+        """Block until ``job`` ended (stored, dropped or failed); False if ``timeout_s`` passed first."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while job in self._queued:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    return False
+                self._cond.wait(left)
+        return True
 
     def pending(self, request_id: str) -> bool:
         """Whether a job reading ``request_id``'s blocks is queued or running."""
@@ -187,6 +221,10 @@ class BlockSaver:
                     self._cond.notify_all()
 
     def _copy(self, job: SaveJob) -> None:
+        if job.from_slots is not None:  # host to host, within the pool: the rows themselves are the source
+            self._pool.store(job.hashes, list(self._pool_rows[torch.as_tensor(job.from_slots)]))
+            self.blocks_saved += len(job.hashes)
+            return
         if self._cuda:
             assert self._stream is not None
             with torch.cuda.stream(self._stream):
