@@ -90,7 +90,7 @@ def _child(a: argparse.Namespace) -> None:
                               kv_role="kv_both", kv_load_failure_policy="recompute",
                               kv_connector_extra_config={"registry": a.registry, "worker_id": f"bench-{os.getpid()}",
                                                          "g2_blocks": 2 * n_prompts * (a.tokens // BLOCK) + 64,
-                                                         "landing_blocks": 64})
+                                                         "landing_blocks": 64, **json.loads(a.extra)})
     llm = LLM(model=a.model, tokenizer=a.model, dtype="float32", block_size=BLOCK, enforce_eager=True,
               max_model_len=a.tokens + a.max_tokens + 64, max_num_batched_tokens=a.tokens + a.max_tokens + 64,
               max_num_seqs=max(4, a.batch), kv_transfer_config=kv, seed=0)
@@ -140,7 +140,7 @@ def _run(a: argparse.Namespace, mode: str, model: Path, registry: str, tmp: Path
     out = tmp / f"{mode}-{n}.json"
     cmd = [sys.executable, __file__, "--child", "--mode", mode, "--model-dir", str(model), "--registry", registry,
            "--out", str(out), "--tokens", str(a.tokens), "--requests", str(a.requests), "--seed", str(a.seed + n),
-           "--max-tokens", str(a.max_tokens), "--batch", str(a.batch), "--batches", str(a.batches)]
+           "--max-tokens", str(a.max_tokens), "--batch", str(a.batch), "--batches", str(a.batches), "--extra", a.extra]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
            "VLLM_LOGGING_LEVEL": "WARNING", "UCX_LOG_LEVEL": "fatal", "REMOTE_G2_LOG_LEVEL": "WARNING",
            "TOKENIZERS_PARALLELISM": "false"}
@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=16, help="prompts per batch (default 16)")
     p.add_argument("--batches", type=int, default=3, help="batches per run (default 3)")
     p.add_argument("--rounds", type=int, default=2, help="plain + connector runs, alternating order (default 2)")
+    p.add_argument("--extra", default="{}", help="JSON: more kv_connector_extra_config for the connector's runs "
+                                                  "(e.g. '{\"save_threshold\": 2}')")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", help="write the results here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"connector / plain: request {ratio50:.3f} at p50, {ratio99:.3f} at p99; batch of {a.batch} "
           f"{batch_ratio:.3f} (medians)")
     if a.json:
-        write_result(a.json, "vllm_overhead", model=a.size, tokens=a.tokens, max_tokens=a.max_tokens,
+        write_result(a.json, "vllm_overhead", model=a.size, extra=json.loads(a.extra), tokens=a.tokens, max_tokens=a.max_tokens,
                      requests=a.requests, batch=a.batch, batches=a.batches, rounds=a.rounds,
                      summary={name: {"n": len(xs), "p50_ms": pct(xs, 50), "p99_ms": pct(xs, 99),
                                      "mean_ms": statistics.fmean(xs) if xs else None} for name, xs in rows},

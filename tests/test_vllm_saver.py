@@ -159,3 +159,18 @@ def test_landed_blocks_are_kept_from_their_slots_and_wait_job_says_when_the_slot
     finally:
         gate.go.set()
         saver.close()
+
+
+def test_seen_blocks_make_a_leading_run_eligible_once_seen_in_threshold_requests() -> None:
+    from remote_g2.adapters.vllm.seen_blocks import SeenBlocks
+
+    every = SeenBlocks(1)
+    assert every.count([_h(1), _h(2)]) == 2 and len(every) == 0  # threshold 1 keeps nothing
+    twice = SeenBlocks(2, capacity=4)
+    assert twice.count([_h(1), _h(2), _h(3)]) == 0
+    assert twice.count([_h(1), _h(2), _h(4)]) == 2  # 1 and 2 seen twice; 4 once, and nothing after it counts
+    assert twice.count([_h(1), _h(5)]) == 1
+    assert len(twice) == 4  # capacity: _h(3), seen longest ago, was dropped
+    assert twice.count([_h(3)]) == 0
+    with pytest.raises(ValueError):
+        SeenBlocks(0)

@@ -79,6 +79,7 @@ from . import block_identity
 from .fetches import FetchTable, RequestLoad
 from .kv_blocks import VllmKvLayout
 from .saver import BlockSaver
+from .seen_blocks import SeenBlocks
 from .settings import ConnectorSettings
 from .tp_sync import FetchOutcome, TpSync
 
@@ -189,6 +190,7 @@ class _ReqState:
     """The scheduler side's view of one request."""
 
     hashes: list[bytes]  # vLLM's hash of each full prompt block
+    eligible: int = 0  # leading blocks seen in save_threshold requests: only these are saved
     blocks: list[int] = field(default_factory=list)
     saved: int = 0  # leading prompt blocks already sent for saving
     load_from: int = 0  # first block to load (vLLM's local hit, in blocks)
@@ -229,6 +231,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
         self._pending_loads: list[_Load] = []
         self._fingerprint: LayoutFingerprint | None = None
         self._failed_sources = FailedSources(self.settings.failed_source_cooldown_s)
+        self._seen = SeenBlocks(self.settings.save_threshold)
         # worker side
         self._kv: VllmKvLayout | None = None
         self._pool: Any = None
@@ -314,7 +317,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
                 log.warning("%s: %d block hashes for %d tokens of %d-token blocks: not sharing its blocks",
                             request.request_id, len(request.block_hashes), request.num_tokens, self.block_size)
                 hashes = []
-            state = self._reqs[request.request_id] = _ReqState(hashes)
+            state = self._reqs[request.request_id] = _ReqState(hashes, self._seen.count(hashes))
         if not self.settings.target or not self.settings.registry:
             return 0, False
         if state.tried:
@@ -430,7 +433,7 @@ class RemoteG2Connector(KVConnectorBase_V1):
 
     def _plan_save(self, meta: RemoteG2ConnectorMetadata, request_id: str, state: _ReqState,
                    computed_after_step: int) -> None:
-        full = min(len(state.hashes), computed_after_step // self.block_size, len(state.blocks))
+        full = min(state.eligible, computed_after_step // self.block_size, len(state.blocks))
         if full > state.saved:
             meta.save_hashes += state.hashes[state.saved:full]
             meta.save_block_ids += state.blocks[state.saved:full]

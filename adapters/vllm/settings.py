@@ -34,6 +34,7 @@ class ConnectorSettings:
     ipc_dir: str | None = None
     model_id: str | None = None
     failed_source_cooldown_s: float = 30.0
+    save_threshold: int = 1  # save a prompt block once this many of this instance's requests held it
     load: str = "async"
     registry_mirror: bool = True
 
@@ -54,6 +55,8 @@ class ConnectorSettings:
             raise ConfigError("g2_blocks and landing_blocks must be >= 1")
         if s.load not in ("async", "sync"):
             raise ConfigError(f"load must be 'async' or 'sync', not {s.load!r}")
+        if s.save_threshold < 1:
+            raise ConfigError(f"save_threshold must be >= 1 (1: save every full prompt block), not {s.save_threshold}")
         if not s.failed_source_cooldown_s >= 0:
             raise ConfigError(f"failed_source_cooldown_s must be >= 0, not {s.failed_source_cooldown_s}")
         return s
