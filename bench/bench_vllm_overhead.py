@@ -182,17 +182,26 @@ def main(argv: list[str] | None = None) -> int:
     from remote_g2.registry import MemoryStore, RegistryServer
 
     runs: dict[str, dict[str, list[float]]] = {"plain": {}, "connector": {}}
+    paired: dict[str, list[float]] = {}  # connector / plain, per round
     with tempfile.TemporaryDirectory(prefix="rg2-vllm-bench-") as tmp_s:
         tmp = Path(tmp_s)
         model = make_model(tmp / "model", max_positions=a.tokens + a.max_tokens + 128,
                            **(SIZED if a.size == "sized" else {}))
-        server = RegistryServer(MemoryStore(lease_ttl_ms=10_000), bind="tcp://127.0.0.1:0")
+        server = RegistryServer(MemoryStore(lease_ttl_ms=10_000), bind="tcp://127.0.0.1:0",
+                                feed_bind="tcp://127.0.0.1:0")  # the feed the connector's registry mirror follows
         registry = server.start()
         try:
             for n in range(a.rounds):
+                this: dict[str, dict[str, list[float]]] = {}
                 for mode in (("plain", "connector") if n % 2 == 0 else ("connector", "plain")):
-                    for key, xs in _run(a, mode, model, registry, tmp, n).items():
+                    this[mode] = _run(a, mode, model, registry, tmp, n)
+                    for key, xs in this[mode].items():
                         runs[mode].setdefault(key, []).extend(xs)
+                # this round's ratios: both runs saw the same prompts, back to back
+                for key, q in (("request", 50), ("request", 99), ("batch", 50)):
+                    p_xs, c_xs = this["plain"][f"{key}_ms"], this["connector"][f"{key}_ms"]
+                    if p_xs and c_xs:
+                        paired.setdefault(f"{key} p{q}", []).append(pct(c_xs, q) / pct(p_xs, q))
         finally:
             server.close()
 
@@ -218,14 +227,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:50s} {len(xs):5d} {pct(xs, 50):10.3f} {pct(xs, 99):10.3f}")
     ratio50, ratio99 = pct(conn, 50) / pct(plain, 50), pct(conn, 99) / pct(plain, 99)
     batch_ratio = statistics.median(bconn) / statistics.median(bplain) if bplain and bconn else float("nan")
-    print(f"connector / plain: request {ratio50:.3f} at p50, {ratio99:.3f} at p99; batch of {a.batch} "
-          f"{batch_ratio:.3f} (medians)")
+    print(f"connector / plain, all rounds pooled: request {ratio50:.3f} at p50, {ratio99:.3f} at p99; batch of "
+          f"{a.batch} {batch_ratio:.3f} (medians)")
+    print("connector / plain, per round (median, min-max): " + "; ".join(
+        f"{k} {statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})" for k, v in paired.items()))
     if a.json:
         write_result(a.json, "vllm_overhead", model=a.size, extra=json.loads(a.extra), tokens=a.tokens, max_tokens=a.max_tokens,
                      requests=a.requests, batch=a.batch, batches=a.batches, rounds=a.rounds,
                      summary={name: {"n": len(xs), "p50_ms": pct(xs, 50), "p99_ms": pct(xs, 99),
                                      "mean_ms": statistics.fmean(xs) if xs else None} for name, xs in rows},
-                     ratio_p50=ratio50, ratio_p99=ratio99, ratio_batch=batch_ratio, raw=runs)
+                     ratio_p50=ratio50, ratio_p99=ratio99, ratio_batch=batch_ratio,
+                     paired={k: {"median": statistics.median(v), "min": min(v), "max": max(v), "rounds": v}
+                             for k, v in paired.items()}, raw=runs)
     return 0
 
 

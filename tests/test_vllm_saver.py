@@ -174,3 +174,15 @@ def test_seen_blocks_make_a_leading_run_eligible_once_seen_in_threshold_requests
     assert twice.count([_h(3)]) == 0
     with pytest.raises(ValueError):
         SeenBlocks(0)
+
+
+def test_gather_into_copies_what_gather_does_without_torch() -> None:
+    import numpy as np
+
+    kv, _ = _kv()
+    out = np.zeros(3 * kv.block_bytes, dtype=np.uint8)
+    assert kv.gather_into([5, 0, 7], out)
+    want = kv.gather([5, 0, 7])
+    assert np.array_equal(out, want.reshape(-1).view(torch.uint8).numpy())
+    with pytest.raises(ValueError):
+        kv.gather_into([1], np.zeros(kv.block_bytes + 1, dtype=np.uint8))

@@ -31,6 +31,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from remote_g2.errors import ConfigError
@@ -119,6 +120,40 @@ class VllmKvLayout:
         for layer, view in enumerate(self.views):
             out[:, layer].copy_(view[idx], non_blocking=device.type != "cpu")
         return out
+
+    def gather_into(self, block_ids: Sequence[int], out: np.ndarray) -> bool:
+        """Copy vLLM blocks ``block_ids`` into ``out`` (``uint8``, ``len(block_ids) * block_bytes``, in G2's
+        block layout) without torch: one C++ extent copy, the GIL released, no OpenMP team.
+
+        For a thread beside the engine: torch ops run from another thread start an OpenMP team of
+        their own, whose threads spin on the cores vLLM's forward runs on (measured: 2.4x slower
+        requests). False, with nothing copied, when a layout's per-head ``[block_size, head_dim]``
+        pieces are not contiguous in host memory (device tensors, token-major layouts): use
+        :meth:`gather` then.
+        """
+        from remote_g2.extent_copy import copy_extents
+
+        n = len(block_ids)
+        if out.dtype != np.uint8 or out.size != n * self.block_bytes or not out.flags.c_contiguous:
+            raise ValueError(f"gather_into needs a contiguous uint8 array of {n} x {self.block_bytes} bytes")
+        piece = self.block_size * self.head_dim * self.dtype.itemsize
+        item = self.dtype.itemsize
+        for view in self.views:
+            if view.device.type != "cpu" or view.stride(4) != 1 or view.stride(3) != self.head_dim:
+                return False
+        if n == 0:
+            return True
+        ids = np.asarray(block_ids, dtype=np.uint64)
+        bases = np.array([v.data_ptr() for v in self.views], dtype=np.uint64)
+        s0, s1, s2 = (np.uint64(self.views[0].stride(d) * item) for d in range(3))
+        # src[i, layer, k, h] = base[layer] + ids[i]*s0 + k*s1 + h*s2; dst in G2's order, piece by piece
+        src = (bases[None, :, None, None] + ids[:, None, None, None] * s0
+               + np.arange(self.kv, dtype=np.uint64)[None, None, :, None] * s1
+               + np.arange(self.kv_heads, dtype=np.uint64)[None, None, None, :] * s2)
+        pieces = n * len(self.views) * self.kv * self.kv_heads
+        dst = np.uint64(out.ctypes.data) + np.arange(pieces, dtype=np.uint64) * np.uint64(piece)
+        copy_extents(dst, src.reshape(-1), np.full(pieces, piece, dtype=np.uint64))
+        return True
 
     def scatter(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         """Write ``blocks`` (``[n, layers, kv, ...]``, e.g. G2 pool rows) into vLLM blocks ``block_ids``."""

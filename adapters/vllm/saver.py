@@ -46,6 +46,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from remote_g2.errors import RemoteG2Error
@@ -83,7 +84,7 @@ class BlockSaver:
         self._kv = kv
         self._pool = pool
         self._copy_hook = copy_hook
-        self._pool_rows = kv.pool_view(pool.tensor)
+        self._pool_bytes = pool.tensor.numpy() if pool.tensor.device.type == "cpu" else None
         self._device = kv.views[0].device
         self._cuda = self._device.type == "cuda"
         self._stream = torch.cuda.Stream(device=self._device) if self._cuda else None
@@ -221,23 +222,32 @@ class BlockSaver:
                     self._cond.notify_all()
 
     def _copy(self, job: SaveJob) -> None:
-        if job.from_slots is not None:  # host to host, within the pool: the rows themselves are the source
-            self._pool.store(job.hashes, list(self._pool_rows[torch.as_tensor(job.from_slots)]))
+        # No torch op on host tensors in this thread: each would start an OpenMP team whose spinning
+        # threads take the cores from vLLM's forward. numpy copies and C++ extent copies instead.
+        size = self._kv.block_bytes
+        if job.from_slots is not None:  # host to host, within the pool: the landing slots are the source
+            assert self._pool_bytes is not None
+            self._pool.store(job.hashes, [self._pool_bytes[b * size:(b + 1) * size] for b in job.from_slots])
             self.blocks_saved += len(job.hashes)
             return
+        data: Any
         if self._cuda:
             assert self._stream is not None
             with torch.cuda.stream(self._stream):
                 self._stream.wait_event(job.ready)
-                data = self._kv.gather(job.block_ids, pin_memory=True)
+                data = list(self._kv.gather(job.block_ids, pin_memory=True))
             self._stream.synchronize()  # this thread waits; the engine's stream never does
         else:
-            data = self._kv.gather(job.block_ids)
+            scratch = np.empty(len(job.block_ids) * size, dtype=np.uint8)
+            if self._kv.gather_into(job.block_ids, scratch):
+                data = [scratch[i * size:(i + 1) * size] for i in range(len(job.block_ids))]
+            else:
+                data = list(self._kv.gather(job.block_ids))
         if self._copy_hook is not None:
             self._copy_hook(job)
         with self._cond:  # drop() sets it before vLLM reuses the blocks: a gather done before that is whole
             if job.dropped:
                 log.warning("not saving %d blocks: vLLM reused them while they were copied", len(job.hashes))
                 return
-        self._pool.store(job.hashes, list(data))
+        self._pool.store(job.hashes, data)
         self.blocks_saved += len(job.hashes)
