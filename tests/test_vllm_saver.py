@@ -136,6 +136,9 @@ def test_cuda_blocks_are_copied_on_a_side_stream_after_the_steps_compute() -> No
         assert saver.wait_for(["r"], timeout_s=10)
         got = kv.pool_view(pool.tensor)[pool.lookup(_h(1))]
         assert torch.equal(got, kv_cpu.gather([3])[0] * 2.0)
+        # and back: G2 rows into other device blocks, on the engine's stream
+        kv.scatter([0, 6], kv.pool_view(pool.tensor)[torch.as_tensor([pool.lookup(_h(1))] * 2)])
+        assert torch.equal(kv.gather([0, 6]), kv.gather([3, 3]))
     finally:
         saver.close()
 

@@ -156,8 +156,16 @@ class VllmKvLayout:
         return True
 
     def scatter(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
-        """Write ``blocks`` (``[n, layers, kv, ...]``, e.g. G2 pool rows) into vLLM blocks ``block_ids``."""
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        """Write ``blocks`` (``[n, layers, kv, ...]``, e.g. G2 pool rows) into vLLM blocks ``block_ids``.
+
+        Into a device's KV the host rows are copied first, on the current stream (the engine's: the
+        step's forward is ordered after it), and the call returns once they are on the device, so
+        the caller may hand the host rows to the next READ at once.
+        """
+        device = self.views[0].device
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=device)
+        if blocks.device != device:
+            blocks = blocks.to(device)  # blocking: the source rows go back to the landing slots next
         for layer, view in enumerate(self.views):
             view[idx] = blocks[:, layer]
 
