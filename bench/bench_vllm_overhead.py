@@ -133,7 +133,8 @@ def _saver() -> Any:
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
     except ImportError:
         return None
-    return getattr(get_kv_transfer_group(), "_saver", None) if has_kv_transfer_group() else None
+    worker = getattr(get_kv_transfer_group(), "worker", None) if has_kv_transfer_group() else None
+    return None if worker is None else worker.saver
 
 
 def _run(a: argparse.Namespace, mode: str, model: Path, registry: str, tmp: Path, n: int) -> dict[str, list[float]]:

@@ -72,7 +72,7 @@ def _leader_phases(worker: Any) -> dict[str, float] | None:
     """In a vLLM worker: the mean of each load phase (ms) its target client's leader measured (None off rank 0)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    target = get_kv_transfer_group().target
+    target = get_kv_transfer_group().worker.target
     if target is None or target.rank != 0:
         return None
     sums: dict[str, float] = {}

