@@ -195,7 +195,7 @@ class WorkerSide:
             if self.settings.load == "async":  # a sync load is no request vLLM waits on
                 self._received.add(load.request_id)
             return
-        if any(local):  # from our own G2 now: this thread is the only one that evicts from it
+        if any(local):  # from our own G2 now: start_load_kv pinned these rows, so the saver cannot evict them
             self._copy_local(load, held)
         slots = self._landing.take(need) if need else []
         _, fetch = self._fetches.add(load.request_id, load.hashes, load.block_ids, local=local, new_slots=slots)
