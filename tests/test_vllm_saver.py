@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -39,14 +41,24 @@ class _Gate:
         assert self.go.wait(10)
 
 
+@contextmanager
+def _gated_saver(kv: VllmKvLayout, pool: HostPool) -> Iterator[tuple[BlockSaver, _Gate]]:
+    """A saver whose jobs each wait at the gate between gather and store; let go and closed at the end."""
+    gate = _Gate()
+    saver = BlockSaver(kv, pool, copy_hook=gate)
+    try:
+        yield saver, gate
+    finally:
+        gate.go.set()
+        saver.close()
+
+
 def test_submit_returns_before_the_copy_and_the_pool_has_nothing_until_it_ended() -> None:
     kv, _ = _kv()
     pool = HostPool(kv.g2_layout(16))
     stored: list[list[bytes]] = []
     pool.add_listener(lambda kind, hashes: stored.append(list(hashes)) if kind == "stored" else None)
-    gate = _Gate()
-    saver = BlockSaver(kv, pool, copy_hook=gate)
-    try:
+    with _gated_saver(kv, pool) as (saver, gate):
         t0 = time.perf_counter()
         job = saver.submit(["r1", "r1"], [_h(1), _h(2)], [3, 5])
         assert job is not None and time.perf_counter() - t0 < 1.0
@@ -59,17 +71,12 @@ def test_submit_returns_before_the_copy_and_the_pool_has_nothing_until_it_ended(
         rows = kv.pool_view(pool.tensor)
         expect = kv.gather([3, 5])
         assert torch.equal(rows[pool.lookup(_h(1))], expect[0]) and torch.equal(rows[pool.lookup(_h(2))], expect[1])
-    finally:
-        gate.go.set()
-        saver.close()
 
 
 def test_hashes_in_g2_or_in_a_queued_job_are_not_copied_again() -> None:
     kv, _ = _kv()
     pool = HostPool(kv.g2_layout(16))
-    gate = _Gate()
-    saver = BlockSaver(kv, pool, copy_hook=gate)
-    try:
+    with _gated_saver(kv, pool) as (saver, gate):
         first = saver.submit(["a", "a"], [_h(1), _h(2)], [0, 1])
         # the same hash twice in one step, one in flight, and a new one: one job with the new one only
         second = saver.submit(["b", "b", "b"], [_h(2), _h(3), _h(3)], [1, 2, 2])
@@ -80,17 +87,12 @@ def test_hashes_in_g2_or_in_a_queued_job_are_not_copied_again() -> None:
         assert saver.submit(["c"], [_h(1)], [4]) is None  # in G2 now
         assert not saver.pending("c")
         assert saver.blocks_saved == 3 and saver.jobs_done == 2
-    finally:
-        gate.go.set()
-        saver.close()
 
 
 def test_a_dropped_job_stores_nothing_and_wait_for_times_out_while_a_copy_hangs() -> None:
     kv, _ = _kv()
     pool = HostPool(kv.g2_layout(16))
-    gate = _Gate()
-    saver = BlockSaver(kv, pool, copy_hook=gate)
-    try:
+    with _gated_saver(kv, pool) as (saver, gate):
         saver.submit(["victim"], [_h(7)], [6])
         assert gate.reached.wait(10)
         assert not saver.wait_for(["victim"], timeout_s=0.2)  # the copy is held: the wait gives up
@@ -101,9 +103,6 @@ def test_a_dropped_job_stores_nothing_and_wait_for_times_out_while_a_copy_hangs(
         # the saver goes on serving later jobs
         saver.submit(["next"], [_h(8)], [6])
         assert saver.wait_for(["next"], timeout_s=10) and pool.lookup(_h(8)) is not None
-    finally:
-        gate.go.set()
-        saver.close()
 
 
 def test_a_failing_store_loses_the_blocks_not_the_thread() -> None:
@@ -150,18 +149,13 @@ def test_landed_blocks_are_kept_from_their_slots_and_wait_job_says_when_the_slot
     landed = kv.gather([1, 2])
     rows[12], rows[13] = landed[0], landed[1]
     pool.store([_h(9)], list(kv.gather([0])))
-    gate = _Gate()
-    saver = BlockSaver(kv, pool, copy_hook=gate)
-    try:
+    with _gated_saver(kv, pool) as (saver, gate):
         assert saver.submit_landed([_h(9)], [14]) is None  # G2 holds it already: nothing to keep
         job = saver.submit_landed([_h(1), _h(2)], [12, 13])
         assert job is not None and job.hashes == [_h(1), _h(2)]
         assert saver.wait_job(job, timeout_s=10)  # host to host: no copy hook, no engine's blocks read
         assert torch.equal(rows[pool.lookup(_h(1))], landed[0]) and torch.equal(rows[pool.lookup(_h(2))], landed[1])
         assert pool.lookup(_h(1)) < 12 and pool.lookup(_h(2)) < 12  # into the cache proper, not the slots
-    finally:
-        gate.go.set()
-        saver.close()
 
 
 def test_seen_blocks_make_a_leading_run_eligible_once_seen_in_threshold_requests() -> None:

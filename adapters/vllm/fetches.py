@@ -43,8 +43,7 @@ class Fetch:
     waiters: int = 0
     good: int | None = None
     failed: bool = False
-    kept: bool = False  # its blocks went to the saver to keep in G2: the slots go back a step later
-    keep: Any = None  # that saver job (None: G2 held them all already); the slots stay taken until it ended
+    keep: Any = None  # the saver's job keeping its good blocks in G2 (None: none, or G2 held them all already)
 
     @property
     def ended(self) -> bool:

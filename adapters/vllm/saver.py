@@ -108,19 +108,12 @@ class BlockSaver:
         Hashes G2 holds, or a queued job copies, are left out; None when nothing is left.
         Returns at once: the copy runs in the saver's thread.
         """
-        keep: dict[bytes, tuple[str, int]] = {}
         with self._cond:
-            for rid, h, b in zip(request_ids, hashes, block_ids):
-                if h in keep or h in self._in_flight or self._pool.lookup(h) is not None:
-                    continue
-                keep[h] = (rid, b)
-            if not keep:
+            new = self._new(hashes)
+            if not new:
                 return None
-            self._next_id += 1
-            job = SaveJob(self._next_id, list(keep), [b for _, b in keep.values()], [r for r, _ in keep.values()])
-            self._in_flight.update(job.hashes)
-            self._pending.update(set(job.request_ids))
-            self._queued.append(job)
+            job = self._enqueue(SaveJob(0, [hashes[i] for i in new], [block_ids[i] for i in new],
+                                        [request_ids[i] for i in new]))
         if self._cuda:  # the copy may start only after the step's compute wrote these blocks
             job.ready = torch.cuda.Event()
             job.ready.record(torch.cuda.current_stream(self._device))
@@ -133,30 +126,47 @@ class BlockSaver:
         The caller keeps the slots until :meth:`wait_job` says the job ended. Hashes G2 holds, or a
         queued job copies, are left out; None when nothing is left.
         """
-        keep: dict[bytes, int] = {}
         with self._cond:
-            for h, slot in zip(hashes, slots):
-                if h not in keep and h not in self._in_flight and self._pool.lookup(h) is None:
-                    keep[h] = slot
-            if not keep:
+            new = self._new(hashes)
+            if not new:
                 return None
-            self._next_id += 1
-            job = SaveJob(self._next_id, list(keep), [], [], from_slots=list(keep.values()))
-            self._in_flight.update(job.hashes)
-            self._queued.append(job)
+            job = self._enqueue(SaveJob(0, [hashes[i] for i in new], [], [], from_slots=[slots[i] for i in new]))
         self._jobs.put(job)
         return job
 
-    def wait_job(self, job: SaveJob, timeout_s: float = 30.0) -> bool:
-        """Block until ``job`` ended (stored, dropped or failed); False if ``timeout_s`` passed first."""
+    def _new(self, hashes: Sequence[bytes]) -> list[int]:
+        """Under the lock: positions of the hashes a new job copies (first of each; not in G2 or in flight)."""
+        seen: set[bytes] = set()
+        out = []
+        for i, h in enumerate(hashes):
+            if h not in seen and h not in self._in_flight and self._pool.lookup(h) is None:
+                seen.add(h)
+                out.append(i)
+        return out
+
+    def _enqueue(self, job: SaveJob) -> SaveJob:
+        """Under the lock: number ``job`` and count it as queued (the caller puts it on the queue)."""
+        self._next_id += 1
+        job.job_id = self._next_id
+        self._in_flight.update(job.hashes)
+        self._pending.update(set(job.request_ids))
+        self._queued.append(job)
+        return job
+
+    def _wait(self, busy: Callable[[], bool], timeout_s: float) -> bool:
+        """Block while ``busy()`` (checked under the lock); False if ``timeout_s`` passed or the thread died first."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while job in self._queued:
+            while busy():
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._thread.is_alive():
                     return False
                 self._cond.wait(left)
         return True
+
+    def wait_job(self, job: SaveJob, timeout_s: float = 30.0) -> bool:
+        """Block until ``job`` ended (stored, dropped or failed); False if ``timeout_s`` passed first."""
+        return self._wait(lambda: job in self._queued, timeout_s)
 
     def pending(self, request_id: str) -> bool:
         """Whether a job reading ``request_id``'s blocks is queued or running."""
@@ -165,14 +175,7 @@ class BlockSaver:
 
     def wait_for(self, request_ids: Collection[str], timeout_s: float = 30.0) -> bool:
         """Block until no job reads any of ``request_ids``' blocks; False if ``timeout_s`` passed first."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while any(self._pending[r] > 0 for r in request_ids):
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._thread.is_alive():
-                    return False
-                self._cond.wait(left)
-        return True
+        return self._wait(lambda: any(self._pending[r] > 0 for r in request_ids), timeout_s)
 
     def drop(self, request_ids: Collection[str]) -> None:
         """Store nothing of the jobs reading ``request_ids``' blocks that have not stored yet.

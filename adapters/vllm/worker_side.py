@@ -276,7 +276,6 @@ class WorkerSide:
             good = valid_prefix(fetch.slots, ended.invalid) if fid in ended.done else 0
             ready += self._fetches.ended(fid, good, failed=fid in ended.failed)
             if good and self.saver is not None:  # kept in G2 too, off this thread: shared and reused later
-                fetch.kept = True  # on every rank alike, whether or not this rank's G2 already held them
                 fetch.keep = self.saver.submit_landed(fetch.hashes[:good], fetch.slots[:good])
             if fid in ended.failed:
                 self._source_failures.add(fid)
@@ -349,7 +348,8 @@ class WorkerSide:
         for fetch in self._fetches.done(load):
             if fetch.failed:
                 self._landing.quarantine(fetch.slots)
-            elif fetch.kept:  # the saver may still read them: back at the next step, on every rank
+            elif fetch.good and self.saver is not None:  # handed to the saver (_take_ended): back at the next
+                # step, on every rank alike, whether or not this rank's G2 already held them (keep None)
                 self._slots_after_keep.append((fetch.keep, fetch.slots))
             else:
                 self._landing.give_back(fetch.slots)
