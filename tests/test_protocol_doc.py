@@ -8,6 +8,7 @@ from pathlib import Path
 
 # The engine's messages join the table on import; without this they are checked only if another test imports them.
 import remote_g2.adapters.reference.messages  # noqa: F401
+import remote_g2.adapters.vllm.tp_links  # noqa: F401
 
 from remote_g2.messages import MESSAGES
 

@@ -183,3 +183,23 @@ def test_gather_into_copies_what_gather_does_without_torch() -> None:
     assert np.array_equal(out, want.reshape(-1).view(torch.uint8).numpy())
     with pytest.raises(ValueError):
         kv.gather_into([1], np.zeros(kv.block_bytes + 1, dtype=np.uint8))
+
+
+def test_scatter_rows_writes_what_scatter_does_without_torch() -> None:
+    kv, caches = _kv()
+    twin, twin_caches = _kv()
+    pool = HostPool(kv.g2_layout(6))
+    rows = kv.pool_view(pool.tensor)
+    rows.copy_(torch.randn(rows.shape, generator=torch.Generator().manual_seed(1)))
+    assert kv.scatter_rows([3, 6, 1], pool.tensor, [4, 0, 5])
+    twin.scatter([3, 6, 1], rows[torch.tensor([4, 0, 5])])
+    for name in caches:
+        assert torch.equal(caches[name], twin_caches[name])
+    assert torch.equal(kv.gather([3, 6, 1]), rows[torch.tensor([4, 0, 5])])
+    before = {n: t.clone() for n, t in caches.items()}
+    for bad in (lambda: kv.scatter_rows([1], pool.tensor, [6]),  # past the pool
+                lambda: kv.scatter_rows([B], pool.tensor, [0]),  # past vLLM's blocks
+                lambda: kv.scatter_rows([1, 2], pool.tensor, [0])):
+        with pytest.raises(ValueError):
+            bad()
+    assert all(torch.equal(before[n], caches[n]) for n in caches)  # nothing written by a refused call

@@ -44,6 +44,7 @@ class Fetch:
     good: int | None = None
     failed: bool = False
     keep: Any = None  # the saver's job keeping its good blocks in G2 (None: none, or G2 held them all already)
+    kept_step: int | None = None  # the worker's step that handed ``keep`` to the saver (None: not yet)
 
     @property
     def ended(self) -> bool:

@@ -136,24 +136,65 @@ class VllmKvLayout:
         n = len(block_ids)
         if out.dtype != np.uint8 or out.size != n * self.block_bytes or not out.flags.c_contiguous:
             raise ValueError(f"gather_into needs a contiguous uint8 array of {n} x {self.block_bytes} bytes")
-        piece = self.block_size * self.head_dim * self.dtype.itemsize
-        item = self.dtype.itemsize
+        vllm = self._piece_addrs(block_ids)
+        if vllm is None:
+            return False
+        if n:
+            g2 = np.uint64(out.ctypes.data) + np.arange(vllm.size, dtype=np.uint64) * np.uint64(self._piece_bytes)
+            copy_extents(g2, vllm, np.full(vllm.size, self._piece_bytes, dtype=np.uint64))
+        return True
+
+    def scatter_rows(self, block_ids: Sequence[int], pool_tensor: torch.Tensor, rows: Sequence[int]) -> bool:
+        """Write G2 pool rows ``rows`` of ``pool_tensor`` (a host pool in G2's block layout) into vLLM blocks
+        ``block_ids``: one C++ extent copy with the GIL released, no torch op (no OpenMP team wakes).
+
+        False, with nothing copied, where :meth:`gather_into` would be (device KV, token-major
+        layouts): use :meth:`scatter` then.
+        """
+        from remote_g2.extent_copy import copy_extents
+
+        if len(block_ids) != len(rows):
+            raise ValueError(f"scatter_rows: {len(block_ids)} blocks, {len(rows)} rows")
+        if pool_tensor.device.type != "cpu" or not pool_tensor.is_contiguous():
+            return False
+        vllm = self._piece_addrs(block_ids)
+        if vllm is None:
+            return False
+        if len(rows) == 0:
+            return True
+        total = pool_tensor.numel() * pool_tensor.element_size()
+        r = np.asarray(rows, dtype=np.uint64)
+        if int(r.max()) >= total // self.block_bytes:
+            raise ValueError(f"scatter_rows: row {int(r.max())} is past the pool's {total // self.block_bytes}")
+        per_row = np.uint64(self.block_bytes // self._piece_bytes)
+        piece = np.uint64(self._piece_bytes)
+        # row r's pieces follow each other in G2's order, the order _piece_addrs lists vLLM's
+        g2 = (np.uint64(pool_tensor.data_ptr()) + r[:, None] * np.uint64(self.block_bytes)
+              + np.arange(per_row, dtype=np.uint64)[None, :] * piece).reshape(-1)
+        copy_extents(vllm, g2, np.full(vllm.size, piece, dtype=np.uint64))
+        return True
+
+    @property
+    def _piece_bytes(self) -> int:
+        """One head's ``[block_size, head_dim]`` of one layer's K or V: the unit both layouts keep whole."""
+        return self.block_size * self.head_dim * self.dtype.itemsize
+
+    def _piece_addrs(self, block_ids: Sequence[int]) -> np.ndarray | None:
+        """The host address of every piece of ``block_ids`` in G2's order (block, layer, kv, head); None
+        when a layer's pieces are not contiguous in host memory."""
         for view in self.views:
             if view.device.type != "cpu" or view.stride(4) != 1 or view.stride(3) != self.head_dim:
-                return False
-        if n == 0:
-            return True
+                return None
+        item = self.dtype.itemsize
         ids = np.asarray(block_ids, dtype=np.uint64)
+        if ids.size and int(ids.max()) >= self.num_blocks:
+            raise ValueError(f"block id {int(ids.max())} is past vLLM's {self.num_blocks} blocks")
         bases = np.array([v.data_ptr() for v in self.views], dtype=np.uint64)
         s0, s1, s2 = (np.uint64(self.views[0].stride(d) * item) for d in range(3))
-        # src[i, layer, k, h] = base[layer] + ids[i]*s0 + k*s1 + h*s2; dst in G2's order, piece by piece
-        src = (bases[None, :, None, None] + ids[:, None, None, None] * s0
-               + np.arange(self.kv, dtype=np.uint64)[None, None, :, None] * s1
-               + np.arange(self.kv_heads, dtype=np.uint64)[None, None, None, :] * s2)
-        pieces = n * len(self.views) * self.kv * self.kv_heads
-        dst = np.uint64(out.ctypes.data) + np.arange(pieces, dtype=np.uint64) * np.uint64(piece)
-        copy_extents(dst, src.reshape(-1), np.full(pieces, piece, dtype=np.uint64))
-        return True
+        # piece [i, layer, k, h] = base[layer] + ids[i]*s0 + k*s1 + h*s2
+        return (bases[None, :, None, None] + ids[:, None, None, None] * s0
+                + np.arange(self.kv, dtype=np.uint64)[None, None, :, None] * s1
+                + np.arange(self.kv_heads, dtype=np.uint64)[None, None, None, :] * s2).reshape(-1)
 
     def scatter(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         """Write ``blocks`` (``[n, layers, kv, ...]``, e.g. G2 pool rows) into vLLM blocks ``block_ids``.

@@ -27,13 +27,15 @@ class LoadPlan:
 @dataclass
 class RemoteG2ConnectorMetadata(KVConnectorMetadata):
     """One step's plan, scheduler → worker: loads to start, full prompt blocks to save (of which request),
-    requests vLLM preempted (their blocks may be reused in this very step)."""
+    requests vLLM preempted (their blocks may be reused in this very step), and whether the step runs no
+    forward at all (``idle``: every request waits, e.g. for its remote KV)."""
 
     loads: list[LoadPlan] = field(default_factory=list)
     save_hashes: list[bytes] = field(default_factory=list)
     save_block_ids: list[int] = field(default_factory=list)
     save_request_ids: list[str] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+    idle: bool = False
 
 
 @dataclass

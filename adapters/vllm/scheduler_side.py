@@ -170,7 +170,8 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = RemoteG2ConnectorMetadata(loads=self._pending_loads,
-                                         preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ()))
+                                         preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ()),
+                                         idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._pending_loads = []
         if not self.settings.source or self._ident.fingerprint() is None:
             return meta

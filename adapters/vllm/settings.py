@@ -37,6 +37,7 @@ class ConnectorSettings:
     save_threshold: int = 1  # save a prompt block once this many of this instance's requests held it
     load: str = "async"
     registry_mirror: bool = True
+    tp_exchange: str = "links"  # how TP ranks agree each step: "links" (local sockets) or "gloo" (vLLM's group)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any], *, default_worker_id: str | None = None) -> ConnectorSettings:
@@ -55,6 +56,8 @@ class ConnectorSettings:
             raise ConfigError("g2_blocks and landing_blocks must be >= 1")
         if s.load not in ("async", "sync"):
             raise ConfigError(f"load must be 'async' or 'sync', not {s.load!r}")
+        if s.tp_exchange not in ("links", "gloo"):
+            raise ConfigError(f"tp_exchange must be 'links' or 'gloo', not {s.tp_exchange!r}")
         if s.save_threshold < 1:
             raise ConfigError(f"save_threshold must be >= 1 (1: save every full prompt block), not {s.save_threshold}")
         if not s.failed_source_cooldown_s >= 0:

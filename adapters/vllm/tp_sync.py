@@ -26,8 +26,10 @@ Every rank calls the same collectives in the same steps: vLLM hands every
 worker the same connector metadata and calls ``start_load_kv`` /
 ``get_finished`` on each of them once per step, and the decision whether a
 step has loads or fetches in flight is itself made from this shared state.
-The collectives run over vLLM's CPU (gloo) TP group through
-:class:`~remote_g2.torch_group.TorchGroupComm`; at TP 1 nothing is exchanged.
+The exchanges run over the ranks' local links (:mod:`.tp_links`: tens of
+microseconds) when every rank is on one host, else over vLLM's CPU (gloo) TP
+group through :class:`~remote_g2.torch_group.TorchGroupComm` (milliseconds);
+at TP 1 nothing is exchanged.
 """
 
 from __future__ import annotations
@@ -59,10 +61,13 @@ class FetchOutcome:
 
 
 class TpSync:
-    """One vLLM instance's ranks agreeing; ``comm`` (``Get_rank``/``Get_size``/``allgather``) is None at TP 1."""
+    """One vLLM instance's ranks agreeing; ``comm`` (``Get_rank``/``Get_size``/``allgather``) is None at TP 1.
 
-    def __init__(self, comm: Any = None) -> None:
+    ``links`` (:class:`.tp_links.StepLinks`, built over ``comm``): carry the exchanges instead of ``comm``."""
+
+    def __init__(self, comm: Any = None, links: Any = None) -> None:
         self._comm = comm
+        self._links = links
         self.rank = 0 if comm is None else int(comm.Get_rank())
         self.size = 1 if comm is None else int(comm.Get_size())
         self._now = time.monotonic()
@@ -75,6 +80,9 @@ class TpSync:
         """``held_here[i]``: this rank's G2 holds block i. Returns, on every rank, whether every rank does."""
         if self._comm is None:
             return list(held_here)
+        if self._links is not None:
+            self._now, both = self._links.gather_and(bytes(bool(x) for x in held_here))
+            return [bool(b) for b in both]
         gathered = self._exchange(bytes(bool(x) for x in held_here))
         if len({len(g) for g in gathered}) != 1:
             raise RuntimeError(f"TP ranks asked about different block counts: {[len(g) for g in gathered]}")
@@ -85,8 +93,15 @@ class TpSync:
         if self._comm is None:
             assert mine is not None
             return mine
+        if self._links is not None:
+            self._now, wire = self._links.broadcast(mine.to_wire() if self.rank == 0 and mine is not None else None)
+            return FetchOutcome.from_wire(wire)
         gathered = self._exchange(mine.to_wire() if self.rank == 0 and mine is not None else None)
         return FetchOutcome.from_wire(gathered[0])
+
+    def close(self) -> None:
+        if self._links is not None:
+            self._links.close()
 
     def _exchange(self, obj: Any) -> list[Any]:
         """Allgather ``(rank 0's clock, obj)``; keep rank 0's clock."""

@@ -21,11 +21,14 @@
 * ``start_load_kv`` starts each request's load: blocks already in this
   worker's G2 are copied at once, blocks another request is already fetching
   are waited for (:mod:`.fetches`: one READ per block), the rest are read
-  into landing slots; ``get_finished`` polls the target client, copies what
-  arrived into vLLM's blocks, hands the landed blocks to the saver to keep in
-  G2, and reports the request as received; ``get_block_ids_with_load_errors``
-  lists the blocks vLLM must recompute (with
-  ``kv_load_failure_policy="recompute"``).
+  into landing slots; ``get_finished`` polls the target client (in a step
+  that runs no forward, the leader first waits a little for a fetch to end),
+  copies what arrived into vLLM's blocks and reports the request as
+  received; ``get_block_ids_with_load_errors`` lists the blocks vLLM must
+  recompute (with ``kv_load_failure_policy="recompute"``). The landed blocks
+  are kept in G2 too, by the saver, from the ``wait_for_save`` after they
+  landed: their copy runs beside a later step's forward, not beside the one
+  that first uses them; their landing slots go back a step after that.
 
 Abort safety: vLLM keeps the blocks of a request it finishes while that
 request waits for remote KV (``WAITING_FOR_REMOTE_KVS``) until the connector
@@ -60,6 +63,11 @@ log = logging.getLogger("remote_g2.adapters.vllm")
 
 #: How long a step waits for the copies of a preempted request's blocks before it drops them.
 _PREEMPT_WAIT_S = 30.0
+#: In a step that runs no forward (every request waits, some for their remote KV), how long the leader
+#: waits for a fetch to end before the ranks compare notes: the load is reported in this step rather
+#: than a later one, and vLLM's engine loop, which steps without pause while requests wait, sleeps
+#: instead of spinning the cores the READs and the sources need. Nothing else is scheduled to wait.
+_IDLE_STEP_WAIT_S = 0.005
 #: Tests only: called in the saver's thread between a job's gather and its store (see :mod:`.saver`).
 SAVE_COPY_HOOK: Any = None
 
@@ -95,12 +103,15 @@ class WorkerSide:
         self.saver: BlockSaver | None = None
         self._save_reqs: set[str] = set()  # requests some step's metadata sent blocks of for saving
         self._finishing: set[str] = set()  # of those, finished by vLLM: their blocks are kept until copied
-        self._slots_after_keep: list[tuple[Any, list[int]]] = []  # (saver job, landing slots it reads)
+        self._keep_due: list[Any] = []  # fetches whose good blocks the next wait_for_save hands the saver
+        self._slots_after_keep: list[Any] = []  # fetches whose landing slots go back once the saver kept them
+        self._step = 0  # this worker's step count (every rank counts alike: vLLM steps them together)
         self._fetches = FetchTable()
         self._sync = TpSync()
         self._load_errors: set[int] = set()
         self._received: set[str] = set()
         self._source_failures: set[str] = set()  # for the scheduler, in the next worker metadata
+        self._idle_step = False  # this step runs no forward (its metadata says)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from remote_g2.adapters.host_pool import HostPool
@@ -118,7 +129,12 @@ class WorkerSide:
                      ids)
             return
         model_id = ids[0]
-        self._sync = TpSync(comm)
+        links = None
+        if comm is not None and s.tp_exchange == "links":
+            from .tp_links import connect_step_links
+
+            links = connect_step_links(comm, s.worker_id, s.ipc_dir)
+        self._sync = TpSync(comm, links)
         rank, tp = self._sync.rank, self._sync.size
         self._kv = kv = VllmKvLayout.from_kv_caches(kv_caches, self.block_size,
                                                     mla=self._ident.is_mla)
@@ -158,6 +174,9 @@ class WorkerSide:
                  "on" if self.source else "off", "on" if self.target else "off")
 
     def start_load_kv(self, meta: RemoteG2ConnectorMetadata) -> None:
+        # vLLM calls this first of the step's hooks (before the forward for sync loads, after it otherwise)
+        self._step += 1
+        self._idle_step = meta.idle
         if not meta.loads:
             return
         # A block is copied from this instance's own G2 only if every rank holds it (one exchange a step).
@@ -210,9 +229,14 @@ class WorkerSide:
 
     def _copy_local(self, load: LoadPlan, held: list[int | None]) -> None:
         """Copy G2 blocks ``held`` (None: not held here) into the load's vLLM blocks."""
-        assert self._kv is not None and self.pool_rows is not None
         pairs = [(b, row) for b, row in zip(load.block_ids, held) if row is not None]
-        self._kv.scatter([b for b, _ in pairs], self.pool_rows[torch.as_tensor([row for _, row in pairs])])
+        self._into_vllm([b for b, _ in pairs], [row for _, row in pairs])
+
+    def _into_vllm(self, block_ids: list[int], rows: list[int]) -> None:
+        """Copy G2 pool rows into vLLM blocks: one C++ copy on a host KV, else (a device's) torch's."""
+        assert self._kv is not None and self.pool_rows is not None
+        if not self._kv.scatter_rows(block_ids, self.pool.tensor, rows):
+            self._kv.scatter(block_ids, self.pool_rows[torch.as_tensor(rows)])
 
     def handle_preemptions(self, meta: RemoteG2ConnectorMetadata) -> None:
         """Before a step's forward: wait for the copies reading blocks of requests vLLM preempted.
@@ -233,7 +257,10 @@ class WorkerSide:
                      len(meta.preempted), (time.perf_counter() - t0) * 1e3)
 
     def wait_for_save(self, meta: RemoteG2ConnectorMetadata) -> None:
-        """Queue this step's newly full prompt blocks for the saver's thread (:mod:`.saver`); returns at once."""
+        """Queue this step's newly full prompt blocks, and the blocks loads landed before this step's forward,
+        for the saver's thread (:mod:`.saver`); returns at once."""
+        if self._keep_due:
+            self._submit_keeps()
         if not meta.save_hashes:
             return
         # Every rank sees the same metadata: each reports these requests finished sending alike.
@@ -259,6 +286,8 @@ class WorkerSide:
         received, self._received = self._received, set()
         ready: list[RequestLoad] = self._fetches.ready_now()
         if self.target is not None and len(self._fetches):
+            if self._idle_step and self._sync.rank == 0 and self.settings.load == "async":
+                self.target.wait_finished(_IDLE_STEP_WAIT_S)
             ready += self._take_ended(self._sync.leader_outcome(self._leader_outcome()))
         for load in ready:
             self._finish(load)
@@ -275,8 +304,8 @@ class WorkerSide:
                 continue
             good = valid_prefix(fetch.slots, ended.invalid) if fid in ended.done else 0
             ready += self._fetches.ended(fid, good, failed=fid in ended.failed)
-            if good and self.saver is not None:  # kept in G2 too, off this thread: shared and reused later
-                fetch.keep = self.saver.submit_landed(fetch.hashes[:good], fetch.slots[:good])
+            if good and self.saver is not None:  # kept in G2 too, after this step's forward: shared, reused later
+                self._keep_due.append(fetch)
             if fid in ended.failed:
                 self._source_failures.add(fid)
             log.info("fetch %s: %d of %d blocks read from a remote G2", fid, good, len(fetch.hashes))
@@ -340,34 +369,46 @@ class WorkerSide:
         else:
             remote = [(b, f.slots[i]) for (f, i), b in zip(load.parts[:good], load.block_ids) if f is not None]
             if remote:
-                assert self._kv is not None and self.pool_rows is not None
-                self._kv.scatter([b for b, _ in remote], self.pool_rows[torch.as_tensor([s for _, s in remote])])
+                self._into_vllm([b for b, _ in remote], [s for _, s in remote])
             self._load_errors.update(load.block_ids[good:])
             log.info("%s: %d of %d blocks loaded from a remote G2", load.request_id, good, len(load.block_ids))
         assert self._landing is not None or not load.fetches()
         for fetch in self._fetches.done(load):
             if fetch.failed:
                 self._landing.quarantine(fetch.slots)
-            elif fetch.good and self.saver is not None:  # handed to the saver (_take_ended): back at the next
-                # step, on every rank alike, whether or not this rank's G2 already held them (keep None)
-                self._slots_after_keep.append((fetch.keep, fetch.slots))
+            elif fetch.good and self.saver is not None:  # the saver keeps them (_submit_keeps): back a step
+                # later, on every rank alike, whether or not this rank's G2 already held them (keep None)
+                self._slots_after_keep.append(fetch)
             else:
                 self._landing.give_back(fetch.slots)
+
+    def _submit_keeps(self) -> None:
+        """Hand the saver the good blocks of the fetches that ended before this step's forward."""
+        assert self.saver is not None
+        due, self._keep_due = self._keep_due, []
+        for fetch in due:
+            fetch.keep = self.saver.submit_landed(fetch.hashes[:fetch.good], fetch.slots[:fetch.good])
+            fetch.kept_step = self._step
 
     def _give_back_kept_slots(self) -> None:
         """Landing slots whose blocks the saver kept in G2 go back once its job ended.
 
-        At the same point of the next step on every rank (the job took a copy's time; should it be slower,
-        this waits), so the ranks' landing slots stay alike (:mod:`.tp_sync`)."""
+        In the first step after the one that handed the job over, at the same point on every rank (the
+        job took a copy's time; should it be slower, this waits), so the ranks' landing slots stay alike
+        (:mod:`.tp_sync`)."""
+        later = []
         kept, self._slots_after_keep = self._slots_after_keep, []
-        for job, slots in kept:
+        for fetch in kept:
             assert self.saver is not None and self._landing is not None
-            if job is not None and not self.saver.wait_job(job):
+            if fetch.kept_step is None or fetch.kept_step >= self._step:  # not handed over before this step
+                later.append(fetch)
+            elif fetch.keep is not None and not self.saver.wait_job(fetch.keep):
                 log.error("keeping %d loaded blocks in G2 did not end: their landing slots sit out a quarantine",
-                          len(job.hashes))
-                self._landing.quarantine(slots)
+                          len(fetch.keep.hashes))
+                self._landing.quarantine(fetch.slots)
             else:
-                self._landing.give_back(slots)
+                self._landing.give_back(fetch.slots)
+        self._slots_after_keep = later
 
     def build_connector_worker_meta(self) -> RemoteG2WorkerMetadata | None:
         """This step's loads that failed at the source (see :class:`RemoteG2WorkerMetadata`)."""
@@ -381,6 +422,7 @@ class WorkerSide:
         return out
 
     def shutdown(self) -> None:
+        self._sync.close()
         if self.saver is not None:
             self.saver.close()
             self.saver = None
