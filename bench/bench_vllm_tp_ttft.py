@@ -237,13 +237,14 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(results)), 4.5))
     width = 0.26
     colors = {"remote": "#3a7", "local": "#999", "recompute": "#c63"}
     for i, mode in enumerate(MODES):
         xs = [j + (i - 1) * width for j in range(len(results))]
         ax.bar(xs, [pct(r["ttft_ms"][mode], 50) for r in results], width, label=mode, color=colors[mode])
-    ax.set_xticks(range(len(results)), [f"TP {r['source_tp']} -> {r['target_tp']}\n{r['load']}" for r in results])
+    ax.set_xticks(range(len(results)), [f"TP {r['source_tp']} -> {r['target_tp']}\n{r['load'].replace('+', ' + ')}"
+                                        for r in results], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("time to first token, p50 (ms)")
     ax.set_title(f"vLLM (CPU), {results[0]['prefix']}-token prefix: remote G2 vs local hit vs recompute")
     ax.legend()
