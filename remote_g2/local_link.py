@@ -53,7 +53,7 @@ from remote_g2.wire import (
     take_stream_frames,
 )
 
-__all__ = ["MessageLink", "LinkListener", "LinkClosed", "connect_link"]  # LinkClosed: from remote_g2.errors
+__all__ = ["MessageLink", "LinkListener", "LinkClosed", "connect_link", "boot_id"]  # LinkClosed: from remote_g2.errors
 
 _SOCK_BUFFER = 4 << 20  # asked for; the kernel caps it at net.core.{r,w}mem_max
 
@@ -244,6 +244,15 @@ def connect_link(path: str, *, rank: int, worker_id: str, timeout_s: float, **li
     link = MessageLink(sock, "the leader", **link_options)
     link.send(LinkHello(worker_id, rank))
     return link
+
+
+def boot_id() -> str:
+    """This host's boot id: processes that share it share a host, and its monotonic clock."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return f"pid-{os.getpid()}"  # unknown: no other process is assumed to share it
 
 
 def _wait(fd: int, events: int, timeout_s: float) -> bool:

@@ -43,7 +43,6 @@ answered is reported ``rpc_timeout_ms`` after that.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 from collections import OrderedDict
@@ -53,7 +52,7 @@ from typing import Any
 
 from remote_g2.errors import ConfigError, RemoteG2Error, TransferError
 from remote_g2.ipc_paths import ipc_endpoint, prepare_ipc_dir
-from remote_g2.local_link import LinkListener, MessageLink, connect_link
+from remote_g2.local_link import LinkListener, MessageLink, boot_id, connect_link
 from remote_g2.log import cpu_set_text
 from remote_g2.messages import Lookup, LookupReply, TargetDone, TargetLoad
 from remote_g2.plugins import load_adapter
@@ -119,15 +118,6 @@ def start_target_client(pool: SecondaryPool, *, tp_rank: int | None = None, tp_s
     return client
 
 
-def _boot_id() -> str:
-    """Identifies this host's monotonic clock (it is shared by every process of one boot)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return f"pid-{os.getpid()}"  # unknown: no other process is assumed to share it
-
-
 class TargetClient:
     """One rank's client; see the module docstring. Build with :func:`start_target_client`."""
 
@@ -162,7 +152,7 @@ class TargetClient:
         error: str | None = None
         maybe_start_stall_watchdog()  # REMOTE_G2_STALL_DUMP_S: stacks to stderr when Python stalls
         path = ""
-        clock = _boot_id()
+        clock = boot_id()
         transfer = bounce = None
         try:
             layout = self._pool.layout

@@ -108,7 +108,7 @@ def _rank_main(rank: int, size: int, port: int, ipc_dir: str, other_host: bool, 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
         if other_host and rank == size - 1:
-            tp_links._boot_id = lambda: "another-host"  # this rank stands for one on another machine
+            tp_links.boot_id = lambda: "another-host"  # this rank stands for one on another machine
         comm = TorchGroupComm()
         links = connect_step_links(comm, "w-links", ipc_dir)
         via_links, via_gloo = TpSync(comm, links), TpSync(comm)

@@ -33,7 +33,6 @@ boot id) leaves every rank on gloo.
 from __future__ import annotations
 
 import logging
-import os
 import select
 import time
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ from typing import Annotated, Any
 
 from remote_g2.errors import ConfigError, LinkClosed, ProtocolError, TransportError
 from remote_g2.ipc_paths import default_ipc_dir, ipc_endpoint, prepare_ipc_dir
-from remote_g2.local_link import LinkListener, MessageLink, connect_link
+from remote_g2.local_link import LinkListener, MessageLink, boot_id, connect_link
 from remote_g2.messages import message
 from remote_g2.schema import Limits, Packed
 
@@ -72,14 +71,6 @@ class TpStep:
     invalid: Annotated[list[Annotated[int, Limits(ge=0)]], Limits(max_len=1 << 20), Packed()] = field(
         default_factory=list)
     expired: bool = False
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return f"pid-{os.getpid()}"  # unknown: no other process is assumed to share this host
 
 
 class StepLinks:
@@ -171,7 +162,7 @@ def connect_step_links(comm: Any, worker_id: str, ipc_dir: str | None, *,
             listener = LinkListener(path)
         except ConfigError as e:
             error = str(e)
-    hello = comm.allgather((_boot_id(), path, error))
+    hello = comm.allgather((boot_id(), path, error))
     boots = {h[0] for h in hello}
     if len(boots) != 1 or hello[0][2] is not None:
         if listener is not None:

@@ -80,10 +80,11 @@ class TpSync:
         """``held_here[i]``: this rank's G2 holds block i. Returns, on every rank, whether every rank does."""
         if self._comm is None:
             return list(held_here)
+        bits = bytes(bool(x) for x in held_here)
         if self._links is not None:
-            self._now, both = self._links.gather_and(bytes(bool(x) for x in held_here))
+            self._now, both = self._links.gather_and(bits)
             return [bool(b) for b in both]
-        gathered = self._exchange(bytes(bool(x) for x in held_here))
+        gathered = self._exchange(bits)
         if len({len(g) for g in gathered}) != 1:
             raise RuntimeError(f"TP ranks asked about different block counts: {[len(g) for g in gathered]}")
         return [all(g[i] for g in gathered) for i in range(len(held_here))]
