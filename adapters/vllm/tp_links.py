@@ -3,13 +3,13 @@
 :mod:`.tp_sync` makes the ranks agree, in a step with loads, on which blocks
 every rank's G2 holds and on how the leader's fetches ended. Over vLLM's CPU
 (gloo) TP group each of those is a ``torch.distributed.all_gather_object``:
-a pickle, two collectives and a handful of torch ops, 3-4 ms per exchange on
-a busy 2-core host (``bench/bench_vllm_tp_ttft.py``; docs/benchmarks.md),
-paid on the engine's thread once or twice in every step with a load. The
+a pickle, two collectives and a handful of torch ops, paid on the engine's
+thread once or twice in every step with a load (what that costs against a
+link: ``bench/bench_tp_exchange.py``, docs/benchmarks.md). The
 ranks of one instance share a host (vLLM runs a TP group's CPU workers on one
 machine), so :class:`StepLinks` carries the same exchanges over one Unix
 stream socket per rank (:mod:`remote_g2.local_link`: typed frames, validated
-on arrival, in a private directory of mode 0700), in tens of microseconds:
+on arrival, in a private directory of mode 0700):
 
 * :meth:`StepLinks.gather_and` — every rank's bit vector, ANDed by the leader
   and sent back to all (two hops);

@@ -26,10 +26,10 @@ Every rank calls the same collectives in the same steps: vLLM hands every
 worker the same connector metadata and calls ``start_load_kv`` /
 ``get_finished`` on each of them once per step, and the decision whether a
 step has loads or fetches in flight is itself made from this shared state.
-The exchanges run over the ranks' local links (:mod:`.tp_links`: tens of
-microseconds) when every rank is on one host, else over vLLM's CPU (gloo) TP
-group through :class:`~remote_g2.torch_group.TorchGroupComm` (milliseconds);
-at TP 1 nothing is exchanged.
+The exchanges run over the ranks' local links (:mod:`.tp_links`) when every
+rank is on one host, else over vLLM's CPU (gloo) TP group through
+:class:`~remote_g2.torch_group.TorchGroupComm`, an order of magnitude slower
+(``bench/bench_tp_exchange.py``); at TP 1 nothing is exchanged.
 """
 
 from __future__ import annotations
