@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import operator
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -35,7 +36,7 @@ import torch
 from remote_g2.errors import PoolIndexError
 from remote_g2.pool_index import PoolIndex
 
-from remote_g2.host_memory import huge_page_buffer, thp_mode
+from remote_g2.host_memory import huge_page_buffer, populate, thp_mode
 from remote_g2.secondary_pool import BlockLayout, MemoryRegion, PoolEventKind, PoolListener
 
 __all__ = ["HostPool"]
@@ -49,6 +50,7 @@ of any dtype and device, exactly ``block_bytes`` long."""
 
 
 _thp_checked = False
+_PREFAULT_CHUNK = 2 << 20
 
 
 def _say_once_if_thp_is_off() -> None:
@@ -123,6 +125,10 @@ class HostPool:
         self._listeners: tuple[PoolListener, ...] = ()
         self._pending: deque[tuple[PoolEventKind, list[bytes]]] = deque()
         self._delivering = False
+        self._pinned = cuda and pin_memory is not False
+        self._prefault_stop = threading.Event()
+        self.prefaulted_bytes = 0  # how much of the buffer prefault() has faulted in so far
+        self._prefault_thread: threading.Thread | None = None
 
     def __repr__(self) -> str:
         return f"HostPool(num_blocks={self._layout.num_blocks}, block_bytes={self._layout.block_bytes}, cached={len(self)})"
@@ -138,6 +144,61 @@ class HostPool:
     def tensor(self) -> torch.Tensor:
         """The whole pool as one 1-D ``uint8`` tensor (block ``b`` at ``b * block_bytes``)."""
         return self._tensor
+
+    def prefault(self, *, background: bool = True) -> threading.Thread | None:
+        """Fault the buffer's pages in ahead of use, in the order the blocks are handed out.
+
+        Plain host memory is taken on first touch, and a first touch costs a
+        page fault and the kernel's zeroing, paid inside whatever writes the
+        block first: a remote READ landing in a reserved block, a save
+        storing into a fresh one (see :mod:`remote_g2.host_memory`). This
+        moves that cost to start-up: the reserved blocks first, then the
+        cache from block 0 up (the free list's order). Nothing is written, so
+        it may run while the pool is in use. ``background`` runs it in a daemon
+        thread (returned; :meth:`stop_prefault` ends it early); otherwise it
+        returns when done. Page-locked (CUDA) memory is resident already:
+        None, nothing done. :attr:`prefaulted_bytes` counts progress.
+        """
+        if self._pinned:
+            return None
+        size = self._layout.block_bytes
+        base = self._tensor.data_ptr()
+        cached = self._layout.num_blocks - len(self.reserved_block_ids)
+        spans = [(base + cached * size, len(self.reserved_block_ids) * size), (base, cached * size)]
+
+        def run() -> None:
+            t0 = time.monotonic()
+            for addr, nbytes in spans:
+                # small chunks: each holds the process's memory map for reading, and a thread that maps
+                # memory meanwhile (an allocation) waits for the chunk to end
+                done = populate(addr, nbytes, chunk_bytes=_PREFAULT_CHUNK, stop=self._prefault_stop)
+                self.prefaulted_bytes += done
+                if done < nbytes:
+                    break
+            total = self._tensor.numel()
+            if self.prefaulted_bytes < total and not self._prefault_stop.is_set():
+                log.info("G2 pool: faulted in %.0f of %.0f MiB ahead of use; the kernel does not offer "
+                         "MADV_POPULATE_WRITE, or memory ran short", self.prefaulted_bytes / 2**20, total / 2**20)
+            else:
+                log.info("G2 pool: %.0f MiB faulted in ahead of use in %.1f s", self.prefaulted_bytes / 2**20,
+                         time.monotonic() - t0)
+
+        if not background:
+            run()
+            return None
+        thread = threading.Thread(target=run, name="remote-g2-pool-prefault", daemon=True)
+        thread.start()
+        self._prefault_thread = thread
+        return thread
+
+    @property
+    def prefaulting(self) -> bool:
+        """Whether a background :meth:`prefault` is still running."""
+        return self._prefault_thread is not None and self._prefault_thread.is_alive()
+
+    def stop_prefault(self) -> None:
+        """End a background :meth:`prefault` at its next chunk."""
+        self._prefault_stop.set()
 
     def regions(self) -> list[MemoryRegion]:
         """One DRAM region covering the whole buffer (what NIXL registers)."""

@@ -75,12 +75,15 @@ def _timed(llm: Any, params: Any, ids: list[int]) -> tuple[float, int]:
 
 
 def _settle(worker: Any) -> bool:
-    """In a vLLM worker: wait (up to 10 s) until the connector's saver has no copy queued or running."""
+    """In a vLLM worker: wait (up to 10 s) until the connector's saver has no copy queued or running, and its
+    G2 pool is faulted in (a worker just started faults it in in the background)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    saver = get_kv_transfer_group().worker.saver
+    ours = get_kv_transfer_group().worker
+    saver, pool = ours.saver, ours.pool
     deadline = time.monotonic() + 10
-    while saver is not None and not saver.idle() and time.monotonic() < deadline:
+    while time.monotonic() < deadline and ((saver is not None and not saver.idle()) or
+                                           (pool is not None and pool.prefaulting)):
         time.sleep(0.001)
     return saver is None or saver.idle()
 
@@ -126,6 +129,7 @@ def _child(a: argparse.Namespace) -> None:
     if a.child == "source":
         for p in prefixes:
             _timed(llm, params, p + _tokens(rng, TAIL))
+        llm.collective_rpc(_settle)  # its saves stored, its pool faulted in: nothing of it runs beside B's requests
         Path(a.out).write_text(json.dumps({"served": len(prefixes)}))
         deadline = time.monotonic() + 900
         while not Path(a.out + ".stop").exists() and time.monotonic() < deadline:

@@ -179,6 +179,62 @@ def test_pinned_memory_with_cuda():
     assert not HostPool(make_layout(2), pin_memory=False).tensor.is_pinned()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the pool is page-locked, resident already")
+def test_prefault_faults_the_pool_in_landing_blocks_first(monkeypatch):
+    import remote_g2.adapters.host_pool as host_pool
+    from test_host_memory import resident
+
+    layout = make_layout(6, pad=(4 << 20) - 1024)  # ~4 MiB blocks
+    pool = HostPool(layout, reserved_blocks=2)
+    [region] = pool.regions()
+    calls: list[tuple[int, int]] = []
+    real = host_pool.populate
+
+    def spy(addr: int, nbytes: int, **kw):  # the order it asks for; the real call does the work
+        calls.append((addr, nbytes))
+        return real(addr, nbytes, **kw)
+
+    monkeypatch.setattr(host_pool, "populate", spy)
+    assert pool.prefault(background=False) is None
+    size = layout.block_bytes
+    assert calls == [(region.base + 4 * size, 2 * size), (region.base, 4 * size)]  # landing, then block 0 up
+    if pool.prefaulted_bytes == 0:
+        pytest.skip("this kernel does not offer MADV_POPULATE_WRITE (Linux < 5.14)")
+    assert pool.prefaulted_bytes == region.nbytes
+    assert resident(region.base, region.nbytes) * 4096 >= region.nbytes - 4096
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the pool is page-locked, resident already")
+def test_prefault_in_the_background_beside_stores_changes_no_byte():
+    layout = make_layout(64, pad=(1 << 20))
+    pool = HostPool(layout, reserved_blocks=4)
+    thread = pool.prefault()
+    assert thread is not None and thread.name == "remote-g2-pool-prefault"
+    size = layout.block_bytes
+    stored = {}
+    for i in range(40):  # stores racing the prefault, block 0 up as the free list hands them out
+        [b] = pool.store([h(i)], [pattern(h(i), size)])
+        stored[b] = pattern(h(i), size)
+    thread.join(60)
+    assert not thread.is_alive() and not pool.prefaulting
+    for b, data in stored.items():
+        assert raw(pool, b) == data
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the pool is page-locked, resident already")
+def test_stop_prefault_ends_it_early():
+    pool = HostPool(make_layout(64, pad=(1 << 20)))
+    pool.stop_prefault()
+    pool.prefault(background=False)
+    assert pool.prefaulted_bytes == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs CUDA")
+def test_prefault_of_page_locked_memory_does_nothing():
+    pool = HostPool(make_layout(2))
+    assert pool.prefault() is None and pool.prefaulted_bytes == 0 and not pool.prefaulting
+
+
 # -- store: bytes ----------------------------------------------------------------
 
 

@@ -173,6 +173,7 @@ class PagedKv:
         self.g1 = torch.zeros((cache.g1_blocks, model.num_layers, 2, local_kv_heads, self.tpb, model.head_dim),
                               dtype=KV_DTYPE)
         self.g2 = HostPool(self.layout, reserved_blocks=cache.landing_blocks)
+        self.g2.prefault()  # landing blocks first: no READ or store pays the pool's first touch
         self._g2_blocks = self.g2.tensor.view(KV_DTYPE).view(self.layout.num_blocks, *self.g1.shape[1:])
 
     # -- G1 <-> model ---------------------------------------------------------------------

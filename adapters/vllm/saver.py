@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from remote_g2.errors import RemoteG2Error
+from remote_g2.host_memory import huge_page_buffer, populate
 
 from .kv_blocks import VllmKvLayout
 
@@ -85,6 +86,9 @@ class BlockSaver:
         self._pool = pool
         self._copy_hook = copy_hook
         self._pool_bytes = pool.tensor.numpy() if pool.tensor.device.type == "cpu" else None
+        # One gather buffer, kept and grown: a fresh one per job would be faulted in page by page inside
+        # every copy (host_memory: a first touch costs more than the copy on some machines).
+        self._scratch: np.ndarray | None = None
         self._device = kv.views[0].device
         self._cuda = self._device.type == "cuda"
         self._stream = torch.cuda.Stream(device=self._device) if self._cuda else None
@@ -224,6 +228,14 @@ class BlockSaver:
                     self.jobs_done += 1
                     self._cond.notify_all()
 
+    def _scratch_bytes(self, nbytes: int) -> np.ndarray:
+        """The copy thread's gather buffer, at least ``nbytes`` (grown to twice what it was, faulted in)."""
+        if self._scratch is None or self._scratch.size < nbytes:
+            grown = max(nbytes, 2 * (0 if self._scratch is None else self._scratch.size))
+            self._scratch = huge_page_buffer(grown)
+            populate(self._scratch.ctypes.data, grown)
+        return self._scratch[:nbytes]
+
     def _copy(self, job: SaveJob) -> None:
         # No torch op on host tensors in this thread: each would start an OpenMP team whose spinning
         # threads take the cores from vLLM's forward. numpy copies and C++ extent copies instead.
@@ -241,7 +253,7 @@ class BlockSaver:
                 data = list(self._kv.gather(job.block_ids, pin_memory=True))
             self._stream.synchronize()  # this thread waits; the engine's stream never does
         else:
-            scratch = np.empty(len(job.block_ids) * size, dtype=np.uint8)
+            scratch = self._scratch_bytes(len(job.block_ids) * size)
             if self._kv.gather_into(job.block_ids, scratch):
                 data = [scratch[i * size:(i + 1) * size] for i in range(len(job.block_ids))]
             else:

@@ -150,6 +150,7 @@ class WorkerSide:
             raise ConfigError(f"vLLM's KV tensors on TP rank {rank} ({fp}) differ from what its configuration "
                               f"says ({promised}): the scheduler's lookups would never match this worker's blocks")
         self.pool = HostPool(kv.g2_layout(s.g2_blocks + s.landing_blocks), reserved_blocks=s.landing_blocks)
+        self.pool.prefault()  # landing slots first: no READ or save pays the pool's first touch
         self.pool_rows = kv.pool_view(self.pool.tensor)
         self._landing = LandingSlots(self.pool.reserved_block_ids, clock=self._sync.now)
         self.saver = BlockSaver(kv, self.pool, copy_hook=SAVE_COPY_HOOK)
@@ -423,6 +424,8 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self._sync.close()
+        if self.pool is not None:
+            self.pool.stop_prefault()
         if self.saver is not None:
             self.saver.close()
             self.saver = None
@@ -434,3 +437,4 @@ class WorkerSide:
                 except Exception:
                     log.exception("remote-g2 %s shutdown failed", name)
                 setattr(self, name, None)
+
