@@ -14,7 +14,9 @@ pairing (``--pairs 2:2,1:2``):
   ``+mirror`` — the scheduler's lookups answered by its in-process registry
   mirror, the default — or without, asking the registry server; ``+gloo``:
   the TP ranks agree each step over vLLM's gloo group instead of their local
-  links, ``tp_exchange: gloo``)
+  links, ``tp_exchange: gloo``; ``+lazy``: B's G2 pool is not faulted in at
+  start, ``g2_prefault: false``, so READs, keeps and saves take its pages on
+  first touch)
   then, for each of its own prefixes in turn, times three one-token requests (``generate`` of ``max_tokens=1``: prefill plus the
   first token):
 
@@ -118,7 +120,8 @@ def _child(a: argparse.Namespace) -> None:
                                                      "g2_blocks": 4096, "landing_blocks": 256,
                                                      "load": a.load.split("+")[0],
                                                      "registry_mirror": "+mirror" in a.load,
-                                                     "tp_exchange": "gloo" if "+gloo" in a.load else "links"})
+                                                     "tp_exchange": "gloo" if "+gloo" in a.load else "links",
+                                                     "g2_prefault": "+lazy" not in a.load})
     llm = LLM(model=a.model, tokenizer=a.model, dtype="float32", block_size=BLOCK, enforce_eager=True,
               max_model_len=a.prefix + 4 * TAIL, max_num_seqs=4, kv_transfer_config=kv, seed=0,
               tensor_parallel_size=a.tp)

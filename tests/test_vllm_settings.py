@@ -34,6 +34,7 @@ def test_extra_config_wins_over_the_environment() -> None:
 @pytest.mark.parametrize("extra,match", [({"transfer_timout_ms": 1}, "unknown remote-g2 settings"),
                                          ({"load": "eager"}, "load must be"),
                                          ({"tp_exchange": "mpi"}, "tp_exchange must be"),
+                                         ({"g2_prefault": "yes"}, "g2_prefault must be"),
                                          ({"g2_blocks": 0}, "g2_blocks"),
                                          ({"failed_source_cooldown_s": -1}, "failed_source_cooldown_s")])
 def test_bad_settings_are_refused_with_what_is_wrong(extra: dict, match: str) -> None:

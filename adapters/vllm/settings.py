@@ -38,6 +38,7 @@ class ConnectorSettings:
     load: str = "async"
     registry_mirror: bool = True
     tp_exchange: str = "links"  # how TP ranks agree each step: "links" (local sockets) or "gloo" (vLLM's group)
+    g2_prefault: bool = True  # fault the G2 pool in at start-up, in the background (HostPool.prefault)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any], *, default_worker_id: str | None = None) -> ConnectorSettings:
@@ -58,6 +59,8 @@ class ConnectorSettings:
             raise ConfigError(f"load must be 'async' or 'sync', not {s.load!r}")
         if s.tp_exchange not in ("links", "gloo"):
             raise ConfigError(f"tp_exchange must be 'links' or 'gloo', not {s.tp_exchange!r}")
+        if not isinstance(s.g2_prefault, bool):
+            raise ConfigError(f"g2_prefault must be true or false, not {s.g2_prefault!r}")
         if s.save_threshold < 1:
             raise ConfigError(f"save_threshold must be >= 1 (1: save every full prompt block), not {s.save_threshold}")
         if not s.failed_source_cooldown_s >= 0:

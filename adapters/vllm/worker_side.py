@@ -150,7 +150,8 @@ class WorkerSide:
             raise ConfigError(f"vLLM's KV tensors on TP rank {rank} ({fp}) differ from what its configuration "
                               f"says ({promised}): the scheduler's lookups would never match this worker's blocks")
         self.pool = HostPool(kv.g2_layout(s.g2_blocks + s.landing_blocks), reserved_blocks=s.landing_blocks)
-        self.pool.prefault()  # landing slots first: no READ or save pays the pool's first touch
+        if s.g2_prefault:
+            self.pool.prefault()  # landing slots first: no READ or save pays the pool's first touch
         self.pool_rows = kv.pool_view(self.pool.tensor)
         self._landing = LandingSlots(self.pool.reserved_block_ids, clock=self._sync.now)
         self.saver = BlockSaver(kv, self.pool, copy_hook=SAVE_COPY_HOOK)
