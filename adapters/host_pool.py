@@ -102,7 +102,8 @@ class HostPool:
         if pin_memory and not cuda:
             log.warning("pin_memory=True but CUDA is not available: the pool uses plain host memory")
         nbytes = layout.num_blocks * layout.block_bytes
-        if cuda and pin_memory is not False:
+        self._pinned = cuda and pin_memory is not False  # page-locked: resident from the start (prefault skips it)
+        if self._pinned:
             self._tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         elif huge_pages:
             self._tensor = torch.from_numpy(huge_page_buffer(nbytes))
@@ -125,7 +126,6 @@ class HostPool:
         self._listeners: tuple[PoolListener, ...] = ()
         self._pending: deque[tuple[PoolEventKind, list[bytes]]] = deque()
         self._delivering = False
-        self._pinned = cuda and pin_memory is not False
         self._prefault_stop = threading.Event()
         self.prefaulted_bytes = 0  # how much of the buffer prefault() has faulted in so far
         self._prefault_thread: threading.Thread | None = None
@@ -163,7 +163,7 @@ class HostPool:
             return None
         size = self._layout.block_bytes
         base = self._tensor.data_ptr()
-        cached = self._layout.num_blocks - len(self.reserved_block_ids)
+        cached = self.reserved_block_ids.start  # the reserved blocks are the last ones
         spans = [(base + cached * size, len(self.reserved_block_ids) * size), (base, cached * size)]
 
         def run() -> None:

@@ -438,4 +438,3 @@ class WorkerSide:
                 except Exception:
                     log.exception("remote-g2 %s shutdown failed", name)
                 setattr(self, name, None)
-
