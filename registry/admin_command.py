@@ -1,8 +1,12 @@
 """``remote-g2 admin``: who holds which blocks, which workers are live, and operator actions.
 
 Subcommands: ``workers``, ``worker ID``, ``models``, ``who-has HASH…``, ``prefix HASH…``,
-``stats``, ``feed``, ``drain ID``. Hashes are hex (``0x`` optional). Every subcommand
+``stats``, ``feed``, ``drain ID``, ``score``. Hashes are hex (``0x`` optional). Every subcommand
 takes ``--json``. An unreachable registry (or store) exits 1 with one line.
+
+``score`` asks the scoring API (``serve --score-bind``, over HTTP: ``--url``)
+what a router would: which workers hold how much of a prompt's prefix
+(token ids, or block hashes), with the same answer as ``POST /v1/score``.
 
 ``models`` groups the workers by model identity (the part of a fingerprint's
 ``model_id`` after its last ``#``: what matching compares) and names a label
@@ -13,6 +17,8 @@ rolling update, old and new weights under one path.
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
 from typing import Any
 
@@ -51,6 +57,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub.add_parser("stats", parents=[common], help="registry counters")
     sub.add_parser("feed", parents=[common], help="where this server publishes its change feed, and its position")
     sub.add_parser("drain", parents=[common], help="forget a worker and its blocks").add_argument("worker_id")
+    sc = sub.add_parser("score", parents=[common], help="which workers hold how much of a prompt (the scoring API)")
+    sc.add_argument("--url", default=None, help="the scoring API (serve --score-bind; default: $REMOTE_G2_SCORE_URL "
+                    "or http://127.0.0.1:7460)")
+    sc.add_argument("--model", default=None, help="the model the prompt is for (a worker's model label or id)")
+    what = sc.add_mutually_exclusive_group(required=True)
+    what.add_argument("--tokens", default=None, help="token ids, comma-separated")
+    what.add_argument("--tokens-file", default=None, help="a JSON list of token ids ('-': stdin)")
+    what.add_argument("--hashes", nargs="+", default=None, metavar="HASH", help="block hashes (hex)")
+    sc.add_argument("--lora-name", default=None)
+    sc.add_argument("--lora-path", default=None, help="the adapter's path as the workers loaded it (vLLM hashes it)")
+    sc.add_argument("--cache-salt", default=None)
+    sc.add_argument("--workers", default=None, help="only these worker ids, comma-separated")
+    sc.add_argument("--token-file", default=None, help="the API's bearer token (or $REMOTE_G2_SCORE_TOKEN)")
 
 
 def _hashes(texts: list[str]) -> list[bytes]:
@@ -118,6 +137,8 @@ def _distinct(values: list[Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.admin_command == "score":
+        return _score(args)
     settings = ClientSettings.from_env()
     endpoint = args.registry or settings.registry_endpoint
     key = args.curve_server_key or settings.curve_server_key
@@ -253,3 +274,82 @@ def _drain(client: RegistryClient, args: argparse.Namespace) -> int:
 
 _COMMANDS = {"workers": _workers, "worker": _worker, "models": _models, "who-has": _who_has, "prefix": _prefix,
              "stats": _stats, "feed": _feed, "drain": _drain}
+
+
+DEFAULT_SCORE_URL = "http://127.0.0.1:7460"
+
+
+def _score_body(args: argparse.Namespace) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": args.model}
+    if args.hashes is not None:
+        body["block_hashes"] = [h.removeprefix("0x") for h in args.hashes]
+    else:
+        try:
+            if args.tokens is not None:
+                tokens = [int(t) for t in args.tokens.replace(" ", "").split(",") if t]
+            else:
+                with (sys.stdin if args.tokens_file == "-" else open(args.tokens_file, encoding="utf-8")) as f:
+                    tokens = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"token ids: {e}") from None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise ConfigError("token ids: expected a list of ints")
+        body["token_ids"] = tokens
+    for key in ("lora_name", "lora_path", "cache_salt"):
+        if getattr(args, key) is not None:
+            body[key] = getattr(args, key)
+    if args.workers:
+        body["workers"] = [w for w in args.workers.split(",") if w]
+    return body
+
+
+def _score(args: argparse.Namespace) -> int:
+    """``admin score``: POST /v1/score and print the answer (exit 1 with the API's error line)."""
+    import os
+    import urllib.error
+    import urllib.request
+
+    url = (args.url or os.environ.get("REMOTE_G2_SCORE_URL") or DEFAULT_SCORE_URL).rstrip("/") + "/v1/score"
+    headers = {"Content-Type": "application/json"}
+    token = os.environ.get("REMOTE_G2_SCORE_TOKEN")
+    if args.token_file:
+        try:
+            with open(args.token_file, encoding="utf-8") as f:
+                token = f.readline().strip()
+        except OSError as e:
+            raise ConfigError(f"--token-file: {e}") from None
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=json.dumps(_score_body(args)).encode(), headers=headers)
+    t0 = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=args.timeout_s or 10.0) as r:
+            doc = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            err = json.loads(e.read())["error"]
+            print(f"score: HTTP {e.code} {err['reason']}: {err['message']}", file=sys.stderr)
+        except (ValueError, KeyError, TypeError):
+            print(f"score: HTTP {e.code} from {url}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError) as e:
+        print(f"score: cannot reach {url}: {getattr(e, 'reason', e)}", file=sys.stderr)
+        return 1
+    ms = (time.perf_counter() - t0) * 1e3
+    if args.json:
+        print_json(doc)
+        return 0
+    workers = doc["workers"]
+    if not workers:
+        print(f"no live worker serves {doc.get('model')!r}  ({ms:.1f} ms)")
+        return 0
+    print_table(["worker_id", "tp", "blocks", "tokens", "g2", "fetch_ms", "prefill_saved_ms", "load", "endpoint"],
+                [[w["worker_id"], w["tp_size"], w["matched_blocks"], w["matched_tokens"], w["tier"].get("g2", 0),
+                  "-" if w["fetch_ms"] is None else w["fetch_ms"],
+                  "-" if w["prefill_saved_ms"] is None else w["prefill_saved_ms"], w["load"], w["endpoint"]]
+                 for w in workers])
+    best = doc["best"]
+    tokens = f" of {doc['num_tokens']} tokens" if doc.get("num_tokens") is not None else ""
+    print(f"\nbest: {best} ({workers[0]['matched_tokens']} tokens cached{tokens})  ({ms:.1f} ms)" if best
+          else f"\nno worker holds a prefix of it{tokens}  ({ms:.1f} ms)")
+    return 0

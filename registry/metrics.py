@@ -53,6 +53,11 @@ class RegistryMetrics(PrivateMetrics):
         self.block_entries = Gauge("remote_g2_registry_block_entries", "(hash, worker) entries stored", registry=r)
         self.swept = Counter("remote_g2_registry_swept_incarnations", "Dead or superseded incarnations swept",
                              registry=r)
+        self.scores = Counter("remote_g2_registry_scores", "Scoring API requests (serve --score-bind) by HTTP status",
+                              ["status"], registry=r)
+        self.score_latency = Histogram("remote_g2_registry_score_seconds",
+                                       "Scoring API latency of answered requests, hashing and lookups included",
+                                       buckets=_LATENCY_BUCKETS, registry=r)
         self._request_children = LabelledChildren(self.requests)
         self._latency_children = LabelledChildren(self.request_latency)
         self.lookup_reason = LabelledChildren(self.lookup_reasons)  # lookup_reason(reason).inc()

@@ -6,6 +6,7 @@ import argparse
 import logging
 import signal
 import threading
+from typing import Any
 
 from remote_g2.curve import CurveServerConfig
 from remote_g2.endpoint_list import endpoint_list
@@ -53,6 +54,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or ipc://) or, written @tcp://HOST:PORT, bound (vLLM connects: any other tcp:// endpoint). "
                         "A worker no source of its own registered is listed as events-only (MODEL names it) while "
                         "its stream is up")
+    score = p.add_argument_group("scoring API for request routers (docs/scoring.md; off unless --score-bind)")
+    score.add_argument("--score-bind", default=None, metavar="HOST:PORT",
+                       help="serve POST /v1/score and /query over HTTP here; beyond loopback it needs a token")
+    score.add_argument("--score-token-file", default=None, metavar="FILE",
+                       help="bearer tokens the scoring API accepts, one per line (or $REMOTE_G2_SCORE_TOKEN)")
+    score.add_argument("--score-hash-seed", action="append", default=[], metavar="SEED",
+                       help="a vLLM hash seed (the workers' PYTHONHASHSEED) a worker's hash scheme may name; "
+                            "repeatable. vLLM's default seed is known; a seed is used only for the scheme whose "
+                            "digest it matches")
+    score.add_argument("--score-fetch-gbps", type=float, default=5.0,
+                       help="remote-g2 read bandwidth assumed for fetch_ms (default 5 GB/s)")
+    score.add_argument("--score-fetch-overhead-ms", type=float, default=3.0,
+                       help="fixed cost of a remote load assumed for fetch_ms (default 3 ms)")
+    score.add_argument("--score-prefill-ms-per-1k", action="append", default=[], metavar="[MODEL=]MS",
+                       help="prefill time per 1,000 tokens, for prefill_saved_ms; repeatable per model label "
+                            "(none: not estimated)")
+    score.add_argument("--score-lora", action="append", default=[], metavar="NAME=PATH",
+                       help="a LoRA adapter's path by name, for /query callers that send only lora_name; repeatable")
     p.add_argument("--vllm-all-media", action="store_true",
                    help="take vLLM events of every medium, not only the host (CPU) tier; needed for a CPU-backend "
                         "vLLM, which reports its cache as GPU")
@@ -98,6 +117,43 @@ def feed_endpoint(bind: str, feed_bind: str) -> str | None:
     return free_port_on_host_of(bind)
 
 
+def build_score_api(args: argparse.Namespace, server: RegistryServer) -> Any:
+    """The scoring API ``--score-*`` asks for (not started), or None without ``--score-bind``."""
+    import os
+
+    from remote_g2.vllm_hashing import DEFAULT_SEED
+
+    from .score_http import ScoreHttpServer
+    from .scoring import Scorer, ScoringConfig, parse_prefill_rates
+
+    if args.score_bind is None:
+        return None
+    tokens: list[str] = []
+    if args.score_token_file:
+        try:
+            with open(args.score_token_file, encoding="utf-8") as f:
+                tokens = [line.strip() for line in f if line.strip()]
+        except OSError as e:
+            raise ConfigError(f"--score-token-file: {e}") from None
+        if not tokens:
+            raise ConfigError(f"--score-token-file {args.score_token_file}: no token in it")
+    elif os.environ.get("REMOTE_G2_SCORE_TOKEN"):
+        tokens = [os.environ["REMOTE_G2_SCORE_TOKEN"].strip()]
+    if not args.score_fetch_gbps > 0 or not args.score_fetch_overhead_ms >= 0:
+        raise ConfigError("--score-fetch-gbps must be positive and --score-fetch-overhead-ms not negative")
+    loras = {}
+    for text in args.score_lora:
+        name, sep, path = text.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--score-lora {text!r}: expected NAME=PATH")
+        loras[name] = path
+    config = ScoringConfig(hash_seeds=tuple(dict.fromkeys([DEFAULT_SEED, *args.score_hash_seed])),
+                           fetch_gbps=args.score_fetch_gbps, fetch_overhead_ms=args.score_fetch_overhead_ms,
+                           prefill_ms_per_1k_tokens=parse_prefill_rates(args.score_prefill_ms_per_1k))
+    return ScoreHttpServer(Scorer(server.store, config, mirror=server.mirror), args.score_bind, tokens=tokens,
+                           metrics=server.metrics, loras=loras)
+
+
 def run(args: argparse.Namespace) -> int:
     from .vllm_events import VllmEventSubscriber, parse_subscriptions
 
@@ -107,8 +163,11 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     subscriber = None
+    score_api = None
     try:
         endpoint = server.start()
+        score_api = build_score_api(args, server)
+        score = f", scoring API on {score_api.start()}" if score_api is not None else ""
         if args.metrics_port is not None:
             server.metrics.serve_http(args.metrics_port, args.metrics_addr)
         if vllm_subscriptions:
@@ -121,11 +180,14 @@ def run(args: argparse.Namespace) -> int:
         elif server.feed is not None and not reachable_elsewhere(server.feed_endpoint) and \
                 reachable_elsewhere(endpoint):
             feed += " (mirrors elsewhere cannot dial it: --feed-bind or --feed-advertise a routable address)"
-        print(f"remote-g2 registry serving on {endpoint} (store: {server.store.name}{feed}{metrics})", flush=True)
+        print(f"remote-g2 registry serving on {endpoint} (store: {server.store.name}{feed}{metrics}{score})",
+              flush=True)
         while not stop.wait(0.5):
             pass
         log.info("shutting down")
     finally:
+        if score_api is not None:
+            score_api.close()
         if subscriber is not None:
             subscriber.close()
         server.close()

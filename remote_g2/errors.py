@@ -15,7 +15,8 @@ Everything the project raises on purpose derives from :class:`RemoteG2Error`::
     ├── RegistryError                registry semantics
     │   ├── StaleEpoch               a registration older than the one on record
     │   ├── StoreUnavailable         Redis is unreachable (the server answers, the store does not)
-    │   └── MirrorNotReady           a registry mirror is (re)taking its snapshot; ask the server
+    │   ├── MirrorNotReady           a registry mirror is (re)taking its snapshot; ask the server
+    │   └── CannotScore              a score request the registry cannot answer exactly (reason named)
     ├── SourceError                  source semantics (unknown lease, pin budget, ...)
     │   └── SiblingUnavailable       rank 0 does not wait again for a sibling that failed recently
     ├── TransferError                a data-plane transfer failed; the caller recomputes
@@ -46,6 +47,7 @@ __all__ = [
     "StaleEpoch",
     "StoreUnavailable",
     "MirrorNotReady",
+    "CannotScore",
     "SourceError",
     "SiblingUnavailable",
     "TransferError",
@@ -160,6 +162,19 @@ class StoreUnavailable(RegistryError):
 
 class MirrorNotReady(RegistryError):
     """A registry mirror is still taking (or retaking) its snapshot; ask the registry server instead."""
+
+
+class CannotScore(RegistryError):
+    """A score request the registry cannot answer exactly; ``reason`` is a short code for scripts.
+
+    Raised instead of answering "nothing cached": a hash the registry cannot
+    compute as the engine does (a scheme it does not know, a seed it was not
+    given, multimodal input) would otherwise read as a silent miss.
+    """
+
+    def __init__(self, message: str = "", *, reason: str = "cannot_score", remote: str | None = None) -> None:
+        super().__init__(message, remote=remote)
+        self.reason = reason
 
 
 class SourceError(RemoteG2Error):

@@ -29,7 +29,6 @@ attribute, so they are tested without it.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -42,16 +41,14 @@ import torch
 from remote_g2.errors import ConfigError
 from remote_g2.messages import LayoutFingerprint
 from remote_g2.model_identity import WeightsDigest, checkpoint_files, model_id_for, override_model_id, weights_digest
+from remote_g2.vllm_hashing import ALGORITHMS, DEFAULT_SEED, scheme_name
 
 __all__ = ["ModelIdentity", "hash_scheme", "kv_dtype_name", "load_options", "model_identity", "prompt_block_hashes",
            "fingerprint", "weights_location"]
 
 log = logging.getLogger("remote_g2.vllm")
 
-# vLLM's chain seed for cryptographic algorithms when PYTHONHASHSEED is unset
-# (vllm.v1.core.kv_cache_utils.DEFAULT_NONE_HASH_SEED).
-_VLLM_DEFAULT_SEED = "vllm-none-hash"
-_CRYPTO_ALGOS = frozenset({"sha256", "sha256_cbor"})
+_CRYPTO_ALGOS = frozenset(ALGORITHMS)
 _SEEDED_ONLY_ALGOS = frozenset({"xxhash", "xxhash_cbor"})
 
 
@@ -66,8 +63,7 @@ def hash_scheme(algo: str, environ: Mapping[str, str] = os.environ) -> str:
     """
     seed = environ.get("PYTHONHASHSEED")
     if algo in _CRYPTO_ALGOS:
-        digest = hashlib.blake2b((seed if seed is not None else _VLLM_DEFAULT_SEED).encode(), digest_size=4)
-        return f"vllm/{algo}/{digest.hexdigest()}"
+        return scheme_name(algo, seed if seed is not None else DEFAULT_SEED)
     if algo in _SEEDED_ONLY_ALGOS:
         if seed is None or seed == "random":
             raise ConfigError(

@@ -1,0 +1,244 @@
+"""Scores for request routers: which worker holds the longest cached prefix of a prompt, and what it is worth.
+
+A router holds token ids (or block hashes), not the registry's keys. The
+:class:`Scorer` answers "who holds how much of this prompt" for each live
+worker that serves the request's model:
+
+1. **Which workers.** The live workers whose fingerprint names ``model`` —
+   by label (the part of ``model_id`` before ``#``: the path or name the
+   engine loaded), by whole ``model_id``, or by identity — grouped by
+   compat key: a group shares one hash space and block size, and only its
+   members can read each other's blocks.
+2. **Which hashes.** Per group, vLLM's block hashes of the token ids
+   (:mod:`remote_g2.vllm_hashing`), in the group's hash scheme and block
+   size, with the request's LoRA adapter and ``cache_salt`` folded in as
+   vLLM folds them. A group whose hashes cannot be computed exactly (a
+   scheme it does not know, a seed it was not given) makes the whole
+   request a :class:`~remote_g2.errors.CannotScore` naming the reason —
+   never a silent zero. Or the caller sends ``block_hashes`` directly.
+3. **How much each holds.** One registry lookup per group with every holder
+   (:meth:`~.store.RegistryStore.lookup`, ``want_all_holders``; answered by
+   the server's mirror when it keeps one): each worker's match runs from
+   block 0 without a gap. Dead workers are never in a lookup's answer, so a
+   worker that dies leaves the scores at once.
+
+Each :class:`WorkerScore` also carries what the match is worth: the prefill
+time it saves (``prefill_ms_per_1k_tokens``, configured: it depends on the
+model and the hardware, which the registry cannot see) and the time to fetch
+it from that worker over remote-g2 (its KV bytes over the configured
+``fetch_gbps`` plus ``fetch_overhead_ms``). Every block a source-registered
+worker holds is in its G2 (host memory, readable by remote-g2); ``tier``
+says so.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from remote_g2.errors import CannotScore, ConfigError
+from remote_g2.messages import LayoutFingerprint, WorkerRecord
+from remote_g2.model_identity import identity_of, model_label
+from remote_g2.vllm_hashing import DEFAULT_SEED, VllmBlockHasher, hasher_for_scheme
+
+from .store import RegistryStore
+
+__all__ = ["ScoreRequest", "WorkerScore", "ScoreReply", "Scorer", "ScoringConfig", "block_bytes",
+           "MAX_SCORE_TOKENS", "MAX_SCORE_HASHES", "parse_prefill_rates"]
+
+#: The longest prompt scored (tokens); longer ones are refused, not truncated.
+MAX_SCORE_TOKENS = 262_144
+#: The most block hashes a request may send (the registry's lookup limit).
+MAX_SCORE_HASHES = 65_536
+#: How long a Redis-backed scorer reuses the list of live workers (the embedded store's is read every time).
+#: A worker that died meanwhile is never in a lookup's answer: it scores 0 until the list is read again.
+_WORKERS_TTL_S = 1.0
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1,
+                "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "uint8": 1, "int8": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreRequest:
+    """A prompt to score: ``token_ids`` with ``model`` (and the request's LoRA adapter and salt), or
+    ``block_hashes`` directly (``model`` then optional); ``workers`` limits the answer to those ids."""
+
+    model: str | None = None
+    token_ids: Sequence[int] | None = None
+    block_hashes: Sequence[bytes] | None = None
+    lora_name: str | None = None
+    lora_path: str | None = None
+    cache_salt: str | None = None
+    workers: Sequence[str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerScore:
+    """One worker's share of a prompt's cache (see the module docstring)."""
+
+    worker_id: str
+    endpoint: str
+    tp_size: int
+    model_id: str
+    compat_key: str
+    block_size: int
+    matched_blocks: int
+    matched_tokens: int
+    tier: dict[str, int]
+    load: int
+    prefill_saved_ms: float | None
+    fetch_ms: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreReply:
+    """Every candidate worker, best first (most matched tokens, then least load, then worker id)."""
+
+    model: str | None
+    num_tokens: int | None
+    workers: list[WorkerScore]
+    best: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringConfig:
+    """What a :class:`Scorer` is told rather than sees (``remote-g2 serve --score-*``)."""
+
+    #: vLLM hash seeds (PYTHONHASHSEED values) a worker's scheme may name; vLLM's default is matched by digest
+    hash_seeds: tuple[str, ...] = (DEFAULT_SEED,)
+    #: remote-g2 READ bandwidth to assume, GB/s (for ``fetch_ms``)
+    fetch_gbps: float = 5.0
+    #: fixed cost of a remote load (lookup, resolve, agreement), ms
+    fetch_overhead_ms: float = 3.0
+    #: prefill time per 1,000 tokens, per model label or ``*`` (for ``prefill_saved_ms``); none: not estimated
+    prefill_ms_per_1k_tokens: dict[str, float] = field(default_factory=dict)
+
+
+def block_bytes(fp: LayoutFingerprint) -> int | None:
+    """Bytes of one block of a worker of fingerprint ``fp`` over all its ranks (None: dtype unknown here)."""
+    size = _DTYPE_BYTES.get(fp.dtype.split("/")[0])
+    if size is None:
+        return None
+    kv = 1 if fp.is_mla else 2
+    heads = 1 if fp.is_mla else fp.num_kv_heads
+    return fp.num_layers * kv * heads * fp.head_dim * fp.tokens_per_block * size
+
+
+def _serves(fp: LayoutFingerprint, model: str) -> bool:
+    return model in (fp.model_id, model_label(fp.model_id), identity_of(fp.model_id))
+
+
+class Scorer:
+    """Answers :class:`ScoreRequest` from a store (and the server's mirror, when it keeps one). Thread-safe."""
+
+    def __init__(self, store: RegistryStore, config: ScoringConfig | None = None, *, mirror: object = None) -> None:
+        self.store, self.config, self._mirror = store, config or ScoringConfig(), mirror
+        self._lock = threading.Lock()
+        self._workers: list[WorkerRecord] = []
+        self._workers_at = float("-inf")
+        self._workers_ttl_s = 0.0 if store.name == "memory" else _WORKERS_TTL_S
+        self._hashers: dict[tuple[str, int], VllmBlockHasher] = {}
+
+    def _live_workers(self) -> list[WorkerRecord]:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._workers_at < self._workers_ttl_s:
+                return self._workers
+        workers = [w for w in self.store.list_workers() if w.live]
+        with self._lock:
+            self._workers, self._workers_at = workers, now
+        return workers
+
+    def _hasher(self, fp: LayoutFingerprint) -> VllmBlockHasher:
+        key = (fp.hash_scheme, fp.tokens_per_block)
+        hasher = self._hashers.get(key)
+        if hasher is None:
+            if not fp.hash_scheme:
+                raise CannotScore(f"workers of {fp.model_id} publish no hash scheme: their block hashes cannot "
+                                  "be computed from token ids here (send block_hashes instead)",
+                                  reason="unknown_scheme")
+            hasher = hasher_for_scheme(fp.hash_scheme, fp.tokens_per_block, self.config.hash_seeds)
+            self._hashers[key] = hasher  # (a dict write: safe under the GIL; a race builds one twice)
+        return hasher
+
+    def _lookup(self, hashes: list[bytes], compat_key: str) -> dict[str, int]:
+        """worker id -> blocks matched from block 0, for every live holder of ``hashes[0]`` of ``compat_key``."""
+        reply = None
+        mirror = self._mirror
+        if mirror is not None:
+            from remote_g2.messages import Lookup
+
+            replies = mirror.lookup_many([Lookup(hashes, None, compat_key, True)], [0])  # type: ignore[attr-defined]
+            reply = replies[0] if replies is not None else None
+        if reply is None:
+            reply = self.store.lookup(hashes, compat_key=compat_key, want_all_holders=True)
+        return {h.worker_id: h.matched for h in reply.holders}
+
+    def score(self, req: ScoreRequest) -> ScoreReply:
+        """Score ``req`` (see the module docstring); :class:`CannotScore` when it cannot be answered exactly."""
+        if (req.token_ids is None) == (req.block_hashes is None):
+            raise CannotScore("send token_ids or block_hashes (one of them)", reason="bad_request")
+        if req.token_ids is not None and not req.model:
+            raise CannotScore("token_ids need a model (the workers' hashes depend on their hash scheme and block "
+                              "size)", reason="bad_request")
+        if req.token_ids is not None and len(req.token_ids) > MAX_SCORE_TOKENS:
+            raise CannotScore(f"{len(req.token_ids)} tokens: at most {MAX_SCORE_TOKENS} are scored",
+                              reason="too_large")
+        if req.block_hashes is not None and len(req.block_hashes) > MAX_SCORE_HASHES:
+            raise CannotScore(f"{len(req.block_hashes)} block hashes: at most {MAX_SCORE_HASHES}", reason="too_large")
+        if (req.lora_name is None) != (req.lora_path is None):
+            raise CannotScore("a LoRA adapter is hashed by its name and path: send both lora_name and lora_path",
+                              reason="bad_request")
+        wanted = set(req.workers) if req.workers is not None else None
+        groups: dict[str, list[WorkerRecord]] = {}
+        for w in self._live_workers():
+            if (req.model is None or _serves(w.fingerprint, req.model)) and (wanted is None or w.worker_id in wanted):
+                groups.setdefault(w.fingerprint.compat_key(), []).append(w)
+        lora = (req.lora_name, req.lora_path) if req.lora_name is not None else None
+        scores: list[WorkerScore] = []
+        by_hasher: dict[tuple[str, int], list[bytes]] = {}
+        for key, members in sorted(groups.items()):
+            fp = members[0].fingerprint
+            if req.token_ids is not None:
+                hasher = self._hasher(fp)
+                hk = (hasher.scheme, hasher.block_size)
+                if hk not in by_hasher:
+                    by_hasher[hk] = hasher.hashes(req.token_ids, lora=lora, cache_salt=req.cache_salt,
+                                                  max_blocks=MAX_SCORE_HASHES)
+                hashes = by_hasher[hk]
+            else:
+                hashes = list(req.block_hashes or ())
+            matched = self._lookup(hashes, key) if hashes else {}
+            scores += [self._worker_score(w, matched.get(w.worker_id, 0), req.model) for w in members]
+        scores.sort(key=lambda s: (-s.matched_tokens, s.load, s.worker_id))
+        best = scores[0].worker_id if scores and scores[0].matched_blocks else None
+        return ScoreReply(req.model, None if req.token_ids is None else len(req.token_ids), scores, best)
+
+    def _worker_score(self, w: WorkerRecord, matched: int, model: str | None) -> WorkerScore:
+        fp = w.fingerprint
+        tokens = matched * fp.tokens_per_block
+        per_block = block_bytes(fp)
+        fetch_ms = None if per_block is None else \
+            self.config.fetch_overhead_ms * (matched > 0) + matched * per_block / (self.config.fetch_gbps * 1e6)
+        rates = self.config.prefill_ms_per_1k_tokens
+        rate = rates.get(model_label(fp.model_id) or "", rates.get(model or "", rates.get("*")))
+        return WorkerScore(w.worker_id, w.endpoint, w.tp_size, fp.model_id, fp.compat_key(), fp.tokens_per_block,
+                           matched, tokens, {"g2": matched}, w.load,
+                           None if rate is None else round(tokens * rate / 1000.0, 3),
+                           None if fetch_ms is None else round(fetch_ms, 3))
+
+
+def parse_prefill_rates(texts: Iterable[str]) -> dict[str, float]:
+    """``--score-prefill-ms-per-1k`` values, ``MS`` (every model) or ``MODEL=MS``, into a label -> rate map."""
+    out: dict[str, float] = {}
+    for text in texts:
+        model, sep, value = text.rpartition("=")
+        try:
+            rate = float(value)
+        except ValueError:
+            raise ConfigError(f"prefill rate {text!r}: expected MS or MODEL=MS") from None
+        if not rate >= 0:
+            raise ConfigError(f"prefill rate {text!r} is not a non-negative number")
+        out[model if sep else "*"] = rate
+    return out

@@ -1,0 +1,151 @@
+"""vLLM's block hashes computed from token ids, byte for byte, without vLLM: what a router's prompt maps to.
+
+vLLM (``vllm/v1/core/kv_cache_utils.py``, 0.32) hashes a request's full
+blocks as a chain::
+
+    NONE_HASH = H(seed)                               seed: PYTHONHASHSEED, else "vllm-none-hash"
+    h_0 = H((NONE_HASH, tuple(tokens[0:B]), extra_0))
+    h_i = H((h_{i-1},   tuple(tokens[iB:(i+1)B]), extra_i))
+
+where ``H`` is the instance's ``prefix_caching_hash_algo``: ``sha256``
+(SHA-256 of the object's pickle, protocol 5) or ``sha256_cbor`` (SHA-256 of
+its canonical CBOR). ``extra_i`` is None or a tuple of tagged keys, in this
+order: ``("lora", lora_name, lora_path)`` on every block of a LoRA request,
+then ``("cache_salt", salt)`` on block 0 of a salted one (multimodal inputs
+and prompt embeddings add keys this module does not compute: such requests
+are refused, never guessed).
+
+:class:`VllmBlockHasher` encodes with the encoders vLLM uses
+(:func:`pickle.dumps`, ``cbor2.dumps(canonical=True)``), so the bytes are
+vLLM's by construction; the vLLM suite holds the hashes to vLLM's own
+``request.block_hashes``. Only encoding happens here: nothing is unpickled.
+
+A hash space is named as the vLLM connector names it (:func:`scheme_name`:
+``vllm/<algo>/<8 hex digits of the seed's digest>``): the registry matches a
+seed it was given to a worker's published scheme by that digest, so a seed
+is never guessed — vLLM's documented default included, which is used only
+where a worker's scheme names it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import pickle  # to encode, as vLLM's sha256 does: nothing here is ever unpickled
+from collections.abc import Iterable, Sequence
+
+from remote_g2.errors import CannotScore
+
+__all__ = ["ALGORITHMS", "DEFAULT_SEED", "MAX_TOKEN_ID", "VllmBlockHasher", "scheme_name", "parse_scheme",
+           "hasher_for_scheme"]
+
+#: The algorithms whose hashes can be recomputed here (xxhash's seed must stay secret: never shared).
+ALGORITHMS = ("sha256", "sha256_cbor")
+#: vLLM's chain seed for the SHA-256 algorithms when PYTHONHASHSEED is unset (``DEFAULT_NONE_HASH_SEED``).
+DEFAULT_SEED = "vllm-none-hash"
+#: Token ids are pickled as 4-byte signed ints below this; no tokenizer's vocabulary comes near it.
+MAX_TOKEN_ID = 2**31 - 1
+_MAX_KEY_CHARS = 4096  # a LoRA name or path, a salt: longer ones are refused
+
+
+def scheme_name(algo: str, seed: str) -> str:
+    """The hash space's name, ``vllm/<algo>/<digest of seed>`` (the vLLM connector publishes the same)."""
+    return f"vllm/{algo}/{hashlib.blake2b(seed.encode(), digest_size=4).hexdigest()}"
+
+
+def parse_scheme(scheme: str) -> tuple[str, str]:
+    """``(algo, seed digest)`` of a scheme name; :class:`CannotScore` for one these hashes cannot reproduce."""
+    parts = scheme.split("/")
+    if len(parts) != 3 or parts[0] != "vllm":
+        raise CannotScore(f"hash scheme {scheme!r} is not a vLLM one: its block hashes cannot be computed from "
+                          "token ids here (send block_hashes instead)", reason="unknown_scheme")
+    if parts[1] not in ALGORITHMS:
+        raise CannotScore(f"hash scheme {scheme!r}: vLLM's {parts[1]!r} hashes are seeded with a secret, or unknown "
+                          f"here; computable: {', '.join(ALGORITHMS)} (send block_hashes instead)",
+                          reason="unknown_scheme")
+    return parts[1], parts[2]
+
+
+def hasher_for_scheme(scheme: str, block_size: int, seeds: Iterable[str]) -> VllmBlockHasher:
+    """A hasher for a worker's published ``scheme``, with the one of ``seeds`` whose digest the scheme names."""
+    algo, digest = parse_scheme(scheme)
+    for seed in seeds:
+        if scheme_name(algo, seed) == scheme:
+            return VllmBlockHasher(algo, seed, block_size)
+    raise CannotScore(f"hash scheme {scheme!r}: none of the configured hash seeds has digest {digest} (give the "
+                      "workers' PYTHONHASHSEED to `remote-g2 serve --score-hash-seed`)", reason="seed_unknown")
+
+
+class VllmBlockHasher:
+    """One vLLM hash space (algorithm, seed) at one block size: token ids → the chain of block hashes.
+
+    Thread-safe (no state changes after construction). Token ids must be
+    ints in ``[0, MAX_TOKEN_ID]``; anything else raises :class:`CannotScore`
+    with reason ``bad_request``.
+    """
+
+    def __init__(self, algo: str, seed: str, block_size: int) -> None:
+        if algo not in ALGORITHMS:
+            raise CannotScore(f"algorithm {algo!r} is not one of {ALGORITHMS}", reason="unknown_scheme")
+        if not 1 <= block_size <= 4096:
+            raise CannotScore(f"block size {block_size} out of range", reason="bad_request")
+        self.algo, self.seed, self.block_size = algo, seed, block_size
+        self.scheme = scheme_name(algo, seed)
+        self._encode = _cbor_encoder() if algo == "sha256_cbor" else _pickle_encoder
+        self.none_hash = hashlib.sha256(self._encode(seed)).digest()
+
+    def hashes(self, token_ids: Sequence[int], *, lora: tuple[str, str] | None = None,
+               cache_salt: str | None = None, max_blocks: int | None = None) -> list[bytes]:
+        """The hash of every full block of ``token_ids`` (at most ``max_blocks``), as vLLM computes them.
+
+        ``lora`` is ``(lora_name, lora_path)`` as the instance loaded the
+        adapter (vLLM hashes both); ``cache_salt`` the request's salt.
+        """
+        bs = self.block_size
+        n = len(token_ids) // bs
+        if max_blocks is not None:
+            n = min(n, max_blocks)
+        if token_ids and (set(map(type, token_ids)) != {int} or min(token_ids) < 0 or max(token_ids) > MAX_TOKEN_ID):
+            raise CannotScore(f"token ids must be ints in [0, {MAX_TOKEN_ID}]", reason="bad_request")
+        if n == 0:
+            return []
+        lora_keys: list[tuple[str, ...]] = []
+        if lora is not None:
+            name, path = (_own_str(x) for x in lora)
+            lora_keys.append(("lora", name, path))
+        first = lora_keys + ([("cache_salt", _own_str(cache_salt))] if cache_salt else [])
+        extra0 = tuple(first) if first else None
+        extra = tuple(lora_keys) if lora_keys else None
+        encode, sha = self._encode, hashlib.sha256
+        parent = self.none_hash
+        out: list[bytes] = []
+        for i in range(n):
+            parent = sha(encode((parent, tuple(token_ids[i * bs:(i + 1) * bs]), extra0 if i == 0 else extra))).digest()
+            out.append(parent)
+        return out
+
+
+def _own_str(s: object) -> str:
+    """``s`` as a str object of its own, within the size vLLM's keys have.
+
+    A pickle writes a str object a second time as a back-reference: two keys
+    that were one object in vLLM's request but two here (or the reverse)
+    would hash differently. vLLM's keys come from separate parsing, so each
+    key is made a distinct object here too.
+    """
+    if not isinstance(s, str):
+        raise CannotScore(f"a LoRA name or path, or a cache salt, is a string, not {type(s).__name__}",
+                          reason="bad_request")
+    if len(s) > _MAX_KEY_CHARS:
+        raise CannotScore(f"a hash key of {len(s)} characters (at most {_MAX_KEY_CHARS})", reason="bad_request")
+    return (s + ".")[:-1] if s else s
+
+
+def _pickle_encoder(obj: object) -> bytes:
+    return pickle.dumps(obj, protocol=5)  # vLLM: pickle.HIGHEST_PROTOCOL, 5 on the Pythons it supports
+
+
+def _cbor_encoder():  # noqa: ANN202 - cbor2 is imported on first use (only sha256_cbor needs it)
+    import cbor2
+
+    return functools.partial(cbor2.dumps, canonical=True)

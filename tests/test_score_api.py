@@ -1,0 +1,399 @@
+"""The scoring API for routers: vLLM's hashes from token ids, scores over real HTTP, hostile input, the CLI.
+
+Real parts: the registry's stores (embedded; Redis where marked), the HTTP
+server on a loopback socket, `remote-g2 serve` and `remote-g2 admin score` as
+processes. The vLLM suite (tests/test_vllm_score_hashing.py) holds the
+hashes to real vLLM's ``request.block_hashes``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import cbor2
+import pytest
+
+from remote_g2.errors import CannotScore, ConfigError
+from remote_g2.messages import BlockEvent, Events, LayoutFingerprint, RegisterWorker
+from remote_g2.registry import MemoryStore, RegistryClient
+from remote_g2.registry.score_http import ScoreHttpServer
+from remote_g2.registry.scoring import MAX_SCORE_TOKENS, Scorer, ScoreRequest, ScoringConfig
+from remote_g2.vllm_hashing import DEFAULT_SEED, VllmBlockHasher, hasher_for_scheme, scheme_name
+
+from conftest import free_port
+
+SCHEME = scheme_name("sha256", DEFAULT_SEED)
+
+
+def _reference(algo: str, seed: str, bs: int, toks: list[int], lora=None, salt=None) -> list[bytes]:
+    """vLLM's chain written out plainly (kv_cache_utils.hash_block_tokens + generate_block_hash_extra_keys)."""
+    if algo == "sha256":
+        def h(o):
+            return hashlib.sha256(pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+    else:
+        def h(o):
+            return hashlib.sha256(cbor2.dumps(o, canonical=True)).digest()
+    parent, out = h(seed), []
+    for i in range(len(toks) // bs):
+        keys = ([("lora", lora[0], lora[1])] if lora else []) + ([("cache_salt", salt)] if salt and i == 0 else [])
+        parent = h((parent, tuple(toks[i * bs:(i + 1) * bs]), tuple(keys) if keys else None))
+        out.append(parent)
+    return out
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+def test_hashes_follow_vllms_chain(algo):
+    rng = random.Random(7)
+    for trial in range(60):
+        bs = rng.choice([1, 2, 3, 4, 16, 32, 128])
+        toks = [rng.choice([rng.randrange(256), rng.randrange(65536), rng.randrange(2**31)])
+                for _ in range(rng.randrange(0, 700))]
+        lora = rng.choice([None, ("sql", "/adapters/sql"), ("n" * 300, "é/ü" * 90)])
+        salt = rng.choice([None, "", "tenant-a", "s" * 500])
+        seed = rng.choice([DEFAULT_SEED, "42", "ü" * 100])
+        got = VllmBlockHasher(algo, seed, bs).hashes(toks, lora=lora, cache_salt=salt)
+        assert got == _reference(algo, seed, bs, toks, lora, salt), (trial, bs, len(toks))
+
+
+def test_salt_and_lora_change_every_hash_they_should():
+    h = VllmBlockHasher("sha256", DEFAULT_SEED, 16)
+    toks = list(range(64))
+    plain, salted = h.hashes(toks), h.hashes(toks, cache_salt="t")
+    assert all(a != b for a, b in zip(plain, salted))  # block 0 differs, and the chain carries it on
+    assert h.hashes(toks, lora=("a", "/p")) != h.hashes(toks, lora=("a", "/q"))  # the path counts too
+
+
+def test_scheme_names_match_the_connectors():
+    from remote_g2.adapters.vllm.block_identity import hash_scheme
+
+    assert hash_scheme("sha256", {}) == SCHEME
+    assert hash_scheme("sha256_cbor", {"PYTHONHASHSEED": "9"}) == scheme_name("sha256_cbor", "9")
+
+
+def test_a_seed_is_only_used_for_the_scheme_its_digest_names():
+    assert hasher_for_scheme(scheme_name("sha256", "9"), 16, [DEFAULT_SEED, "9"]).seed == "9"
+    with pytest.raises(CannotScore) as e:
+        hasher_for_scheme(scheme_name("sha256", "secret"), 16, [DEFAULT_SEED])
+    assert e.value.reason == "seed_unknown"
+    for scheme in ("vllm/xxhash/seeded", "trtllm/u64", "vllm/sha256"):
+        with pytest.raises(CannotScore) as e:
+            hasher_for_scheme(scheme, 16, [DEFAULT_SEED])
+        assert e.value.reason == "unknown_scheme"
+
+
+@pytest.mark.parametrize("bad", [[True], [1.0], [-1], [2**31], ["3"], [None]])
+def test_bad_token_ids_are_refused_not_hashed(bad):
+    with pytest.raises(CannotScore) as e:
+        VllmBlockHasher("sha256", DEFAULT_SEED, 1).hashes(bad)
+    assert e.value.reason == "bad_request"
+
+
+# -- the scorer against a real store ---------------------------------------------------------------
+
+def _fp(model_id: str = "tiny#w-1", *, scheme: str = SCHEME, bs: int = 16, dtype: str = "bfloat16",
+        layers: int = 2) -> LayoutFingerprint:
+    return LayoutFingerprint(model_id=model_id, dtype=dtype, tokens_per_block=bs, kv_layout="HND", num_layers=layers,
+                             num_kv_heads=4, head_dim=64, tp_size=1, hash_scheme=scheme)
+
+
+def _add(store, wid: str, fp: LayoutFingerprint, hashes: list[bytes], *, tp: int = 1) -> None:
+    from dataclasses import replace
+
+    store.register_worker(RegisterWorker(wid, f"tcp://10.0.0.{len(wid)}:7000", replace(fp, tp_size=tp), 1))
+    if hashes:
+        assert store.apply_events(Events(wid, 1, 1, [BlockEvent("stored", hashes)])).status == "ok"
+
+
+@pytest.fixture
+def prompt():
+    rng = random.Random(3)
+    return [rng.randrange(50_000) for _ in range(1000)]
+
+
+def test_scores_rank_workers_by_cached_prefix(prompt):
+    store = MemoryStore()
+    hashes = VllmBlockHasher("sha256", DEFAULT_SEED, 16).hashes(prompt)
+    _add(store, "a", _fp(), hashes[:40])
+    _add(store, "b", _fp(), hashes[:10] + hashes[11:30], tp=2)  # a gap at block 10: its match ends there
+    _add(store, "c", _fp(), [])
+    _add(store, "other-model", _fp("big#w-2"), hashes)
+    rates = {"tiny": 100.0}
+    reply = Scorer(store, ScoringConfig(fetch_gbps=2.0, fetch_overhead_ms=1.0,
+                                        prefill_ms_per_1k_tokens=rates)).score(ScoreRequest("tiny", prompt))
+    got = [(w.worker_id, w.matched_blocks, w.matched_tokens, w.tp_size) for w in reply.workers]
+    assert got == [("a", 40, 640, 1), ("b", 10, 160, 2), ("c", 0, 0, 1)]
+    assert reply.best == "a" and reply.num_tokens == 1000
+    a = reply.workers[0]
+    assert a.tier == {"g2": 40} and a.prefill_saved_ms == 64.0
+    block = 2 * 2 * 4 * 64 * 16 * 2  # layers, K/V, heads, head_dim, tokens, bf16
+    assert a.fetch_ms == pytest.approx(1.0 + 40 * block / 2e6, abs=1e-3)
+    # by whole model id, and by identity: the same workers
+    assert [w.worker_id for w in Scorer(store).score(ScoreRequest("tiny#w-1", prompt)).workers] == ["a", "b", "c"]
+    only = Scorer(store).score(ScoreRequest("tiny", prompt, workers=["b", "zz"]))
+    assert [w.worker_id for w in only.workers] == ["b"]
+
+
+def test_salted_and_lora_prefixes_match_only_for_callers_who_send_them(prompt):
+    store = MemoryStore()
+    h = VllmBlockHasher("sha256", DEFAULT_SEED, 16)
+    _add(store, "salted", _fp(), h.hashes(prompt, cache_salt="tenant-a"))
+    _add(store, "lora", _fp(), h.hashes(prompt, lora=("sql", "/a/sql")))
+    s = Scorer(store)
+
+    def matched(**kw):
+        return {w.worker_id: w.matched_blocks for w in s.score(ScoreRequest("tiny", prompt, **kw)).workers}
+
+    assert matched() == {"salted": 0, "lora": 0}
+    assert matched(cache_salt="tenant-b") == {"salted": 0, "lora": 0}
+    assert matched(cache_salt="tenant-a") == {"salted": 62, "lora": 0}
+    assert matched(lora_name="sql", lora_path="/a/sql") == {"salted": 0, "lora": 62}
+    assert matched(lora_name="sql", lora_path="/b/sql") == {"salted": 0, "lora": 0}
+
+
+def test_what_cannot_be_hashed_exactly_is_an_error_never_a_zero(prompt):
+    store = MemoryStore()
+    _add(store, "secret", _fp(scheme=scheme_name("sha256", "not-given")), [b"x" * 32])
+    with pytest.raises(CannotScore) as e:
+        Scorer(store).score(ScoreRequest("tiny", prompt))
+    assert e.value.reason == "seed_unknown" and "--score-hash-seed" in e.value.message
+    # given the seed, it scores
+    assert Scorer(store, ScoringConfig(hash_seeds=(DEFAULT_SEED, "not-given"))).score(
+        ScoreRequest("tiny", prompt)).workers[0].worker_id == "secret"
+    for req, reason in [(ScoreRequest("tiny"), "bad_request"), (ScoreRequest(None, prompt), "bad_request"),
+                        (ScoreRequest("tiny", prompt, lora_name="x"), "bad_request"),
+                        (ScoreRequest("tiny", [1] * (MAX_SCORE_TOKENS + 1)), "too_large")]:
+        with pytest.raises(CannotScore) as e:
+            Scorer(store).score(req)
+        assert e.value.reason == reason
+
+
+def test_block_hashes_score_without_hashing(prompt):
+    store = MemoryStore()
+    hashes = VllmBlockHasher("sha256", DEFAULT_SEED, 16).hashes(prompt)
+    _add(store, "a", _fp(scheme="trtllm/u64"), hashes[:5])  # no scheme here could hash; the caller did
+    reply = Scorer(store).score(ScoreRequest(None, block_hashes=hashes))
+    assert [(w.worker_id, w.matched_blocks) for w in reply.workers] == [("a", 5)] and reply.num_tokens is None
+
+
+def test_a_dead_worker_leaves_the_scores_at_once(prompt):
+    store = MemoryStore(lease_ttl_ms=300)
+    hashes = VllmBlockHasher("sha256", DEFAULT_SEED, 16).hashes(prompt)
+    _add(store, "a", _fp(), hashes)
+    _add(store, "b", _fp(), hashes[:3])
+    s = Scorer(store)
+    assert s.score(ScoreRequest("tiny", prompt)).best == "a"
+    store.drain_worker("a")
+    assert [w.worker_id for w in s.score(ScoreRequest("tiny", prompt)).workers] == ["b"]
+    time.sleep(0.4)  # b's lease lapses: no heartbeat
+    assert s.score(ScoreRequest("tiny", prompt)).workers == []
+
+
+@pytest.mark.redis
+def test_scores_from_redis(redis_url, prompt):
+    from remote_g2.registry.store_factory import open_store
+
+    store = open_store(redis_url=redis_url, key_prefix="score-test:")
+    try:
+        hashes = VllmBlockHasher("sha256_cbor", DEFAULT_SEED, 32).hashes(prompt)
+        _add(store, "r1", _fp("redis-model#w-9", scheme=scheme_name("sha256_cbor", DEFAULT_SEED), bs=32), hashes[:7])
+        reply = Scorer(store).score(ScoreRequest("redis-model", prompt))
+        assert [(w.worker_id, w.matched_tokens) for w in reply.workers] == [("r1", 224)]
+    finally:
+        store.drain_worker("r1")
+        store.close()
+
+
+# -- over HTTP -------------------------------------------------------------------------------------
+
+@pytest.fixture
+def api(prompt):
+    store = MemoryStore()
+    hashes = VllmBlockHasher("sha256", DEFAULT_SEED, 16).hashes(prompt)
+    _add(store, "a", _fp(), hashes[:20])
+    srv = ScoreHttpServer(Scorer(store), "127.0.0.1:0", loras={"sql": "/a/sql"})
+    srv.start()
+    yield srv
+    srv.close()
+
+
+def _post(url: str, body: object = None, *, raw: bytes | None = None, headers: dict | None = None):
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _raw(url: str, data: bytes, *, read_all: bool = True) -> bytes:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        chunks = []
+        while read_all and (chunk := s.recv(65536)):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def test_score_over_http(api, prompt):
+    status, doc = _post(api.url + "/v1/score", {"model": "tiny", "token_ids": prompt})
+    assert status == 200 and doc["best"] == "a" and doc["workers"][0]["matched_tokens"] == 320
+    assert doc["workers"][0]["endpoint"] == "tcp://10.0.0.1:7000" and doc["workers"][0]["tier"] == {"g2": 20}
+    # Dynamo's name for the model, and its /query shape (Mooncake's conductor reads the same "instances")
+    status, doc = _post(api.url + "/query", {"model_name": "tiny", "token_ids": prompt, "routing_group": "x"})
+    assert status == 200
+    assert doc["instances"]["a"] == {"longest_matched": 320, "gpu": 0, "cpu": 320, "disk": 320, "dp": {"0": 0}}
+    assert doc["scores"] == {"a": {"0": 0}}
+    status, doc = _post(api.url + "/query", {"model": "tiny", "token_ids": prompt, "block_size": 64})
+    assert status == 422 and "block_size 64" in doc["error"]["message"]
+    status, doc = _post(api.url + "/query", {"model_name": "tiny", "token_ids": prompt, "lora_name": "nope"})
+    assert status == 422 and "--score-lora" in doc["error"]["message"]
+    status, doc = _post(api.url + "/query", {"model_name": "tiny", "token_ids": prompt, "lora_name": "sql"})
+    assert status == 200 and doc["instances"]["a"]["longest_matched"] == 0  # a's blocks were not the adapter's
+    with urllib.request.urlopen(api.url + "/healthz", timeout=5) as r:
+        assert json.loads(r.read()) == {"ok": True}
+
+
+@pytest.mark.parametrize("body, status, reason", [
+    (b'{"model": "tiny", "token_ids": "1,2"}', 400, "bad_request"),
+    (b'{"model": "tiny", "token_ids": [1, 2.5]}', 400, "bad_request"),
+    (b'{"model": 7, "token_ids": [1]}', 400, "bad_request"),
+    (b'[1, 2, 3]', 400, "bad_request"),
+    (b'{"model": "\xff\xfe", "token_ids": [1]}', 400, "bad_request"),
+    (b'{"model": "tiny", "token_ids": [1]', 400, "bad_request"),
+    (b'{"model": "tiny", "token_ids": [-5]}', 400, "bad_request"),
+    (b'{"block_hashes": ["zz"]}', 400, "bad_request"),
+    (b'{"model": "tiny"}', 400, "bad_request"),
+])
+def test_hostile_bodies_get_4xx_and_the_server_keeps_serving(api, prompt, body, status, reason):
+    got, doc = _post(api.url + "/v1/score", raw=body)
+    assert (got, doc["error"]["reason"]) == (status, reason), doc
+    assert _post(api.url + "/v1/score", {"model": "tiny", "token_ids": prompt})[0] == 200
+
+
+def test_a_million_tokens_and_oversized_bodies_are_refused(api, prompt):
+    status, doc = _post(api.url + "/v1/score", {"model": "tiny", "token_ids": [1] * 1_000_000})
+    assert status == 413 and doc["error"]["reason"] == "too_large"
+    status, doc = _post(api.url + "/v1/score", {"model": "tiny", "token_ids": [1] * (MAX_SCORE_TOKENS + 1)})
+    assert status == 413 and str(MAX_SCORE_TOKENS) in doc["error"]["message"]
+    assert _post(api.url + "/v1/score", {"model": "tiny", "token_ids": prompt})[0] == 200
+
+
+@pytest.mark.parametrize("data, status", [
+    (b"GARBAGE\r\n\r\n", b"400"),
+    (b"POST /v1/score HTTP/2.0\r\nContent-Length: 2\r\n\r\n{}", b"400"),
+    (b"POST /v1/score HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", b"411"),
+    (b"POST /v1/score HTTP/1.1\r\nContent-Length: -1\r\n\r\n", b"400"),
+    (b"POST /v1/score HTTP/1.1\r\nContent-Length: 100\r\n\r\n{}", b"400"),  # the body ends early
+    (b"GET /v1/score HTTP/1.1\r\n\r\n", b"405"),
+    (b"GET /admin HTTP/1.1\r\n\r\n", b"404"),
+    (b"POST /v1/score HTTP/1.1\r\nX: " + b"y" * 20_000 + b"\r\n\r\n", b"431"),
+    (b"\x00\xff\xfe\r\n\r\n", b"400"),
+])
+def test_hostile_http_gets_an_error_and_the_server_keeps_serving(api, prompt, data, status):
+    reply = _raw(api.url, data)
+    assert reply.startswith(b"HTTP/1.1 " + status), reply[:200]
+    assert _post(api.url + "/v1/score", {"model": "tiny", "token_ids": prompt})[0] == 200
+
+
+def test_a_silent_client_does_not_stop_the_others(api, prompt):
+    host, port = api.url.removeprefix("http://").split(":")
+    idle = [socket.create_connection((host, int(port))) for _ in range(20)]
+    try:
+        idle[0].sendall(b"POST /v1/score HTTP/1.1\r\nContent-Le")  # half a request, then nothing
+        assert _post(api.url + "/v1/score", {"model": "tiny", "token_ids": prompt})[0] == 200
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_keep_alive_and_expect_continue(api, prompt):
+    body = json.dumps({"model": "tiny", "token_ids": prompt}).encode()
+    host, port = api.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        f = s.makefile("rb")
+        for _ in range(3):  # three requests on one connection
+            s.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body))
+            assert f.readline() == b"HTTP/1.1 100 Continue\r\n" and f.readline() == b"\r\n"
+            s.sendall(body)
+            assert f.readline().startswith(b"HTTP/1.1 200")
+            length = 0
+            while (line := f.readline()) != b"\r\n":
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            assert json.loads(f.read(length))["best"] == "a"
+
+
+def test_beyond_loopback_a_token_is_required(prompt):
+    store = MemoryStore()
+    with pytest.raises(ConfigError, match="bearer token"):
+        ScoreHttpServer(Scorer(store), "0.0.0.0:0")
+    with pytest.raises(ConfigError, match="bearer token"):
+        ScoreHttpServer(Scorer(store), "10.1.2.3:0")
+    srv = ScoreHttpServer(Scorer(store), "127.0.0.1:0", tokens=["old-token", "new-token"])
+    with srv:
+        body = {"model": "tiny", "token_ids": prompt}
+        assert _post(srv.url + "/v1/score", body)[0] == 401
+        assert _post(srv.url + "/v1/score", body, headers={"Authorization": "Bearer nope"})[0] == 401
+        assert _post(srv.url + "/v1/score", body, headers={"Authorization": "Basic new-token"})[0] == 401
+        for token in ("old-token", "new-token"):  # rotation: both accepted
+            assert _post(srv.url + "/v1/score", body, headers={"Authorization": f"Bearer {token}"})[0] == 200
+        reply = _raw(srv.url, b"POST /query HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 10\r\n\r\n")
+        assert reply.startswith(b"HTTP/1.1 401") and b"WWW-Authenticate: Bearer" in reply
+
+
+# -- `remote-g2 serve --score-bind` and `remote-g2 admin score`, as processes -----------------------
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "remote_g2.cli", *args], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, **(env or {})})
+
+
+def test_serve_and_admin_score(tmp_path: Path, prompt):
+    port, score_port = free_port(), free_port()
+    token_file = tmp_path / "tokens"
+    token_file.write_text("t0ken\n")
+    serve = subprocess.Popen([sys.executable, "-m", "remote_g2.cli", "serve", "--bind", f"tcp://127.0.0.1:{port}",
+                              "--feed-bind", "none", "--score-bind", f"127.0.0.1:{score_port}",
+                              "--score-token-file", str(token_file), "--score-prefill-ms-per-1k", "tiny=50"],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = serve.stdout.readline()  # the one line serve prints, once everything is up
+        assert f"scoring API on http://127.0.0.1:{score_port}" in line, line
+        hashes = VllmBlockHasher("sha256", DEFAULT_SEED, 16).hashes(prompt)
+        with RegistryClient(f"tcp://127.0.0.1:{port}") as c:
+            c.register_worker("w1", "tcp://127.0.0.1:9001", _fp(), 1)
+            c.events("w1", 1, 1, [BlockEvent("stored", hashes[:12])])
+        tokens = tmp_path / "prompt.json"
+        tokens.write_text(json.dumps(prompt))
+        url = f"http://127.0.0.1:{score_port}"
+        r = _cli("admin", "score", "--url", url, "--model", "tiny", "--tokens-file", str(tokens), "--json",
+                 env={"REMOTE_G2_SCORE_TOKEN": "t0ken"})
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["best"] == "w1" and doc["workers"][0]["matched_tokens"] == 192
+        assert doc["workers"][0]["prefill_saved_ms"] == pytest.approx(9.6)
+        r = _cli("admin", "score", "--url", url, "--model", "tiny", "--tokens", ",".join(map(str, prompt[:200])),
+                 "--token-file", str(token_file))
+        assert r.returncode == 0 and "w1" in r.stdout and "best: w1 (192 tokens cached of 200 tokens)" in r.stdout
+        r = _cli("admin", "score", "--url", url, "--model", "tiny", "--tokens", "1,2,3")
+        assert r.returncode == 1 and "HTTP 401 unauthorized" in r.stderr
+        r = _cli("admin", "score", "--url", f"http://127.0.0.1:{free_port()}", "--tokens", "1")
+        assert r.returncode == 1 and "cannot reach" in r.stderr
+    finally:
+        serve.terminate()
+        serve.wait(10)
