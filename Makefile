@@ -75,6 +75,7 @@ bench: venv redis
 	$(VPY) bench/bench_peer_lane.py --json bench/results/peer_lane.json
 	$(VPY) bench/bench_tp_exchange.py --json bench/results/tp_exchange.json
 	$(VPY) bench/bench_pool_prefault.py --json bench/results/pool_prefault.json
+	$(VPY) bench/bench_score.py --json bench/results/score.json
 	$(VPY) bench/bench_transfer.py --json bench/results/transfer.json
 	$(VPY) bench/bench_gather.py --json bench/results/gather.json
 	$(VPY) bench/bench_e2e.py --json bench/results/e2e.json

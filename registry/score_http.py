@@ -123,7 +123,8 @@ def request_from_json(body: bytes) -> ScoreRequest:
         except ValueError as e:
             raise CannotScore(f"block_hashes: {e}", reason="bad_request") from None
     return ScoreRequest(model=b.model or b.model_name, token_ids=b.token_ids, block_hashes=hashes,
-                        lora_name=b.lora_name, lora_path=b.lora_path, cache_salt=b.cache_salt, workers=b.workers)
+                        lora_name=b.lora_name, lora_path=b.lora_path, cache_salt=b.cache_salt, workers=b.workers,
+                        checked=True)
 
 
 def query_request(body: bytes, loras: dict[str, str]) -> tuple[ScoreRequest, int | None]:
@@ -143,7 +144,7 @@ def query_request(body: bytes, loras: dict[str, str]) -> tuple[ScoreRequest, int
                               reason="unsupported_input")
     return ScoreRequest(model=model, token_ids=b.token_ids, lora_name=b.lora_name or None,
                         lora_path=path, cache_salt=b.cache_salt,
-                        workers=None if b.instance_id is None else [b.instance_id]), b.block_size
+                        workers=None if b.instance_id is None else [b.instance_id], checked=True), b.block_size
 
 
 def query_reply(reply: ScoreReply, block_size: int | None) -> dict[str, Any]:

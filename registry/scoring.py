@@ -71,6 +71,8 @@ class ScoreRequest:
     lora_path: str | None = None
     cache_salt: str | None = None
     workers: Sequence[str] | None = None
+    #: the token ids are known to be ints in ``[0, MAX_TOKEN_ID]`` (the HTTP decoder checked them)
+    checked: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +141,24 @@ class Scorer:
         self._workers_at = float("-inf")
         self._workers_ttl_s = 0.0 if store.name == "memory" else _WORKERS_TTL_S
         self._hashers: dict[tuple[str, int], VllmBlockHasher] = {}
+        self._keys: dict[LayoutFingerprint, str] = {}  # fingerprint -> compat key (a digest: computed once)
+        self._serving: dict[tuple[LayoutFingerprint, str], bool] = {}  # (fingerprint, model) -> serves it
+
+    def _compat_key(self, fp: LayoutFingerprint) -> str:
+        key = self._keys.get(fp)
+        if key is None:
+            if len(self._keys) > 4096:  # fingerprints come and go with deployments: start over now and then
+                self._keys.clear()
+            key = self._keys[fp] = fp.compat_key()
+        return key
+
+    def _serves(self, fp: LayoutFingerprint, model: str) -> bool:
+        ok = self._serving.get((fp, model))
+        if ok is None:
+            if len(self._serving) > 4096:  # models are whatever callers send: bounded
+                self._serving.clear()
+            ok = self._serving[(fp, model)] = _serves(fp, model)
+        return ok
 
     def _live_workers(self) -> list[WorkerRecord]:
         now = time.monotonic()
@@ -193,8 +213,9 @@ class Scorer:
         wanted = set(req.workers) if req.workers is not None else None
         groups: dict[str, list[WorkerRecord]] = {}
         for w in self._live_workers():
-            if (req.model is None or _serves(w.fingerprint, req.model)) and (wanted is None or w.worker_id in wanted):
-                groups.setdefault(w.fingerprint.compat_key(), []).append(w)
+            if (req.model is None or self._serves(w.fingerprint, req.model)) and \
+                    (wanted is None or w.worker_id in wanted):
+                groups.setdefault(self._compat_key(w.fingerprint), []).append(w)
         lora = (req.lora_name, req.lora_path) if req.lora_name is not None else None
         scores: list[WorkerScore] = []
         by_hasher: dict[tuple[str, int], list[bytes]] = {}
@@ -205,17 +226,17 @@ class Scorer:
                 hk = (hasher.scheme, hasher.block_size)
                 if hk not in by_hasher:
                     by_hasher[hk] = hasher.hashes(req.token_ids, lora=lora, cache_salt=req.cache_salt,
-                                                  max_blocks=MAX_SCORE_HASHES)
+                                                  max_blocks=MAX_SCORE_HASHES, checked=req.checked)
                 hashes = by_hasher[hk]
             else:
                 hashes = list(req.block_hashes or ())
             matched = self._lookup(hashes, key) if hashes else {}
-            scores += [self._worker_score(w, matched.get(w.worker_id, 0), req.model) for w in members]
+            scores += [self._worker_score(w, key, matched.get(w.worker_id, 0), req.model) for w in members]
         scores.sort(key=lambda s: (-s.matched_tokens, s.load, s.worker_id))
         best = scores[0].worker_id if scores and scores[0].matched_blocks else None
         return ScoreReply(req.model, None if req.token_ids is None else len(req.token_ids), scores, best)
 
-    def _worker_score(self, w: WorkerRecord, matched: int, model: str | None) -> WorkerScore:
+    def _worker_score(self, w: WorkerRecord, key: str, matched: int, model: str | None) -> WorkerScore:
         fp = w.fingerprint
         tokens = matched * fp.tokens_per_block
         per_block = block_bytes(fp)
@@ -223,7 +244,7 @@ class Scorer:
             self.config.fetch_overhead_ms * (matched > 0) + matched * per_block / (self.config.fetch_gbps * 1e6)
         rates = self.config.prefill_ms_per_1k_tokens
         rate = rates.get(model_label(fp.model_id) or "", rates.get(model or "", rates.get("*")))
-        return WorkerScore(w.worker_id, w.endpoint, w.tp_size, fp.model_id, fp.compat_key(), fp.tokens_per_block,
+        return WorkerScore(w.worker_id, w.endpoint, w.tp_size, fp.model_id, key, fp.tokens_per_block,
                            matched, tokens, {"g2": matched}, w.load,
                            None if rate is None else round(tokens * rate / 1000.0, 3),
                            None if fetch_ms is None else round(fetch_ms, 3))

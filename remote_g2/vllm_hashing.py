@@ -95,17 +95,19 @@ class VllmBlockHasher:
         self.none_hash = hashlib.sha256(self._encode(seed)).digest()
 
     def hashes(self, token_ids: Sequence[int], *, lora: tuple[str, str] | None = None,
-               cache_salt: str | None = None, max_blocks: int | None = None) -> list[bytes]:
+               cache_salt: str | None = None, max_blocks: int | None = None, checked: bool = False) -> list[bytes]:
         """The hash of every full block of ``token_ids`` (at most ``max_blocks``), as vLLM computes them.
 
         ``lora`` is ``(lora_name, lora_path)`` as the instance loaded the
         adapter (vLLM hashes both); ``cache_salt`` the request's salt.
+        ``checked``: the caller's decoder already held every id to an int in
+        ``[0, MAX_TOKEN_ID]`` (the scoring API's does), so they are not checked again.
         """
         bs = self.block_size
         n = len(token_ids) // bs
         if max_blocks is not None:
             n = min(n, max_blocks)
-        if token_ids and (set(map(type, token_ids)) != {int} or min(token_ids) < 0 or max(token_ids) > MAX_TOKEN_ID):
+        if not checked and token_ids and (set(map(type, token_ids)) != {int} or min(token_ids) < 0 or max(token_ids) > MAX_TOKEN_ID):
             raise CannotScore(f"token ids must be ints in [0, {MAX_TOKEN_ID}]", reason="bad_request")
         if n == 0:
             return []
