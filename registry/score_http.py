@@ -45,14 +45,14 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 
 from remote_g2.errors import CannotScore, ConfigError, StoreUnavailable
 from remote_g2.hashing import hash_from_hex
 from remote_g2.net_address import is_loopback
-from remote_g2.vllm_hashing import MAX_TOKEN_ID
+from remote_g2.vllm_hashing import token_ids_from_json
 
 from .scoring import ScoreReply, ScoreRequest, Scorer
 
@@ -75,7 +75,7 @@ _REASON_STATUS = {"bad_request": 400, "too_large": 413, "unknown_scheme": 422, "
 class _Body(msgspec.Struct, forbid_unknown_fields=False):  # unknown fields are ignored, as Dynamo's indexer does
     model: str | None = None
     model_name: str | None = None
-    token_ids: list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]] | None = None
+    token_ids: msgspec.Raw = msgspec.Raw()  # parsed in C++ (token_ids_from_json): no Python int per token
     block_hashes: list[str] | None = None
     lora_name: str | None = None
     lora_path: str | None = None
@@ -111,6 +111,11 @@ def _decode(body: bytes) -> _Body:
         raise CannotScore(f"malformed request body: {e}", reason="bad_request") from None
 
 
+def _token_ids(b: _Body) -> Any:
+    raw = bytes(b.token_ids)
+    return None if raw in (b"", b"null") else token_ids_from_json(raw)
+
+
 def request_from_json(body: bytes) -> ScoreRequest:
     """A ``/v1/score`` body as a :class:`ScoreRequest`; :class:`CannotScore` (``bad_request``) if malformed."""
     b = _decode(body)
@@ -122,9 +127,8 @@ def request_from_json(body: bytes) -> ScoreRequest:
             hashes = [hash_from_hex(h) for h in b.block_hashes]
         except ValueError as e:
             raise CannotScore(f"block_hashes: {e}", reason="bad_request") from None
-    return ScoreRequest(model=b.model or b.model_name, token_ids=b.token_ids, block_hashes=hashes,
-                        lora_name=b.lora_name, lora_path=b.lora_path, cache_salt=b.cache_salt, workers=b.workers,
-                        checked=True)
+    return ScoreRequest(model=b.model or b.model_name, token_ids=_token_ids(b), block_hashes=hashes,
+                        lora_name=b.lora_name, lora_path=b.lora_path, cache_salt=b.cache_salt, workers=b.workers)
 
 
 def query_request(body: bytes, loras: dict[str, str]) -> tuple[ScoreRequest, int | None]:
@@ -133,7 +137,8 @@ def query_request(body: bytes, loras: dict[str, str]) -> tuple[ScoreRequest, int
     model = b.model_name or b.model
     if b.model and b.model_name and b.model != b.model_name:
         raise CannotScore("model and model_name differ", reason="bad_request")
-    if b.token_ids is None or not model:
+    token_ids = _token_ids(b)
+    if token_ids is None or not model:
         raise CannotScore("/query needs token_ids and model_name", reason="bad_request")
     path = None
     if b.lora_name:
@@ -142,9 +147,9 @@ def query_request(body: bytes, loras: dict[str, str]) -> tuple[ScoreRequest, int
             raise CannotScore(f"LoRA adapter {b.lora_name!r}: vLLM hashes its path too, which this request does not "
                               "name; give it as lora_path, or to `remote-g2 serve --score-lora NAME=PATH`",
                               reason="unsupported_input")
-    return ScoreRequest(model=model, token_ids=b.token_ids, lora_name=b.lora_name or None,
+    return ScoreRequest(model=model, token_ids=token_ids, lora_name=b.lora_name or None,
                         lora_path=path, cache_salt=b.cache_salt,
-                        workers=None if b.instance_id is None else [b.instance_id], checked=True), b.block_size
+                        workers=None if b.instance_id is None else [b.instance_id]), b.block_size
 
 
 def query_reply(reply: ScoreReply, block_size: int | None) -> dict[str, Any]:
@@ -252,7 +257,8 @@ class ScoreHttpServer:
             keep = True
             while keep:
                 try:
-                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _IDLE_TIMEOUT_S)
+                    async with asyncio.timeout(_IDLE_TIMEOUT_S):  # (no task per read, unlike wait_for)
+                        head = await reader.readuntil(b"\r\n\r\n")
                 except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
                     return
                 except asyncio.LimitOverrunError:
@@ -305,7 +311,10 @@ class ScoreHttpServer:
                 raise _HttpError(401, "unauthorized", "a bearer token is required", close=True)
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         try:
-            body = await asyncio.wait_for(reader.readexactly(length), _HEAD_TIMEOUT_S) if length else b""
+            body = b""
+            if length:
+                async with asyncio.timeout(_HEAD_TIMEOUT_S):
+                    body = await reader.readexactly(length)
         except (asyncio.IncompleteReadError, asyncio.TimeoutError):
             raise _HttpError(400, "bad_request", "the body ended before Content-Length bytes", close=True) from None
         path = target.split("?", 1)[0]

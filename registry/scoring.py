@@ -37,6 +37,9 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
 
 from remote_g2.errors import CannotScore, ConfigError
 from remote_g2.messages import LayoutFingerprint, WorkerRecord
@@ -52,8 +55,9 @@ __all__ = ["ScoreRequest", "WorkerScore", "ScoreReply", "Scorer", "ScoringConfig
 MAX_SCORE_TOKENS = 262_144
 #: The most block hashes a request may send (the registry's lookup limit).
 MAX_SCORE_HASHES = 65_536
-#: How long a Redis-backed scorer reuses the list of live workers (the embedded store's is read every time).
-#: A worker that died meanwhile is never in a lookup's answer: it scores 0 until the list is read again.
+#: How long a scorer reuses the list of live workers of a store without a ``generation`` (Redis). A worker
+#: that died meanwhile is never in a lookup's answer: it scores 0 until the list is read again. A store with
+#: one (the embedded store) is listed again whenever it changes, and a lease that lapsed drops its worker.
 _WORKERS_TTL_S = 1.0
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1,
                 "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "uint8": 1, "int8": 1}
@@ -71,13 +75,11 @@ class ScoreRequest:
     lora_path: str | None = None
     cache_salt: str | None = None
     workers: Sequence[str] | None = None
-    #: the token ids are known to be ints in ``[0, MAX_TOKEN_ID]`` (the HTTP decoder checked them)
-    checked: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerScore:
-    """One worker's share of a prompt's cache (see the module docstring)."""
+class WorkerScore(msgspec.Struct, frozen=True):
+    """One worker's share of a prompt's cache (see the module docstring); a msgspec Struct: one is built per
+    worker per request, and the HTTP answer encodes them as they are."""
 
     worker_id: str
     endpoint: str
@@ -137,9 +139,10 @@ class Scorer:
     def __init__(self, store: RegistryStore, config: ScoringConfig | None = None, *, mirror: object = None) -> None:
         self.store, self.config, self._mirror = store, config or ScoringConfig(), mirror
         self._lock = threading.Lock()
-        self._workers: list[WorkerRecord] = []
+        self._workers: list[tuple[WorkerRecord, float, str]] = []  # each with its lease's end and compat key
+        self._by_model: dict[str | None, list[Any]] = {}
         self._workers_at = float("-inf")
-        self._workers_ttl_s = 0.0 if store.name == "memory" else _WORKERS_TTL_S
+        self._workers_gen: int | None = None
         self._hashers: dict[tuple[str, int], VllmBlockHasher] = {}
         self._keys: dict[LayoutFingerprint, str] = {}  # fingerprint -> compat key (a digest: computed once)
         self._serving: dict[tuple[LayoutFingerprint, str], bool] = {}  # (fingerprint, model) -> serves it
@@ -160,15 +163,36 @@ class Scorer:
             ok = self._serving[(fp, model)] = _serves(fp, model)
         return ok
 
-    def _live_workers(self) -> list[WorkerRecord]:
+    def _candidates(self, model: str | None) -> list[tuple[WorkerRecord, str, tuple[float | None, float | None]]]:
+        """The live workers serving ``model`` (all, for None), each with its compat key and costs per block.
+
+        The store's list is reused while its ``generation`` stays the same (for ``_WORKERS_TTL_S`` where it
+        has none), and so is each model's share of it; a lease that lapsed meanwhile drops its worker.
+        """
         now = time.monotonic()
+        gen = self.store.generation
         with self._lock:
-            if now - self._workers_at < self._workers_ttl_s:
-                return self._workers
-        workers = [w for w in self.store.list_workers() if w.live]
-        with self._lock:
-            self._workers, self._workers_at = workers, now
-        return workers
+            fresh = gen == self._workers_gen if gen is not None else now - self._workers_at < _WORKERS_TTL_S
+            if not fresh:
+                listed = None
+            else:
+                listed = self._by_model.get(model)
+        if listed is None:
+            if not fresh:
+                workers = [(w, now + w.lease_expires_in_ms / 1000.0, self._compat_key(w.fingerprint))
+                           for w in self.store.list_workers() if w.live]
+                with self._lock:  # (gen was read before the list: a change meanwhile lists again next time)
+                    self._workers, self._workers_at, self._workers_gen = workers, now, gen
+                    self._by_model = {}
+            else:
+                with self._lock:
+                    workers = self._workers
+            listed = [(w, ends, key, self._costs_of(w.fingerprint, model)) for w, ends, key in workers
+                      if model is None or self._serves(w.fingerprint, model)]
+            with self._lock:
+                if len(self._by_model) < 1024:  # models are whatever callers send: bounded
+                    self._by_model[model] = listed
+        return [(w, key, costs) for w, ends, key, costs in listed if ends > now]
 
     def _hasher(self, fp: LayoutFingerprint) -> VllmBlockHasher:
         key = (fp.hash_scheme, fp.tokens_per_block)
@@ -212,42 +236,44 @@ class Scorer:
                               reason="bad_request")
         wanted = set(req.workers) if req.workers is not None else None
         groups: dict[str, list[WorkerRecord]] = {}
-        for w in self._live_workers():
-            if (req.model is None or self._serves(w.fingerprint, req.model)) and \
-                    (wanted is None or w.worker_id in wanted):
-                groups.setdefault(self._compat_key(w.fingerprint), []).append(w)
+        for w, key, costs in self._candidates(req.model):
+            if wanted is None or w.worker_id in wanted:
+                groups.setdefault(key, []).append((w, costs))
         lora = (req.lora_name, req.lora_path) if req.lora_name is not None else None
         scores: list[WorkerScore] = []
         by_hasher: dict[tuple[str, int], list[bytes]] = {}
         for key, members in sorted(groups.items()):
-            fp = members[0].fingerprint
+            fp = members[0][0].fingerprint
             if req.token_ids is not None:
                 hasher = self._hasher(fp)
                 hk = (hasher.scheme, hasher.block_size)
                 if hk not in by_hasher:
                     by_hasher[hk] = hasher.hashes(req.token_ids, lora=lora, cache_salt=req.cache_salt,
-                                                  max_blocks=MAX_SCORE_HASHES, checked=req.checked)
+                                                  max_blocks=MAX_SCORE_HASHES)
                 hashes = by_hasher[hk]
             else:
                 hashes = list(req.block_hashes or ())
             matched = self._lookup(hashes, key) if hashes else {}
-            scores += [self._worker_score(w, key, matched.get(w.worker_id, 0), req.model) for w in members]
+            overhead = self.config.fetch_overhead_ms
+            for w, (fetch_per_block, prefill_per_block) in members:
+                n = matched.get(w.worker_id, 0)
+                fp = w.fingerprint
+                scores.append(WorkerScore(
+                    w.worker_id, w.endpoint, w.tp_size, fp.model_id, key, fp.tokens_per_block, n,
+                    n * fp.tokens_per_block, {"g2": n}, w.load,
+                    None if prefill_per_block is None else round(n * prefill_per_block, 3),
+                    None if fetch_per_block is None else round(overhead * (n > 0) + n * fetch_per_block, 3)))
         scores.sort(key=lambda s: (-s.matched_tokens, s.load, s.worker_id))
         best = scores[0].worker_id if scores and scores[0].matched_blocks else None
         return ScoreReply(req.model, None if req.token_ids is None else len(req.token_ids), scores, best)
 
-    def _worker_score(self, w: WorkerRecord, key: str, matched: int, model: str | None) -> WorkerScore:
-        fp = w.fingerprint
-        tokens = matched * fp.tokens_per_block
-        per_block = block_bytes(fp)
-        fetch_ms = None if per_block is None else \
-            self.config.fetch_overhead_ms * (matched > 0) + matched * per_block / (self.config.fetch_gbps * 1e6)
+    def _costs_of(self, fp: LayoutFingerprint, model: str | None) -> tuple[float | None, float | None]:
+        """(fetch ms, prefill ms) per block of a worker of ``fp`` asked for ``model``; None where unknown."""
         rates = self.config.prefill_ms_per_1k_tokens
         rate = rates.get(model_label(fp.model_id) or "", rates.get(model or "", rates.get("*")))
-        return WorkerScore(w.worker_id, w.endpoint, w.tp_size, fp.model_id, key, fp.tokens_per_block,
-                           matched, tokens, {"g2": matched}, w.load,
-                           None if rate is None else round(tokens * rate / 1000.0, 3),
-                           None if fetch_ms is None else round(fetch_ms, 3))
+        per_block = block_bytes(fp)
+        return (None if per_block is None else per_block / (self.config.fetch_gbps * 1e6),
+                None if rate is None else rate * fp.tokens_per_block / 1000.0)
 
 
 def parse_prefill_rates(texts: Iterable[str]) -> dict[str, float]:

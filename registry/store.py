@@ -143,6 +143,10 @@ class RegistryStore(ABC):
 
     #: Short backend name for stats and logs ("memory", "redis", "redis-cluster").
     name: str = "?"
+    #: A counter that changes whenever ``list_workers`` may answer differently other than by a lease
+    #: lapsing (a registration, heartbeat, drain or sweep); None where a backend cannot tell cheaply
+    #: (Redis). The scoring API reuses its list of workers while it stays the same.
+    generation: int | None = None
 
     def __init__(self, lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS) -> None:
         if lease_ttl_ms <= 0:

@@ -72,6 +72,7 @@ class MemoryStore(RegistryStore):
         self._workers: dict[str, _Incarnation] = {}
         self._holders = HolderIndex()
         self._incs: dict[int, _Incarnation] = {}
+        self.generation = 0  # see RegistryStore.generation
 
     # -- helpers (lock held) -------------------------------------------------------
 
@@ -138,6 +139,7 @@ class MemoryStore(RegistryStore):
 
     def register_worker(self, req: RegisterWorker) -> RegisterWorkerReply:
         with self._lock:
+            self.generation += 1
             old = self._workers.get(req.worker_id)
             if old is not None and self._live(old):
                 if req.epoch < old.epoch:
@@ -161,6 +163,7 @@ class MemoryStore(RegistryStore):
                 return HeartbeatReply("unknown_worker", 0)
             rec.expires_at = self._clock() + self.lease_ttl_ms / 1000
             rec.load = req.load
+            self.generation += 1
             return HeartbeatReply("ok", self.lease_ttl_ms)
 
     def apply_events(self, req: Events) -> EventsReply:
@@ -318,6 +321,7 @@ class MemoryStore(RegistryStore):
             rec = self._workers.pop(worker_id, None)
             if rec is None:
                 return DrainWorkerReply(False, 0)
+            self.generation += 1
             return DrainWorkerReply(True, self._drop_incarnation(rec))
 
     def sweep(self) -> int:
@@ -326,6 +330,7 @@ class MemoryStore(RegistryStore):
             for rec in dead:
                 del self._workers[rec.worker_id]
                 self._drop_incarnation(rec)
+            self.generation += bool(dead)
             return len(dead)
 
     def counts(self) -> tuple[int, int, int]:

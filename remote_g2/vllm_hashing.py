@@ -15,10 +15,14 @@ then ``("cache_salt", salt)`` on block 0 of a salted one (multimodal inputs
 and prompt embeddings add keys this module does not compute: such requests
 are refused, never guessed).
 
-:class:`VllmBlockHasher` encodes with the encoders vLLM uses
-(:func:`pickle.dumps`, ``cbor2.dumps(canonical=True)``), so the bytes are
-vLLM's by construction; the vLLM suite holds the hashes to vLLM's own
-``request.block_hashes``. Only encoding happens here: nothing is unpickled.
+:class:`VllmBlockHasher` writes the chain in C++ (``cpp_ext/vllm_hash.cpp``:
+for these objects both encodings are a fixed frame around the token ids, and
+the extra keys are encoded once, by :func:`pickle.dumps` or ``cbor2``, the
+encoders vLLM uses); a pickle too large for one frame goes through
+:func:`pickle.dumps` block by block. ``tests/test_score_api.py`` holds the
+chain to vLLM's code written out with those encoders, and the vLLM suite to
+vLLM's own ``request.block_hashes``. Only encoding happens here: nothing is
+unpickled.
 
 A hash space is named as the vLLM connector names it (:func:`scheme_name`:
 ``vllm/<algo>/<8 hex digits of the seed's digest>``): the registry matches a
@@ -29,15 +33,19 @@ where a worker's scheme names it.
 
 from __future__ import annotations
 
+import array
 import functools
 import hashlib
 import pickle  # to encode, as vLLM's sha256 does: nothing here is ever unpickled
 from collections.abc import Iterable, Sequence
 
+from remote_g2 import _vllm_hash
 from remote_g2.errors import CannotScore
 
 __all__ = ["ALGORITHMS", "DEFAULT_SEED", "MAX_TOKEN_ID", "VllmBlockHasher", "scheme_name", "parse_scheme",
-           "hasher_for_scheme"]
+           "hasher_for_scheme", "token_ids_from_json"]
+
+assert array.array("I").itemsize == 4  # cpp_ext/vllm_hash.cpp reads token buffers as uint32
 
 #: The algorithms whose hashes can be recomputed here (xxhash's seed must stay secret: never shared).
 ALGORITHMS = ("sha256", "sha256_cbor")
@@ -46,6 +54,18 @@ DEFAULT_SEED = "vllm-none-hash"
 #: Token ids are pickled as 4-byte signed ints below this; no tokenizer's vocabulary comes near it.
 MAX_TOKEN_ID = 2**31 - 1
 _MAX_KEY_CHARS = 4096  # a LoRA name or path, a salt: longer ones are refused
+_PICKLE_FRAME_TARGET = 64 * 1024  # pickle's _FRAME_SIZE_TARGET: a body under it is one frame
+
+
+def token_ids_from_json(raw: bytes) -> array.array:
+    """A JSON array of token ids (its raw text) as ``array('I')``, parsed in C++ without a Python int per
+    token; :class:`CannotScore` (``bad_request``) for anything but integers in ``[0, MAX_TOKEN_ID]``."""
+    try:
+        ids = array.array("I")
+        ids.frombytes(_vllm_hash.parse_ids(raw))
+        return ids
+    except ValueError as e:
+        raise CannotScore(str(e), reason="bad_request") from None
 
 
 def scheme_name(algo: str, seed: str) -> str:
@@ -91,26 +111,19 @@ class VllmBlockHasher:
             raise CannotScore(f"block size {block_size} out of range", reason="bad_request")
         self.algo, self.seed, self.block_size = algo, seed, block_size
         self.scheme = scheme_name(algo, seed)
-        self._encode = _cbor_encoder() if algo == "sha256_cbor" else _pickle_encoder
+        self._cbor = algo == "sha256_cbor"
+        self._encode = _cbor_encoder() if self._cbor else _pickle_encoder
         self.none_hash = hashlib.sha256(self._encode(seed)).digest()
 
     def hashes(self, token_ids: Sequence[int], *, lora: tuple[str, str] | None = None,
-               cache_salt: str | None = None, max_blocks: int | None = None, checked: bool = False) -> list[bytes]:
+               cache_salt: str | None = None, max_blocks: int | None = None) -> list[bytes]:
         """The hash of every full block of ``token_ids`` (at most ``max_blocks``), as vLLM computes them.
 
         ``lora`` is ``(lora_name, lora_path)`` as the instance loaded the
         adapter (vLLM hashes both); ``cache_salt`` the request's salt.
-        ``checked``: the caller's decoder already held every id to an int in
-        ``[0, MAX_TOKEN_ID]`` (the scoring API's does), so they are not checked again.
         """
         bs = self.block_size
-        n = len(token_ids) // bs
-        if max_blocks is not None:
-            n = min(n, max_blocks)
-        if not checked and token_ids and (set(map(type, token_ids)) != {int} or min(token_ids) < 0 or max(token_ids) > MAX_TOKEN_ID):
-            raise CannotScore(f"token ids must be ints in [0, {MAX_TOKEN_ID}]", reason="bad_request")
-        if n == 0:
-            return []
+        n = len(token_ids) // bs if max_blocks is None else min(len(token_ids) // bs, max_blocks)
         lora_keys: list[tuple[str, ...]] = []
         if lora is not None:
             name, path = (_own_str(x) for x in lora)
@@ -118,7 +131,34 @@ class VllmBlockHasher:
         first = lora_keys + ([("cache_salt", _own_str(cache_salt))] if cache_salt else [])
         extra0 = tuple(first) if first else None
         extra = tuple(lora_keys) if lora_keys else None
-        encode, sha = self._encode, hashlib.sha256
+        enc0, enc = self._encode_extra(extra0), self._encode_extra(extra)
+        # One pickle frame holds the whole body below pickle's frame target; past it (huge blocks with
+        # long keys) pickle splits frames its own way, so pickle itself encodes (_chain_python).
+        if self._cbor or 5 * bs + max(len(enc0), len(enc)) + 64 < _PICKLE_FRAME_TARGET:
+            try:
+                return _vllm_hash.chain(self.none_hash, token_ids, bs, n, self._cbor, enc0, enc)
+            except (ValueError, TypeError) as e:
+                raise CannotScore(f"token ids must be ints in [0, {MAX_TOKEN_ID}] ({e})", reason="bad_request") \
+                    from None
+        return self._chain_python(token_ids, n, extra0, extra)
+
+    def _encode_extra(self, extra: tuple[tuple[str, ...], ...] | None) -> bytes:
+        """``extra`` as its encoding reads inside the block's tuple (cpp_ext/vllm_hash.cpp's contract)."""
+        if extra is None:
+            return b"\xf6" if self._cbor else b"N"
+        data = self._encode(extra)
+        if self._cbor:
+            return data
+        # pickle.dumps: PROTO 5, FRAME + 8-byte length, the opcodes, STOP. Memo puts carry no index, and
+        # the keys are distinct objects (_own_str), so the opcodes are the same inside the outer tuple.
+        assert data[:3] == b"\x80\x05\x95" and data[-1:] == b"."
+        return data[11:-1]
+
+    def _chain_python(self, token_ids: Sequence[int], n: int, extra0: object, extra: object) -> list[bytes]:
+        """The chain with vLLM's encoder itself, block by block (about ten times slower than the C++ one)."""
+        if token_ids and (set(map(type, token_ids)) != {int} or min(token_ids) < 0 or max(token_ids) > MAX_TOKEN_ID):
+            raise CannotScore(f"token ids must be ints in [0, {MAX_TOKEN_ID}]", reason="bad_request")
+        bs, encode, sha = self.block_size, self._encode, hashlib.sha256
         parent = self.none_hash
         out: list[bytes] = []
         for i in range(n):

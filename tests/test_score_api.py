@@ -52,8 +52,20 @@ def _reference(algo: str, seed: str, bs: int, toks: list[int], lora=None, salt=N
     return out
 
 
+@pytest.fixture(params=["cpu-sha", "portable"])
+def sha_path(request):
+    """Both SHA-256s of cpp_ext/vllm_hash.cpp: the CPU's SHA extensions (where present) and the portable one."""
+    from remote_g2 import _vllm_hash
+
+    if request.param == "cpu-sha" and not _vllm_hash.accelerated():
+        pytest.skip("this CPU has no SHA extensions: the portable SHA-256 is the only one")
+    _vllm_hash.set_portable(request.param == "portable")
+    yield request.param
+    _vllm_hash.set_portable(False)
+
+
 @pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
-def test_hashes_follow_vllms_chain(algo):
+def test_hashes_follow_vllms_chain(algo, sha_path):
     rng = random.Random(7)
     for trial in range(60):
         bs = rng.choice([1, 2, 3, 4, 16, 32, 128])
@@ -64,6 +76,16 @@ def test_hashes_follow_vllms_chain(algo):
         seed = rng.choice([DEFAULT_SEED, "42", "ü" * 100])
         got = VllmBlockHasher(algo, seed, bs).hashes(toks, lora=lora, cache_salt=salt)
         assert got == _reference(algo, seed, bs, toks, lora, salt), (trial, bs, len(toks))
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+def test_blocks_past_one_pickle_frame_take_pickles_own_path(algo):
+    """4,096-token blocks with keys of 16 KiB: a pickle body past 64 KiB, which pickle frames its own way."""
+    rng = random.Random(1)
+    toks = [rng.randrange(2**31) for _ in range(3 * 4096 + 5)]
+    lora, salt = ("\U0001F600" * 4096, "\u00e9" * 4096), "\U0001F601" * 4096
+    got = VllmBlockHasher(algo, DEFAULT_SEED, 4096).hashes(toks, lora=lora, cache_salt=salt)
+    assert got == _reference(algo, DEFAULT_SEED, 4096, toks, lora, salt) and len(got) == 3
 
 
 def test_salt_and_lora_change_every_hash_they_should():

@@ -1,0 +1,293 @@
+// _vllm_hash: vLLM's chain of block hashes over token ids, in one call (remote_g2/vllm_hashing.py).
+//
+// vLLM hashes block i as SHA-256 of the encoding of (h_{i-1}, tuple(tokens of block i), extra_i): a pickle
+// (protocol 5) for "sha256", canonical CBOR for "sha256_cbor". For these objects — 32 bytes, a tuple of
+// ints below 2^31, and extra keys — both encodings are a fixed frame around the token ids, so the chain is
+// written here byte for byte without building a Python object per block: the Python path pickles or
+// CBOR-encodes ~512 tuples for an 8,192-token prompt and takes about a millisecond; this takes a tenth.
+//
+// Contract (the caller, remote_g2/vllm_hashing.py, keeps it):
+//   * `extra0` / `extra` are the already-encoded extra keys of block 0 and of every later block: in the
+//     pickle case the opcodes pickle writes for them inside the outer tuple (b"N" for None), in the CBOR
+//     case their CBOR item (0xf6 for None). They carry no back-reference to anything outside themselves.
+//   * a pickle body stays under pickle's 64 KiB frame target (the caller falls back to pickle itself
+//     otherwise): then pickle writes the whole body as one frame.
+// Token ids must be Python ints in [0, 2^31): anything else raises ValueError and nothing is returned.
+// The GIL is held while the ids are read, released while hashing.
+
+#include <nanobind/nanobind.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace nb = nanobind;
+
+namespace {
+
+// ---- SHA-256 (FIPS 180-4), portable ---------------------------------------------------------------
+
+constexpr uint32_t K[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
+
+inline uint32_t rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+
+void compress(uint32_t s[8], const uint8_t *p) {
+  uint32_t w[64];
+  for (int i = 0; i < 16; ++i)
+    w[i] = uint32_t(p[4 * i]) << 24 | uint32_t(p[4 * i + 1]) << 16 | uint32_t(p[4 * i + 2]) << 8 | p[4 * i + 3];
+  for (int i = 16; i < 64; ++i) {
+    uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+    uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+    w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+  }
+  uint32_t a = s[0], b = s[1], c = s[2], d = s[3], e = s[4], f = s[5], g = s[6], h = s[7];
+  for (int i = 0; i < 64; ++i) {
+    uint32_t t1 = h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + K[i] + w[i];
+    uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+    h = g; g = f; f = e; e = d + t1; d = c; c = b; b = a; a = t1 + t2;
+  }
+  s[0] += a; s[1] += b; s[2] += c; s[3] += d; s[4] += e; s[5] += f; s[6] += g; s[7] += h;
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+// ---- SHA-256 with the x86 SHA extensions (SHA-NI), chosen at run time where the CPU has them ------
+// The rounds are the SHA-NI instructions' standard schedule: four rounds per step, the message words
+// extended by sha256msg1/msg2 four at a time; the state is kept as (ABEF, CDGH) as sha256rnds2 wants it.
+
+__attribute__((target("sha,sse4.1,ssse3"))) void compress_shani(uint32_t s[8], const uint8_t *p, size_t blocks) {
+  const __m128i mask = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+  __m128i tmp = _mm_shuffle_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(s)), 0xB1);     // CDAB
+  __m128i st1 = _mm_shuffle_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(s + 4)), 0x1B);  // EFGH
+  __m128i st0 = _mm_alignr_epi8(tmp, st1, 8);     // ABEF
+  st1 = _mm_blend_epi16(st1, tmp, 0xF0);          // CDGH
+  for (; blocks; --blocks, p += 64) {
+    const __m128i save0 = st0, save1 = st1;
+    __m128i m[4];
+    for (int i = 0; i < 16; ++i) {
+      __m128i &cur = m[i % 4], &next = m[(i + 1) % 4], &prev = m[(i + 3) % 4];
+      if (i < 4) cur = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p + 16 * i)), mask);
+      __m128i msg = _mm_add_epi32(cur, _mm_loadu_si128(reinterpret_cast<const __m128i *>(K + 4 * i)));
+      st1 = _mm_sha256rnds2_epu32(st1, st0, msg);
+      if (i >= 3 && i <= 14) next = _mm_sha256msg2_epu32(_mm_add_epi32(next, _mm_alignr_epi8(cur, prev, 4)), cur);
+      st0 = _mm_sha256rnds2_epu32(st0, st1, _mm_shuffle_epi32(msg, 0x0E));
+      if (i >= 1 && i <= 12) prev = _mm_sha256msg1_epu32(prev, cur);
+    }
+    st0 = _mm_add_epi32(st0, save0);
+    st1 = _mm_add_epi32(st1, save1);
+  }
+  tmp = _mm_shuffle_epi32(st0, 0x1B);             // FEBA
+  st1 = _mm_shuffle_epi32(st1, 0xB1);             // DCHG
+  _mm_storeu_si128(reinterpret_cast<__m128i *>(s), _mm_blend_epi16(tmp, st1, 0xF0));   // DCBA
+  _mm_storeu_si128(reinterpret_cast<__m128i *>(s + 4), _mm_alignr_epi8(st1, tmp, 8));  // HGFE
+}
+
+bool cpu_has_sha() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 19)) || !(c & (1u << 9))) return false;  // SSE4.1, SSSE3
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return b & (1u << 29);  // SHA
+}
+#else
+void compress_shani(uint32_t *, const uint8_t *, size_t) {}
+bool cpu_has_sha() { return false; }
+#endif
+
+bool g_shani = cpu_has_sha();  // set_portable(True) turns it off (tests hold both paths to hashlib)
+
+// SHA-256 of msg[0, n) into out[32]; msg must have room for the padding (n + 72 bytes).
+void sha256(uint8_t *msg, size_t n, uint8_t out[32]) {
+  uint32_t s[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+  size_t padded = (n + 9 + 63) / 64 * 64;
+  msg[n] = 0x80;
+  std::memset(msg + n + 1, 0, padded - n - 9);
+  uint64_t bits = uint64_t(n) * 8;
+  for (int i = 0; i < 8; ++i) msg[padded - 1 - i] = uint8_t(bits >> (8 * i));
+  if (g_shani)
+    compress_shani(s, msg, padded / 64);
+  else
+    for (size_t off = 0; off < padded; off += 64) compress(s, msg + off);
+  for (int i = 0; i < 8; ++i) {
+    out[4 * i] = uint8_t(s[i] >> 24); out[4 * i + 1] = uint8_t(s[i] >> 16);
+    out[4 * i + 2] = uint8_t(s[i] >> 8); out[4 * i + 3] = uint8_t(s[i]);
+  }
+}
+
+// ---- the encodings -------------------------------------------------------------------------------
+
+void put_pickle_int(std::string &b, uint32_t t) {
+  if (t < 256) { b += 'K'; b += char(t); }
+  else if (t < 65536) { b += 'M'; b += char(t & 0xff); b += char(t >> 8); }
+  else { b += 'J'; for (int i = 0; i < 4; ++i) b += char((t >> (8 * i)) & 0xff); }
+}
+
+void put_cbor_head(std::string &b, uint8_t major, uint64_t n) {
+  major <<= 5;
+  if (n < 24) b += char(major | n);
+  else if (n < 256) { b += char(major | 24); b += char(n); }
+  else if (n < 65536) { b += char(major | 25); b += char(n >> 8); b += char(n & 0xff); }
+  else { b += char(major | 26); for (int i = 3; i >= 0; --i) b += char((n >> (8 * i)) & 0xff); }
+}
+
+constexpr uint32_t kMaxId = 0x7fffffff;
+
+// Token ids out of a list/tuple of Python ints, or a buffer of native uint32 (array('I'), as parse_ids
+// makes); each must be in [0, kMaxId].
+std::vector<uint32_t> read_ids(nb::handle tokens) {
+  std::vector<uint32_t> ids;
+  if (PyObject_CheckBuffer(tokens.ptr())) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(tokens.ptr(), &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) throw nb::python_error();
+    bool u32 = view.itemsize == 4 && view.format && (std::strcmp(view.format, "I") == 0 || std::strcmp(view.format, "=I") == 0 ||
+                                                     std::strcmp(view.format, "<I") == 0 || std::strcmp(view.format, "L") == 0);
+    if (u32) {
+      ids.resize(size_t(view.len) / 4);
+      std::memcpy(ids.data(), view.buf, ids.size() * 4);
+    }
+    PyBuffer_Release(&view);
+    if (!u32) throw std::invalid_argument("a token buffer must hold uint32 items");
+    for (uint32_t v : ids)
+      if (v > kMaxId) throw std::invalid_argument("token ids must be ints in [0, 2**31 - 1]");
+    return ids;
+  }
+  PyObject *seq = PySequence_Fast(tokens.ptr(), "token ids must be a sequence");
+  if (!seq) throw nb::python_error();
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject **items = PySequence_Fast_ITEMS(seq);
+  ids.resize(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject *o = items[i];
+    long v = PyLong_CheckExact(o) ? PyLong_AsLong(o) : -1;  // exact ints only: no bool, no float
+    if (v == -1 && PyErr_Occurred()) PyErr_Clear();
+    if (v < 0 || v > long(kMaxId)) {
+      Py_DECREF(seq);
+      throw std::invalid_argument("token ids must be ints in [0, 2**31 - 1]");
+    }
+    ids[size_t(i)] = uint32_t(v);
+  }
+  Py_DECREF(seq);
+  return ids;
+}
+
+// parse_ids(raw) -> bytes of native uint32: a JSON array of ints in [0, kMaxId], as the raw text of the
+// scoring API's "token_ids" (RFC 8259 numbers without fraction or exponent; "-0" is refused with every other
+// negative). ValueError, naming the offset, for anything else. Saves a Python int per token.
+nb::bytes parse_ids(nb::bytes raw) {
+  const char *p = raw.c_str(), *end = p + raw.size();
+  auto ws = [&] { while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) ++p; };
+  auto fail = [&](const char *what) {
+    throw std::invalid_argument(std::string("token_ids: ") + what + " at offset " + std::to_string(p - raw.c_str()));
+  };
+  std::vector<uint32_t> ids;
+  ids.reserve(raw.size() / 2);  // at least two characters a token ("1,")
+  ws();
+  if (p == end || *p != '[') fail("expected an array");
+  ++p;
+  ws();
+  if (p < end && *p == ']') {
+    ++p;
+  } else {
+    for (;;) {
+      ws();
+      if (p == end || *p < '0' || *p > '9') fail("expected a non-negative integer");
+      if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9') fail("a leading zero");
+      uint64_t v = 0;
+      while (p < end && *p >= '0' && *p <= '9') {
+        v = v * 10 + uint64_t(*p++ - '0');
+        if (v > kMaxId) fail("a token id over 2**31 - 1");
+      }
+      if (p < end && (*p == '.' || *p == 'e' || *p == 'E')) fail("a number that is not an integer");
+      ids.push_back(uint32_t(v));
+      ws();
+      if (p < end && *p == ',') { ++p; continue; }
+      if (p < end && *p == ']') { ++p; break; }
+      fail("expected ',' or ']'");
+    }
+  }
+  ws();
+  if (p != end) fail("trailing characters");
+  return nb::bytes(reinterpret_cast<const char *>(ids.data()), ids.size() * 4);
+}
+
+// chain(parent, tokens, block_size, max_blocks, cbor, extra0, extra) -> list of 32-byte hashes
+nb::list chain(nb::bytes parent, nb::handle tokens, size_t block_size, size_t max_blocks, bool cbor,
+               nb::bytes extra0, nb::bytes extra) {
+  if (parent.size() != 32) throw std::invalid_argument("parent must be 32 bytes");
+  if (block_size == 0) throw std::invalid_argument("block_size must be positive");
+  std::vector<uint32_t> ids = read_ids(tokens);
+  size_t blocks = std::min(ids.size() / block_size, max_blocks);
+  std::string e0(extra0.c_str(), extra0.size()), e1(extra.c_str(), extra.size());
+  std::vector<uint8_t> out(blocks * 32);
+  {
+    nb::gil_scoped_release unlocked;
+    // Every token's encoding once, back to back: a block's tokens are then one contiguous run (off[]).
+    std::string toks;
+    toks.reserve(blocks * block_size * 5);
+    std::vector<size_t> off(blocks * block_size + 1);
+    for (size_t j = 0; j < blocks * block_size; ++j) {
+      off[j] = toks.size();
+      if (cbor) put_cbor_head(toks, 0, ids[j]); else put_pickle_int(toks, ids[j]);
+    }
+    off[blocks * block_size] = toks.size();
+    std::string head;  // what goes between the parent hash and the token run
+    if (cbor) put_cbor_head(head, 4, block_size);
+    else head = std::string(1, '\x94') + (block_size > 3 ? "(" : "");
+    const std::string tail_tuple = cbor ? "" : std::string(block_size > 3 ? "t" : block_size == 3 ? "\x87" :
+                                                           block_size == 2 ? "\x86" : "\x85") + "\x94";
+    std::vector<uint8_t> msg(16 + 32 + head.size() + 5 * block_size + tail_tuple.size() +
+                             std::max(e0.size(), e1.size()) + 8 + 72);
+    uint8_t h[32];
+    std::memcpy(h, parent.c_str(), 32);
+    for (size_t i = 0; i < blocks; ++i) {
+      const std::string &e = i == 0 ? e0 : e1;
+      const size_t run = off[(i + 1) * block_size] - off[i * block_size];
+      uint8_t *w = msg.data();
+      auto put = [&](const void *src, size_t n) { std::memcpy(w, src, n); w += n; };
+      if (cbor) {  // [parent bytes, [ints], extra]
+        put("\x83\x58\x20", 3);
+      } else {  // PROTO 5, FRAME <len>, SHORT_BINBYTES parent MEMOIZE, the tuple, extra, TUPLE3 MEMOIZE STOP
+        const uint64_t len = 2 + 32 + head.size() + run + tail_tuple.size() + e.size() + 3;
+        put("\x80\x05\x95", 3);
+        for (int k = 0; k < 8; ++k) *w++ = uint8_t(len >> (8 * k));
+        put("C ", 2);
+      }
+      put(h, 32);
+      put(head.data(), head.size());
+      put(toks.data() + off[i * block_size], run);
+      put(tail_tuple.data(), tail_tuple.size());
+      put(e.data(), e.size());
+      if (!cbor) put("\x87\x94.", 3);
+      sha256(msg.data(), size_t(w - msg.data()), h);
+      std::memcpy(out.data() + 32 * i, h, 32);
+    }
+  }
+  nb::list result;
+  for (size_t i = 0; i < blocks; ++i) result.append(nb::bytes(reinterpret_cast<const char *>(out.data() + 32 * i), 32));
+  return result;
+}
+
+}  // namespace
+
+NB_MODULE(_vllm_hash, m) {
+  m.doc() = "vLLM's chain of block hashes over token ids (remote_g2/vllm_hashing.py)";
+  m.def("accelerated", [] { return g_shani; }, "whether SHA-256 runs on the CPU's SHA extensions");
+  m.def("set_portable", [](bool portable) { g_shani = !portable && cpu_has_sha(); },
+        "tests: force the portable SHA-256 (True), or the CPU's extensions where present (False)");
+  m.def("parse_ids", &parse_ids, nb::arg("raw"));
+  m.def("chain", &chain, nb::arg("parent"), nb::arg("tokens"), nb::arg("block_size"), nb::arg("max_blocks"),
+        nb::arg("cbor"), nb::arg("extra0"), nb::arg("extra"));
+}
