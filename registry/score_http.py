@@ -157,14 +157,21 @@ def query_reply(reply: ScoreReply, block_size: int | None) -> dict[str, Any]:
     if block_size is not None and any(w.block_size != block_size for w in reply.workers):
         sizes = sorted({w.block_size for w in reply.workers})
         raise CannotScore(f"block_size {block_size}: the workers of this model use {sizes}", reason="unsupported_input")
-    instances = {w.worker_id: {"longest_matched": w.matched_tokens, "gpu": 0, "cpu": w.matched_tokens,
-                               "disk": w.matched_tokens, "dp": {"0": 0}} for w in reply.workers}
-    return {"scores": {w.worker_id: {"0": 0} for w in reply.workers}, "instances": instances}
+    instances, scores = {}, {}
+    for w in reply.workers:  # their tiers are cumulative: gpu <= cpu <= disk (a prefix held in any faster tier)
+        bs = w.block_size
+        gpu = w.tier.get("g1", 0) * bs
+        cpu = max(gpu, w.tier.get("g2", 0) * bs)
+        disk = max(cpu, w.matched_tokens)
+        instances[w.worker_id] = {"longest_matched": w.matched_tokens, "gpu": gpu, "cpu": cpu, "disk": disk,
+                                  "dp": {"0": gpu}}
+        scores[w.worker_id] = {"0": gpu}
+    return {"scores": scores, "instances": instances}
 
 
 def reply_to_json(reply: ScoreReply) -> dict[str, Any]:
     return {"model": reply.model, "num_tokens": reply.num_tokens, "best": reply.best,
-            "workers": reply.workers}  # dataclasses: msgspec encodes them field by field
+            "workers": reply.workers, "unscored": reply.unscored}  # msgspec encodes the Structs as they are
 
 
 class ScoreHttpServer:

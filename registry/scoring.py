@@ -13,22 +13,31 @@ worker that serves the request's model:
    (:mod:`remote_g2.vllm_hashing`), in the group's hash scheme and block
    size, with the request's LoRA adapter and ``cache_salt`` folded in as
    vLLM folds them. A group whose hashes cannot be computed exactly (a
-   scheme it does not know, a seed it was not given) makes the whole
-   request a :class:`~remote_g2.errors.CannotScore` naming the reason —
-   never a silent zero. Or the caller sends ``block_hashes`` directly.
+   scheme it does not know, a seed it was not given) is listed as unscored
+   with the reason — never a silent zero. Or the caller sends
+   ``block_hashes`` directly.
 3. **How much each holds.** One registry lookup per group with every holder
    (:meth:`~.store.RegistryStore.lookup`, ``want_all_holders``; answered by
    the server's mirror when it keeps one): each worker's match runs from
    block 0 without a gap. Dead workers are never in a lookup's answer, so a
    worker that dies leaves the scores at once.
 
+**Tiers.** ``tier`` counts each tier's match: ``g2`` is what the store says
+a source-registered worker holds in its G2 (host memory remote-g2 reads),
+and, where this server follows the engine's KV events
+(:mod:`.engine_caches`), ``g1`` is its device cache. An engine without
+remote-g2 (an events-only record) is scored from its events alone, in the
+hash space learned from them, with ``readable`` False: it can reuse its
+blocks, nobody can read them. A worker's match is its longest tier's.
+
 Each :class:`WorkerScore` also carries what the match is worth: the prefill
 time it saves (``prefill_ms_per_1k_tokens``, configured: it depends on the
 model and the hardware, which the registry cannot see) and the time to fetch
-it from that worker over remote-g2 (its KV bytes over the configured
-``fetch_gbps`` plus ``fetch_overhead_ms``). Every block a source-registered
-worker holds is in its G2 (host memory, readable by remote-g2); ``tier``
-says so.
+its G2 match from it over remote-g2 (those KV bytes over the configured
+``fetch_gbps`` plus ``fetch_overhead_ms``; None for an engine nobody can
+read). Candidates whose hashes cannot be computed exactly are listed in
+``unscored`` with the reason; when no candidate can be scored the request is
+a :class:`~remote_g2.errors.CannotScore`.
 """
 
 from __future__ import annotations
@@ -46,7 +55,9 @@ from remote_g2.messages import LayoutFingerprint, WorkerRecord
 from remote_g2.model_identity import identity_of, model_label
 from remote_g2.vllm_hashing import DEFAULT_SEED, VllmBlockHasher, hasher_for_scheme
 
+from .engine_caches import EngineCaches
 from .store import RegistryStore
+from .vllm_events import EVENTS_ONLY_LAYOUT
 
 __all__ = ["ScoreRequest", "WorkerScore", "ScoreReply", "Scorer", "ScoringConfig", "block_bytes",
            "MAX_SCORE_TOKENS", "MAX_SCORE_HASHES", "parse_prefill_rates"]
@@ -93,6 +104,7 @@ class WorkerScore(msgspec.Struct, frozen=True):
     load: int
     prefill_saved_ms: float | None
     fetch_ms: float | None
+    readable: bool = True  # remote-g2 can read its G2 (a source registered it); False: an engine's own tiers
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +115,8 @@ class ScoreReply:
     num_tokens: int | None
     workers: list[WorkerScore]
     best: str | None
+    #: candidates whose hashes could not be computed exactly: ``{"worker_id", "reason", "message"}``
+    unscored: list[dict[str, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,8 +150,9 @@ def _serves(fp: LayoutFingerprint, model: str) -> bool:
 class Scorer:
     """Answers :class:`ScoreRequest` from a store (and the server's mirror, when it keeps one). Thread-safe."""
 
-    def __init__(self, store: RegistryStore, config: ScoringConfig | None = None, *, mirror: object = None) -> None:
-        self.store, self.config, self._mirror = store, config or ScoringConfig(), mirror
+    def __init__(self, store: RegistryStore, config: ScoringConfig | None = None, *, mirror: object = None,
+                 engines: EngineCaches | None = None) -> None:
+        self.store, self.config, self._mirror, self.engines = store, config or ScoringConfig(), mirror, engines
         self._lock = threading.Lock()
         self._workers: list[tuple[WorkerRecord, float, str]] = []  # each with its lease's end and compat key
         self._by_model: dict[str | None, list[Any]] = {}
@@ -235,45 +250,82 @@ class Scorer:
             raise CannotScore("a LoRA adapter is hashed by its name and path: send both lora_name and lora_path",
                               reason="bad_request")
         wanted = set(req.workers) if req.workers is not None else None
-        groups: dict[str, list[WorkerRecord]] = {}
+        groups: dict[str, list[tuple[WorkerRecord, Any]]] = {}
         for w, key, costs in self._candidates(req.model):
             if wanted is None or w.worker_id in wanted:
                 groups.setdefault(key, []).append((w, costs))
         lora = (req.lora_name, req.lora_path) if req.lora_name is not None else None
         scores: list[WorkerScore] = []
+        unscored: list[tuple[str, str, str]] = []  # (worker id, reason code, why)
         by_hasher: dict[tuple[str, int], list[bytes]] = {}
+
+        def hashes_of(hasher: VllmBlockHasher) -> list[bytes]:
+            hk = (hasher.scheme, hasher.block_size)
+            if hk not in by_hasher:
+                by_hasher[hk] = hasher.hashes(req.token_ids or [], lora=lora, cache_salt=req.cache_salt,
+                                              max_blocks=MAX_SCORE_HASHES)
+            return by_hasher[hk]
+
         for key, members in sorted(groups.items()):
             fp = members[0][0].fingerprint
+            if fp.kv_layout == EVENTS_ONLY_LAYOUT:  # an engine without remote-g2: each its own hash space
+                for w, costs in members:
+                    hasher, why = (None, "this server follows no KV events (serve --vllm-kv-events)") \
+                        if self.engines is None else self.engines.hasher(w.worker_id)
+                    if req.token_ids is not None and hasher is None:
+                        unscored.append((w.worker_id, "scheme_not_learned", why))
+                        continue
+                    hashes = hashes_of(hasher) if hasher is not None else list(req.block_hashes or ())
+                    tiers = self.engines.matched(w.worker_id, hashes) if self.engines is not None and hashes else {}
+                    bs = hasher.block_size if hasher is not None else (self.engines.block_size(w.worker_id)
+                                                                       if self.engines is not None else None)
+                    scores.append(self._worker_score(w, key, costs, tiers, bs, readable=False))
+                continue
             if req.token_ids is not None:
-                hasher = self._hasher(fp)
-                hk = (hasher.scheme, hasher.block_size)
-                if hk not in by_hasher:
-                    by_hasher[hk] = hasher.hashes(req.token_ids, lora=lora, cache_salt=req.cache_salt,
-                                                  max_blocks=MAX_SCORE_HASHES)
-                hashes = by_hasher[hk]
+                try:
+                    hashes = hashes_of(self._hasher(fp))
+                except CannotScore as e:
+                    unscored += [(w.worker_id, e.reason, e.message) for w, _ in members]
+                    continue
             else:
                 hashes = list(req.block_hashes or ())
-            matched = self._lookup(hashes, key) if hashes else {}
-            overhead = self.config.fetch_overhead_ms
-            for w, (fetch_per_block, prefill_per_block) in members:
-                n = matched.get(w.worker_id, 0)
-                fp = w.fingerprint
-                scores.append(WorkerScore(
-                    w.worker_id, w.endpoint, w.tp_size, fp.model_id, key, fp.tokens_per_block, n,
-                    n * fp.tokens_per_block, {"g2": n}, w.load,
-                    None if prefill_per_block is None else round(n * prefill_per_block, 3),
-                    None if fetch_per_block is None else round(overhead * (n > 0) + n * fetch_per_block, 3)))
+            held = self._lookup(hashes, key) if hashes else {}
+            for w, costs in members:
+                tiers = {"g2": held.get(w.worker_id, 0)}
+                if self.engines is not None and hashes:  # its engine's own tiers, where this server follows them
+                    tiers = {**self.engines.matched(w.worker_id, hashes), **tiers}
+                scores.append(self._worker_score(w, key, costs, tiers, fp.tokens_per_block, readable=True))
+        if unscored and not scores:
+            _, reason, why = unscored[0]
+            raise CannotScore(f"no worker of this model can be scored: {unscored[0][0]}: {why}",
+                              reason="unknown_scheme" if reason == "scheme_not_learned" else reason)
         scores.sort(key=lambda s: (-s.matched_tokens, s.load, s.worker_id))
         best = scores[0].worker_id if scores and scores[0].matched_blocks else None
-        return ScoreReply(req.model, None if req.token_ids is None else len(req.token_ids), scores, best)
+        return ScoreReply(req.model, None if req.token_ids is None else len(req.token_ids), scores, best,
+                          [{"worker_id": wid, "reason": reason, "message": why} for wid, reason, why in unscored])
+
+    def _worker_score(self, w: WorkerRecord, key: str, costs: tuple[float | None, float | None],
+                      tiers: dict[str, int], block_size: int | None, *, readable: bool) -> WorkerScore:
+        """One worker's score: its longest tier's match; a fetch only from what remote-g2 can read (its G2)."""
+        fetch_per_block, prefill_per_token = costs
+        n = max(tiers.values(), default=0)
+        tokens = n * (block_size or 0)
+        g2 = tiers.get("g2", 0)
+        fp = w.fingerprint
+        return WorkerScore(
+            w.worker_id, w.endpoint, w.tp_size, fp.model_id, key, block_size or 0, n, tokens, tiers, w.load,
+            None if prefill_per_token is None or block_size is None else round(tokens * prefill_per_token, 3),
+            None if fetch_per_block is None or not readable else
+            round(self.config.fetch_overhead_ms * (g2 > 0) + g2 * fetch_per_block, 3),
+            readable)
 
     def _costs_of(self, fp: LayoutFingerprint, model: str | None) -> tuple[float | None, float | None]:
-        """(fetch ms, prefill ms) per block of a worker of ``fp`` asked for ``model``; None where unknown."""
+        """(fetch ms per block, prefill ms per token) of a worker of ``fp`` asked for ``model``; None: unknown."""
         rates = self.config.prefill_ms_per_1k_tokens
         rate = rates.get(model_label(fp.model_id) or "", rates.get(model or "", rates.get("*")))
         per_block = block_bytes(fp)
         return (None if per_block is None else per_block / (self.config.fetch_gbps * 1e6),
-                None if rate is None else rate * fp.tokens_per_block / 1000.0)
+                None if rate is None else rate / 1000.0)
 
 
 def parse_prefill_rates(texts: Iterable[str]) -> dict[str, float]:

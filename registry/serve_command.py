@@ -117,8 +117,9 @@ def feed_endpoint(bind: str, feed_bind: str) -> str | None:
     return free_port_on_host_of(bind)
 
 
-def build_score_api(args: argparse.Namespace, server: RegistryServer) -> Any:
-    """The scoring API ``--score-*`` asks for (not started), or None without ``--score-bind``."""
+def build_score_api(args: argparse.Namespace, server: RegistryServer, engines: Any = None) -> Any:
+    """The scoring API ``--score-*`` asks for (not started), or None without ``--score-bind``; ``engines``:
+    the engine caches the KV-event subscriber fills (:mod:`.engine_caches`), if it runs."""
     import os
 
     from remote_g2.vllm_hashing import DEFAULT_SEED
@@ -150,8 +151,8 @@ def build_score_api(args: argparse.Namespace, server: RegistryServer) -> Any:
     config = ScoringConfig(hash_seeds=tuple(dict.fromkeys([DEFAULT_SEED, *args.score_hash_seed])),
                            fetch_gbps=args.score_fetch_gbps, fetch_overhead_ms=args.score_fetch_overhead_ms,
                            prefill_ms_per_1k_tokens=parse_prefill_rates(args.score_prefill_ms_per_1k))
-    return ScoreHttpServer(Scorer(server.store, config, mirror=server.mirror), args.score_bind, tokens=tokens,
-                           metrics=server.metrics, loras=loras)
+    return ScoreHttpServer(Scorer(server.store, config, mirror=server.mirror, engines=engines), args.score_bind,
+                           tokens=tokens, metrics=server.metrics, loras=loras)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -166,13 +167,21 @@ def run(args: argparse.Namespace) -> int:
     score_api = None
     try:
         endpoint = server.start()
-        score_api = build_score_api(args, server)
+        engines = None
+        if vllm_subscriptions and args.score_bind is not None:  # the engines' own tiers, for scores
+            from remote_g2.vllm_hashing import DEFAULT_SEED
+
+            from .engine_caches import EngineCaches
+
+            engines = EngineCaches([DEFAULT_SEED, *args.score_hash_seed])
+        score_api = build_score_api(args, server, engines)
         score = f", scoring API on {score_api.start()}" if score_api is not None else ""
         if args.metrics_port is not None:
             server.metrics.serve_http(args.metrics_port, args.metrics_addr)
         if vllm_subscriptions:
             subscriber = VllmEventSubscriber(server.store, vllm_subscriptions, all_media=args.vllm_all_media,
-                                             metrics=server.metrics, on_applied=server.publish).start()
+                                             metrics=server.metrics, on_applied=server.publish,
+                                             engines=engines).start()
         metrics = f", metrics on http://{args.metrics_addr}:{args.metrics_port}/metrics" if args.metrics_port else ""
         feed = f", change feed on {server.feed_endpoint}" if server.feed is not None else ""
         if server.feed_endpoint.startswith("tcp://") and is_wildcard(split_tcp(server.feed_endpoint)[1]):

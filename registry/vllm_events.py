@@ -64,11 +64,10 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -88,12 +87,15 @@ from remote_g2.rpc_server import normalize_bind_endpoint
 
 from .metrics import RegistryMetrics
 from .publisher import resync_chunks
+from .engine_caches import EngineCaches
 from .store import RegistryStore
+from .vllm_event_decode import G2_MEDIUM, DecodedBatch, EngineEvent, decode_kv_event_batch
 
 __all__ = [
     "VllmEventSubscriber",
     "Subscription",
     "DecodedBatch",
+    "EngineEvent",
     "FeedState",
     "parse_subscriptions",
     "decode_kv_event_batch",
@@ -105,12 +107,7 @@ __all__ = [
 
 log = logging.getLogger("remote_g2.registry.vllm")
 
-G2_MEDIUM = "CPU"
 EVENTS_ONLY_LAYOUT = "events-only"
-_MAX_PAYLOAD = 64 * 1024 * 1024
-# Field order of the array-like encoding (vllm/distributed/kv_events.py).
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
-_REMOVED_FIELDS = ("block_hashes", "medium")
 _SYNTAX = "[@|>]ENDPOINT=WORKER_ID[=MODEL], e.g. @tcp://127.0.0.1:5557=vllm-0"
 _MAX_WORKER_ID = 128  # RegisterWorker.worker_id
 _MAX_MODEL = 256  # LayoutFingerprint.model_id
@@ -188,86 +185,6 @@ def events_only_fingerprint(model: str) -> LayoutFingerprint:
                              num_layers=1, num_kv_heads=1, head_dim=1, tp_size=1)
 
 
-# -- decoding ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DecodedBatch:
-    """The G2 block events of one vLLM batch, and what was left out of it.
-
-    ``int_hash_events``: events skipped because their hashes were vLLM's 64-bit
-    ints; ``other_media``: media of events ignored by the medium filter.
-    """
-
-    events: list[BlockEvent]
-    int_hash_events: int = 0
-    other_media: frozenset[str | None] = frozenset()
-
-
-def _hashes(values: list[Any]) -> list[bytes] | None:
-    """Byte hashes as vLLM sent them; None when they are in vLLM's 64-bit int form."""
-    out: list[bytes] = []
-    ints = False
-    for v in values:
-        if type(v) is bytes and 1 <= len(v) <= 32:
-            out.append(v)
-        elif type(v) is int and -(2**63) <= v < 2**64:
-            ints = True
-        else:
-            raise ProtocolError(f"block hash must be 1..32 bytes or a 64-bit int, got {type(v).__name__}")
-    return None if ints else out
-
-
-def _fields(raw: Any, names: Sequence[str]) -> dict[str, Any]:
-    if type(raw) is list and raw and type(raw[0]) is str:
-        return dict(zip(names, raw[1:]))
-    if type(raw) is dict and type(raw.get("type")) is str:
-        return raw
-    raise ProtocolError("event is neither a tagged array nor a tagged map")
-
-
-def decode_kv_event_batch(payload: bytes, *, all_media: bool = False) -> DecodedBatch:
-    """Decode one vLLM ``KVEventBatch`` into block events for the G2 tier (strict)."""
-    if len(payload) > _MAX_PAYLOAD:
-        raise ProtocolError(f"event batch of {len(payload)} bytes exceeds {_MAX_PAYLOAD}")
-    try:
-        batch = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_ext_len=0)
-    except Exception as e:
-        raise ProtocolError(f"event batch is not valid msgpack: {type(e).__name__}") from None
-    if type(batch) is not list or len(batch) < 2 or type(batch[1]) is not list:
-        raise ProtocolError("KVEventBatch must be an array [ts, events, ...]")
-    out: list[BlockEvent] = []
-    int_hash_events = 0
-    other_media: set[str | None] = set()
-    for raw in batch[1]:
-        tag = raw[0] if type(raw) is list and raw else raw.get("type") if type(raw) is dict else None
-        if tag == "AllBlocksCleared":
-            out.append(BlockEvent("cleared"))
-            continue
-        names = _STORED_FIELDS if tag == "BlockStored" else _REMOVED_FIELDS if tag == "BlockRemoved" else None
-        if names is None:
-            raise ProtocolError(f"unknown KV event type {tag!r:.40}")
-        f = _fields(raw, names)
-        medium = f.get("medium")
-        if medium is not None and type(medium) is not str:
-            raise ProtocolError("medium must be a string or nil")
-        hashes = f.get("block_hashes")
-        if type(hashes) is not list:
-            raise ProtocolError("block_hashes must be an array")
-        parent = f.get("parent_block_hash") if tag == "BlockStored" else None
-        # Validated before the medium filter, so a bad value is malformed on every medium.
-        converted = _hashes(hashes + ([] if parent is None else [parent]))
-        if not all_media and medium != G2_MEDIUM:
-            other_media.add(medium)
-        elif converted is None:
-            int_hash_events += 1
-        elif tag == "BlockStored":
-            out.append(BlockEvent("stored", converted[:len(hashes)], None if parent is None else converted[-1]))
-        else:
-            out.append(BlockEvent("removed", converted))
-    return DecodedBatch(out, int_hash_events, frozenset(other_media))
-
-
 # -- the subscriber ----------------------------------------------------------------------------------
 
 
@@ -313,8 +230,9 @@ class VllmEventSubscriber:
 
     def __init__(self, store: RegistryStore, subscriptions: Iterable[Subscription], *, all_media: bool = False,
                  metrics: RegistryMetrics | None = None, context: zmq.Context | None = None,
-                 on_applied: Callable[[object], None] | None = None) -> None:
+                 on_applied: Callable[[object], None] | None = None, engines: EngineCaches | None = None) -> None:
         self.store = store
+        self.engines = engines  # every event, every medium, either hash form: what each engine holds (scoring)
         self._on_applied = on_applied or (lambda req: None)
         self.all_media = all_media
         self.metrics = metrics
@@ -479,6 +397,8 @@ class VllmEventSubscriber:
                 raise ProtocolError("expected (topic, 8-byte seq, payload)")
             if self._publisher_restarted(feed, int.from_bytes(frames[1], "big")):
                 events.append(BlockEvent("cleared"))
+                if self.engines is not None:
+                    self.engines.clear(feed.sub.worker_id)
             batch = decode_kv_event_batch(frames[2], all_media=self.all_media)
         except ProtocolError as e:
             self.malformed += 1
@@ -487,6 +407,8 @@ class VllmEventSubscriber:
             log.warning("vLLM event from %s skipped: %s", feed.endpoint, e)
         else:
             events += batch.events
+            if self.engines is not None:
+                self.engines.apply(feed.sub.worker_id, batch.engine)
             if batch.int_hash_events:
                 self._int_hashes(feed, batch.int_hash_events)
             if batch.other_media and not batch.events and not self.all_media:
@@ -529,7 +451,8 @@ class VllmEventSubscriber:
                         "worker %s shows no blocks. Set VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 in vLLM's "
                         "environment: the registry keys blocks by vLLM's full block hash, which the connector "
                         "looks up and which the int (its low 64 bits) cannot be turned back into; a 64-bit key "
-                        "would also collide (a few per cent chance of some collision at 1e9 blocks)",
+                        "would also collide (a few per cent chance of some collision at 1e9 blocks). The scoring "
+                        "API (serve --score-bind) still scores it from them, for routing only",
                         feed.endpoint, feed.sub.worker_id)
 
     def _warn_once(self, feed: _Feed, key: str, msg: str, *args: object, level: int = logging.WARNING) -> None:
@@ -591,6 +514,8 @@ class VllmEventSubscriber:
     def _unregister(self, feed: _Feed) -> None:
         """No session for a whole lease: the stock worker is gone; drop its record if it is still ours."""
         wid = feed.sub.worker_id
+        if self.engines is not None:
+            self.engines.clear(wid)
         rec = self._store_call(feed, "worker_info", lambda: self.store.worker_info(wid))
         if rec is not None and rec is not _FAILED and self._is_own(feed, rec) and rec.epoch == feed.epoch:
             try:

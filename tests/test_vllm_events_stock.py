@@ -13,7 +13,11 @@ Run with ``make test-vllm`` or
   ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``, serves one prompt and writes the
   block hashes its engine gave the request;
 * the registry lists ``vllm-0`` (events only) holding exactly those hashes,
-  and drops it once the vLLM process has exited.
+  and drops it once the vLLM process has exited;
+* its scoring API (``--score-bind``) scores the prompt's token ids against
+  vLLM's own tiers: it learns the instance's hash space (seed ``0``, given
+  with ``--score-hash-seed``) from its events and finds the whole prompt in
+  its device tier (``g1``: vLLM's CPU backend reports its cache as ``GPU``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,21 +58,24 @@ def _tail(path: Path) -> str:
 
 
 @pytest.fixture
-def serve(tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
-    """`remote-g2 serve` binding a vLLM KV-event endpoint for worker vllm-0: (registry, event endpoint, log)."""
+def serve(tmp_path: Path) -> Iterator[tuple[str, str, Path, str]]:
+    """`remote-g2 serve` binding a vLLM KV-event endpoint for worker vllm-0, with its scoring API:
+    (registry, event endpoint, log, scoring URL)."""
     registry, events = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+    score = f"127.0.0.1:{_free_port()}"
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "remote_g2.cli", "serve", "--bind", registry,
                                  "--feed-bind", "none", "--lease-ttl-s", str(LEASE_S),
-                                 "--vllm-kv-events", f"@{events}=vllm-0=tiny-llama", "--vllm-all-media"],
+                                 "--vllm-kv-events", f"@{events}=vllm-0=tiny-llama", "--vllm-all-media",
+                                 "--score-bind", score, "--score-hash-seed", "0"],
                                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "REMOTE_G2_LOG_LEVEL": "INFO"})
     try:
         deadline = time.monotonic() + 30
         while b"serving on" not in log.read_bytes():
             assert proc.poll() is None and time.monotonic() < deadline, f"serve did not start\n{_tail(log)}"
             time.sleep(0.1)
-        yield registry, events, log
+        yield registry, events, log, f"http://{score}"
     finally:
         proc.terminate()
         try:
@@ -75,6 +83,12 @@ def serve(tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+def _score(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url + "/v1/score", data=json.dumps(body).encode())
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
 
 
 def _wait(pred, what: str, timeout_s: float, logs: list[Path]) -> None:  # type: ignore[no-untyped-def]
@@ -85,8 +99,8 @@ def _wait(pred, what: str, timeout_s: float, logs: list[Path]) -> None:  # type:
 
 
 def test_a_stock_vllm_is_listed_with_its_own_block_hashes_and_leaves_when_it_exits(
-        tmp_path: Path, model_dir: Path, serve: tuple[str, str, Path]) -> None:
-    registry, events, serve_log = serve
+        tmp_path: Path, model_dir: Path, serve: tuple[str, str, Path, str]) -> None:
+    registry, events, serve_log, score_url = serve
     rng = random.Random(5)
     prompt = [rng.randrange(3, 500) for _ in range(300)]
     prompts_file = tmp_path / "prompts.json"
@@ -113,6 +127,13 @@ def test_a_stock_vllm_is_listed_with_its_own_block_hashes_and_leaves_when_it_exi
             assert rec.live and rec.endpoint == "events-only://vllm-0" and rec.fingerprint.model_id == "tiny-llama"
             assert set(reg.scan_worker("vllm-0").hashes) == set(hashes)
             assert reg.lookup(hashes).matched == len(hashes)
+            doc = _score(score_url, {"model": "tiny-llama", "token_ids": prompt})
+            (w,) = doc["workers"]
+            assert (w["worker_id"], w["tier"], w["readable"], w["block_size"]) == (
+                "vllm-0", {"g1": len(hashes)}, False, BLOCK), doc
+            assert w["matched_tokens"] == len(hashes) * BLOCK and doc["best"] == "vllm-0"
+            assert _score(score_url, {"model": "tiny-llama", "token_ids": prompt,
+                                      "cache_salt": "x"})["workers"][0]["matched_blocks"] == 0
             time.sleep(2 * LEASE_S)  # vLLM idle: its stream is up, so it stays
             assert reg.worker_info("vllm-0").live
 

@@ -1,0 +1,177 @@
+"""What each engine holds in its own cache tiers, from its KV events: for scoring, never for reads.
+
+The registry's store keeps what remote-g2 can read: blocks a worker's source
+published into its G2. A router also wants what an engine can reuse itself:
+its device cache (G1), and the host tier of a vLLM without the connector.
+vLLM's KV events say so (``serve --vllm-kv-events``), and
+:class:`EngineCaches` keeps them, per worker id and tier, in this server's
+memory:
+
+* **Tiers.** ``g1`` is the medium ``GPU`` (vLLM's CPU backend reports its
+  cache as ``GPU`` too), ``g2`` the host medium ``CPU``. Any other medium is
+  its name in lower case (``disk``).
+* **Hashes in either form.** vLLM's default event hash is its 64-bit int:
+  the low 64 bits of its block hash, kept here as 8 big-endian bytes. A
+  prompt's 32-byte hashes are compared by their last 8 bytes against such an
+  engine. Two different prefixes collide there with odds of about
+  ``n / 2**64`` per block compared (n blocks the engine holds): at a million
+  blocks, under one in 10^13. That is good enough to route by. It would not
+  be good enough to read by, and nothing read ever comes from here.
+* **The hash space is learned, never guessed.** Events do not name the
+  engine's algorithm or seed. A BlockStored that starts a chain (no parent,
+  no LoRA) carries its token ids. Its first block is hashed here with each
+  algorithm and each configured seed (vLLM's default among them), and the
+  one that gives the engine's own hash is that engine's. Until one matches,
+  the engine cannot be scored by token ids, and the answer says why.
+* **What is dropped.** A publisher that restarted (its sequence went back)
+  or whose events cleared everything starts empty. So does one the
+  subscriber stopped following (``clear``). At most ``max_blocks`` hashes
+  are kept per engine. Past that, new ones are counted in ``dropped`` and
+  not kept, which can only shorten a match.
+
+Thread-safe: the subscriber's thread writes, the scoring thread reads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from remote_g2.vllm_hashing import ALGORITHMS, DEFAULT_SEED, VllmBlockHasher
+
+from .vllm_event_decode import EngineEvent
+
+__all__ = ["EngineCaches", "tier_of"]
+
+_MEDIUM_TIERS = {"GPU": "g1", "DEVICE": "g1", "CPU": "g2", "CPU_PINNED": "g2", "CPU_TIER1": "g2"}
+_LEARN_TRIES = 256  # chain-starting events tried before an engine's hash space is given up on (salts, seeds)
+
+
+def tier_of(medium: str | None) -> str:
+    """The tier a vLLM event medium names (None: the device, as vLLM's default medium)."""
+    if medium is None:
+        return "g1"
+    return _MEDIUM_TIERS.get(medium.upper(), medium.lower()[:16])
+
+
+@dataclass(eq=False)
+class _Engine:
+    tiers: dict[str, set[bytes]] = field(default_factory=dict)
+    short: bool | None = None        # its hashes are vLLM's 64-bit int form (8 bytes)
+    block_size: int | None = None
+    hasher: VllmBlockHasher | None = None
+    tries: int = 0
+    held: int = 0
+    dropped: int = 0
+
+
+class EngineCaches:
+    """Per worker id, the hashes each engine tier holds (see the module docstring)."""
+
+    def __init__(self, seeds: Iterable[str] = (DEFAULT_SEED,), *, max_blocks: int = 4_000_000) -> None:
+        self.seeds = tuple(dict.fromkeys([DEFAULT_SEED, *seeds]))
+        self.max_blocks = max_blocks
+        self._engines: dict[str, _Engine] = {}
+        self._lock = threading.Lock()
+        self._hashers: dict[tuple[str, str, int], VllmBlockHasher] = {}
+
+    def apply(self, worker_id: str, events: Sequence[EngineEvent]) -> None:
+        """Apply one batch of ``worker_id``'s events, in order."""
+        with self._lock:
+            e = self._engines.setdefault(worker_id, _Engine())
+            for ev in events:
+                if ev.kind == "cleared":
+                    e.tiers.clear()
+                    e.held = 0
+                    continue
+                if ev.hashes:
+                    e.short = len(ev.hashes[0]) == 8
+                tier = e.tiers.setdefault(tier_of(ev.medium), set())
+                if ev.kind == "removed":
+                    before = len(tier)
+                    tier.difference_update(ev.hashes)
+                    e.held -= before - len(tier)
+                    continue
+                if ev.block_size:
+                    e.block_size = ev.block_size
+                room = self.max_blocks - e.held
+                new = ev.hashes if len(ev.hashes) <= room else ev.hashes[:max(room, 0)]
+                e.dropped += len(ev.hashes) - len(new)
+                before = len(tier)
+                tier.update(new)
+                e.held += len(tier) - before
+                if e.hasher is None and e.tries < _LEARN_TRIES:
+                    self._learn(e, ev)
+
+    def _learn(self, e: _Engine, ev: EngineEvent) -> None:
+        """Try ``ev`` (a chain's first blocks, no LoRA) against every algorithm and seed."""
+        bs = ev.block_size or e.block_size
+        if ev.parent is not None or ev.lora_id is not None or not ev.token_ids or not bs or not ev.hashes \
+                or len(ev.token_ids) < bs:
+            return
+        e.tries += 1
+        theirs = ev.hashes[0]
+        for algo in ALGORITHMS:
+            for seed in self.seeds:
+                key = (algo, seed, bs)
+                hasher = self._hashers.get(key)
+                if hasher is None:
+                    hasher = self._hashers[key] = VllmBlockHasher(algo, seed, bs)
+                first = hasher.hashes(ev.token_ids[:bs])[0]
+                if first == theirs or (len(theirs) == 8 and first[-8:] == theirs):
+                    e.hasher = hasher
+                    return
+
+    def clear(self, worker_id: str) -> None:
+        """Forget ``worker_id`` (its stream is gone)."""
+        with self._lock:
+            self._engines.pop(worker_id, None)
+
+    def knows(self, worker_id: str) -> bool:
+        with self._lock:
+            return worker_id in self._engines
+
+    def hasher(self, worker_id: str) -> tuple[VllmBlockHasher | None, str]:
+        """The hash space learned from ``worker_id``'s events, or None and why not."""
+        with self._lock:
+            e = self._engines.get(worker_id)
+            if e is None:
+                return None, "this server follows no KV events of it"
+            if e.hasher is not None:
+                return e.hasher, ""
+            if e.tries >= _LEARN_TRIES:
+                return None, (f"none of its {e.tries} chain-starting KV events matched vLLM's sha256 or sha256_cbor "
+                              "with a configured seed (give its PYTHONHASHSEED to --score-hash-seed)")
+            return None, "its KV events have not yet shown a chain's first block to learn its hash space from"
+
+    def block_size(self, worker_id: str) -> int | None:
+        """The block size ``worker_id``'s events stated (None: none yet)."""
+        with self._lock:
+            e = self._engines.get(worker_id)
+            return None if e is None else e.block_size
+
+    def matched(self, worker_id: str, hashes: Sequence[bytes]) -> dict[str, int]:
+        """Per tier, how many of ``hashes`` (32-byte, from block 0) the engine holds without a gap."""
+        with self._lock:
+            e = self._engines.get(worker_id)
+            if e is None:
+                return {}
+            keys = [h[-8:] for h in hashes] if e.short else hashes
+            out = {}
+            for name, held in e.tiers.items():
+                n = 0
+                for k in keys:
+                    if k not in held:
+                        break
+                    n += 1
+                out[name] = n
+            return out
+
+    def stats(self, worker_id: str) -> dict[str, int] | None:
+        """Blocks held per tier, and dropped (None: unknown worker)."""
+        with self._lock:
+            e = self._engines.get(worker_id)
+            if e is None:
+                return None
+            return {**{t: len(h) for t, h in e.tiers.items()}, "dropped": e.dropped}
