@@ -23,9 +23,9 @@ KV dtypes or model configs (another RoPE base) differ never share blocks
 the same adapter, salt and dtype do; four requests of one batch read each
 distinct remote block once; a request aborted while its (slowed) load runs
 gets nothing copied into its blocks and the others answer as before; a
-source killed mid-load means recompute; ``vllm serve`` reuses remote KV over
-HTTP; a TP size that would replicate KV heads is refused with a ConfigError
-before the model loads (TP > 1 itself: ``test_vllm_tp.py``). The identity
+source killed mid-load means recompute; a TP size that would replicate KV heads is refused with a ConfigError
+before the model loads (TP > 1 itself: ``test_vllm_tp.py``; ``vllm serve`` reusing
+remote KV over HTTP, behind a cache-aware router: ``test_vllm_router.py``). The identity
 edges, the batch, the killed source and the abort's source run with vLLM's
 engine core in the instance's own process (``vh.IN_PROCESS``), the rest in
 vLLM's default process layout.
@@ -34,13 +34,9 @@ vLLM's default process layout.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -216,45 +212,6 @@ def test_a_request_aborted_mid_load_gets_nothing_and_the_others_are_unchanged(tm
     assert [o["tokens"] for o in out_b[1:]] == [o["tokens"] for o in out_a[1:]]
 
 
-def test_vllm_serve_answers_over_http_with_remote_kv(tmp_path: Path, model_dir: Path, registry: str) -> None:
-    """`vllm serve` with the documented --kv-transfer-config: a completion whose prefix A computed is read remotely."""
-    ids = vh.prompts(9, 1)[0]
-    prompts = vh.write_prompts(tmp_path, "p", [ids])
-    port = _free_port()
-    log_path = tmp_path / "serve.log"
-    with vh.source_a(tmp_path, model_dir, prompts, registry, 300 // BLOCK) as (_, out_a):
-        kv = {"kv_connector": "RemoteG2Connector", "kv_connector_module_path": "remote_g2.adapters.vllm",
-              "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-              "kv_connector_extra_config": {"registry": registry, "worker_id": "vllm-serve",
-                                            "g2_blocks": 64, "landing_blocks": 32}}
-        vllm_bin = str(Path(sys.executable).with_name("vllm"))
-        with open(log_path, "wb") as log:
-            srv = subprocess.Popen([vllm_bin, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-                                    "--dtype", "float32", "--block-size", str(BLOCK), "--enforce-eager",
-                                    "--max-model-len", "1024", "--seed", "0", "--kv-transfer-config", json.dumps(kv)],
-                                   stdout=log, stderr=subprocess.STDOUT, env=vh.instance_env("b"), start_new_session=True)
-        try:
-            _wait_http(f"http://127.0.0.1:{port}/health", srv, log_path)
-            body = json.dumps({"model": str(model_dir), "prompt": ids, "max_tokens": 8, "temperature": 0.0,
-                               "ignore_eos": True, "return_token_ids": True}).encode()
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                         {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                answer = json.loads(resp.read())
-        finally:
-            os.killpg(srv.pid, 15)
-            try:
-                srv.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(srv.pid, 9)
-                srv.wait(10)
-    log = log_path.read_text(errors="replace")
-    blocks = (300 - 1) // BLOCK
-    assert f"{blocks} of {blocks} blocks loaded from a remote G2" in log, log[-4000:]
-    assert answer["usage"]["completion_tokens"] == 8
-    assert answer["choices"][0]["token_ids"] == out_a[0]["tokens"]  # the tokens A computed without reuse
-
-
 def test_tp_that_would_replicate_kv_heads_is_refused_before_the_model_loads_once(
         tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """One KV head at TP 2 (vLLM would replicate it): the plugin refuses where vLLM creates the config, once."""
@@ -268,26 +225,3 @@ def test_tp_that_would_replicate_kv_heads_is_refused_before_the_model_loads_once
     assert log.count("ConfigError: remote-g2's vLLM connector needs the model's 1 KV heads to divide among "
                      "tensor_parallel_size=2 ranks") == 1, log[-4000:]
     assert "EngineCore" not in log and "Loading weights" not in log, log[-4000:]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_http(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"vllm serve exited rc={proc.returncode}:\n{log_path.read_text(errors='replace')[-4000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"vllm serve never became healthy:\n{log_path.read_text(errors='replace')[-4000:]}")
