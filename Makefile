@@ -109,6 +109,7 @@ bench-vllm: venv-vllm redis
 	$(VLLM_PY) bench/bench_vllm_overhead.py --json bench/results/vllm_overhead.json
 	$(VLLM_PY) bench/bench_vllm_tp_ttft.py --json bench/results/vllm_tp_ttft.json --plot bench/results/vllm_tp_ttft.png
 	$(VLLM_PY) bench/bench_vllm_identity_startup.py --json bench/results/vllm_identity_startup.json
+	$(VLLM_PY) bench/bench_routing.py --json bench/results/vllm_routing.json
 
 # The systems remote-g2 is compared with (bench/bench_peers.py) and matplotlib for --plot.
 # Mooncake's wheel needs libibverbs even for TCP; Debian's package, installed when root.
