@@ -300,8 +300,9 @@ def test_score_over_http(api, prompt):
     (b'{"block_hashes": ["zz"]}', 400, "bad_request"),
     (b'{"model": "tiny"}', 400, "bad_request"),
 ])
-def test_hostile_bodies_get_4xx_and_the_server_keeps_serving(api, prompt, body, status, reason):
-    got, doc = _post(api.url + "/v1/score", raw=body)
+@pytest.mark.parametrize("route", ["/v1/score", "/query"])
+def test_hostile_bodies_get_4xx_and_the_server_keeps_serving(api, prompt, body, status, reason, route):
+    got, doc = _post(api.url + route, raw=body)
     assert (got, doc["error"]["reason"]) == (status, reason), doc
     assert _post(api.url + "/v1/score", {"model": "tiny", "token_ids": prompt})[0] == 200
 
