@@ -26,8 +26,9 @@ memory:
 * **What is dropped.** A publisher that restarted (its sequence went back)
   or whose events cleared everything starts empty. So does one the
   subscriber stopped following (``clear``). At most ``max_blocks`` hashes
-  are kept per engine. Past that, new ones are counted in ``dropped`` and
-  not kept, which can only shorten a match.
+  are kept per engine, a million by default: about 100 MB at most, while a
+  GPU's cache holds tens of thousands of blocks. Past that, new ones are
+  counted in ``dropped`` and not kept, which can only shorten a match.
 
 Thread-safe: the subscriber's thread writes, the scoring thread reads.
 """
@@ -69,7 +70,7 @@ class _Engine:
 class EngineCaches:
     """Per worker id, the hashes each engine tier holds (see the module docstring)."""
 
-    def __init__(self, seeds: Iterable[str] = (DEFAULT_SEED,), *, max_blocks: int = 4_000_000) -> None:
+    def __init__(self, seeds: Iterable[str] = (DEFAULT_SEED,), *, max_blocks: int = 1_000_000) -> None:
         self.seeds = tuple(dict.fromkeys([DEFAULT_SEED, *seeds]))
         self.max_blocks = max_blocks
         self._engines: dict[str, _Engine] = {}

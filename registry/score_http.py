@@ -312,10 +312,11 @@ class ScoreHttpServer:
         length = int(length_text)
         if length > self.max_body:
             raise _HttpError(413, "too_large", f"a body of {length} bytes (at most {self.max_body})", close=True)
-        authorized = self._authorized(headers.get("authorization", ""))
+        path = target.split("?", 1)[0]
+        if path != "/healthz" and not self._authorized(headers.get("authorization", "")):
+            # refused before its body is read (or, with Expect: 100-continue, sent): the connection closes
+            raise _HttpError(401, "unauthorized", "a bearer token is required", close=True)
         if length and headers.get("expect", "").lower() == "100-continue":
-            if not authorized:  # refuse before the client sends the body
-                raise _HttpError(401, "unauthorized", "a bearer token is required", close=True)
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         try:
             body = b""
@@ -324,7 +325,6 @@ class ScoreHttpServer:
                     body = await reader.readexactly(length)
         except (asyncio.IncompleteReadError, asyncio.TimeoutError):
             raise _HttpError(400, "bad_request", "the body ended before Content-Length bytes", close=True) from None
-        path = target.split("?", 1)[0]
         if path == "/healthz":
             if method != "GET":
                 raise _HttpError(405, "bad_request", f"{method[:16]} {path}: use GET")
@@ -333,8 +333,6 @@ class ScoreHttpServer:
             raise _HttpError(404, "not_found", f"no route {path[:128]!r} (POST /v1/score, POST /query, GET /healthz)")
         if method != "POST":
             raise _HttpError(405, "bad_request", f"{method[:16]} {path}: use POST")
-        if not authorized:
-            raise _HttpError(401, "unauthorized", "a bearer token is required")
         return 200, self._score(body, path), keep
 
     def _authorized(self, header: str) -> bool:
