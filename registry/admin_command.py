@@ -70,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sc.add_argument("--cache-salt", default=None)
     sc.add_argument("--workers", default=None, help="only these worker ids, comma-separated")
     sc.add_argument("--token-file", default=None, help="the API's bearer token (or $REMOTE_G2_SCORE_TOKEN)")
+    sc.add_argument("--ca-file", default=None, help="https: the CA that signed the API's certificate")
+    sc.add_argument("--cert", default=None, help="https: this client's certificate, where the API requires one")
+    sc.add_argument("--key", default=None, help="its private key")
 
 
 def _hashes(texts: list[str]) -> list[bytes]:
@@ -321,9 +324,19 @@ def _score(args: argparse.Namespace) -> int:
     if token:
         headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(url, data=json.dumps(_score_body(args)).encode(), headers=headers)
+    context = None
+    if url.startswith("https://"):
+        import ssl
+
+        try:
+            context = ssl.create_default_context(cafile=args.ca_file)
+            if args.cert:
+                context.load_cert_chain(args.cert, args.key)
+        except (OSError, ssl.SSLError) as e:
+            raise ConfigError(f"score: TLS: {e}") from None
     t0 = time.perf_counter()
     try:
-        with urllib.request.urlopen(req, timeout=args.timeout_s or 10.0) as r:
+        with urllib.request.urlopen(req, timeout=args.timeout_s or 10.0, context=context) as r:
             doc = json.loads(r.read())
     except urllib.error.HTTPError as e:
         try:

@@ -27,7 +27,9 @@ that leaves the stream in doubt; otherwise it is kept alive (HTTP/1.1).
 Who may ask: "is this prompt cached anywhere?" is a prompt-probing
 attacker's question (docs/security.md), so a bind beyond loopback needs a
 bearer token (``Authorization: Bearer <token>``; several tokens may be
-valid at once, for rotation), compared in constant time.
+valid at once, for rotation), compared in constant time, or TLS with client
+certificates (:func:`tls_context` with a client CA). HTTPS without client
+certificates keeps a token from being read on the wire.
 
 One thread runs an asyncio loop; each request is scored inline on it (the
 work is CPU-bound and short; a Redis store's lookup blocks the loop for
@@ -42,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Sequence
@@ -56,7 +59,7 @@ from remote_g2.vllm_hashing import token_ids_from_json
 
 from .scoring import ScoreReply, ScoreRequest, Scorer
 
-__all__ = ["ScoreHttpServer", "parse_bind", "DEFAULT_MAX_BODY"]
+__all__ = ["ScoreHttpServer", "parse_bind", "tls_context", "DEFAULT_MAX_BODY"]
 
 log = logging.getLogger("remote_g2.registry.score")
 
@@ -93,6 +96,20 @@ class _HttpError(Exception):
     def __init__(self, status: int, reason: str, message: str, *, close: bool = False) -> None:
         super().__init__(message)
         self.status, self.reason, self.message, self.close = status, reason, message, close
+
+
+def tls_context(cert: str, key: str, client_ca: str | None = None) -> ssl.SSLContext:
+    """A server context for HTTPS (TLS 1.2+); with ``client_ca``, clients must present a certificate it signed."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert, key)
+        if client_ca:
+            ctx.load_verify_locations(client_ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"scoring API TLS: {e}") from None
+    return ctx
 
 
 def parse_bind(bind: str) -> tuple[str, int]:
@@ -178,14 +195,19 @@ class ScoreHttpServer:
     """The scoring API on ``bind`` (``HOST:PORT``); see the module docstring."""
 
     def __init__(self, scorer: Scorer, bind: str, *, tokens: Sequence[str] = (), max_body: int = DEFAULT_MAX_BODY,
-                 metrics: Any = None, loras: dict[str, str] | None = None) -> None:
+                 metrics: Any = None, loras: dict[str, str] | None = None, tls: ssl.SSLContext | None = None) -> None:
+        """``tls``: serve HTTPS with this context (:func:`tls_context`); one that requires client certificates
+        admits only their holders, so it stands in for a token beyond loopback."""
         self.scorer = scorer
         self.loras = dict(loras or {})
         self.host, self.port = parse_bind(bind)
         self._tokens = [t.encode() for t in tokens if t]
-        if not self._tokens and not is_loopback(self.host):
+        self._tls = tls
+        client_certs = tls is not None and tls.verify_mode == ssl.CERT_REQUIRED
+        if not self._tokens and not client_certs and not is_loopback(self.host):
             raise ConfigError(f"--score-bind {bind}: a scoring endpoint reachable from other hosts tells anyone "
-                              "who asks which prompts are cached; give it a bearer token (--score-token-file)")
+                              "who asks which prompts are cached; give it a bearer token (--score-token-file) or "
+                              "require TLS client certificates (--score-tls-client-ca)")
         self.max_body = max_body
         self.metrics = metrics
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -221,10 +243,11 @@ class ScoreHttpServer:
 
     async def _serve(self, ready: threading.Event) -> None:
         self._stopped = asyncio.Event()
-        server = await asyncio.start_server(self._connection, self.host, self.port, limit=_MAX_HEAD)
+        server = await asyncio.start_server(self._connection, self.host, self.port, limit=_MAX_HEAD, ssl=self._tls,
+                                            ssl_handshake_timeout=_HEAD_TIMEOUT_S if self._tls else None)
         sock = server.sockets[0].getsockname()
         host = f"[{self.host}]" if ":" in self.host else self.host
-        self.url = f"http://{host}:{sock[1]}"
+        self.url = f"{'https' if self._tls else 'http'}://{host}:{sock[1]}"
         ready.set()
         async with server:
             await self._stopped.wait()

@@ -59,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="serve POST /v1/score and /query over HTTP here; beyond loopback it needs a token")
     score.add_argument("--score-token-file", default=None, metavar="FILE",
                        help="bearer tokens the scoring API accepts, one per line (or $REMOTE_G2_SCORE_TOKEN)")
+    score.add_argument("--score-tls-cert", default=None, metavar="FILE", help="serve HTTPS with this certificate")
+    score.add_argument("--score-tls-key", default=None, metavar="FILE", help="its private key")
+    score.add_argument("--score-tls-client-ca", default=None, metavar="FILE",
+                       help="require client certificates signed by this CA (admits their holders without a token)")
     score.add_argument("--score-hash-seed", action="append", default=[], metavar="SEED",
                        help="a vLLM hash seed (the workers' PYTHONHASHSEED) a worker's hash scheme may name; "
                             "repeatable. vLLM's default seed is known; a seed is used only for the scheme whose "
@@ -124,7 +128,7 @@ def build_score_api(args: argparse.Namespace, server: RegistryServer, engines: A
 
     from remote_g2.vllm_hashing import DEFAULT_SEED
 
-    from .score_http import ScoreHttpServer
+    from .score_http import ScoreHttpServer, tls_context
     from .scoring import Scorer, ScoringConfig, parse_prefill_rates
 
     if args.score_bind is None:
@@ -148,11 +152,16 @@ def build_score_api(args: argparse.Namespace, server: RegistryServer, engines: A
         if not sep or not name or not path:
             raise ConfigError(f"--score-lora {text!r}: expected NAME=PATH")
         loras[name] = path
+    tls = None
+    if args.score_tls_cert or args.score_tls_key or args.score_tls_client_ca:
+        if not (args.score_tls_cert and args.score_tls_key):
+            raise ConfigError("--score-tls-cert and --score-tls-key go together (and --score-tls-client-ca needs them)")
+        tls = tls_context(args.score_tls_cert, args.score_tls_key, args.score_tls_client_ca)
     config = ScoringConfig(hash_seeds=tuple(dict.fromkeys([DEFAULT_SEED, *args.score_hash_seed])),
                            fetch_gbps=args.score_fetch_gbps, fetch_overhead_ms=args.score_fetch_overhead_ms,
                            prefill_ms_per_1k_tokens=parse_prefill_rates(args.score_prefill_ms_per_1k))
     return ScoreHttpServer(Scorer(server.store, config, mirror=server.mirror, engines=engines), args.score_bind,
-                           tokens=tokens, metrics=server.metrics, loras=loras)
+                           tokens=tokens, metrics=server.metrics, loras=loras, tls=tls)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -420,3 +420,71 @@ def test_serve_and_admin_score(tmp_path: Path, prompt):
     finally:
         serve.terminate()
         serve.wait(10)
+
+
+# -- HTTPS, and client certificates in place of a token ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Path:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, made with the openssl command."""
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make test certificates with")
+    d = tmp_path_factory.mktemp("pki")
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=remote-g2 test CA")
+    for name, ext in (("server", ["-extfile", "san.ext"]), ("client", [])):
+        run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.pem", "-days", "2", *ext)
+    return d
+
+
+def test_https_with_client_certificates(pki: Path, prompt):
+    import ssl
+
+    from remote_g2.registry.score_http import tls_context
+
+    store = MemoryStore()
+    _add(store, "a", _fp(), VllmBlockHasher("sha256", DEFAULT_SEED, 16).hashes(prompt)[:7])
+    mutual = tls_context(str(pki / "server.pem"), str(pki / "server.key"), str(pki / "ca.pem"))
+    # client certificates admit their holders: no token needed beyond loopback; TLS alone does not
+    ScoreHttpServer(Scorer(store), "10.1.2.3:0", tls=mutual)
+    with pytest.raises(ConfigError, match="client certificates"):
+        ScoreHttpServer(Scorer(store), "10.1.2.3:0", tls=tls_context(str(pki / "server.pem"), str(pki / "server.key")))
+    with ScoreHttpServer(Scorer(store), "127.0.0.1:0", tls=mutual) as srv:
+        assert srv.url.startswith("https://127.0.0.1:")
+        body = json.dumps({"model": "tiny", "token_ids": prompt}).encode()
+        ctx = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+        ctx.load_cert_chain(str(pki / "client.pem"), str(pki / "client.key"))
+        with urllib.request.urlopen(urllib.request.Request(srv.url + "/v1/score", data=body), context=ctx,
+                                    timeout=10) as r:
+            assert json.loads(r.read())["workers"][0]["matched_blocks"] == 7
+        no_cert = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+        with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+            with urllib.request.urlopen(urllib.request.Request(srv.url + "/v1/score", data=body), context=no_cert,
+                                        timeout=10) as r:
+                r.read()
+        with pytest.raises((urllib.error.URLError, ConnectionError, http_client_errors())):
+            urllib.request.urlopen(urllib.request.Request(srv.url.replace("https", "http") + "/v1/score",
+                                                          data=body), timeout=10).read()
+        r = _cli("admin", "score", "--url", srv.url, "--model", "tiny", "--tokens", ",".join(map(str, prompt)),
+                 "--ca-file", str(pki / "ca.pem"), "--cert", str(pki / "client.pem"), "--key", str(pki / "client.key"),
+                 "--json")
+        assert r.returncode == 0 and json.loads(r.stdout)["best"] == "a", r.stderr
+        # the server still answers after the refused handshakes
+        with urllib.request.urlopen(urllib.request.Request(srv.url + "/v1/score", data=body), context=ctx,
+                                    timeout=10) as r:
+            assert r.status == 200
+
+
+def http_client_errors() -> type[Exception]:
+    import http.client
+
+    return http.client.HTTPException
