@@ -17,7 +17,7 @@ each with fresh instances (empty caches) and the same requests:
 
 The workload is chats sharing system prompts. ``--systems`` system prompts
 of ``--system-tokens`` tokens, and ``--chats`` chats, each with one of
-them. Each chat has ``--turns`` turns. A turn's prompt is the chat so far
+them at random. Each chat has ``--turns`` turns. A turn's prompt is the chat so far
 (system prompt, earlier user messages, earlier replies) plus a new user
 message of ``--user-tokens``. The reply is ``--reply-tokens`` of text the
 bench appends itself: the engine generates one token (the time to first
@@ -28,7 +28,8 @@ Per set-up: TTFT p50 / p99 and the **prefix hit rate**, the prompt tokens
 vLLM did not compute (``usage.prompt_tokens_details.cached_tokens``: its
 own prefix cache, plus what the connector loaded) over all prompt tokens.
 
-    .venv-vllm/bin/python bench/bench_routing.py [--chats 15] [--turns 4] [--systems 3] [--clients 2] [--json F]
+    .venv-vllm/bin/python bench/bench_routing.py [--model tiny|sized] [--chats 15] [--turns 4] [--systems 3]
+        [--clients 3] [--json F]
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def _chats(a: argparse.Namespace) -> list[list[list[int]]]:
     systems = [[rng.randrange(3, 500) for _ in range(a.system_tokens)] for _ in range(a.systems)]
     chats = []
     for c in range(a.chats):
-        so_far, turns = list(systems[c % a.systems]), []
+        so_far, turns = list(systems[rng.randrange(a.systems)]), []
         for _ in range(a.turns):
             so_far += [rng.randrange(3, 500) for _ in range(a.user_tokens)]
             turns.append(list(so_far))
@@ -188,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system-tokens", type=int, default=1024)
     p.add_argument("--user-tokens", type=int, default=96)
     p.add_argument("--reply-tokens", type=int, default=64)
-    p.add_argument("--clients", type=int, default=2)
+    p.add_argument("--clients", type=int, default=3,
+                   help="client threads (default 3: with 2 instances, an even count makes round-robin sticky)")
     p.add_argument("--max-inflight", type=int, default=2)
     p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {', '.join(SETUPS)}")
     p.add_argument("--seed", type=int, default=1)
