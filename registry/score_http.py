@@ -128,6 +128,13 @@ def _decode(body: bytes) -> _Body:
         raise CannotScore(f"malformed request body: {e}", reason="bad_request") from None
 
 
+def _model(b: _Body) -> str | None:
+    """The request's model, named ``model`` or (Dynamo, llm-d) ``model_name``; both, they must agree."""
+    if b.model and b.model_name and b.model != b.model_name:
+        raise CannotScore("model and model_name differ", reason="bad_request")
+    return b.model or b.model_name
+
+
 def _token_ids(b: _Body) -> Any:
     raw = bytes(b.token_ids)
     return None if raw in (b"", b"null") else token_ids_from_json(raw)
@@ -136,24 +143,20 @@ def _token_ids(b: _Body) -> Any:
 def request_from_json(body: bytes) -> ScoreRequest:
     """A ``/v1/score`` body as a :class:`ScoreRequest`; :class:`CannotScore` (``bad_request``) if malformed."""
     b = _decode(body)
-    if b.model and b.model_name and b.model != b.model_name:
-        raise CannotScore("model and model_name differ", reason="bad_request")
     hashes = None
     if b.block_hashes is not None:
         try:
             hashes = [hash_from_hex(h) for h in b.block_hashes]
         except ValueError as e:
             raise CannotScore(f"block_hashes: {e}", reason="bad_request") from None
-    return ScoreRequest(model=b.model or b.model_name, token_ids=_token_ids(b), block_hashes=hashes,
+    return ScoreRequest(model=_model(b), token_ids=_token_ids(b), block_hashes=hashes,
                         lora_name=b.lora_name, lora_path=b.lora_path, cache_salt=b.cache_salt, workers=b.workers)
 
 
 def query_request(body: bytes, loras: dict[str, str]) -> tuple[ScoreRequest, int | None]:
     """A ``/query`` body (Dynamo / Mooncake) as a :class:`ScoreRequest` and the block size it states."""
     b = _decode(body)
-    model = b.model_name or b.model
-    if b.model and b.model_name and b.model != b.model_name:
-        raise CannotScore("model and model_name differ", reason="bad_request")
+    model = _model(b)
     token_ids = _token_ids(b)
     if token_ids is None or not model:
         raise CannotScore("/query needs token_ids and model_name", reason="bad_request")

@@ -51,7 +51,7 @@ from typing import Any
 import msgspec
 
 from remote_g2.errors import CannotScore, ConfigError
-from remote_g2.messages import LayoutFingerprint, WorkerRecord
+from remote_g2.messages import LayoutFingerprint, Lookup, WorkerRecord
 from remote_g2.model_identity import identity_of, model_label
 from remote_g2.vllm_hashing import DEFAULT_SEED, VllmBlockHasher, hasher_for_scheme
 
@@ -160,7 +160,6 @@ class Scorer:
         self._workers_gen: int | None = None
         self._hashers: dict[tuple[str, int], VllmBlockHasher] = {}
         self._keys: dict[LayoutFingerprint, str] = {}  # fingerprint -> compat key (a digest: computed once)
-        self._serving: dict[tuple[LayoutFingerprint, str], bool] = {}  # (fingerprint, model) -> serves it
 
     def _compat_key(self, fp: LayoutFingerprint) -> str:
         key = self._keys.get(fp)
@@ -170,43 +169,33 @@ class Scorer:
             key = self._keys[fp] = fp.compat_key()
         return key
 
-    def _serves(self, fp: LayoutFingerprint, model: str) -> bool:
-        ok = self._serving.get((fp, model))
-        if ok is None:
-            if len(self._serving) > 4096:  # models are whatever callers send: bounded
-                self._serving.clear()
-            ok = self._serving[(fp, model)] = _serves(fp, model)
-        return ok
+    def _listing(self, now: float) -> tuple[list[tuple[WorkerRecord, float, str]], dict[str | None, list[Any]]]:
+        """The live workers (each with its lease's end and compat key) and, for that list, each model's share.
 
-    def _candidates(self, model: str | None) -> list[tuple[WorkerRecord, str, tuple[float | None, float | None]]]:
-        """The live workers serving ``model`` (all, for None), each with its compat key and costs per block.
-
-        The store's list is reused while its ``generation`` stays the same (for ``_WORKERS_TTL_S`` where it
-        has none), and so is each model's share of it; a lease that lapsed meanwhile drops its worker.
+        Reused while the store's ``generation`` stays the same (for ``_WORKERS_TTL_S`` where it has none).
         """
-        now = time.monotonic()
         gen = self.store.generation
         with self._lock:
-            fresh = gen == self._workers_gen if gen is not None else now - self._workers_at < _WORKERS_TTL_S
-            if not fresh:
-                listed = None
-            else:
-                listed = self._by_model.get(model)
+            if gen == self._workers_gen if gen is not None else now - self._workers_at < _WORKERS_TTL_S:
+                return self._workers, self._by_model
+        workers = [(w, now + w.lease_expires_in_ms / 1000.0, self._compat_key(w.fingerprint))
+                   for w in self.store.list_workers() if w.live]
+        by_model: dict[str | None, list[Any]] = {}
+        with self._lock:  # (gen was read before the list: a change meanwhile lists again next time)
+            self._workers, self._by_model, self._workers_at, self._workers_gen = workers, by_model, now, gen
+        return workers, by_model
+
+    def _candidates(self, model: str | None) -> list[tuple[WorkerRecord, str, tuple[float | None, float | None]]]:
+        """The live workers serving ``model`` (all, for None), each with its compat key and costs per block;
+        a lease that lapsed since the store was listed drops its worker."""
+        now = time.monotonic()
+        workers, by_model = self._listing(now)
+        listed = by_model.get(model)
         if listed is None:
-            if not fresh:
-                workers = [(w, now + w.lease_expires_in_ms / 1000.0, self._compat_key(w.fingerprint))
-                           for w in self.store.list_workers() if w.live]
-                with self._lock:  # (gen was read before the list: a change meanwhile lists again next time)
-                    self._workers, self._workers_at, self._workers_gen = workers, now, gen
-                    self._by_model = {}
-            else:
-                with self._lock:
-                    workers = self._workers
             listed = [(w, ends, key, self._costs_of(w.fingerprint, model)) for w, ends, key in workers
-                      if model is None or self._serves(w.fingerprint, model)]
-            with self._lock:
-                if len(self._by_model) < 1024:  # models are whatever callers send: bounded
-                    self._by_model[model] = listed
+                      if model is None or _serves(w.fingerprint, model)]
+            if len(by_model) < 1024:  # models are whatever callers send: bounded (a dict write: atomic)
+                by_model[model] = listed
         return [(w, key, costs) for w, ends, key, costs in listed if ends > now]
 
     def _hasher(self, fp: LayoutFingerprint) -> VllmBlockHasher:
@@ -226,8 +215,6 @@ class Scorer:
         reply = None
         mirror = self._mirror
         if mirror is not None:
-            from remote_g2.messages import Lookup
-
             replies = mirror.lookup_many([Lookup(hashes, None, compat_key, True)], [0])  # type: ignore[attr-defined]
             reply = replies[0] if replies is not None else None
         if reply is None:

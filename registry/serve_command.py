@@ -121,13 +121,15 @@ def feed_endpoint(bind: str, feed_bind: str) -> str | None:
     return free_port_on_host_of(bind)
 
 
-def build_score_api(args: argparse.Namespace, server: RegistryServer, engines: Any = None) -> Any:
-    """The scoring API ``--score-*`` asks for (not started), or None without ``--score-bind``; ``engines``:
-    the engine caches the KV-event subscriber fills (:mod:`.engine_caches`), if it runs."""
+def build_score_api(args: argparse.Namespace, server: RegistryServer, *, follows_events: bool = False) -> Any:
+    """The scoring API ``--score-*`` asks for (not started), or None without ``--score-bind``. With
+    ``follows_events`` its scorer keeps the engines' own tiers (``.scorer.engines``, :mod:`.engine_caches`),
+    which the KV-event subscriber fills."""
     import os
 
     from remote_g2.vllm_hashing import DEFAULT_SEED
 
+    from .engine_caches import EngineCaches
     from .score_http import ScoreHttpServer, tls_context
     from .scoring import Scorer, ScoringConfig, parse_prefill_rates
 
@@ -160,6 +162,7 @@ def build_score_api(args: argparse.Namespace, server: RegistryServer, engines: A
     config = ScoringConfig(hash_seeds=tuple(dict.fromkeys([DEFAULT_SEED, *args.score_hash_seed])),
                            fetch_gbps=args.score_fetch_gbps, fetch_overhead_ms=args.score_fetch_overhead_ms,
                            prefill_ms_per_1k_tokens=parse_prefill_rates(args.score_prefill_ms_per_1k))
+    engines = EngineCaches(config.hash_seeds) if follows_events else None
     return ScoreHttpServer(Scorer(server.store, config, mirror=server.mirror, engines=engines), args.score_bind,
                            tokens=tokens, metrics=server.metrics, loras=loras, tls=tls)
 
@@ -176,14 +179,8 @@ def run(args: argparse.Namespace) -> int:
     score_api = None
     try:
         endpoint = server.start()
-        engines = None
-        if vllm_subscriptions and args.score_bind is not None:  # the engines' own tiers, for scores
-            from remote_g2.vllm_hashing import DEFAULT_SEED
-
-            from .engine_caches import EngineCaches
-
-            engines = EngineCaches([DEFAULT_SEED, *args.score_hash_seed])
-        score_api = build_score_api(args, server, engines)
+        score_api = build_score_api(args, server, follows_events=bool(vllm_subscriptions))
+        engines = score_api.scorer.engines if score_api is not None else None
         score = f", scoring API on {score_api.start()}" if score_api is not None else ""
         if args.metrics_port is not None:
             server.metrics.serve_http(args.metrics_port, args.metrics_addr)

@@ -13,7 +13,7 @@ map ``{"type": "BlockStored", …}`` depending on the release; both are read.
   medium (``"CPU"``) only unless ``all_media``, and only 32-byte (full)
   hashes — vLLM's default 64-bit int form cannot be turned back into the key
   a connector looks up, so such events are counted, not stored;
-* ``engine`` — every event, every medium, hashes in either form (an int as
+* ``engine`` (only when asked for) — every event, every medium, hashes in either form (an int as
   its 8 big-endian bytes: the low 64 bits of vLLM's hash), with the token ids
   and block size a BlockStored carries: what the engine itself holds, for
   scoring only (:mod:`.engine_caches`), never for reads.
@@ -100,8 +100,9 @@ def _fields(raw: Any, names: Sequence[str]) -> dict[str, Any]:
     raise ProtocolError("event is neither a tagged array nor a tagged map")
 
 
-def decode_kv_event_batch(payload: bytes, *, all_media: bool = False) -> DecodedBatch:
-    """Decode one vLLM ``KVEventBatch`` into block events for the G2 tier (strict)."""
+def decode_kv_event_batch(payload: bytes, *, all_media: bool = False, engine: bool = False) -> DecodedBatch:
+    """Decode one vLLM ``KVEventBatch`` into block events for the G2 tier (strict); with ``engine``, also its
+    engine view (``DecodedBatch.engine``: only a server that scores asks, so no other pays for its token ids)."""
     if len(payload) > _MAX_PAYLOAD:
         raise ProtocolError(f"event batch of {len(payload)} bytes exceeds {_MAX_PAYLOAD}")
     try:
@@ -111,14 +112,15 @@ def decode_kv_event_batch(payload: bytes, *, all_media: bool = False) -> Decoded
     if type(batch) is not list or len(batch) < 2 or type(batch[1]) is not list:
         raise ProtocolError("KVEventBatch must be an array [ts, events, ...]")
     out: list[BlockEvent] = []
-    engine: list[EngineEvent] = []
+    view: list[EngineEvent] = []
     int_hash_events = 0
     other_media: set[str | None] = set()
     for raw in batch[1]:
         tag = raw[0] if type(raw) is list and raw else raw.get("type") if type(raw) is dict else None
         if tag == "AllBlocksCleared":
             out.append(BlockEvent("cleared"))
-            engine.append(EngineEvent("cleared"))
+            if engine:
+                view.append(EngineEvent("cleared"))
             continue
         names = _STORED_FIELDS if tag == "BlockStored" else _REMOVED_FIELDS if tag == "BlockRemoved" else None
         if names is None:
@@ -134,13 +136,13 @@ def decode_kv_event_batch(payload: bytes, *, all_media: bool = False) -> Decoded
         # Validated before the medium filter, so a bad value is malformed on every medium.
         converted, ints = _hashes(hashes + ([] if parent is None else [parent]))
         own, parent_b = converted[:len(hashes)], (None if parent is None else converted[-1])
-        if tag == "BlockStored":
+        if engine and tag == "BlockStored":
             size, lora = f.get("block_size"), f.get("lora_id")
-            engine.append(EngineEvent("stored", medium, own, parent_b, _token_ids(f.get("token_ids")),
-                                      size if type(size) is int and 0 < size <= 1 << 20 else None,
-                                      lora if type(lora) is int else None))
-        else:
-            engine.append(EngineEvent("removed", medium, own))
+            view.append(EngineEvent("stored", medium, own, parent_b, _token_ids(f.get("token_ids")),
+                                    size if type(size) is int and 0 < size <= 1 << 20 else None,
+                                    lora if type(lora) is int else None))
+        elif engine:
+            view.append(EngineEvent("removed", medium, own))
         if not all_media and medium != G2_MEDIUM:
             other_media.add(medium)
         elif ints:
@@ -149,6 +151,6 @@ def decode_kv_event_batch(payload: bytes, *, all_media: bool = False) -> Decoded
             out.append(BlockEvent("stored", own, parent_b))
         else:
             out.append(BlockEvent("removed", own))
-    return DecodedBatch(out, int_hash_events, frozenset(other_media), engine)
+    return DecodedBatch(out, int_hash_events, frozenset(other_media), view)
 
 

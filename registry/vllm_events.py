@@ -399,7 +399,7 @@ class VllmEventSubscriber:
                 events.append(BlockEvent("cleared"))
                 if self.engines is not None:
                     self.engines.clear(feed.sub.worker_id)
-            batch = decode_kv_event_batch(frames[2], all_media=self.all_media)
+            batch = decode_kv_event_batch(frames[2], all_media=self.all_media, engine=self.engines is not None)
         except ProtocolError as e:
             self.malformed += 1
             if self.metrics:

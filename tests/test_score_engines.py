@@ -48,9 +48,10 @@ def prompt():
 
 def test_int_hashes_decode_as_their_low_eight_bytes():
     h = VllmBlockHasher("sha256", DEFAULT_SEED, BS).hashes(list(range(BS)))[0]
-    batch = decode_kv_event_batch(_encode([_stored(list(range(BS)), [h], ints=True)]), all_media=True)
+    batch = decode_kv_event_batch(_encode([_stored(list(range(BS)), [h], ints=True)]), all_media=True, engine=True)
     assert batch.events == [] and batch.int_hash_events == 1  # never into the store
     assert batch.engine == [EngineEvent("stored", "GPU", [h[-8:]], None, list(range(BS)), BS, None)]
+    assert decode_kv_event_batch(_encode([_stored(list(range(BS)), [h], ints=True)])).engine == []  # not asked
 
 
 def _encode(events):
