@@ -262,7 +262,8 @@ class Scorer:
                     if req.token_ids is not None and hasher is None:
                         unscored.append((w.worker_id, "scheme_not_learned", why))
                         continue
-                    hashes = hashes_of(hasher) if hasher is not None else list(req.block_hashes or ())
+                    # (asked by block hashes, those are its keys whether or not its hash space is known)
+                    hashes = hashes_of(hasher) if req.token_ids is not None else list(req.block_hashes or ())
                     tiers = self.engines.matched(w.worker_id, hashes) if self.engines is not None and hashes else {}
                     bs = hasher.block_size if hasher is not None else (self.engines.block_size(w.worker_id)
                                                                        if self.engines is not None else None)

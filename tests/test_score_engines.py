@@ -176,3 +176,18 @@ def test_engines_whose_hash_space_is_unknown_are_listed_as_unscored(prompt):
     with pytest.raises(CannotScore) as e:
         Scorer(store, engines=EngineCaches()).score(ScoreRequest("tiny", prompt))
     assert e.value.reason == "unknown_scheme" and "quiet" in e.value.message
+
+
+def test_block_hashes_score_an_engine_known_from_its_events(prompt):
+    """Asked by block hashes, an events-only engine is matched on those hashes, learned hash space or not."""
+    store = MemoryStore(lease_ttl_ms=60_000)
+    hashes = VllmBlockHasher("sha256", DEFAULT_SEED, BS).hashes(prompt)
+    events_only = LayoutFingerprint(model_id="tiny", dtype="unknown", tokens_per_block=1, kv_layout="events-only",
+                                    num_layers=1, num_kv_heads=1, head_dim=1, tp_size=1)
+    store.register_worker(RegisterWorker("stock", "events-only://stock", events_only, 1))
+    caches = EngineCaches()
+    caches.apply("stock", [_event(prompt[:BS * 9], hashes[:9], True)])  # a chain's start: its hash space learned
+    assert caches.hasher("stock")[0] is not None
+    reply = Scorer(store, engines=caches).score(ScoreRequest("tiny", block_hashes=hashes))
+    (w,) = reply.workers
+    assert (w.worker_id, w.tier, w.matched_tokens, w.readable) == ("stock", {"g1": 9}, 9 * BS, False)
