@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,18 +48,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from bench_servers import free_port, start_registry, stop
 from vllm_bench_common import pct, vllm_version, write_result
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BLOCK = 32
 SETUPS = ("round-robin", "round-robin + pull", "by score")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
@@ -106,7 +100,7 @@ def _run_setup(name: str, a: argparse.Namespace, model: Path, registry: str, sco
     try:
         urls = {}
         for i in ("a", "b"):
-            port, log = _free_port(), tmp / f"{name.replace(' ', '')}-{i}.log"
+            port, log = free_port(), tmp / f"{name.replace(' ', '')}-{i}.log"
             argv = [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--host", "127.0.0.1", "--port",
                     str(port), "--dtype", "float32", "--block-size", str(BLOCK), "--enforce-eager",
                     "--max-model-len", str(a.max_len), "--seed", "0", "--enable-prompt-tokens-details"]
@@ -125,7 +119,7 @@ def _run_setup(name: str, a: argparse.Namespace, model: Path, registry: str, sco
             urls[f"vllm-{i}-{len(name)}"] = (f"http://127.0.0.1:{port}", log)
         for (url, log), proc in zip(urls.values(), procs):
             _wait(url + "/health", proc, log)
-        rport, rlog = _free_port(), tmp / f"{name.replace(' ', '')}-router.log"
+        rport, rlog = free_port(), tmp / f"{name.replace(' ', '')}-router.log"
         with open(rlog, "wb") as out:
             procs.append(subprocess.Popen(
                 [sys.executable, str(ROOT / "examples" / "cache_aware_router.py"), "--port", str(rport),
@@ -207,21 +201,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rg2-routing-") as d:
         tmp = Path(d)
         model = make_model(tmp / "model", max_positions=a.max_len + 64, **(SIZED if a.size == "sized" else {}))
-        registry, score_port = f"tcp://127.0.0.1:{_free_port()}", _free_port()
+        score_port = free_port()
         score_url = f"http://127.0.0.1:{score_port}"
-        with open(tmp / "registry.log", "wb") as out:
-            serve = subprocess.Popen([sys.executable, "-m", "remote_g2.cli", "serve", "--bind", registry,
-                                      "--score-bind", f"127.0.0.1:{score_port}", "--lease-ttl-s", "30"],
-                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        serve, registry = start_registry("--score-bind", f"127.0.0.1:{score_port}", lease_ttl_s=30,
+                                         log_path=str(tmp / "registry.log"))
         try:
-            _wait(score_url + "/healthz", serve, tmp / "registry.log", 30)
             for name in setups:
                 t0 = time.monotonic()
                 results.append(_run_setup(name, a, model, registry, score_url, tmp))
                 print(f"  {name}: {time.monotonic() - t0:.0f} s", flush=True)
         finally:
-            os.killpg(serve.pid, 15)
-            serve.wait(30)
+            stop(serve)
 
     print(f"\nvLLM {vllm_version()} on {os.cpu_count()} CPUs, 2 instances of the {a.size} model; "
           f"{a.chats} chats x {a.turns} turns, "

