@@ -175,11 +175,17 @@ class Table {
 
   // out[j] = 1 + the number of consecutive tags from tags[1] that
   // cands[j] holds; tags[0] is taken as held. `alive` is scratch.
+  //
+  // The candidates still in the walk are kept sorted by holder id, so a
+  // hash with many holders (a sorted overflow array) is checked against
+  // all of them in one merge, not a binary search per candidate: a prefix
+  // most of a fleet holds is the scoring API's usual case.
   void walk(const uint64_t *tags, size_t n, const uint32_t *cands, size_t m,
             std::vector<size_t> &out, std::vector<size_t> &alive) const {
     out.assign(m, n);
     alive.resize(m);
     for (size_t j = 0; j < m; ++j) alive[j] = j;
+    std::sort(alive.begin(), alive.end(), [cands](size_t x, size_t y) { return cands[x] < cands[y]; });
     for (size_t i = 1; i < std::min(n, 1 + kPrefetchAhead); ++i)
       prefetch(tags[i]);
     size_t live = m;
@@ -187,12 +193,25 @@ class Table {
       if (i + kPrefetchAhead < n) prefetch(tags[i + kPrefetchAhead]);
       const Slot *s = find(tags[i]);
       size_t kept = 0;
-      for (size_t a = 0; a < live; ++a) {
-        size_t j = alive[a];
-        if (s && holds(*s, cands[j]))
-          alive[kept++] = j;
-        else
-          out[j] = i;
+      if (s && (s->tag & kMany)) {
+        const std::vector<uint32_t> &v = overflow_[s->a];
+        size_t k = 0;
+        for (size_t a = 0; a < live; ++a) {
+          size_t j = alive[a];
+          while (k < v.size() && v[k] < cands[j]) ++k;
+          if (k < v.size() && v[k] == cands[j])
+            alive[kept++] = j;
+          else
+            out[j] = i;
+        }
+      } else {
+        for (size_t a = 0; a < live; ++a) {
+          size_t j = alive[a];
+          if (s && (s->a == cands[j] || s->b == cands[j]))
+            alive[kept++] = j;
+          else
+            out[j] = i;
+        }
       }
       live = kept;
     }

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #include <immintrin.h>
@@ -129,18 +130,24 @@ void sha256(uint8_t *msg, size_t n, uint8_t out[32]) {
 
 // ---- the encodings -------------------------------------------------------------------------------
 
-void put_pickle_int(std::string &b, uint32_t t) {
-  if (t < 256) { b += 'K'; b += char(t); }
-  else if (t < 65536) { b += 'M'; b += char(t & 0xff); b += char(t >> 8); }
-  else { b += 'J'; for (int i = 0; i < 4; ++i) b += char((t >> (8 * i)) & 0xff); }
+// A token id's pickle opcode (BININT1 'K', BININT2 'M', BININT 'J') at w; returns the end.
+inline uint8_t *put_pickle_int(uint8_t *w, uint32_t t) {
+  if (t < 256) { w[0] = 'K'; w[1] = uint8_t(t); return w + 2; }
+  if (t < 65536) { w[0] = 'M'; w[1] = uint8_t(t); w[2] = uint8_t(t >> 8); return w + 3; }
+  w[0] = 'J';  // little-endian, as pickle writes it (one store where the CPU is little-endian too)
+  w[1] = uint8_t(t); w[2] = uint8_t(t >> 8); w[3] = uint8_t(t >> 16); w[4] = uint8_t(t >> 24);
+  return w + 5;
 }
 
-void put_cbor_head(std::string &b, uint8_t major, uint64_t n) {
+// A CBOR head (major type, argument) at w, shortest form as canonical CBOR wants; returns the end.
+inline uint8_t *put_cbor_head(uint8_t *w, uint8_t major, uint64_t n) {
   major <<= 5;
-  if (n < 24) b += char(major | n);
-  else if (n < 256) { b += char(major | 24); b += char(n); }
-  else if (n < 65536) { b += char(major | 25); b += char(n >> 8); b += char(n & 0xff); }
-  else { b += char(major | 26); for (int i = 3; i >= 0; --i) b += char((n >> (8 * i)) & 0xff); }
+  if (n < 24) { *w = uint8_t(major | n); return w + 1; }
+  if (n < 256) { w[0] = uint8_t(major | 24); w[1] = uint8_t(n); return w + 2; }
+  if (n < 65536) { w[0] = uint8_t(major | 25); w[1] = uint8_t(n >> 8); w[2] = uint8_t(n); return w + 3; }
+  w[0] = uint8_t(major | 26);
+  for (int i = 0; i < 4; ++i) w[1 + i] = uint8_t(n >> (8 * (3 - i)));
+  return w + 5;
 }
 
 constexpr uint32_t kMaxId = 0x7fffffff;
@@ -183,44 +190,80 @@ std::vector<uint32_t> read_ids(nb::handle tokens) {
   return ids;
 }
 
+// The number of ASCII digits at p (up to 8), read as one little-endian word: a byte is a digit iff its high
+// nibble is 3 and, plus 6, still 3. (A carry out of a byte >= 0xfa only disturbs bytes after it, past the
+// first non-digit.) p must have 8 readable bytes.
+inline unsigned digits8(const char *p, uint64_t &word) {
+  std::memcpy(&word, p, 8);
+  const uint64_t hi = 0xF0F0F0F0F0F0F0F0ULL, threes = 0x3333333333333333ULL & hi;
+  const uint64_t bad = ((word & hi) ^ threes) | (((word + 0x0606060606060606ULL) & hi) ^ threes);
+  return bad ? unsigned(__builtin_ctzll(bad)) / 8 : 8;
+}
+
+// The value of the n (1..8) digits at the low end of `word` (as digits8 loaded them): right-aligned behind
+// '0's into eight digits, then three multiply-and-add steps, pairs of digits, then fours, then eight.
+inline uint32_t value8(uint64_t word, unsigned n) {
+  const unsigned shift = 8 * (8 - n);
+  if (shift) word = (word << shift) | (0x3030303030303030ULL >> (64 - shift));
+  word -= 0x3030303030303030ULL;
+  word = word * 10 + (word >> 8);
+  const uint64_t mask = 0x000000FF000000FFULL;
+  word = ((word & mask) * (100 + (1000000ULL << 32)) + ((word >> 16) & mask) * (1 + (10000ULL << 32))) >> 32;
+  return uint32_t(word);
+}
+
 // parse_ids(raw) -> bytes of native uint32: a JSON array of ints in [0, kMaxId], as the raw text of the
 // scoring API's "token_ids" (RFC 8259 numbers without fraction or exponent; "-0" is refused with every other
-// negative). ValueError, naming the offset, for anything else. Saves a Python int per token.
-nb::bytes parse_ids(nb::bytes raw) {
-  const char *p = raw.c_str(), *end = p + raw.size();
-  auto ws = [&] { while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) ++p; };
+// negative). `raw` is any contiguous byte buffer (bytes; msgspec.Raw). ValueError, naming the offset, for
+// anything else. Saves a Python int per token; each number's digits are found and valued a word at a time
+// (a token id has up to ten digits).
+nb::bytes parse_ids(nb::handle raw) {
+  Py_buffer view;
+  if (PyObject_GetBuffer(raw.ptr(), &view, PyBUF_SIMPLE) != 0) throw nb::python_error();
+  // A copy with 16 NULs after it: digits8 may read 8 bytes anywhere, and '\0' ends every loop (no digit,
+  // no space, no bracket).
+  std::string text(size_t(view.len) + 16, '\0');
+  std::memcpy(&text[0], view.buf, size_t(view.len));
+  PyBuffer_Release(&view);
+  const char *const begin = text.c_str(), *p = begin, *const end = begin + text.size() - 16;
+  auto ws = [&] { while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') ++p; };
   auto fail = [&](const char *what) {
-    throw std::invalid_argument(std::string("token_ids: ") + what + " at offset " + std::to_string(p - raw.c_str()));
+    throw std::invalid_argument(std::string("token_ids: ") + what + " at offset " + std::to_string(p - begin));
   };
-  std::vector<uint32_t> ids;
-  ids.reserve(raw.size() / 2);  // at least two characters a token ("1,")
+  std::unique_ptr<uint32_t[]> ids(new uint32_t[size_t(end - begin) / 2 + 1]);  // at most one per two characters
+  size_t n = 0;
   ws();
-  if (p == end || *p != '[') fail("expected an array");
+  if (*p != '[') fail("expected an array");
   ++p;
   ws();
-  if (p < end && *p == ']') {
+  if (*p == ']') {
     ++p;
   } else {
     for (;;) {
       ws();
-      if (p == end || *p < '0' || *p > '9') fail("expected a non-negative integer");
-      if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9') fail("a leading zero");
-      uint64_t v = 0;
-      while (p < end && *p >= '0' && *p <= '9') {
-        v = v * 10 + uint64_t(*p++ - '0');
-        if (v > kMaxId) fail("a token id over 2**31 - 1");
+      uint64_t word;
+      unsigned len = digits8(p, word);
+      if (len == 0) fail("expected a non-negative integer");
+      if (*p == '0' && len > 1) fail("a leading zero");
+      uint64_t v = value8(word, len);
+      if (len == 8) {  // (maybe more: at most two more digits fit under 2**31)
+        const char *q = p + 8;
+        while (unsigned(*q - '0') <= 9 && q - p < 11) v = v * 10 + unsigned(*q++ - '0');
+        len = unsigned(q - p);
       }
-      if (p < end && (*p == '.' || *p == 'e' || *p == 'E')) fail("a number that is not an integer");
-      ids.push_back(uint32_t(v));
+      if (len > 10 || v > kMaxId) fail("a token id over 2**31 - 1");
+      p += len;
+      if (*p == '.' || *p == 'e' || *p == 'E') fail("a number that is not an integer");
+      ids[n++] = uint32_t(v);
       ws();
-      if (p < end && *p == ',') { ++p; continue; }
-      if (p < end && *p == ']') { ++p; break; }
+      if (*p == ',') { ++p; continue; }
+      if (*p == ']') { ++p; break; }
       fail("expected ',' or ']'");
     }
   }
   ws();
   if (p != end) fail("trailing characters");
-  return nb::bytes(reinterpret_cast<const char *>(ids.data()), ids.size() * 4);
+  return nb::bytes(reinterpret_cast<const char *>(ids.get()), n * 4);
 }
 
 // chain(parent, tokens, block_size, max_blocks, cbor, extra0, extra) -> list of 32-byte hashes
@@ -229,55 +272,60 @@ nb::list chain(nb::bytes parent, nb::handle tokens, size_t block_size, size_t ma
   if (parent.size() != 32) throw std::invalid_argument("parent must be 32 bytes");
   if (block_size == 0) throw std::invalid_argument("block_size must be positive");
   std::vector<uint32_t> ids = read_ids(tokens);
-  size_t blocks = std::min(ids.size() / block_size, max_blocks);
+  const size_t blocks = std::min(ids.size() / block_size, max_blocks);
   std::string e0(extra0.c_str(), extra0.size()), e1(extra.c_str(), extra.size());
   std::vector<uint8_t> out(blocks * 32);
   {
     nb::gil_scoped_release unlocked;
-    // Every token's encoding once, back to back: a block's tokens are then one contiguous run (off[]).
-    std::string toks;
-    toks.reserve(blocks * block_size * 5);
-    std::vector<size_t> off(blocks * block_size + 1);
-    for (size_t j = 0; j < blocks * block_size; ++j) {
-      off[j] = toks.size();
-      if (cbor) put_cbor_head(toks, 0, ids[j]); else put_pickle_int(toks, ids[j]);
+    // What goes between the parent hash and the token ids, and after them, is the same in every block.
+    uint8_t head[8], tail[2];
+    size_t head_n, tail_n = 0;
+    if (cbor) {
+      head_n = size_t(put_cbor_head(head, 4, block_size) - head);
+    } else {
+      head[0] = 0x94;  // MEMOIZE (the parent), then MARK for a tuple over 3 items
+      head_n = block_size > 3 ? 2 : 1;
+      head[1] = '(';
+      tail[0] = block_size > 3 ? 't' : block_size == 3 ? 0x87 : block_size == 2 ? 0x86 : 0x85;
+      tail[1] = 0x94;
+      tail_n = 2;
     }
-    off[blocks * block_size] = toks.size();
-    std::string head;  // what goes between the parent hash and the token run
-    if (cbor) put_cbor_head(head, 4, block_size);
-    else head = std::string(1, '\x94') + (block_size > 3 ? "(" : "");
-    const std::string tail_tuple = cbor ? "" : std::string(block_size > 3 ? "t" : block_size == 3 ? "\x87" :
-                                                           block_size == 2 ? "\x86" : "\x85") + "\x94";
-    std::vector<uint8_t> msg(16 + 32 + head.size() + 5 * block_size + tail_tuple.size() +
-                             std::max(e0.size(), e1.size()) + 8 + 72);
-    uint8_t h[32];
-    std::memcpy(h, parent.c_str(), 32);
+    std::vector<uint8_t> msg(16 + 32 + head_n + 5 * block_size + tail_n + std::max(e0.size(), e1.size()) + 8 + 72);
+    uint8_t *const body = msg.data() + (cbor ? 3 : 13);  // where the parent hash goes
+    if (cbor) std::memcpy(msg.data(), "\x83\x58\x20", 3);  // [parent bytes(32), [ints], extra]
+    else std::memcpy(msg.data(), "\x80\x05\x95\0\0\0\0\0\0\0\0C ", 13);  // PROTO 5, FRAME <len>, SHORT_BINBYTES 32
+    std::memcpy(body, parent.c_str(), 32);
+    std::memcpy(body + 32, head, head_n);
+    const uint32_t *tok = ids.data();
     for (size_t i = 0; i < blocks; ++i) {
       const std::string &e = i == 0 ? e0 : e1;
-      const size_t run = off[(i + 1) * block_size] - off[i * block_size];
-      uint8_t *w = msg.data();
-      auto put = [&](const void *src, size_t n) { std::memcpy(w, src, n); w += n; };
-      if (cbor) {  // [parent bytes, [ints], extra]
-        put("\x83\x58\x20", 3);
-      } else {  // PROTO 5, FRAME <len>, SHORT_BINBYTES parent MEMOIZE, the tuple, extra, TUPLE3 MEMOIZE STOP
-        const uint64_t len = 2 + 32 + head.size() + run + tail_tuple.size() + e.size() + 3;
-        put("\x80\x05\x95", 3);
-        for (int k = 0; k < 8; ++k) *w++ = uint8_t(len >> (8 * k));
-        put("C ", 2);
+      uint8_t *w = body + 32 + head_n;
+      if (cbor)
+        for (size_t j = 0; j < block_size; ++j) w = put_cbor_head(w, 0, *tok++);
+      else
+        for (size_t j = 0; j < block_size; ++j) w = put_pickle_int(w, *tok++);
+      std::memcpy(w, tail, tail_n);
+      w += tail_n;
+      std::memcpy(w, e.data(), e.size());
+      w += e.size();
+      if (!cbor) {  // TUPLE3 MEMOIZE STOP, and the frame's length: what follows FRAME <len>, STOP included
+        std::memcpy(w, "\x87\x94.", 3);
+        w += 3;
+        const uint64_t len = uint64_t(w - (msg.data() + 11));
+        for (int k = 0; k < 8; ++k) msg[3 + k] = uint8_t(len >> (8 * k));
       }
-      put(h, 32);
-      put(head.data(), head.size());
-      put(toks.data() + off[i * block_size], run);
-      put(tail_tuple.data(), tail_tuple.size());
-      put(e.data(), e.size());
-      if (!cbor) put("\x87\x94.", 3);
-      sha256(msg.data(), size_t(w - msg.data()), h);
-      std::memcpy(out.data() + 32 * i, h, 32);
+      sha256(msg.data(), size_t(w - msg.data()), body);  // the next block's parent, in place
+      std::memcpy(out.data() + 32 * i, body, 32);
     }
   }
-  nb::list result;
-  for (size_t i = 0; i < blocks; ++i) result.append(nb::bytes(reinterpret_cast<const char *>(out.data() + 32 * i), 32));
-  return result;
+  PyObject *result = PyList_New(Py_ssize_t(blocks));
+  if (!result) throw nb::python_error();
+  for (size_t i = 0; i < blocks; ++i) {
+    PyObject *h = PyBytes_FromStringAndSize(reinterpret_cast<const char *>(out.data() + 32 * i), 32);
+    if (!h) { Py_DECREF(result); throw nb::python_error(); }
+    PyList_SET_ITEM(result, Py_ssize_t(i), h);
+  }
+  return nb::steal<nb::list>(result);
 }
 
 }  // namespace

@@ -325,6 +325,13 @@ class RegistryMirror:
         ties = [next(self._rr) for _ in requests] if tie_breakers is None else tie_breakers
         return index.lookup_many(requests, ties)
 
+    def held_prefixes(self, hashes: Sequence[bytes], compat_key: str) -> dict[str, int] | None:
+        """:meth:`~.store.RegistryStore.held_prefixes` from the copy; None while no complete copy is held."""
+        index = self._index
+        if index is None or not self._ready.is_set():
+            return None
+        return index.held_prefixes(hashes, compat_key)
+
     def stats(self) -> MirrorStats:
         index = self._index
         live, _, entries = index.counts() if index is not None else (0, 0, 0)

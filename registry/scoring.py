@@ -51,7 +51,7 @@ from typing import Any
 import msgspec
 
 from remote_g2.errors import CannotScore, ConfigError
-from remote_g2.messages import LayoutFingerprint, Lookup, WorkerRecord
+from remote_g2.messages import LayoutFingerprint, WorkerRecord
 from remote_g2.model_identity import identity_of, model_label
 from remote_g2.vllm_hashing import DEFAULT_SEED, VllmBlockHasher, hasher_for_scheme
 
@@ -143,8 +143,25 @@ def block_bytes(fp: LayoutFingerprint) -> int | None:
     return fp.num_layers * kv * heads * fp.head_dim * fp.tokens_per_block * size
 
 
+def _by_matched_tokens(s: WorkerScore) -> int:
+    return s.matched_tokens
+
+
 def _serves(fp: LayoutFingerprint, model: str) -> bool:
     return model in (fp.model_id, model_label(fp.model_id), identity_of(fp.model_id))
+
+
+class _Candidate:
+    """A live worker as one listing of the store has it, for one model: its lease's end, compat key, costs
+    per block and, built on first use, its score when it holds nothing (most workers, for most prompts:
+    reused until the store changes, which lists again)."""
+
+    __slots__ = ("worker", "ends", "key", "costs", "zeros")
+
+    def __init__(self, worker: WorkerRecord, ends: float, key: str,
+                 costs: tuple[float | None, float | None]) -> None:
+        self.worker, self.ends, self.key, self.costs = worker, ends, key, costs
+        self.zeros: dict[tuple[Any, ...], WorkerScore] = {}  # (*tier names, block size) -> that score at 0
 
 
 class Scorer:
@@ -185,18 +202,19 @@ class Scorer:
             self._workers, self._by_model, self._workers_at, self._workers_gen = workers, by_model, now, gen
         return workers, by_model
 
-    def _candidates(self, model: str | None) -> list[tuple[WorkerRecord, str, tuple[float | None, float | None]]]:
-        """The live workers serving ``model`` (all, for None), each with its compat key and costs per block;
-        a lease that lapsed since the store was listed drops its worker."""
+    def _candidates(self, model: str | None) -> list[_Candidate]:
+        """The live workers serving ``model`` (all, for None), least loaded first (then by worker id); a
+        lease that lapsed since the store was listed drops its worker."""
         now = time.monotonic()
         workers, by_model = self._listing(now)
         listed = by_model.get(model)
         if listed is None:
-            listed = [(w, ends, key, self._costs_of(w.fingerprint, model)) for w, ends, key in workers
+            listed = [_Candidate(w, ends, key, self._costs_of(w.fingerprint, model)) for w, ends, key in workers
                       if model is None or _serves(w.fingerprint, model)]
+            listed.sort(key=lambda c: (c.worker.load, c.worker.worker_id))
             if len(by_model) < 1024:  # models are whatever callers send: bounded (a dict write: atomic)
                 by_model[model] = listed
-        return [(w, key, costs) for w, ends, key, costs in listed if ends > now]
+        return [c for c in listed if c.ends > now]
 
     def _hasher(self, fp: LayoutFingerprint) -> VllmBlockHasher:
         key = (fp.hash_scheme, fp.tokens_per_block)
@@ -212,14 +230,12 @@ class Scorer:
 
     def _lookup(self, hashes: list[bytes], compat_key: str) -> dict[str, int]:
         """worker id -> blocks matched from block 0, for every live holder of ``hashes[0]`` of ``compat_key``."""
-        reply = None
         mirror = self._mirror
         if mirror is not None:
-            replies = mirror.lookup_many([Lookup(hashes, None, compat_key, True)], [0])  # type: ignore[attr-defined]
-            reply = replies[0] if replies is not None else None
-        if reply is None:
-            reply = self.store.lookup(hashes, compat_key=compat_key, want_all_holders=True)
-        return {h.worker_id: h.matched for h in reply.holders}
+            held = mirror.held_prefixes(hashes, compat_key)  # type: ignore[attr-defined]
+            if held is not None:
+                return held
+        return self.store.held_prefixes(hashes, compat_key)
 
     def score(self, req: ScoreRequest) -> ScoreReply:
         """Score ``req`` (see the module docstring); :class:`CannotScore` when it cannot be answered exactly."""
@@ -237,12 +253,8 @@ class Scorer:
             raise CannotScore("a LoRA adapter is hashed by its name and path: send both lora_name and lora_path",
                               reason="bad_request")
         wanted = set(req.workers) if req.workers is not None else None
-        groups: dict[str, list[tuple[WorkerRecord, Any]]] = {}
-        for w, key, costs in self._candidates(req.model):
-            if wanted is None or w.worker_id in wanted:
-                groups.setdefault(key, []).append((w, costs))
+        cands = [c for c in self._candidates(req.model) if wanted is None or c.worker.worker_id in wanted]
         lora = (req.lora_name, req.lora_path) if req.lora_name is not None else None
-        scores: list[WorkerScore] = []
         unscored: list[tuple[str, str, str]] = []  # (worker id, reason code, why)
         by_hasher: dict[tuple[str, int], list[bytes]] = {}
 
@@ -253,55 +265,77 @@ class Scorer:
                                               max_blocks=MAX_SCORE_HASHES)
             return by_hasher[hk]
 
-        for key, members in sorted(groups.items()):
-            fp = members[0][0].fingerprint
+        # Per compat key (a hash space and block size): the hashes and who holds how much of them.
+        groups: dict[str, tuple[list[bytes], dict[str, int], int] | CannotScore] = {}
+        engines = self.engines
+        scores: list[WorkerScore] = []
+        for c in cands:  # least loaded first: the stable sort below keeps that order among equal matches
+            w, key = c.worker, c.key
+            fp = w.fingerprint
             if fp.kv_layout == EVENTS_ONLY_LAYOUT:  # an engine without remote-g2: each its own hash space
-                for w, costs in members:
-                    hasher, why = (None, "this server follows no KV events (serve --vllm-kv-events)") \
-                        if self.engines is None else self.engines.hasher(w.worker_id)
-                    if req.token_ids is not None and hasher is None:
-                        unscored.append((w.worker_id, "scheme_not_learned", why))
-                        continue
-                    # (asked by block hashes, those are its keys whether or not its hash space is known)
-                    hashes = hashes_of(hasher) if req.token_ids is not None else list(req.block_hashes or ())
-                    tiers = self.engines.matched(w.worker_id, hashes) if self.engines is not None and hashes else {}
-                    bs = hasher.block_size if hasher is not None else (self.engines.block_size(w.worker_id)
-                                                                       if self.engines is not None else None)
-                    scores.append(self._worker_score(w, key, costs, tiers, bs, readable=False))
-                continue
-            if req.token_ids is not None:
-                try:
-                    hashes = hashes_of(self._hasher(fp))
-                except CannotScore as e:
-                    unscored += [(w.worker_id, e.reason, e.message) for w, _ in members]
+                hasher, why = (None, "this server follows no KV events (serve --vllm-kv-events)") \
+                    if engines is None else engines.hasher(w.worker_id)
+                if req.token_ids is not None and hasher is None:
+                    unscored.append((w.worker_id, "scheme_not_learned", why))
                     continue
-            else:
-                hashes = list(req.block_hashes or ())
-            held = self._lookup(hashes, key) if hashes else {}
-            for w, costs in members:
-                tiers = {"g2": held.get(w.worker_id, 0)}
-                if self.engines is not None and hashes:  # its engine's own tiers, where this server follows them
-                    tiers = {**self.engines.matched(w.worker_id, hashes), **tiers}
-                scores.append(self._worker_score(w, key, costs, tiers, fp.tokens_per_block, readable=True))
+                # (asked by block hashes, those are its keys whether or not its hash space is known)
+                hashes = hashes_of(hasher) if req.token_ids is not None else list(req.block_hashes or ())
+                tiers = engines.matched(w.worker_id, hashes) if engines is not None and hashes else {}
+                bs = hasher.block_size if hasher is not None else (engines.block_size(w.worker_id)
+                                                                   if engines is not None else None)
+                scores.append(self._worker_score(c, tiers, bs, readable=False))
+                continue
+            if key not in groups:
+                try:
+                    hashes = hashes_of(self._hasher(fp)) if req.token_ids is not None \
+                        else list(req.block_hashes or ())
+                except CannotScore as e:
+                    groups[key] = e
+                else:
+                    groups[key] = (hashes, self._lookup(hashes, key) if hashes else {}, fp.tokens_per_block)
+            group = groups[key]
+            if isinstance(group, CannotScore):
+                unscored.append((w.worker_id, group.reason, group.message))
+                continue
+            hashes, held, bs = group
+            g2 = held.get(w.worker_id, 0)
+            if engines is not None and hashes:  # its engine's own tiers, where this server follows them
+                scores.append(self._worker_score(c, {**engines.matched(w.worker_id, hashes), "g2": g2}, bs,
+                                                 readable=True))
+            elif g2:
+                scores.append(self._build_score(c, {"g2": g2}, bs, g2, readable=True))
+            else:  # the usual answer for most of a fleet: built once per listing
+                scores.append(c.zeros.get(("g2", bs)) or self._worker_score(c, {"g2": 0}, bs, readable=True))
         if unscored and not scores:
             _, reason, why = unscored[0]
             raise CannotScore(f"no worker of this model can be scored: {unscored[0][0]}: {why}",
                               reason="unknown_scheme" if reason == "scheme_not_learned" else reason)
-        scores.sort(key=lambda s: (-s.matched_tokens, s.load, s.worker_id))
+        scores.sort(key=_by_matched_tokens, reverse=True)  # stable: least loaded, then worker id, among equals
         best = scores[0].worker_id if scores and scores[0].matched_blocks else None
         return ScoreReply(req.model, None if req.token_ids is None else len(req.token_ids), scores, best,
                           [{"worker_id": wid, "reason": reason, "message": why} for wid, reason, why in unscored])
 
-    def _worker_score(self, w: WorkerRecord, key: str, costs: tuple[float | None, float | None],
-                      tiers: dict[str, int], block_size: int | None, *, readable: bool) -> WorkerScore:
+    def _worker_score(self, c: _Candidate, tiers: dict[str, int], block_size: int | None, *,
+                      readable: bool) -> WorkerScore:
         """One worker's score: its longest tier's match; a fetch only from what remote-g2 can read (its G2)."""
-        fetch_per_block, prefill_per_token = costs
         n = max(tiers.values(), default=0)
+        if n == 0:  # holds nothing: the same answer until the store changes
+            names = (*tiers, block_size)
+            score = c.zeros.get(names)
+            if score is None:
+                score = c.zeros[names] = self._build_score(c, tiers, block_size, 0, readable=readable)
+            return score
+        return self._build_score(c, tiers, block_size, n, readable=readable)
+
+    def _build_score(self, c: _Candidate, tiers: dict[str, int], block_size: int | None, n: int, *,
+                     readable: bool) -> WorkerScore:
+        fetch_per_block, prefill_per_token = c.costs
         tokens = n * (block_size or 0)
         g2 = tiers.get("g2", 0)
-        fp = w.fingerprint
+        w = c.worker
         return WorkerScore(
-            w.worker_id, w.endpoint, w.tp_size, fp.model_id, key, block_size or 0, n, tokens, tiers, w.load,
+            w.worker_id, w.endpoint, w.tp_size, w.fingerprint.model_id, c.key, block_size or 0, n, tokens, tiers,
+            w.load,
             None if prefill_per_token is None or block_size is None else round(tokens * prefill_per_token, 3),
             None if fetch_per_block is None or not readable else
             round(self.config.fetch_overhead_ms * (g2 > 0) + g2 * fetch_per_block, 3),

@@ -202,6 +202,16 @@ class RegistryStore(ABC):
                             want_all_holders=r.want_all_holders, tie_breaker=t)
                 for r, t in zip(requests, tie_breakers, strict=True)]
 
+    def held_prefixes(self, hashes: Sequence[bytes], compat_key: str) -> dict[str, int]:
+        """worker id -> how many of ``hashes`` it holds from ``hashes[0]`` without a gap, for every live
+        holder of ``hashes[0]`` of ``compat_key`` (the scoring API's question; ``hashes`` not empty).
+
+        The default asks :meth:`lookup` for every holder; a store that can answer without building a
+        :class:`~remote_g2.messages.LookupReply` overrides it.
+        """
+        reply = self.lookup(hashes, compat_key=compat_key, want_all_holders=True)
+        return {h.worker_id: h.matched for h in reply.holders}
+
     # -- admin -------------------------------------------------------------------------
 
     @abstractmethod

@@ -236,6 +236,16 @@ class MemoryStore(RegistryStore):
                       else "source_is_target" if saw["self"] else "no_candidate")
             return LookupReply(reason, 0)
 
+    def held_prefixes(self, hashes: Sequence[bytes], compat_key: str) -> dict[str, int]:
+        with self._lock:
+            now, incs, workers = self._clock(), self._incs, self._workers
+            cands = [rec for inc in self._holders.holders(hashes[0])
+                     if (rec := incs[inc]).compat == compat_key and rec.expires_at > now
+                     and workers.get(rec.worker_id) is rec]
+            if not cands:
+                return {}
+            return {rec.worker_id: n for rec, n in zip(cands, self._holders.walk(hashes, [r.inc for r in cands]))}
+
     def _longest_held(self, hashes: Sequence[bytes],
                       eligible: Callable[[list[int]], list[_Incarnation]]) -> tuple[list[_Incarnation], int]:
         """(eligible incarnations holding ``hashes[:p]`` whole, p) for the largest such p; ([], 0) if none.

@@ -57,9 +57,10 @@ _MAX_KEY_CHARS = 4096  # a LoRA name or path, a salt: longer ones are refused
 _PICKLE_FRAME_TARGET = 64 * 1024  # pickle's _FRAME_SIZE_TARGET: a body under it is one frame
 
 
-def token_ids_from_json(raw: bytes) -> array.array:
-    """A JSON array of token ids (its raw text) as ``array('I')``, parsed in C++ without a Python int per
-    token; :class:`CannotScore` (``bad_request``) for anything but integers in ``[0, MAX_TOKEN_ID]``."""
+def token_ids_from_json(raw: bytes | memoryview | object) -> array.array:
+    """A JSON array of token ids (its raw text: any bytes-like object, ``msgspec.Raw`` included) as
+    ``array('I')``, parsed in C++ without a Python int per token; :class:`CannotScore` (``bad_request``)
+    for anything but integers in ``[0, MAX_TOKEN_ID]``."""
     try:
         ids = array.array("I")
         ids.frombytes(_vllm_hash.parse_ids(raw))

@@ -439,6 +439,16 @@ def test_random_churn_matches_model():
             assert [index.holders(x) for x in keys] == [model.holders(x) for x in keys], step
             chain = rng.sample(keys, 20)
             assert index.walk(chain, [1, 3, 6]) == model.walk(chain, [1, 3, 6]), step
+            # any order, repeats: walk merges them against a hash's sorted holders
+            cands = rng.choices(range(1, 8), k=rng.randint(1, 9))
+            assert index.walk(chain, cands) == model.walk(chain, cands), (step, cands)
+        if step % 50 == 0:  # a chain most holders share from its start, as a popular prompt's prefix
+            chain = rng.sample(keys, 10)
+            for holder in rng.sample(range(1, 7), rng.randint(3, 6)):
+                cut = rng.randint(1, 10)
+                assert index.add(holder, chain[:cut]) == model.add(holder, chain[:cut])
+            cands = rng.sample(range(1, 8), 7)
+            assert index.walk(chain, cands) == model.walk(chain, cands), (step, cands)
 
 
 def test_reentrant_calls_from_argument_conversion(make):

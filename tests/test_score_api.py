@@ -121,6 +121,46 @@ def test_bad_token_ids_are_refused_not_hashed(bad):
     assert e.value.reason == "bad_request"
 
 
+def _json_reference(text: bytes) -> list[int] | None:
+    """What token_ids_from_json must answer: the ids JSON holds, or None where it must refuse."""
+    try:
+        doc = json.loads(text)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    ok = isinstance(doc, list) and all(type(v) is int and 0 <= v <= 2**31 - 1 for v in doc) and b"-" not in text
+    return doc if ok else None
+
+
+def test_token_ids_parse_as_json_reads_them():
+    """The C++ reader of token_ids (word-at-a-time digits) against json.loads, on valid and broken texts."""
+    from remote_g2.vllm_hashing import token_ids_from_json
+
+    rng = random.Random(7)
+    edges = [0, 9, 10, 99, 12345678, 99999999, 100000000, 999999999, 1000000000, 2**31 - 1, 2**31, 9999999999,
+             10**10, 10**11, 10**19]
+    texts = [b"[]", b" [ ] ", b"[0]", b"[\t1,\r\n2 ,3]", b"[2147483647]", b"[2147483648]", b"[00]", b"[01]", b"[-0]",
+             b"[1.0]", b"[1e3]", b"[1E3]", b"[1,]", b"[,1]", b"[1 2]", b"[[1]]", b'["1"]', b"[1]]", b"1", b"", b" ",
+             b"[", b"[1", b"[1,2", b"[true]", b"[null]", b"[1]\x00", b"[1\x002]", b"\x00[1]", b"[+1]", b"[0x10]",
+             b"[12345678901234567890]", b"[1,\xff]", b"[" + b"9" * 40 + b"]"]
+    for _ in range(400):
+        ids = [rng.choice(edges) if rng.random() < 0.2 else rng.randrange(10 ** rng.randint(1, 10))
+               for _ in range(rng.randint(0, 40))]
+        sep = rng.choice([",", ", ", " ,", ",\n  "])
+        text = ("[" + sep.join(map(str, ids)) + "]").encode()
+        if rng.random() < 0.3:  # one byte changed, dropped or doubled
+            i = rng.randrange(len(text))
+            text = text[:i] + rng.choice([b"", bytes([rng.randrange(256)]), text[i:i + 1] * 2]) + text[i + 1:]
+        texts.append(text)
+    for text in texts:
+        want = _json_reference(text)
+        if want is None:
+            with pytest.raises(CannotScore) as e:
+                token_ids_from_json(text)
+            assert e.value.reason == "bad_request"
+        else:
+            assert list(token_ids_from_json(text)) == want, text
+
+
 # -- the scorer against a real store ---------------------------------------------------------------
 
 def _fp(model_id: str = "tiny#w-1", *, scheme: str = SCHEME, bs: int = 16, dtype: str = "bfloat16",
