@@ -212,58 +212,166 @@ inline uint32_t value8(uint64_t word, unsigned n) {
   return uint32_t(word);
 }
 
+// A copy of a Python buffer with 16 NULs after it: digits8 may read 8 bytes anywhere in it, and '\0' ends
+// every scanning loop below (it is no digit, no space, no bracket, no quote).
+std::string padded_copy(nb::handle obj) {
+  Py_buffer view;
+  if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_SIMPLE) != 0) throw nb::python_error();
+  std::string text(size_t(view.len) + 16, '\0');
+  std::memcpy(&text[0], view.buf, size_t(view.len));
+  PyBuffer_Release(&view);
+  return text;
+}
+
+inline void skip_ws(const char *&p) {
+  while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') ++p;
+}
+
+// The JSON array of token ids at p (a padded_copy) into ids[] (room for one per two characters); p is left
+// after its ']'. Throws invalid_argument naming the offset from `begin` for anything but ints in [0, kMaxId].
+size_t parse_id_array(const char *&p, const char *begin, uint32_t *ids) {
+  auto fail = [&](const char *what) {
+    throw std::invalid_argument(std::string("token_ids: ") + what + " at offset " + std::to_string(p - begin));
+  };
+  size_t n = 0;
+  skip_ws(p);
+  if (*p != '[') fail("expected an array");
+  ++p;
+  skip_ws(p);
+  if (*p == ']') {
+    ++p;
+    return 0;
+  }
+  for (;;) {
+    skip_ws(p);
+    uint64_t word;
+    unsigned len = digits8(p, word);
+    if (len == 0) fail("expected a non-negative integer");
+    if (*p == '0' && len > 1) fail("a leading zero");
+    uint64_t v = value8(word, len);
+    if (len == 8) {  // (maybe more: at most two more digits fit under 2**31)
+      const char *q = p + 8;
+      while (unsigned(*q - '0') <= 9 && q - p < 11) v = v * 10 + unsigned(*q++ - '0');
+      len = unsigned(q - p);
+    }
+    if (len > 10 || v > kMaxId) fail("a token id over 2**31 - 1");
+    p += len;
+    if (*p == '.' || *p == 'e' || *p == 'E') fail("a number that is not an integer");
+    ids[n++] = uint32_t(v);
+    skip_ws(p);
+    if (*p == ',') { ++p; continue; }
+    if (*p == ']') { ++p; return n; }
+    fail("expected ',' or ']'");
+  }
+}
+
 // parse_ids(raw) -> bytes of native uint32: a JSON array of ints in [0, kMaxId], as the raw text of the
 // scoring API's "token_ids" (RFC 8259 numbers without fraction or exponent; "-0" is refused with every other
 // negative). `raw` is any contiguous byte buffer (bytes; msgspec.Raw). ValueError, naming the offset, for
 // anything else. Saves a Python int per token; each number's digits are found and valued a word at a time
 // (a token id has up to ten digits).
 nb::bytes parse_ids(nb::handle raw) {
-  Py_buffer view;
-  if (PyObject_GetBuffer(raw.ptr(), &view, PyBUF_SIMPLE) != 0) throw nb::python_error();
-  // A copy with 16 NULs after it: digits8 may read 8 bytes anywhere, and '\0' ends every loop (no digit,
-  // no space, no bracket).
-  std::string text(size_t(view.len) + 16, '\0');
-  std::memcpy(&text[0], view.buf, size_t(view.len));
-  PyBuffer_Release(&view);
+  const std::string text = padded_copy(raw);
   const char *const begin = text.c_str(), *p = begin, *const end = begin + text.size() - 16;
-  auto ws = [&] { while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') ++p; };
-  auto fail = [&](const char *what) {
-    throw std::invalid_argument(std::string("token_ids: ") + what + " at offset " + std::to_string(p - begin));
-  };
   std::unique_ptr<uint32_t[]> ids(new uint32_t[size_t(end - begin) / 2 + 1]);  // at most one per two characters
-  size_t n = 0;
-  ws();
-  if (*p != '[') fail("expected an array");
-  ++p;
-  ws();
-  if (*p == ']') {
-    ++p;
-  } else {
-    for (;;) {
-      ws();
-      uint64_t word;
-      unsigned len = digits8(p, word);
-      if (len == 0) fail("expected a non-negative integer");
-      if (*p == '0' && len > 1) fail("a leading zero");
-      uint64_t v = value8(word, len);
-      if (len == 8) {  // (maybe more: at most two more digits fit under 2**31)
-        const char *q = p + 8;
-        while (unsigned(*q - '0') <= 9 && q - p < 11) v = v * 10 + unsigned(*q++ - '0');
-        len = unsigned(q - p);
-      }
-      if (len > 10 || v > kMaxId) fail("a token id over 2**31 - 1");
-      p += len;
-      if (*p == '.' || *p == 'e' || *p == 'E') fail("a number that is not an integer");
-      ids[n++] = uint32_t(v);
-      ws();
-      if (*p == ',') { ++p; continue; }
-      if (*p == ']') { ++p; break; }
-      fail("expected ',' or ']'");
-    }
-  }
-  ws();
-  if (p != end) fail("trailing characters");
+  size_t n = parse_id_array(p, begin, ids.get());
+  skip_ws(p);
+  if (p != end) throw std::invalid_argument("token_ids: trailing characters at offset " + std::to_string(p - begin));
   return nb::bytes(reinterpret_cast<const char *>(ids.get()), n * 4);
+}
+
+// Past one JSON value at p, found by its structure only (strings and nesting; nothing is validated: the
+// caller's JSON decoder reads whatever this skips). False where the structure ends early.
+bool skip_value(const char *&p, const char *end) {
+  auto skip_string = [&]() -> bool {  // p at the opening quote
+    for (++p; *p != '"'; ++p) {
+      if (p >= end) return false;
+      if (*p == '\\') ++p;
+    }
+    ++p;
+    return p <= end;
+  };
+  if (*p == '"') return skip_string();
+  if (*p == '[' || *p == '{') {
+    int depth = 0;
+    while (p < end) {
+      const char c = *p;
+      if (c == '"') {
+        if (!skip_string()) return false;
+        continue;
+      }
+      if (c == '[' || c == '{') ++depth;
+      else if ((c == ']' || c == '}') && --depth == 0) { ++p; return true; }
+      ++p;
+    }
+    return false;
+  }
+  const char *start = p;
+  while (p < end && *p != ',' && *p != '}' && *p != ']' && *p != ' ' && *p != '\t' && *p != '\n' && *p != '\r') ++p;
+  return p > start;
+}
+
+// split_ids(body) -> (ids as bytes of native uint32, the body with that array replaced by null), or None.
+//
+// The scoring API's bodies are a few short members and one long "token_ids" array. A JSON decoder that
+// must also find that array's end reads all of it once more, so the array is cut out here and the rest
+// (tens of bytes) is left to the decoder. Only the plain case is taken: a JSON object at the top whose
+// member keys carry no escapes, with exactly one "token_ids", an array of valid ids. Anything else gives
+// None, and the caller decodes the whole body as before (with the same errors). The cut is where the
+// object's structure says the member's value is; the decoder then reads every byte outside it, so a body
+// malformed elsewhere is still refused.
+nb::object split_ids(nb::handle body) {
+  const std::string text = padded_copy(body);
+  const char *const begin = text.c_str(), *p = begin, *const end = begin + text.size() - 16;
+  std::unique_ptr<uint32_t[]> ids;
+  size_t n = 0;
+  const char *cut = nullptr, *cut_end = nullptr;
+  skip_ws(p);
+  if (*p != '{') return nb::none();
+  ++p;
+  skip_ws(p);
+  if (*p == '}') return nb::none();
+  for (;;) {
+    if (*p != '"') return nb::none();
+    const char *key = ++p;
+    for (; *p != '"'; ++p)
+      if (*p == '\\' || (unsigned char)(*p) < 0x20) return nb::none();  // escapes, controls, NUL, the end
+    const bool is_ids = p - key == 9 && std::memcmp(key, "token_ids", 9) == 0;
+    ++p;
+    skip_ws(p);
+    if (*p != ':') return nb::none();
+    ++p;
+    skip_ws(p);
+    if (is_ids) {
+      if (cut != nullptr || *p != '[') return nb::none();
+      cut = p;
+      ids.reset(new uint32_t[size_t(end - p) / 2 + 1]);
+      try {
+        n = parse_id_array(p, begin, ids.get());
+      } catch (const std::invalid_argument &) {
+        return nb::none();  // the caller's own path names the error
+      }
+      cut_end = p;
+    } else if (!skip_value(p, end)) {
+      return nb::none();
+    }
+    skip_ws(p);
+    if (*p == ',') {
+      ++p;
+      skip_ws(p);
+      continue;
+    }
+    if (*p != '}') return nb::none();
+    ++p;
+    break;
+  }
+  skip_ws(p);
+  if (p != end || cut == nullptr) return nb::none();
+  std::string rest;
+  rest.reserve(size_t(cut - begin) + 4 + size_t(end - cut_end));
+  rest.append(begin, cut).append("null").append(cut_end, end);
+  return nb::make_tuple(nb::bytes(reinterpret_cast<const char *>(ids.get()), n * 4),
+                        nb::bytes(rest.data(), rest.size()));
 }
 
 // chain(parent, tokens, block_size, max_blocks, cbor, extra0, extra) -> list of 32-byte hashes
@@ -336,6 +444,7 @@ NB_MODULE(_vllm_hash, m) {
   m.def("set_portable", [](bool portable) { g_shani = !portable && cpu_has_sha(); },
         "tests: force the portable SHA-256 (True), or the CPU's extensions where present (False)");
   m.def("parse_ids", &parse_ids, nb::arg("raw"));
+  m.def("split_ids", &split_ids, nb::arg("body"));
   m.def("chain", &chain, nb::arg("parent"), nb::arg("tokens"), nb::arg("block_size"), nb::arg("max_blocks"),
         nb::arg("cbor"), nb::arg("extra0"), nb::arg("extra"));
 }

@@ -29,7 +29,7 @@ import msgspec
 
 from remote_g2.errors import CannotScore
 from remote_g2.hashing import hash_from_hex
-from remote_g2.vllm_hashing import token_ids_from_json
+from remote_g2.vllm_hashing import split_token_ids, token_ids_from_json
 
 from .scoring import ScoreReply, ScoreRequest
 
@@ -67,29 +67,44 @@ def _model(b: _Body) -> str | None:
     return b.model or b.model_name
 
 
-def _token_ids(b: _Body) -> Any:
+def _read(body: bytes | bytearray) -> tuple[_Body, Any]:
+    """The body's fields, and its token ids (None: none sent).
+
+    The usual body (an object with plain keys and one valid ``token_ids``
+    array) has its array cut out in C++ first (:func:`~remote_g2.vllm_hashing.split_token_ids`),
+    so msgspec reads tens of bytes, not the array a second time; any other
+    body is decoded whole, the array then parsed from msgspec's raw view.
+    """
+    split = split_token_ids(body)
+    if split is not None:
+        ids, rest = split
+        return _decode(rest), ids
+    return _read_whole(body)
+
+
+def _read_whole(body: bytes | bytearray) -> tuple[_Body, Any]:
+    b = _decode(body)
     raw = b.token_ids  # (read in place: a Raw is a view of the body)
-    return None if len(raw) == 0 or (len(raw) == 4 and bytes(raw) == b"null") else token_ids_from_json(raw)
+    return b, (None if len(raw) == 0 or (len(raw) == 4 and bytes(raw) == b"null") else token_ids_from_json(raw))
 
 
 def request_from_json(body: bytes) -> ScoreRequest:
     """A ``/v1/score`` body as a :class:`ScoreRequest`; :class:`CannotScore` (``bad_request``) if malformed."""
-    b = _decode(body)
+    b, token_ids = _read(body)
     hashes = None
     if b.block_hashes is not None:
         try:
             hashes = [hash_from_hex(h) for h in b.block_hashes]
         except ValueError as e:
             raise CannotScore(f"block_hashes: {e}", reason="bad_request") from None
-    return ScoreRequest(model=_model(b), token_ids=_token_ids(b), block_hashes=hashes,
+    return ScoreRequest(model=_model(b), token_ids=token_ids, block_hashes=hashes,
                         lora_name=b.lora_name, lora_path=b.lora_path, cache_salt=b.cache_salt, workers=b.workers)
 
 
 def query_request(body: bytes, loras: dict[str, str]) -> tuple[ScoreRequest, int | None]:
     """A ``/query`` body (Dynamo / Mooncake) as a :class:`ScoreRequest` and the block size it states."""
-    b = _decode(body)
+    b, token_ids = _read(body)
     model = _model(b)
-    token_ids = _token_ids(b)
     if token_ids is None or not model:
         raise CannotScore("/query needs token_ids and model_name", reason="bad_request")
     path = None

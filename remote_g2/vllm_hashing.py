@@ -43,7 +43,7 @@ from remote_g2 import _vllm_hash
 from remote_g2.errors import CannotScore
 
 __all__ = ["ALGORITHMS", "DEFAULT_SEED", "MAX_TOKEN_ID", "VllmBlockHasher", "scheme_name", "parse_scheme",
-           "hasher_for_scheme", "token_ids_from_json"]
+           "hasher_for_scheme", "token_ids_from_json", "split_token_ids"]
 
 assert array.array("I").itemsize == 4  # cpp_ext/vllm_hash.cpp reads token buffers as uint32
 
@@ -67,6 +67,23 @@ def token_ids_from_json(raw: bytes | memoryview | object) -> array.array:
         return ids
     except ValueError as e:
         raise CannotScore(str(e), reason="bad_request") from None
+
+
+def split_token_ids(body: bytes | bytearray) -> tuple[array.array, bytes] | None:
+    """A JSON body's ``token_ids`` array, cut out: ``(ids, the body with the array replaced by null)``.
+
+    Only for the plain case (a JSON object with unescaped keys, exactly one
+    ``token_ids``, an array of valid ids); None for anything else, which the
+    caller then decodes whole (and refuses with its own errors). What is cut
+    is where the object's structure puts that member's value, and every
+    other byte stays in the rest for the caller's decoder to validate.
+    """
+    split = _vllm_hash.split_ids(body)
+    if split is None:
+        return None
+    ids = array.array("I")
+    ids.frombytes(split[0])
+    return ids, split[1]
 
 
 def scheme_name(algo: str, seed: str) -> str:

@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import cbor2
+import msgspec
 import pytest
 
 from remote_g2.errors import CannotScore, ConfigError
@@ -159,6 +160,39 @@ def test_token_ids_parse_as_json_reads_them():
             assert e.value.reason == "bad_request"
         else:
             assert list(token_ids_from_json(text)) == want, text
+
+
+def test_token_ids_cut_from_the_body_read_as_the_whole_body_does():
+    """The body's token_ids array, cut out in C++ before msgspec reads the rest, gives what decoding the
+    whole body gives: the same fields and ids, or a refusal for the same bodies."""
+    from remote_g2.registry import score_wire
+
+    def outcome(read, body):
+        try:
+            b, ids = read(body)
+        except CannotScore as e:
+            return ("refused", e.reason)
+        return (msgspec.structs.asdict(b) | {"token_ids": None}, None if ids is None else list(ids))
+
+    rng = random.Random(11)
+    bodies = [b'{"model": "m", "token_ids": [1, 2]}', b'{"token_ids": [1], "token_ids": [2]}',
+              b'{"token_\\u0069ds": [3], "model": "m"}', b'{"model": "a\\"b", "token_ids": [4]}',
+              b'{"model": "m", "token_ids": [5], "x": {"token_ids": [6]}}', b'{"x": "[\\"", "token_ids": [7]}',
+              b'{"token_ids": [8]} {}', b'{"token_ids": [9],}', b'{"token_ids": null}', b'{"token_ids": []}',
+              b'{"model": "m" "token_ids": [1]}', b'{"model": "\xff", "token_ids": [1]}', b'{"token_ids": [1]',
+              b'{"workers": ["a", "b"], "token_ids": [1, 2], "cache_salt": "s"}', b'{"model": 7, "token_ids": [1]}']
+    for _ in range(600):
+        doc = {k: v for k, v in [("model", rng.choice(["m", "x y", 'q"', "\u00e9"])), ("cache_salt", "s"),
+                                 ("workers", ["a"]), ("extra", {"token_ids": [1], "s": "]}"}),
+                                 ("token_ids", [rng.randrange(2**31) for _ in range(rng.randint(0, 30))])]
+               if rng.random() < 0.7}
+        body = json.dumps(doc, indent=rng.choice([None, 1])).encode()
+        if rng.random() < 0.4:  # one byte changed, dropped or doubled
+            i = rng.randrange(len(body))
+            body = body[:i] + rng.choice([b"", bytes([rng.randrange(256)]), body[i:i + 1] * 2]) + body[i + 1:]
+        bodies.append(body)
+    for body in bodies:
+        assert outcome(score_wire._read, body) == outcome(score_wire._read_whole, body), body
 
 
 # -- the scorer against a real store ---------------------------------------------------------------
