@@ -30,7 +30,9 @@ sides are built and measured now, on the same machine, turn about.
                   server and the mirrored server, lookup throughput and its
                   ratio to raw Lua;
    * ``e2e``      ``bench_e2e.py``: the reference engine's median TTFT with a
-                  remote hit, a local hit and recompute, and remote / local.
+                  remote hit, a local hit and recompute, and remote / local;
+   * ``score``    ``bench_score.py``: the scoring API's scores per second of
+                  server CPU, its latency p50 and p99, and hashing alone.
 
    A bench missing at one side, or a run that fails (its stderr tail is
    kept), leaves that side's metrics missing; the rest goes on.
@@ -155,6 +157,10 @@ def _e2e_args(a: argparse.Namespace) -> list[str]:
     return ["--tokens", str(a.tokens), "--repeats", str(a.repeats)]
 
 
+def _score_args(a: argparse.Namespace) -> list[str]:
+    return ["--requests", str(a.score_requests)]
+
+
 H, L = Direction.HIGHER, Direction.LOWER
 BENCHES: dict[str, Bench] = {
     "fetch": Bench("bench_transfer.py", _fetch_args, (
@@ -178,6 +184,12 @@ BENCHES: dict[str, Bench] = {
         Metric("ttft_local_s", field_at("ttft_local_s"), L),
         Metric("ttft_recompute_s", field_at("ttft_recompute_s"), L),
         Metric("remote_over_local", field_at("remote_over_local"), L),
+    )),
+    "score": Bench("bench_score.py", _score_args, (
+        Metric("scores_per_server_cpu_s", field_at("scores_per_server_cpu_s"), H),
+        Metric("p50_ms", field_at("p50_ms"), L),
+        Metric("p99_ms", field_at("p99_ms"), L),
+        Metric("hash_ms_p50", field_at("hash_ms_p50"), L),
     )),
 }
 
@@ -390,7 +402,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("base", help="the commit to compare with (any git revision)")
     p.add_argument("--head", default=None, help="a commit to build as HEAD (default: this checkout, as it is)")
-    p.add_argument("--benches", type=bench_list, default=list(BENCHES), help="comma-separated: fetch,registry,e2e")
+    p.add_argument("--benches", type=bench_list, default=list(BENCHES), help="comma-separated: fetch,registry,e2e,score")
     p.add_argument("--rounds", type=int, default=3, help="rounds, each running every bench once per side")
     p.add_argument("--threshold", type=float, default=0.05, help="paired ratios within 1 ± this are 'same'")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per bench run (and per build step)")
@@ -413,6 +425,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     g = p.add_argument_group("e2e (bench_e2e.py)")
     g.add_argument("--tokens", type=int, default=1024)
     g.add_argument("--repeats", type=int, default=2)
+    g = p.add_argument_group("score (bench_score.py)")
+    g.add_argument("--score-requests", type=int, default=2000)
     a = p.parse_args(argv)
     if a.rounds < 1 or a.threshold < 0:
         p.error("need --rounds >= 1 and --threshold >= 0")

@@ -105,12 +105,16 @@ def test_fetch_metrics_come_per_block_size_from_rows_or_results(key: str) -> Non
     assert compare.direction_of("fetch.ratio_e2e_over_raw@64KiB") is HIGHER
 
 
-def test_registry_and_e2e_metrics_come_from_their_json() -> None:
+def test_registry_e2e_and_score_metrics_come_from_their_json() -> None:
     assert compare.extract_metrics("registry", REGISTRY) == {
         "registry.ingest_events_per_s": 300_000.0, "registry.lookup_p50_ms": 0.4,
         "registry.mirror_lookup_p50_ms": 0.2, "registry.lookups_per_s": 5000.0, "registry.lookups_over_raw": 0.6,
         "registry.mirror_lookups_per_s": 9000.0, "registry.mirror_lookups_over_raw": 1.1}
     assert compare.extract_metrics("e2e", E2E) == {f"e2e.{k}": v for k, v in E2E.items()}
+    score = {"bench": "score", "p50_ms": 0.5, "p99_ms": 0.6, "scores_per_server_cpu_s": 2500, "hash_ms_p50": 0.15,
+             "goals": {"p50_ms": 1.0}}
+    assert compare.extract_metrics("score", score) == {
+        "score.scores_per_server_cpu_s": 2500.0, "score.p50_ms": 0.5, "score.p99_ms": 0.6, "score.hash_ms_p50": 0.15}
 
 
 def test_a_key_the_json_lacks_is_a_missing_metric_not_an_error() -> None:

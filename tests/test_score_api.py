@@ -435,6 +435,86 @@ def test_keep_alive_and_expect_continue(api, prompt):
             assert json.loads(f.read(length))["best"] == "a"
 
 
+def _answers(f, n: int) -> list[tuple[bytes, dict]]:
+    """n HTTP answers read off a socket file: (status line, JSON body) each."""
+    out = []
+    for _ in range(n):
+        status, length = f.readline(), 0
+        while (line := f.readline()) not in (b"\r\n", b""):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        out.append((status, json.loads(f.read(length))))
+    return out
+
+
+def test_pipelined_requests_are_answered_in_order(api, prompt):
+    ok = json.dumps({"model": "tiny", "token_ids": prompt}).encode()
+    bad = b'{"model": "tiny", "token_ids": [1.5]}'
+    host, port = api.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        # four requests in one write, one of them refused: each answered, in order, on one connection
+        s.sendall(b"".join(b"POST /v1/score HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(b), b)
+                           for b in (ok, bad, ok, ok)) + b"GET /healthz HTTP/1.1\r\n\r\n")
+        got = _answers(s.makefile("rb"), 5)
+    assert [st.split()[1] for st, _ in got] == [b"200", b"400", b"200", b"200", b"200"]
+    assert got[0][1]["best"] == "a" and got[1][1]["error"]["reason"] == "bad_request" and got[4][1] == {"ok": True}
+
+
+def test_slow_and_idle_clients_are_cut_off(prompt, monkeypatch):
+    from remote_g2.registry import score_http
+
+    monkeypatch.setattr(score_http, "_REQUEST_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(score_http, "_IDLE_TIMEOUT_S", 1.0)
+    store = MemoryStore()
+    _add(store, "a", _fp(), VllmBlockHasher("sha256", DEFAULT_SEED, 16).hashes(prompt)[:5])
+    body = json.dumps({"model": "tiny", "token_ids": prompt}).encode()
+    with ScoreHttpServer(Scorer(store), "127.0.0.1:0") as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        addr = (host, int(port))
+        with socket.create_connection(addr, timeout=10) as slow:  # half a body, then nothing: 400 in time
+            t0 = time.monotonic()
+            slow.sendall(b"POST /v1/score HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body[:100]))
+            reply = slow.makefile("rb").read()
+            assert reply.startswith(b"HTTP/1.1 400") and b"did not arrive within" in reply
+            assert 0.4 < time.monotonic() - t0 < 5
+        with socket.create_connection(addr, timeout=10) as idle:  # answered, then silent: closed after 1 s
+            idle.sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
+            f = idle.makefile("rb")
+            assert _answers(f, 1)[0][1] == {"ok": True}
+            t0 = time.monotonic()
+            assert f.read() == b"" and 0.8 < time.monotonic() - t0 < 5
+
+
+def test_a_client_that_reads_no_answers_is_not_read_from_until_it_does(prompt):
+    """Pipelined requests whose answers the client leaves unread: once the answers back up, the server stops
+    reading (and scoring) that connection, serves others meanwhile, and goes on when the client reads."""
+    scored = []
+
+    class Counting(Scorer):
+        def score(self, req):
+            scored.append(1)
+            return super().score(req)
+
+    store = MemoryStore()
+    hashes = VllmBlockHasher("sha256", DEFAULT_SEED, 16).hashes(prompt)
+    for w in range(64):  # a 64-worker answer: about 15 KB for a request of 100 bytes
+        _add(store, f"worker-{w:02d}", _fp(), hashes[:w % 7])
+    small = json.dumps({"model": "tiny", "token_ids": prompt[:32]}).encode()
+    request = b"POST /v1/score HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(small), small)
+    n = 3000  # 45 MB of answers: several times what the kernel's socket buffers hold
+    with ScoreHttpServer(Counting(store), "127.0.0.1:0") as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=20) as greedy:
+            greedy.sendall(request * n)  # (300 KB: the kernel takes it all)
+            time.sleep(1.5)
+            held_back = len(scored)
+            assert held_back < n, "the server kept reading a client that reads none of its answers"
+            assert _post(srv.url + "/v1/score", {"model": "tiny", "token_ids": prompt})[0] == 200
+            got = _answers(greedy.makefile("rb"), n)  # now read: the rest is read, scored and answered
+        assert len(got) == n and all(st.startswith(b"HTTP/1.1 200") and len(doc["workers"]) == 64 for st, doc in got)
+        assert len(scored) == n + 1
+
+
 def test_beyond_loopback_a_token_is_required(prompt):
     store = MemoryStore()
     with pytest.raises(ConfigError, match="bearer token"):
