@@ -310,6 +310,38 @@ def test_scores_from_redis(redis_url, prompt):
         store.close()
 
 
+def test_scores_from_a_servers_mirror_equal_the_stores(redis_url, prompt):
+    """serve --mirror-lookups: the scorer asks the server's in-process copy of Redis, and gets what Redis says."""
+    from remote_g2.registry import RegistryServer
+    from remote_g2.registry.store_factory import open_store
+
+    store = open_store(redis_url=redis_url, key_prefix="score-mirror:")
+    server = RegistryServer(store, bind="tcp://127.0.0.1:0", feed_bind="tcp://127.0.0.1:0", mirror_lookups=True)
+    endpoint = server.start()
+    try:
+        assert server.mirror is not None and server.mirror.wait_ready(10), server.mirror.last_error
+        hashes = VllmBlockHasher("sha256", DEFAULT_SEED, 16).hashes(prompt)
+        with RegistryClient(endpoint) as c:
+            for wid, n in (("m1", 12), ("m2", 5), ("m3", 0)):
+                c.register_worker(wid, f"tcp://127.0.0.1:{9000 + n}", _fp(), 1)
+                if n:
+                    c.events(wid, 1, 1, [BlockEvent("stored", hashes[:n])])
+        deadline = time.monotonic() + 5
+        while server.mirror.held_prefixes(hashes, _fp().compat_key()) != {"m1": 12, "m2": 5} \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.mirror.held_prefixes(hashes, _fp().compat_key()) == {"m1": 12, "m2": 5}
+        mirrored = Scorer(store, mirror=server.mirror).score(ScoreRequest("tiny", prompt))
+        direct = Scorer(store).score(ScoreRequest("tiny", prompt))
+        assert [(w.worker_id, w.matched_blocks) for w in mirrored.workers] == [("m1", 12), ("m2", 5), ("m3", 0)]
+        assert mirrored == direct
+    finally:
+        server.close()
+        for wid in ("m1", "m2", "m3"):
+            store.drain_worker(wid)
+        store.close()
+
+
 # -- over HTTP -------------------------------------------------------------------------------------
 
 @pytest.fixture
