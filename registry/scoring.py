@@ -156,11 +156,14 @@ class _Candidate:
     per block and, built on first use, its score when it holds nothing (most workers, for most prompts:
     reused until the store changes, which lists again)."""
 
-    __slots__ = ("worker", "ends", "key", "costs", "zeros")
+    __slots__ = ("worker", "wid", "ends", "key", "costs", "events_only", "fixed", "zeros")
 
     def __init__(self, worker: WorkerRecord, ends: float, key: str,
                  costs: tuple[float | None, float | None]) -> None:
-        self.worker, self.ends, self.key, self.costs = worker, ends, key, costs
+        self.worker, self.wid, self.ends, self.key, self.costs = worker, worker.worker_id, ends, key, costs
+        self.events_only = worker.fingerprint.kv_layout == EVENTS_ONLY_LAYOUT  # an engine without remote-g2
+        # the fields of its WorkerScore that no prompt changes, in their order
+        self.fixed = (worker.worker_id, worker.endpoint, worker.tp_size, worker.fingerprint.model_id, key)
         self.zeros: dict[tuple[Any, ...], WorkerScore] = {}  # (*tier names, block size) -> that score at 0
 
 
@@ -268,51 +271,53 @@ class Scorer:
         # Per compat key (a hash space and block size): the hashes and who holds how much of them.
         groups: dict[str, tuple[list[bytes], dict[str, int], int] | CannotScore] = {}
         engines = self.engines
-        scores: list[WorkerScore] = []
-        for c in cands:  # least loaded first: the stable sort below keeps that order among equal matches
-            w, key = c.worker, c.key
-            fp = w.fingerprint
-            if fp.kv_layout == EVENTS_ONLY_LAYOUT:  # an engine without remote-g2: each its own hash space
+        matched: list[WorkerScore] = []  # some tokens matched: sorted below
+        idle: list[WorkerScore] = []  # none: already in the answer's order (least loaded, then worker id)
+        for c in cands:
+            if c.events_only:  # each its own hash space, learned from its events
                 hasher, why = (None, "this server follows no KV events (serve --vllm-kv-events)") \
-                    if engines is None else engines.hasher(w.worker_id)
+                    if engines is None else engines.hasher(c.wid)
                 if req.token_ids is not None and hasher is None:
-                    unscored.append((w.worker_id, "scheme_not_learned", why))
+                    unscored.append((c.wid, "scheme_not_learned", why))
                     continue
                 # (asked by block hashes, those are its keys whether or not its hash space is known)
                 hashes = hashes_of(hasher) if req.token_ids is not None else list(req.block_hashes or ())
-                tiers = engines.matched(w.worker_id, hashes) if engines is not None and hashes else {}
-                bs = hasher.block_size if hasher is not None else (engines.block_size(w.worker_id)
+                tiers = engines.matched(c.wid, hashes) if engines is not None and hashes else {}
+                bs = hasher.block_size if hasher is not None else (engines.block_size(c.wid)
                                                                    if engines is not None else None)
-                scores.append(self._worker_score(c, tiers, bs, readable=False))
+                score = self._worker_score(c, tiers, bs, readable=False)
+                (matched if score.matched_tokens else idle).append(score)
                 continue
-            if key not in groups:
+            group = groups.get(c.key)
+            if group is None:
+                fp = c.worker.fingerprint
                 try:
                     hashes = hashes_of(self._hasher(fp)) if req.token_ids is not None \
                         else list(req.block_hashes or ())
                 except CannotScore as e:
-                    groups[key] = e
+                    group = e
                 else:
-                    groups[key] = (hashes, self._lookup(hashes, key) if hashes else {}, fp.tokens_per_block)
-            group = groups[key]
+                    group = (hashes, self._lookup(hashes, c.key) if hashes else {}, fp.tokens_per_block)
+                groups[c.key] = group
             if isinstance(group, CannotScore):
-                unscored.append((w.worker_id, group.reason, group.message))
+                unscored.append((c.wid, group.reason, group.message))
                 continue
             hashes, held, bs = group
-            g2 = held.get(w.worker_id, 0)
+            g2 = held.get(c.wid, 0)
             if engines is not None and hashes:  # its engine's own tiers, where this server follows them
-                scores.append(self._worker_score(c, {**engines.matched(w.worker_id, hashes), "g2": g2}, bs,
-                                                 readable=True))
+                score = self._worker_score(c, {**engines.matched(c.wid, hashes), "g2": g2}, bs, readable=True)
+                (matched if score.matched_tokens else idle).append(score)
             elif g2:
-                scores.append(self._build_score(c, {"g2": g2}, bs, g2, readable=True))
+                matched.append(self._build_score(c, {"g2": g2}, bs, g2, readable=True))
             else:  # the usual answer for most of a fleet: built once per listing
-                scores.append(c.zeros.get(("g2", bs)) or self._worker_score(c, {"g2": 0}, bs, readable=True))
-        if unscored and not scores:
+                idle.append(c.zeros.get(("g2", bs)) or self._worker_score(c, {"g2": 0}, bs, readable=True))
+        if unscored and not matched and not idle:
             _, reason, why = unscored[0]
             raise CannotScore(f"no worker of this model can be scored: {unscored[0][0]}: {why}",
                               reason="unknown_scheme" if reason == "scheme_not_learned" else reason)
-        scores.sort(key=_by_matched_tokens, reverse=True)  # stable: least loaded, then worker id, among equals
-        best = scores[0].worker_id if scores and scores[0].matched_blocks else None
-        return ScoreReply(req.model, None if req.token_ids is None else len(req.token_ids), scores, best,
+        matched.sort(key=_by_matched_tokens, reverse=True)  # stable: least loaded, then worker id, among equals
+        best = matched[0].worker_id if matched else None
+        return ScoreReply(req.model, None if req.token_ids is None else len(req.token_ids), matched + idle, best,
                           [{"worker_id": wid, "reason": reason, "message": why} for wid, reason, why in unscored])
 
     def _worker_score(self, c: _Candidate, tiers: dict[str, int], block_size: int | None, *,
@@ -332,10 +337,8 @@ class Scorer:
         fetch_per_block, prefill_per_token = c.costs
         tokens = n * (block_size or 0)
         g2 = tiers.get("g2", 0)
-        w = c.worker
         return WorkerScore(
-            w.worker_id, w.endpoint, w.tp_size, w.fingerprint.model_id, c.key, block_size or 0, n, tokens, tiers,
-            w.load,
+            *c.fixed, block_size or 0, n, tokens, tiers, c.worker.load,
             None if prefill_per_token is None or block_size is None else round(tokens * prefill_per_token, 3),
             None if fetch_per_block is None or not readable else
             round(self.config.fetch_overhead_ms * (g2 > 0) + g2 * fetch_per_block, 3),
