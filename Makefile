@@ -82,7 +82,7 @@ bench: venv redis
 	$(VPY) bench/bench_weight_digest.py --json bench/results/weight_digest.json
 
 # BASE (any git revision) against this checkout: BASE built in a worktree under .bench-compare/ with its own venv
-# (sharing this one's packages), the fetch, registry and e2e benches run on both sides in interleaved rounds,
+# (sharing this one's packages), the fetch, registry, e2e and score benches run on both sides in interleaved rounds,
 # HEAD / BASE per metric with a verdict (bench/compare.py). More options: COMPARE_ARGS='--rounds 5 --benches fetch'.
 COMPARE_ARGS ?=
 ifneq ($(filter bench-compare,$(MAKECMDGOALS)),)
