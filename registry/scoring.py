@@ -89,8 +89,9 @@ class ScoreRequest:
 
 
 class WorkerScore(msgspec.Struct, frozen=True):
-    """One worker's share of a prompt's cache (see the module docstring); a msgspec Struct: one is built per
-    worker per request, and the HTTP answer encodes them as they are."""
+    """One worker's share of a prompt's cache (see the module docstring); a msgspec Struct, which the HTTP
+    answer encodes as it is. Read-only: a worker that holds nothing of a prompt gets the same object in
+    every answer until the store changes."""
 
     worker_id: str
     endpoint: str

@@ -125,6 +125,22 @@ def test_lookup_longest_prefix_wins_and_reports_all_holders(store):
     assert store.lookup(CHAIN[:10]).best.worker_id == "w2"
 
 
+def test_held_prefixes_are_what_a_lookup_of_every_holder_says(store):
+    """The scoring API's question: every live holder of the first hash, of one layout, and how far it holds."""
+    other = fp(dtype="fp8")
+    for wid, n, layout in (("w1", 3, FP), ("w2", 9, FP), ("w3", 9, FP), ("w4", 4, other), ("w5", 6, FP)):
+        register(store, wid, fingerprint=layout)
+        stored(store, wid, 1, CHAIN[:n])
+    register(store, "w6")
+    stored(store, "w6", 1, CHAIN[1:12])  # no first block: no holder
+    store.drain_worker("w5")  # gone: no holder
+    key = FP.compat_key()
+    want = {x.worker_id: x.matched for x in store.lookup(CHAIN[:10], compat_key=key, want_all_holders=True).holders}
+    assert store.held_prefixes(CHAIN[:10], key) == want == {"w1": 3, "w2": 9, "w3": 9}
+    assert store.held_prefixes(CHAIN[:10], other.compat_key()) == {"w4": 4}
+    assert store.held_prefixes([h(999)], key) == {}
+
+
 def test_lookup_many_answers_each_as_lookup_would(store):
     """The batched path (one pipelined round trip on single-node Redis) gives lookup's answers, in order."""
     register(store, "w1")
