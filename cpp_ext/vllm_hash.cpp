@@ -14,6 +14,10 @@
 //     otherwise): then pickle writes the whole body as one frame.
 // Token ids must be Python ints in [0, 2^31): anything else raises ValueError and nothing is returned.
 // The GIL is held while the ids are read, released while hashing.
+//
+// Also here, for the scoring API's request bodies: parse_ids (a JSON array of token ids, read without a
+// Python int per token) and split_ids (that array cut out of a body, so the JSON decoder reads only the
+// rest). Both read digits a machine word at a time, which assumes a little-endian CPU (checked below).
 
 #include <nanobind/nanobind.h>
 
@@ -190,6 +194,8 @@ std::vector<uint32_t> read_ids(nb::handle tokens) {
   Py_DECREF(seq);
   return ids;
 }
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "digits8 and value8 read text as little-endian words");
 
 // The number of ASCII digits at p (up to 8), read as one little-endian word: a byte is a digit iff its high
 // nibble is 3 and, plus 6, still 3. (A carry out of a byte >= 0xfa only disturbs bytes after it, past the
