@@ -36,7 +36,8 @@ wake-up per read, read pauses on every 64 KiB of an 8,192-token body) cost
 as much as the score. Limits: a request's head and body must arrive within
 10 s of its first byte (slow clients are cut off), an idle kept-alive
 connection is closed after 60 s, at most 512 connections are open at once,
-and a client that stops reading its answers is not read from until it does.
+and a client that stops reading its answers is not read from until it does
+(and is disconnected when it has not caught up within 60 s).
 """
 
 from __future__ import annotations
@@ -168,12 +169,14 @@ class _Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.paused = True
+        self._arm(_IDLE_TIMEOUT_S)  # a client that reads none of its answers for this long is cut off
         if self.transport is not None:
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         self.paused = False
         if self.transport is not None and not self.closed:
+            self._arm(_REQUEST_TIMEOUT_S if self.buf or self.head is not None else _IDLE_TIMEOUT_S)
             self.transport.resume_reading()
             self._serve_buffered()
 
@@ -216,7 +219,7 @@ class _Connection(asyncio.Protocol):
                 status, payload, keep = e.status, error_answer(e.reason, e.message), head.keep and not e.close
             self._answer(status, payload, keep=keep)
             self.server._observe(status, time.perf_counter() - head.started)
-            if not self.closed:
+            if not self.closed and not self.paused:  # (paused: pause_writing set the time it may take)
                 self._arm(_REQUEST_TIMEOUT_S if self.buf else _IDLE_TIMEOUT_S)
 
     def _parse_head(self, raw: bytes) -> _Head:
@@ -296,7 +299,10 @@ class _Connection(asyncio.Protocol):
         if self.loop.time() < self.deadline:  # moved on since it was set: wait for what is left
             self.timer = self.loop.call_at(self.deadline, self._on_timer)
             return
-        if self.buf or self.head is not None:  # a request that stopped halfway
+        if self.paused:  # its answers unread all this while: a close would wait on them, so abort
+            self.closed = True
+            self.transport.abort()  # type: ignore[union-attr]
+        elif self.buf or self.head is not None:  # a request that stopped halfway
             self._answer(400, error_answer("bad_request", "the request did not arrive within "
                                            f"{_REQUEST_TIMEOUT_S:.0f} s"), keep=False)
         else:

@@ -517,6 +517,20 @@ def test_slow_and_idle_clients_are_cut_off(prompt, monkeypatch):
             assert f.read() == b"" and 0.8 < time.monotonic() - t0 < 5
 
 
+def _wide_store(prompt) -> MemoryStore:
+    """64 workers: an answer of about 15 KB to a request of 100 bytes."""
+    store = MemoryStore()
+    hashes = VllmBlockHasher("sha256", DEFAULT_SEED, 16).hashes(prompt)
+    for w in range(64):
+        _add(store, f"worker-{w:02d}", _fp(), hashes[:w % 7])
+    return store
+
+
+def _small_request(prompt) -> bytes:
+    small = json.dumps({"model": "tiny", "token_ids": prompt[:32]}).encode()
+    return b"POST /v1/score HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(small), small)
+
+
 def test_a_client_that_reads_no_answers_is_not_read_from_until_it_does(prompt):
     """Pipelined requests whose answers the client leaves unread: once the answers back up, the server stops
     reading (and scoring) that connection, serves others meanwhile, and goes on when the client reads."""
@@ -527,12 +541,8 @@ def test_a_client_that_reads_no_answers_is_not_read_from_until_it_does(prompt):
             scored.append(1)
             return super().score(req)
 
-    store = MemoryStore()
-    hashes = VllmBlockHasher("sha256", DEFAULT_SEED, 16).hashes(prompt)
-    for w in range(64):  # a 64-worker answer: about 15 KB for a request of 100 bytes
-        _add(store, f"worker-{w:02d}", _fp(), hashes[:w % 7])
-    small = json.dumps({"model": "tiny", "token_ids": prompt[:32]}).encode()
-    request = b"POST /v1/score HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(small), small)
+    store = _wide_store(prompt)
+    request = _small_request(prompt)
     n = 3000  # 45 MB of answers: several times what the kernel's socket buffers hold
     with ScoreHttpServer(Counting(store), "127.0.0.1:0") as srv:
         host, port = srv.url.removeprefix("http://").split(":")
@@ -545,6 +555,24 @@ def test_a_client_that_reads_no_answers_is_not_read_from_until_it_does(prompt):
             got = _answers(greedy.makefile("rb"), n)  # now read: the rest is read, scored and answered
         assert len(got) == n and all(st.startswith(b"HTTP/1.1 200") and len(doc["workers"]) == 64 for st, doc in got)
         assert len(scored) == n + 1
+
+
+def test_a_client_that_never_reads_its_answers_is_disconnected(prompt, monkeypatch):
+    from remote_g2.registry import score_http
+
+    monkeypatch.setattr(score_http, "_IDLE_TIMEOUT_S", 1.0)
+    with ScoreHttpServer(Scorer(_wide_store(prompt)), "127.0.0.1:0") as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=20) as greedy:
+            greedy.sendall(_small_request(prompt) * 3000)
+            time.sleep(2.5)  # backed up since about the first second: cut off after one more
+            assert len(srv._connections) == 0
+            got = 0
+            with pytest.raises(ConnectionError):  # what the kernel held arrives, then the reset
+                while chunk := greedy.recv(1 << 20):
+                    got += len(chunk)
+                raise ConnectionResetError("closed without a reset")  # (an orderly close is not what we want)
+            assert got < 3000 * 10_000
 
 
 def test_beyond_loopback_a_token_is_required(prompt):
