@@ -58,6 +58,8 @@ def _decode(body: bytes) -> _Body:
         return _decoder.decode(body)
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise CannotScore(f"malformed request body: {e}", reason="bad_request") from None
+    except RecursionError:  # msgspec's guard against a deeply nested body (in any field, known or not)
+        raise CannotScore("malformed request body: nested too deeply", reason="bad_request") from None
 
 
 def _model(b: _Body) -> str | None:

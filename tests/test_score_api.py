@@ -405,6 +405,7 @@ def test_score_over_http(api, prompt):
     (b'{"model": "tiny", "token_ids": [-5]}', 400, "bad_request"),
     (b'{"block_hashes": ["zz"]}', 400, "bad_request"),
     (b'{"model": "tiny"}', 400, "bad_request"),
+    (b'{"model": "tiny", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b', "token_ids": [1]}', 400, "bad_request"),
 ])
 @pytest.mark.parametrize("route", ["/v1/score", "/query"])
 def test_hostile_bodies_get_4xx_and_the_server_keeps_serving(api, prompt, body, status, reason, route):
