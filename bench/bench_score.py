@@ -15,7 +15,16 @@ against 64 workers and 1 M hashes, and >= 2,000 scores per second of the
 server's CPU (its process's user + system time over the timed requests).
 For the part hashing takes, the same prompts are hashed in this process.
 
-    python bench/bench_score.py [--workers 64] [--hashes 1000000] [--tokens 8192] [--requests 2000] [--json F]
+A second, shorter part scores ``--long-tokens``-token prompts (65,536) whose
+cached prefixes are short (at most 1,024 tokens, held by a third of the
+workers). The scorer hashes a prompt only as far as its blocks are held
+anywhere, so such a score should cost about its prefix, not the prompt. Its
+baseline, in the same run and interleaved request by request: a second
+server on the same registry whose scorer hashes every prompt whole, as the
+scorer did before.
+
+    python bench/bench_score.py [--workers 64] [--hashes 1000000] [--tokens 8192] [--requests 2000]
+                                [--long-tokens 65536] [--long-requests 200] [--json F]
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(150_000) for _ in range(n)]
 
 
-def _serve(workers: int, hashes: int, tokens: int, prompts: int, seed: int, conn: Any) -> None:
+def _serve(workers: int, hashes: int, tokens: int, prompts: int, seed: int, long_tokens: int, conn: Any) -> None:
     """The child: build the registry, serve, report the URL and the scored prompts, then wait to be stopped."""
     from remote_g2.messages import BlockEvent, Events, LayoutFingerprint, RegisterWorker
     from remote_g2.registry import MemoryStore
@@ -55,6 +64,8 @@ def _serve(workers: int, hashes: int, tokens: int, prompts: int, seed: int, conn
     store = MemoryStore(lease_ttl_ms=3_600_000)
     scored = [_prompt(rng, tokens) for _ in range(prompts)]
     chains = [hasher.hashes(p) for p in scored]
+    longs = [_prompt(rng, long_tokens) for _ in range(4 if long_tokens else 0)]
+    long_chains = [hasher.hashes(p[:1024]) for p in longs]  # (only their first 1,024 tokens are ever held)
     per_worker = hashes // workers
     for w in range(workers):
         wid = f"worker-{w:03d}"
@@ -63,16 +74,26 @@ def _serve(workers: int, hashes: int, tokens: int, prompts: int, seed: int, conn
         for chain in chains:  # about a third of the workers hold a prefix of each scored prompt
             if rng.random() < 1 / 3:
                 held += chain[:rng.randrange(1, len(chain) + 1)]
+        for chain in long_chains:  # and a short prefix of each long one
+            if rng.random() < 1 / 3:
+                held += chain[:rng.randrange(1, len(chain) + 1)]
         while len(held) < per_worker:  # the rest: the worker's own prompts' chains
             held += hasher.hashes(_prompt(rng, min(tokens, (per_worker - len(held)) * BLOCK)))
         held = list(dict.fromkeys(held))[:per_worker]
         for seq, i in enumerate(range(0, len(held), 4096), start=1):
             store.apply_events(Events(wid, 1, seq, [BlockEvent("stored", held[i:i + 4096])]))
+    class WholePrompt(Scorer):  # the baseline of the long part: every prompt hashed to its end
+        def _hashes_needed(self, chain):  # type: ignore[no-untyped-def]
+            return chain.upto(chain.total)
+
     server = ScoreHttpServer(Scorer(store), "127.0.0.1:0")
-    url = server.start()
-    conn.send({"url": url, "pid": os.getpid(), "prompts": scored, "entries": store.counts()[2]})
+    whole = ScoreHttpServer(WholePrompt(store), "127.0.0.1:0")
+    url, whole_url = server.start(), whole.start()
+    conn.send({"url": url, "whole_url": whole_url, "pid": os.getpid(), "prompts": scored, "longs": longs,
+               "entries": store.counts()[2]})
     conn.recv()  # stop
     server.close()
+    whole.close()
 
 
 def _cpu_s(pid: int) -> float:
@@ -88,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=16, help="distinct scored prompts")
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--long-tokens", type=int, default=65_536, help="tokens per long prompt (0: no long part)")
+    p.add_argument("--long-requests", type=int, default=200)
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
 
@@ -96,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     parent, child = mp.Pipe()
     proc = mp.get_context("fork").Process(target=_serve, args=(a.workers, a.hashes, a.tokens, a.prompts, a.seed,
-                                                                 child), daemon=True)
+                                                                 a.long_tokens, child), daemon=True)
     proc.start()
     info = parent.recv()
     print(f"registry: {a.workers} workers, {info['entries']:,} (hash, worker) entries, built in "
@@ -125,6 +148,25 @@ def main(argv: list[str] | None = None) -> int:
                 best_tokens.append(json.loads(doc)["workers"][0]["matched_tokens"])
         wall = time.perf_counter() - wall0
         cpu = _cpu_s(info["pid"]) - cpu0
+        # The long part: each request to this scorer, then the same to the whole-prompt baseline.
+        whole_host, whole_port = info["whole_url"].removeprefix("http://").split(":")
+        base = http.client.HTTPConnection(whole_host, int(whole_port), timeout=30)
+        long_lat: dict[str, list[float]] = {"scorer": [], "whole": []}
+        long_tokens: dict[str, list[int]] = {"scorer": [], "whole": []}
+        long_bodies = [json.dumps({"model": "bench-model", "token_ids": pr}).encode() for pr in info["longs"]]
+        for i in range(a.long_requests if long_bodies else 0):
+            for side, c in (("scorer", conn), ("whole", base)):
+                t = time.perf_counter()
+                c.request("POST", "/v1/score", long_bodies[i % len(long_bodies)], headers)
+                r = c.getresponse()
+                doc = r.read()
+                long_lat[side].append(time.perf_counter() - t)
+                if r.status != 200:
+                    raise SystemExit(f"HTTP {r.status}: {doc[:200]!r}")
+                long_tokens[side].append(json.loads(doc)["workers"][0]["matched_tokens"])
+        base.close()
+        if long_tokens["scorer"] != long_tokens["whole"]:
+            raise SystemExit("the long prompts' scores differ between the scorer and its whole-prompt baseline")
     finally:
         conn.close()
         parent.send("stop")
@@ -147,11 +189,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'scores / s, one connection (wall)':42s} {a.requests / wall:10.0f}")
     print(f"{'hashing alone, ms per prompt (p50)':42s} {statistics.median(hash_ms):10.3f}")
     print(f"{'best worker matched tokens (first prompts)':42s} {statistics.median(best_tokens):10.0f}")
+    long_out = None
+    if long_lat["scorer"]:
+        p50s = {side: statistics.median(v) * 1e3 for side, v in long_lat.items()}
+        long_out = {"tokens": a.long_tokens, "requests": len(long_lat["scorer"]), "p50_ms": p50s["scorer"],
+                    "whole_prompt_p50_ms": p50s["whole"], "ratio": p50s["scorer"] / p50s["whole"],
+                    "best_matched_tokens": statistics.median(long_tokens["scorer"])}
+        print(f"\n{a.long_tokens}-token prompts, cached prefixes of at most 1,024 tokens "
+              f"(best match: {long_out['best_matched_tokens']:.0f} tokens):")
+        print(f"{'score latency p50, ms':42s} {p50s['scorer']:10.3f}")
+        print(f"{'  baseline, every prompt hashed whole':42s} {p50s['whole']:10.3f}")
+        print(f"{'  ratio':42s} {long_out['ratio']:10.2f}")
     out = {"bench": "score", "date": time.strftime("%Y-%m-%d"), "host": platform.node(), "cpus": os.cpu_count(),
            "workers": a.workers, "entries": info["entries"], "tokens": a.tokens, "block_size": BLOCK,
            "requests": a.requests, "p50_ms": p50, "p99_ms": p99, "mean_ms": statistics.fmean(ms),
            "scores_per_server_cpu_s": per_core, "scores_per_s_wall": a.requests / wall, "server_cpu_s": cpu,
-           "hash_ms_p50": statistics.median(hash_ms),
+           "hash_ms_p50": statistics.median(hash_ms), "long_prompts": long_out,
            "goals": {"p50_ms": 1.0, "p99_ms": 3.0, "scores_per_server_cpu_s": 2000}}
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)

@@ -157,9 +157,9 @@ inline uint8_t *put_cbor_head(uint8_t *w, uint8_t major, uint64_t n) {
 
 constexpr uint32_t kMaxId = 0x7fffffff;
 
-// Token ids out of a list/tuple of Python ints, or a buffer of native uint32 (array('I'), as parse_ids
-// makes); each must be in [0, kMaxId].
-std::vector<uint32_t> read_ids(nb::handle tokens) {
+// Token ids [first, first + count) out of a list/tuple of Python ints, or a buffer of native uint32
+// (array('I'), as parse_ids makes), clipped to what there is; each must be in [0, kMaxId].
+std::vector<uint32_t> read_ids(nb::handle tokens, size_t first, size_t count) {
   std::vector<uint32_t> ids;
   if (PyObject_CheckBuffer(tokens.ptr())) {
     Py_buffer view;
@@ -167,8 +167,9 @@ std::vector<uint32_t> read_ids(nb::handle tokens) {
     bool u32 = view.itemsize == 4 && view.format && (std::strcmp(view.format, "I") == 0 || std::strcmp(view.format, "=I") == 0 ||
                                                      std::strcmp(view.format, "<I") == 0 || std::strcmp(view.format, "L") == 0);
     if (u32) {
-      ids.resize(size_t(view.len) / 4);
-      std::memcpy(ids.data(), view.buf, ids.size() * 4);
+      const size_t have = size_t(view.len) / 4, from = std::min(first, have);
+      ids.resize(std::min(count, have - from));
+      std::memcpy(ids.data(), static_cast<const uint32_t *>(view.buf) + from, ids.size() * 4);
     }
     PyBuffer_Release(&view);
     if (!u32) throw std::invalid_argument("a token buffer must hold uint32 items");
@@ -178,10 +179,10 @@ std::vector<uint32_t> read_ids(nb::handle tokens) {
   }
   PyObject *seq = PySequence_Fast(tokens.ptr(), "token ids must be a sequence");
   if (!seq) throw nb::python_error();
-  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject **items = PySequence_Fast_ITEMS(seq);
-  ids.resize(static_cast<size_t>(n));
-  for (Py_ssize_t i = 0; i < n; ++i) {
+  const size_t have = size_t(PySequence_Fast_GET_SIZE(seq)), from = std::min(first, have);
+  PyObject **items = PySequence_Fast_ITEMS(seq) + from;
+  ids.resize(std::min(count, have - from));
+  for (size_t i = 0; i < ids.size(); ++i) {
     PyObject *o = items[i];
     long v = PyLong_CheckExact(o) ? PyLong_AsLong(o) : -1;  // exact ints only: no bool, no float
     if (v == -1 && PyErr_Occurred()) PyErr_Clear();
@@ -189,7 +190,7 @@ std::vector<uint32_t> read_ids(nb::handle tokens) {
       Py_DECREF(seq);
       throw std::invalid_argument("token ids must be ints in [0, 2**31 - 1]");
     }
-    ids[size_t(i)] = uint32_t(v);
+    ids[i] = uint32_t(v);
   }
   Py_DECREF(seq);
   return ids;
@@ -381,12 +382,16 @@ nb::object split_ids(nb::handle body) {
                         nb::bytes(rest.data(), rest.size()));
 }
 
-// chain(parent, tokens, block_size, max_blocks, cbor, extra0, extra) -> list of 32-byte hashes
+// chain(parent, tokens, block_size, max_blocks, cbor, extra0, extra, start) -> list of 32-byte hashes: the
+// hashes of blocks start, start + 1, ... (at most max_blocks), `parent` being block start - 1's (the seed's
+// hash for start 0) and `extra0` the extra keys of the first block hashed here.
 nb::list chain(nb::bytes parent, nb::handle tokens, size_t block_size, size_t max_blocks, bool cbor,
-               nb::bytes extra0, nb::bytes extra) {
+               nb::bytes extra0, nb::bytes extra, size_t start) {
   if (parent.size() != 32) throw std::invalid_argument("parent must be 32 bytes");
-  if (block_size == 0) throw std::invalid_argument("block_size must be positive");
-  std::vector<uint32_t> ids = read_ids(tokens);
+  if (block_size == 0 || block_size > (size_t(1) << 20)) throw std::invalid_argument("block_size out of range");
+  if (start > (size_t(1) << 40) / block_size || max_blocks > (size_t(1) << 40) / block_size)
+    throw std::invalid_argument("start or max_blocks out of range");
+  std::vector<uint32_t> ids = read_ids(tokens, start * block_size, max_blocks * block_size);
   const size_t blocks = std::min(ids.size() / block_size, max_blocks);
   std::string e0(extra0.c_str(), extra0.size()), e1(extra.c_str(), extra.size());
   std::vector<uint8_t> out(blocks * 32);
@@ -453,5 +458,5 @@ NB_MODULE(_vllm_hash, m) {
   m.def("parse_ids", &parse_ids, nb::arg("raw"));
   m.def("split_ids", &split_ids, nb::arg("body"));
   m.def("chain", &chain, nb::arg("parent"), nb::arg("tokens"), nb::arg("block_size"), nb::arg("max_blocks"),
-        nb::arg("cbor"), nb::arg("extra0"), nb::arg("extra"));
+        nb::arg("cbor"), nb::arg("extra0"), nb::arg("extra"), nb::arg("start") = 0);
 }

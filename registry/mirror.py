@@ -332,6 +332,13 @@ class RegistryMirror:
             return None
         return index.held_prefixes(hashes, compat_key)
 
+    def holds_any(self, block_hash: bytes) -> bool | None:
+        """:meth:`~.store.RegistryStore.holds_any` from the copy; None while no complete copy is held."""
+        index = self._index
+        if index is None or not self._ready.is_set():
+            return None
+        return index.holds_any(block_hash)
+
     def stats(self) -> MirrorStats:
         index = self._index
         live, _, entries = index.counts() if index is not None else (0, 0, 0)

@@ -15,12 +15,15 @@ worker that serves the request's model:
    vLLM folds them. A group whose hashes cannot be computed exactly (a
    scheme it does not know, a seed it was not given) is listed as unscored
    with the reason — never a silent zero. Or the caller sends
-   ``block_hashes`` directly.
+   ``block_hashes`` directly. The chain is computed only as far as its
+   blocks are held anywhere, where the store can tell that locally
+   (:meth:`Scorer._hashes_needed`): a long prompt with a short cached
+   prefix costs about its prefix.
 3. **How much each holds.** One registry lookup per group with every holder
-   (:meth:`~.store.RegistryStore.lookup`, ``want_all_holders``; answered by
-   the server's mirror when it keeps one): each worker's match runs from
-   block 0 without a gap. Dead workers are never in a lookup's answer, so a
-   worker that dies leaves the scores at once.
+   (:meth:`~.store.RegistryStore.held_prefixes`; answered by the server's
+   mirror when it keeps one): each worker's match runs from block 0 without
+   a gap. Dead workers are never in a lookup's answer, so a worker that dies
+   leaves the scores at once.
 
 **Tiers.** ``tier`` counts each tier's match: ``g2`` is what the store says
 a source-registered worker holds in its G2 (host memory remote-g2 reads),
@@ -53,7 +56,7 @@ import msgspec
 from remote_g2.errors import CannotScore, ConfigError
 from remote_g2.messages import LayoutFingerprint, WorkerRecord
 from remote_g2.model_identity import identity_of, model_label
-from remote_g2.vllm_hashing import DEFAULT_SEED, VllmBlockHasher, hasher_for_scheme
+from remote_g2.vllm_hashing import DEFAULT_SEED, PromptChain, VllmBlockHasher, hasher_for_scheme
 
 from .engine_caches import EngineCaches
 from .store import RegistryStore
@@ -66,6 +69,10 @@ __all__ = ["ScoreRequest", "WorkerScore", "ScoreReply", "Scorer", "ScoringConfig
 MAX_SCORE_TOKENS = 262_144
 #: The most block hashes a request may send (the registry's lookup limit).
 MAX_SCORE_HASHES = 65_536
+#: A prompt's blocks hashed first, and by how much that grows while some worker holds the last of them
+#: (:meth:`Scorer._hashes_needed`): at 16 tokens a block, 1,024 tokens, then 8,192, then 65,536.
+_FIRST_BLOCKS = 64
+_GROWTH = 8
 #: How long a scorer reuses the list of live workers of a store without a ``generation`` (Redis). A worker
 #: that died meanwhile is never in a lookup's answer: it scores 0 until the list is read again. A store with
 #: one (the embedded store) is listed again whenever it changes, and a lease that lapsed drops its worker.
@@ -241,6 +248,27 @@ class Scorer:
                 return held
         return self.store.held_prefixes(hashes, compat_key)
 
+    def _hashes_needed(self, chain: PromptChain) -> list[bytes]:
+        """The first blocks of ``chain`` that anyone can match: no further than the first block nobody holds.
+
+        ``_FIRST_BLOCKS`` first; while some worker (any, live or not, of any
+        layout: a superset, so nothing is cut short) holds the last of them,
+        ``_GROWTH`` times as many. Where the store cannot tell without a
+        round trip (Redis without the server's mirror), the whole prompt. A
+        long prompt with a short cached prefix then costs about that prefix.
+        """
+        n = min(chain.total, _FIRST_BLOCKS)
+        while n < chain.total:
+            last = chain.upto(n)[n - 1]
+            mirror = self._mirror
+            held = mirror.holds_any(last) if mirror is not None else None  # type: ignore[attr-defined]
+            if held is None:
+                held = self.store.holds_any(last)
+            if held is False:
+                break
+            n = chain.total if held is None else min(chain.total, n * _GROWTH)
+        return chain.upto(n)
+
     def score(self, req: ScoreRequest) -> ScoreReply:
         """Score ``req`` (see the module docstring); :class:`CannotScore` when it cannot be answered exactly."""
         if (req.token_ids is None) == (req.block_hashes is None):
@@ -260,14 +288,18 @@ class Scorer:
         cands = [c for c in self._candidates(req.model) if wanted is None or c.worker.worker_id in wanted]
         lora = (req.lora_name, req.lora_path) if req.lora_name is not None else None
         unscored: list[tuple[str, str, str]] = []  # (worker id, reason code, why)
-        by_hasher: dict[tuple[str, int], list[bytes]] = {}
+        chains: dict[tuple[str, int], PromptChain] = {}
+
+        def chain_of(hasher: VllmBlockHasher) -> PromptChain:
+            hk = (hasher.scheme, hasher.block_size)
+            if hk not in chains:
+                chains[hk] = PromptChain(hasher, req.token_ids or [], lora=lora, cache_salt=req.cache_salt,
+                                         max_blocks=MAX_SCORE_HASHES)
+            return chains[hk]
 
         def hashes_of(hasher: VllmBlockHasher) -> list[bytes]:
-            hk = (hasher.scheme, hasher.block_size)
-            if hk not in by_hasher:
-                by_hasher[hk] = hasher.hashes(req.token_ids or [], lora=lora, cache_salt=req.cache_salt,
-                                              max_blocks=MAX_SCORE_HASHES)
-            return by_hasher[hk]
+            chain = chain_of(hasher)
+            return chain.upto(chain.total)
 
         # Per compat key (a hash space and block size): the hashes and who holds how much of them.
         groups: dict[str, tuple[list[bytes], dict[str, int], int] | CannotScore] = {}
@@ -293,12 +325,17 @@ class Scorer:
             if group is None:
                 fp = c.worker.fingerprint
                 try:
-                    hashes = hashes_of(self._hasher(fp)) if req.token_ids is not None \
-                        else list(req.block_hashes or ())
+                    if req.token_ids is None:
+                        hashes = list(req.block_hashes or ())
+                        held = self._lookup(hashes, c.key) if hashes else {}
+                    else:  # (an engine's G1 may hold more than any G2: the whole prompt, where engines count)
+                        chain = chain_of(self._hasher(fp))
+                        hashes = self._hashes_needed(chain) if engines is None else chain.upto(chain.total)
+                        held = self._lookup(hashes, c.key) if hashes else {}
                 except CannotScore as e:
                     group = e
                 else:
-                    group = (hashes, self._lookup(hashes, c.key) if hashes else {}, fp.tokens_per_block)
+                    group = (hashes, held, fp.tokens_per_block)
                 groups[c.key] = group
             if isinstance(group, CannotScore):
                 unscored.append((c.wid, group.reason, group.message))

@@ -212,6 +212,14 @@ class RegistryStore(ABC):
         reply = self.lookup(hashes, compat_key=compat_key, want_all_holders=True)
         return {h.worker_id: h.matched for h in reply.holders}
 
+    def holds_any(self, block_hash: bytes) -> bool | None:
+        """Whether any worker holds ``block_hash`` (live or not, of any layout), where the store can tell
+        without a round trip to a backend; None where it cannot (the default).
+
+        The scoring API hashes a prompt only as far as its blocks are held anywhere, when this can tell.
+        """
+        return None
+
     # -- admin -------------------------------------------------------------------------
 
     @abstractmethod

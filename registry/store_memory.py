@@ -236,6 +236,10 @@ class MemoryStore(RegistryStore):
                       else "source_is_target" if saw["self"] else "no_candidate")
             return LookupReply(reason, 0)
 
+    def holds_any(self, block_hash: bytes) -> bool | None:
+        with self._lock:
+            return bool(self._holders.holders(block_hash))
+
     def held_prefixes(self, hashes: Sequence[bytes], compat_key: str) -> dict[str, int]:
         with self._lock:
             now, incs, workers = self._clock(), self._incs, self._workers

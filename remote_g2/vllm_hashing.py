@@ -42,8 +42,8 @@ from collections.abc import Iterable, Sequence
 from remote_g2 import _vllm_hash
 from remote_g2.errors import CannotScore
 
-__all__ = ["ALGORITHMS", "DEFAULT_SEED", "MAX_TOKEN_ID", "VllmBlockHasher", "scheme_name", "parse_scheme",
-           "hasher_for_scheme", "token_ids_from_json", "split_token_ids"]
+__all__ = ["ALGORITHMS", "DEFAULT_SEED", "MAX_TOKEN_ID", "VllmBlockHasher", "PromptChain", "scheme_name",
+           "parse_scheme", "hasher_for_scheme", "token_ids_from_json", "split_token_ids"]
 
 assert array.array("I").itemsize == 4  # cpp_ext/vllm_hash.cpp reads token buffers as uint32
 
@@ -134,31 +134,39 @@ class VllmBlockHasher:
         self.none_hash = hashlib.sha256(self._encode(seed)).digest()
 
     def hashes(self, token_ids: Sequence[int], *, lora: tuple[str, str] | None = None,
-               cache_salt: str | None = None, max_blocks: int | None = None) -> list[bytes]:
+               cache_salt: str | None = None, max_blocks: int | None = None, start: int = 0,
+               parent: bytes | None = None) -> list[bytes]:
         """The hash of every full block of ``token_ids`` (at most ``max_blocks``), as vLLM computes them.
 
         ``lora`` is ``(lora_name, lora_path)`` as the instance loaded the
-        adapter (vLLM hashes both); ``cache_salt`` the request's salt.
+        adapter (vLLM hashes both); ``cache_salt`` the request's salt. From
+        block ``start`` on, resuming the chain at ``parent`` (the hash of
+        block ``start - 1``), the answer is what the whole chain would hold
+        from there: :class:`PromptChain` computes a prompt's hashes in pieces.
         """
         bs = self.block_size
-        n = len(token_ids) // bs if max_blocks is None else min(len(token_ids) // bs, max_blocks)
+        if start and parent is None:
+            raise ValueError("a chain resumed past block 0 needs its parent hash")
+        n = max(0, len(token_ids) // bs - start)
+        n = n if max_blocks is None else min(n, max_blocks)
         lora_keys: list[tuple[str, ...]] = []
         if lora is not None:
             name, path = (_own_str(x) for x in lora)
             lora_keys.append(("lora", name, path))
         first = lora_keys + ([("cache_salt", _own_str(cache_salt))] if cache_salt else [])
-        extra0 = tuple(first) if first else None
         extra = tuple(lora_keys) if lora_keys else None
+        extra0 = (tuple(first) if first else None) if start == 0 else extra  # the salt is block 0's only
         enc0, enc = self._encode_extra(extra0), self._encode_extra(extra)
+        parent = self.none_hash if start == 0 else parent
         # One pickle frame holds the whole body below pickle's frame target; past it (huge blocks with
         # long keys) pickle splits frames its own way, so pickle itself encodes (_chain_python).
         if self._cbor or 5 * bs + max(len(enc0), len(enc)) + 64 < _PICKLE_FRAME_TARGET:
             try:
-                return _vllm_hash.chain(self.none_hash, token_ids, bs, n, self._cbor, enc0, enc)
+                return _vllm_hash.chain(parent, token_ids, bs, n, self._cbor, enc0, enc, start)
             except (ValueError, TypeError) as e:
                 raise CannotScore(f"token ids must be ints in [0, {MAX_TOKEN_ID}] ({e})", reason="bad_request") \
                     from None
-        return self._chain_python(token_ids, n, extra0, extra)
+        return self._chain_python(token_ids[start * bs:(start + n) * bs], n, parent, extra0, extra)
 
     def _encode_extra(self, extra: tuple[tuple[str, ...], ...] | None) -> bytes:
         """``extra`` as its encoding reads inside the block's tuple (cpp_ext/vllm_hash.cpp's contract)."""
@@ -172,17 +180,44 @@ class VllmBlockHasher:
         assert data[:3] == b"\x80\x05\x95" and data[-1:] == b"."
         return data[11:-1]
 
-    def _chain_python(self, token_ids: Sequence[int], n: int, extra0: object, extra: object) -> list[bytes]:
+    def _chain_python(self, token_ids: Sequence[int], n: int, parent: bytes, extra0: object,
+                      extra: object) -> list[bytes]:
         """The chain with vLLM's encoder itself, block by block (about ten times slower than the C++ one)."""
         if token_ids and (set(map(type, token_ids)) != {int} or min(token_ids) < 0 or max(token_ids) > MAX_TOKEN_ID):
             raise CannotScore(f"token ids must be ints in [0, {MAX_TOKEN_ID}]", reason="bad_request")
         bs, encode, sha = self.block_size, self._encode, hashlib.sha256
-        parent = self.none_hash
         out: list[bytes] = []
         for i in range(n):
             parent = sha(encode((parent, tuple(token_ids[i * bs:(i + 1) * bs]), extra0 if i == 0 else extra))).digest()
             out.append(parent)
         return out
+
+
+class PromptChain:
+    """One prompt's block hashes in one hash space, computed only as far as asked, each block once.
+
+    A scorer asks for the first blocks, and for more only while some worker
+    holds every block asked so far: a long prompt whose cached prefix is
+    short is not hashed to its end. ``total`` is how many full blocks the
+    prompt has (at most ``max_blocks``).
+    """
+
+    def __init__(self, hasher: VllmBlockHasher, token_ids: Sequence[int], *, lora: tuple[str, str] | None = None,
+                 cache_salt: str | None = None, max_blocks: int | None = None) -> None:
+        self.hasher, self._tokens, self._lora, self._salt = hasher, token_ids, lora, cache_salt
+        n = len(token_ids) // hasher.block_size
+        self.total = n if max_blocks is None else min(n, max_blocks)
+        self._hashes: list[bytes] = []
+
+    def upto(self, n: int) -> list[bytes]:
+        """The hashes of blocks ``0 .. min(n, total) - 1`` (the list itself: read, do not change it)."""
+        n = min(n, self.total)
+        have = self._hashes
+        if n > len(have):
+            start = len(have)
+            have += self.hasher.hashes(self._tokens, lora=self._lora, cache_salt=self._salt, max_blocks=n - start,
+                                       start=start, parent=have[-1] if have else None)
+        return have if n == len(have) else have[:n]
 
 
 def _own_str(s: object) -> str:

@@ -89,6 +89,31 @@ def test_blocks_past_one_pickle_frame_take_pickles_own_path(algo):
     assert got == _reference(algo, DEFAULT_SEED, 4096, toks, lora, salt) and len(got) == 3
 
 
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+@pytest.mark.parametrize("bs", [1, 3, 16, 4096])
+def test_a_chain_computed_in_pieces_is_the_whole_chain(algo, bs):
+    """PromptChain resumes the chain at its last hash: any cut gives the whole chain's hashes (the salt on
+    block 0 only, the adapter on every block), on the C++ path and, at 4,096-token blocks with long keys,
+    pickle's own."""
+    from remote_g2.vllm_hashing import PromptChain
+
+    rng = random.Random(bs)
+    hasher = VllmBlockHasher(algo, DEFAULT_SEED, bs)
+    long_keys = bs == 4096
+    for _ in range(3 if long_keys else 12):
+        toks = [rng.randrange(2**31) for _ in range(bs * rng.randint(0, 3 if long_keys else 70) + rng.randrange(bs))]
+        lora = ("\U0001F600" * 4096, "p" * 4096) if long_keys else rng.choice([None, ("sql", "/a/sql")])
+        salt = rng.choice([None, "s" * (4096 if long_keys else 5)])
+        whole = hasher.hashes(toks, lora=lora, cache_salt=salt)
+        chain = PromptChain(hasher, toks, lora=lora, cache_salt=salt)
+        assert chain.total == len(whole)
+        for n in sorted(rng.sample(range(chain.total + 2), min(4, chain.total + 2))):
+            assert chain.upto(n) == whole[:n]
+        assert chain.upto(chain.total) == whole
+    with pytest.raises(ValueError, match="parent"):
+        hasher.hashes([1] * bs * 2, start=1)
+
+
 def test_salt_and_lora_change_every_hash_they_should():
     h = VllmBlockHasher("sha256", DEFAULT_SEED, 16)
     toks = list(range(64))
@@ -280,6 +305,44 @@ def test_block_hashes_score_without_hashing(prompt):
     _add(store, "a", _fp(scheme="trtllm/u64"), hashes[:5])  # no scheme here could hash; the caller did
     reply = Scorer(store).score(ScoreRequest(None, block_hashes=hashes))
     assert [(w.worker_id, w.matched_blocks) for w in reply.workers] == [("a", 5)] and reply.num_tokens is None
+
+
+def test_a_long_prompt_is_hashed_only_as_far_as_someone_holds_it():
+    """Scores computed with the chain hashed in growing pieces equal those from the whole chain, for matches
+    that end before, at and past each piece's end, and the prompt is hashed no further than they need."""
+    from remote_g2.registry import scoring
+
+    rng = random.Random(5)
+    hasher = VllmBlockHasher("sha256", DEFAULT_SEED, 16)
+    toks = [rng.randrange(50_000) for _ in range(16 * 700 + 3)]
+    whole = hasher.hashes(toks)
+    first, growth = scoring._FIRST_BLOCKS, scoring._GROWTH
+    ends = [0, 1, first - 1, first, first + 1, first * growth - 1, first * growth, 700]
+    store = MemoryStore()
+    for i, n in enumerate(ends):
+        _add(store, f"w{i}", _fp(), whole[:n])
+    calls = []
+    hashes = VllmBlockHasher.hashes
+
+    def counted(self, *a, **k):
+        out = hashes(self, *a, **k)
+        calls.append(len(out))
+        return out
+
+    scorer = Scorer(store)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(VllmBlockHasher, "hashes", counted)
+        reply = scorer.score(ScoreRequest("tiny", toks))
+        assert {w.worker_id: w.matched_blocks for w in reply.workers} == {f"w{i}": n for i, n in enumerate(ends)}
+        assert sum(calls) == 700  # every block once
+        for top in (first + 1, first, first - 1, 1, 0):  # the longest match decides how far the prompt is hashed
+            for i, n in enumerate(ends):
+                if n > top:
+                    store.drain_worker(f"w{i}")
+            calls.clear()
+            reply = scorer.score(ScoreRequest("tiny", toks))
+            assert max(w.matched_blocks for w in reply.workers) == top
+            assert sum(calls) == (first if top < first else first * growth)
 
 
 def test_a_dead_worker_leaves_the_scores_at_once(prompt):
