@@ -139,6 +139,10 @@ def test_held_prefixes_are_what_a_lookup_of_every_holder_says(store):
     assert store.held_prefixes(CHAIN[:10], key) == want == {"w1": 3, "w2": 9, "w3": 9}
     assert store.held_prefixes(CHAIN[:10], other.compat_key()) == {"w4": 4}
     assert store.held_prefixes([h(999)], key) == {}
+    # who holds a hash at all (live or not, any layout), where the store can tell without a round trip
+    local = store.name == "memory"
+    assert store.holds_any(CHAIN[11]) is (True if local else None)  # w6's, whose chain has no first block
+    assert store.holds_any(h(999)) is (False if local else None)
 
 
 def test_lookup_many_answers_each_as_lookup_would(store):

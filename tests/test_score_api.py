@@ -394,6 +394,8 @@ def test_scores_from_a_servers_mirror_equal_the_stores(redis_url, prompt):
                 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert server.mirror.held_prefixes(hashes, _fp().compat_key()) == {"m1": 12, "m2": 5}
+        assert server.mirror.holds_any(hashes[11]) is True and server.mirror.holds_any(hashes[12]) is False
+        assert store.holds_any(hashes[0]) is None  # Redis itself: not without a round trip
         mirrored = Scorer(store, mirror=server.mirror).score(ScoreRequest("tiny", prompt))
         direct = Scorer(store).score(ScoreRequest("tiny", prompt))
         assert [(w.worker_id, w.matched_blocks) for w in mirrored.workers] == [("m1", 12), ("m2", 5), ("m3", 0)]
