@@ -44,38 +44,16 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench_servers import free_port, start_registry, stop
+from bench_servers import free_port, post_json, start_registry, stop, stop_group, wait_http
 from vllm_bench_common import pct, vllm_version, write_result
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BLOCK = 32
 SETUPS = ("round-robin", "round-robin + pull", "by score")
-
-
-def _wait(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{url}: exited rc={proc.returncode}\n{log.read_text(errors='replace')[-3000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise SystemExit(f"{url} never answered\n{log.read_text(errors='replace')[-3000:]}")
-
-
-def _post(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read()), dict(r.headers)
 
 
 def _chats(a: argparse.Namespace) -> list[list[list[int]]]:
@@ -118,7 +96,7 @@ def _run_setup(name: str, a: argparse.Namespace, model: Path, registry: str, sco
                                               start_new_session=True))
             urls[f"vllm-{i}-{len(name)}"] = (f"http://127.0.0.1:{port}", log)
         for (url, log), proc in zip(urls.values(), procs):
-            _wait(url + "/health", proc, log)
+            wait_http(url + "/health", proc, log)
         rport, rlog = free_port(), tmp / f"{name.replace(' ', '')}-router.log"
         with open(rlog, "wb") as out:
             procs.append(subprocess.Popen(
@@ -128,7 +106,7 @@ def _run_setup(name: str, a: argparse.Namespace, model: Path, registry: str, sco
                  *[x for wid, (url, _) in urls.items() for x in ("--instance", f"{wid}={url}")]],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         router = f"http://127.0.0.1:{rport}"
-        _wait(router + "/router/status", procs[-1], rlog, 30)
+        wait_http(router + "/router/status", procs[-1], rlog, 30)
 
         chats = _chats(a)
         ttft: list[float] = []
@@ -141,7 +119,7 @@ def _run_setup(name: str, a: argparse.Namespace, model: Path, registry: str, sco
             for t in range(a.turns):
                 for turns in mine:
                     t0 = time.perf_counter()
-                    doc, head = _post(router + "/v1/completions", {"model": str(model), "prompt": turns[t],
+                    doc, head = post_json(router + "/v1/completions", {"model": str(model), "prompt": turns[t],
                                                                    "max_tokens": 1, "temperature": 0.0})
                     dt = (time.perf_counter() - t0) * 1e3
                     usage = doc["usage"]
@@ -164,13 +142,7 @@ def _run_setup(name: str, a: argparse.Namespace, model: Path, registry: str, sco
                 "cached_tokens": cached_tokens, "routes": routes, "wall_s": wall}
     finally:
         for proc in reversed(procs):
-            if proc.poll() is None:
-                os.killpg(proc.pid, 15)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, 9)
-                    proc.wait(10)
+            stop_group(proc)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,12 +1,16 @@
-"""The servers the registry benchmarks run against: a private ``redis-server`` and ``remote-g2 serve``.
+"""The servers the benchmarks run against: a private ``redis-server`` and ``remote-g2 serve``, and HTTP ones.
 
-Shared by ``bench_registry.py``, ``bench_registry_soak.py`` and
-``bench_peers.py``. Every server binds 127.0.0.1 on a free port, starts in
-bounded time or raises, and is stopped by its PID with :func:`stop`.
+Shared by ``bench_registry.py``, ``bench_registry_soak.py``,
+``bench_peers.py`` and ``bench_routing.py`` (and ``tests/test_vllm_router.py``,
+which starts the same ``vllm serve`` and router processes). Every server
+binds 127.0.0.1 on a free port, starts in bounded time or raises, and is
+stopped by its PID with :func:`stop` (or, with the processes it started, by
+its process group with :func:`stop_group`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import selectors
@@ -16,10 +20,11 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
-__all__ = ["free_port", "start_redis", "start_registry", "stop"]
+__all__ = ["free_port", "start_redis", "start_registry", "stop", "stop_group", "wait_http", "post_json"]
 
 
 def free_port() -> int:
@@ -101,3 +106,42 @@ def stop(proc: subprocess.Popen[Any]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+def stop_group(proc: subprocess.Popen[Any], timeout_s: float = 30) -> None:
+    """Stop a process started with ``start_new_session=True`` and every process it started (``vllm serve``'s
+    engine core, for one): SIGTERM to its group, then SIGKILL after ``timeout_s``."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _tail(log: Path) -> str:
+    return log.read_bytes()[-4000:].decode(errors="replace") if log.exists() else ""
+
+
+def wait_http(url: str, proc: subprocess.Popen[Any], log: Path, timeout_s: float = 300) -> None:
+    """Wait until ``url`` answers 200; RuntimeError, with the end of ``log``, if ``proc`` exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: the process exited rc={proc.returncode}\n{_tail(log)}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} never answered\n{_tail(log)}")
+
+
+def post_json(url: str, body: dict[str, Any], timeout_s: float = 300) -> tuple[dict[str, Any], dict[str, str]]:
+    """POST ``body`` as JSON; the JSON answer and the answer's headers (an HTTP error raises)."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.loads(r.read()), dict(r.headers)

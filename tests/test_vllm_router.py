@@ -33,6 +33,9 @@ import vllm_harness as vh  # noqa: E402
 from conftest import free_port  # noqa: E402
 from vllm_harness import BLOCK  # noqa: E402
 
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
+from bench_servers import post_json, stop_group, wait_http  # noqa: E402  (bench_routing.py starts the same processes)
+
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl]
 
 ROUTER = Path(__file__).resolve().parents[1] / "examples" / "cache_aware_router.py"
@@ -40,37 +43,6 @@ ROUTER = Path(__file__).resolve().parents[1] / "examples" / "cache_aware_router.
 
 def _tail(path: Path) -> str:
     return path.read_bytes()[-4000:].decode(errors="replace") if path.exists() else ""
-
-
-def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"{url}: the process exited rc={proc.returncode}\n{_tail(log)}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"{url} never answered\n{_tail(log)}")
-
-
-def _post(url: str, body: dict, timeout_s: float = 120) -> tuple[dict, dict[str, str]]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        return json.loads(r.read()), dict(r.headers)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait(10)
 
 
 def test_the_router_follows_the_cache_and_sends_a_busy_instances_prefix_to_be_pulled(
@@ -91,7 +63,7 @@ def test_the_router_follows_the_cache_and_sends_a_busy_instances_prefix_to_be_pu
     try:
         serve = start("registry", [sys.executable, "-m", "remote_g2.cli", "serve", "--bind", registry,
                                    "--score-bind", f"127.0.0.1:{score_port}", "--lease-ttl-s", "30"])
-        _wait_http(score_url + "/healthz", serve, logs["registry"], 30)
+        wait_http(score_url + "/healthz", serve, logs["registry"], 30)
         ports = {}
         for name in ("a", "b"):
             ports[name] = free_port()
@@ -104,13 +76,13 @@ def test_the_router_follows_the_cache_and_sends_a_busy_instances_prefix_to_be_pu
                          "--enforce-eager", "--max-model-len", "1024", "--seed", "0",
                          "--kv-transfer-config", json.dumps(kv)], vh.instance_env(name))
         for i, name in enumerate(("a", "b")):
-            _wait_http(f"http://127.0.0.1:{ports[name]}/health", procs[1 + i], logs[name])
+            wait_http(f"http://127.0.0.1:{ports[name]}/health", procs[1 + i], logs[name])
         router_port = free_port()
         router = start("router", [sys.executable, str(ROUTER), "--port", str(router_port), "--score-url", score_url,
                                   "--instance", f"vllm-a=http://127.0.0.1:{ports['a']}",
                                   "--instance", f"vllm-b=http://127.0.0.1:{ports['b']}", "--max-inflight", "1"])
         url = f"http://127.0.0.1:{router_port}"
-        _wait_http(url + "/router/status", router, logs["router"], 30)
+        wait_http(url + "/router/status", router, logs["router"], 30)
 
         ids = vh.prompts(9, 1)[0]
         blocks = (len(ids) - 1) // BLOCK
@@ -118,33 +90,33 @@ def test_the_router_follows_the_cache_and_sends_a_busy_instances_prefix_to_be_pu
                "return_token_ids": True}
 
         # 1. nothing cached anywhere: the least loaded instance (the first listed, on a tie)
-        first, head = _post(url + "/v1/completions", ask)
+        first, head = post_json(url + "/v1/completions", ask, 120)
         assert (head["X-Routed-To"], head["X-Route-Reason"]) == ("vllm-a", "load")
 
         # 2. once A's blocks are published, the prompt follows them
         deadline = time.monotonic() + 30
         while True:
-            scores, _ = _post(score_url + "/v1/score", {"model": str(model_dir), "token_ids": ids})
+            scores, _ = post_json(score_url + "/v1/score", {"model": str(model_dir), "token_ids": ids}, 120)
             held = {w["worker_id"]: w["matched_blocks"] for w in scores["workers"]}
             if held.get("vllm-a", 0) >= blocks:
                 break
             assert time.monotonic() < deadline, f"A's blocks never scored: {scores}\n{_tail(logs['a'])}"
             time.sleep(0.2)
         assert held.get("vllm-b", 0) == 0
-        again, head = _post(url + "/v1/completions", ask)
+        again, head = post_json(url + "/v1/completions", ask, 120)
         assert (head["X-Routed-To"], head["X-Route-Reason"]) == ("vllm-a", "cache")
 
         # 3. A busy with a long generation: the same prompt goes to B, which pulls A's prefix over remote-g2
         busy: dict = {}
         long = threading.Thread(target=lambda: busy.update(
-            zip(("answer", "head"), _post(url + "/v1/completions", {**ask, "max_tokens": 700}, 300))))
+            zip(("answer", "head"), post_json(url + "/v1/completions", {**ask, "max_tokens": 700}, 300))))
         long.start()
         deadline = time.monotonic() + 30
         while json.loads(urllib.request.urlopen(url + "/router/status", timeout=5).read()
                          )["instances"]["vllm-a"]["inflight"] < 1:
             assert time.monotonic() < deadline and long.is_alive(), "the long request never reached A"
             time.sleep(0.01)
-        pulled, head = _post(url + "/v1/completions", ask)
+        pulled, head = post_json(url + "/v1/completions", ask, 120)
         long.join(300)
         assert (head["X-Routed-To"], head["X-Route-Reason"], head["X-Remote-G2-Pull-From"]) == (
             "vllm-b", "pull", "vllm-a"), head
@@ -159,12 +131,12 @@ def test_the_router_follows_the_cache_and_sends_a_busy_instances_prefix_to_be_pu
         # 4. a text prompt: tokenized by vLLM itself (/tokenize), scored, routed
         rng = random.Random(3)
         text = " ".join(f"remote g2 shares kv cache block {rng.randrange(400)}" for _ in range(40))
-        answer, head = _post(url + "/v1/completions", {"model": str(model_dir), "prompt": text, "max_tokens": 4,
-                                                       "temperature": 0.0})
+        answer, head = post_json(url + "/v1/completions", {"model": str(model_dir), "prompt": text, "max_tokens": 4,
+                                                           "temperature": 0.0}, 120)
         assert head["X-Route-Reason"] in ("load", "cache") and answer["usage"]["completion_tokens"] == 4
         status = json.loads(urllib.request.urlopen(url + "/router/status", timeout=5).read())
         assert status["decisions"]["pull"] == 1 and status["decisions"].get("fallback", 0) == 0
         assert all(i["inflight"] == 0 for i in status["instances"].values())
     finally:
         for proc in reversed(procs):
-            _stop(proc)
+            stop_group(proc)
