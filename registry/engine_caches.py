@@ -129,10 +129,6 @@ class EngineCaches:
         with self._lock:
             self._engines.pop(worker_id, None)
 
-    def knows(self, worker_id: str) -> bool:
-        with self._lock:
-            return worker_id in self._engines
-
     def hasher(self, worker_id: str) -> tuple[VllmBlockHasher | None, str]:
         """The hash space learned from ``worker_id``'s events, or None and why not."""
         with self._lock:
@@ -158,12 +154,11 @@ class EngineCaches:
             e = self._engines.get(worker_id)
             if e is None:
                 return {}
-            keys = [h[-8:] for h in hashes] if e.short else hashes
-            out = {}
+            short, out = e.short, {}
             for name, held in e.tiers.items():
                 n = 0
-                for k in keys:
-                    if k not in held:
+                for h in hashes:  # (an int-form engine's key is the hash's last 8 bytes: sliced only as far as held)
+                    if (h[-8:] if short else h) not in held:
                         break
                     n += 1
                 out[name] = n
