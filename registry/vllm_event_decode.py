@@ -71,8 +71,9 @@ class DecodedBatch:
     engine: list[EngineEvent] = field(default_factory=list, compare=False)
 
 
-def _hashes(values: list[Any]) -> tuple[list[bytes], bool]:
-    """The hashes as bytes (an int as its 8 big-endian bytes), and whether any was an int."""
+def _hashes(values: list[Any], convert_ints: bool) -> tuple[list[bytes], bool]:
+    """The hashes as bytes, and whether any was an int; an int becomes its 8 big-endian bytes only with
+    ``convert_ints`` (the engine view: without it, an event with ints is counted, never stored)."""
     out: list[bytes] = []
     ints = False
     for v in values:
@@ -80,7 +81,8 @@ def _hashes(values: list[Any]) -> tuple[list[bytes], bool]:
             out.append(v)
         elif type(v) is int and -(2**63) <= v < 2**64:
             ints = True
-            out.append((v & _U64).to_bytes(8, "big"))
+            if convert_ints:
+                out.append((v & _U64).to_bytes(8, "big"))
         else:
             raise ProtocolError(f"block hash must be 1..32 bytes or a 64-bit int, got {type(v).__name__}")
     return out, ints
@@ -134,8 +136,9 @@ def decode_kv_event_batch(payload: bytes, *, all_media: bool = False, engine: bo
             raise ProtocolError("block_hashes must be an array")
         parent = f.get("parent_block_hash") if tag == "BlockStored" else None
         # Validated before the medium filter, so a bad value is malformed on every medium.
-        converted, ints = _hashes(hashes + ([] if parent is None else [parent]))
-        own, parent_b = converted[:len(hashes)], (None if parent is None else converted[-1])
+        converted, ints = _hashes(hashes + ([] if parent is None else [parent]), engine)
+        # (without the engine view, an event with int hashes is only counted: own and parent_b go unused)
+        own, parent_b = converted[:len(hashes)], (None if parent is None or not converted else converted[-1])
         if engine and tag == "BlockStored":
             size, lora = f.get("block_size"), f.get("lora_id")
             view.append(EngineEvent("stored", medium, own, parent_b, _token_ids(f.get("token_ids")),
