@@ -48,7 +48,7 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 log = logging.getLogger("cache_aware_router")
@@ -174,12 +174,22 @@ class Handler(BaseHTTPRequestHandler):
         except (urllib.error.URLError, OSError, ValueError) as e:  # the scorer is an optimisation
             log.warning("routing without a score: %s", getattr(e, "reason", e))
         worker, reason, pull = self.router.choose(scores)
-        try:
-            self._forward(worker, raw, reason, pull)
-        finally:
-            self.router.done(worker)
+        released = False
 
-    def _forward(self, worker: str, raw: bytes, reason: str, pull: str | None) -> None:
+        def release() -> None:  # once: when the instance has answered, or the forward failed
+            nonlocal released
+            if not released:
+                released = True
+                self.router.done(worker)
+        try:
+            self._forward(worker, raw, reason, pull, release)
+        finally:
+            release()
+
+    def _forward(self, worker: str, raw: bytes, reason: str, pull: str | None, release: Callable[[], None]) -> None:
+        """Relay one request to ``worker``; ``release`` is called as soon as the instance's answer is read whole,
+        before the client gets its last byte, so a client that asks ``/router/status`` right after its answer
+        never sees its own request still counted in flight."""
         target = urlsplit(self.router.instances[worker])
         conn = http.client.HTTPConnection(target.hostname, target.port or 80, timeout=600)
         try:
@@ -195,6 +205,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_header("X-Remote-G2-Pull-From", pull)
             if resp.getheader("Content-Length") is not None:
                 data = resp.read()
+                release()
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -204,9 +215,11 @@ class Handler(BaseHTTPRequestHandler):
                 while chunk := resp.read1(65536):
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                     self.wfile.flush()
+                release()
                 self.wfile.write(b"0\r\n\r\n")
         except OSError as e:
             log.warning("%s: %s", worker, e)
+            release()
             self._reply(502, json.dumps({"error": f"instance {worker}: {e}"}).encode())
         finally:
             conn.close()

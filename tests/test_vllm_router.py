@@ -107,7 +107,8 @@ def test_the_router_follows_the_cache_and_sends_a_busy_instances_prefix_to_be_pu
         assert (head["X-Routed-To"], head["X-Route-Reason"]) == ("vllm-a", "cache")
 
         # 3. A busy with a long generation: the same prompt goes to B, which pulls A's prefix over remote-g2
-        # (on a loaded machine this poll may miss a whole generation: that one is started again, at most twice)
+        # (on a loaded machine the long generation may end before the poll sees it in flight, or between the poll
+        # and routing, which then sends the prompt back to A for its cache: that try is made again, at most twice)
         for _attempt in range(3):
             busy: dict = {}
             long = threading.Thread(target=lambda: busy.update(
@@ -118,13 +119,14 @@ def test_the_router_follows_the_cache_and_sends_a_busy_instances_prefix_to_be_pu
                                                  )["instances"]["vllm-a"]["inflight"] < 1:
                 assert time.monotonic() < deadline, "the long request never reached A"
                 time.sleep(0.01)
-            if long.is_alive():
+            if not long.is_alive():
+                long.join()
+                continue
+            pulled, head = post_json(url + "/v1/completions", ask, 120)
+            long.join(300)
+            if head["X-Route-Reason"] != "cache":
                 break
-            long.join()
-        assert long.is_alive(), "the long request ended each time before it was seen in flight at A"
-        pulled, head = post_json(url + "/v1/completions", ask, 120)
-        long.join(300)
-        assert (head["X-Routed-To"], head["X-Route-Reason"], head["X-Remote-G2-Pull-From"]) == (
+        assert (head["X-Routed-To"], head["X-Route-Reason"], head.get("X-Remote-G2-Pull-From")) == (
             "vllm-b", "pull", "vllm-a"), head
         assert busy["head"]["X-Routed-To"] == "vllm-a"
         log_b = logs["b"].read_text(errors="replace")
