@@ -47,6 +47,10 @@ routing) and names the rest in ARGV: Redis 7 refuses declared keys of several
 slots (CROSSSLOT) even with ``allow-cross-slot-keys``, but lets such a script
 touch undeclared keys of any slot on its own node.
 
+Parts: the scripts and how they are sent are in :mod:`.redis_scripts`; key
+names and the node sets (one node, Sentinel, Cluster) in :mod:`.redis_nodes`;
+this module holds the store's commands, grouped by concern.
+
 Errors: any Redis or connection failure becomes
 :class:`~remote_g2.errors.StoreUnavailable`; connections are re-made by
 redis-py on the next call, and on Cluster a failed call refreshes the slot
@@ -63,30 +67,23 @@ import logging
 import re
 import secrets
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, cast
-from urllib.parse import urlsplit
 
-import hiredis
 import redis
-from redis.backoff import NoBackoff
-from redis.cluster import RedisCluster
-from redis.connection import Connection
-from redis.crc import key_slot
-from redis.exceptions import ClusterError, NoScriptError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import ClusterError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
-from remote_g2.errors import ConfigError, RegistryError, StaleEpoch, StoreUnavailable
+from remote_g2.errors import RegistryError, StaleEpoch, StoreUnavailable
 from remote_g2.messages import (
     BlockEvent, DrainWorkerReply, Events, EventsReply, Heartbeat, HeartbeatReply, Holder, LayoutFingerprint, Lookup,
     LookupReply, RegisterWorker, RegisterWorkerReply, Resync, ResyncReply, WorkerRecord,
 )
 
+from .redis_nodes import ClusterNodes, Keys, SentinelNode, SingleNode
+from .redis_scripts import Scripts
 from .store import DEFAULT_LEASE_TTL_MS, ConvertedLookups, PendingLookups, RegistryStore
 
 __all__ = ["RedisStore", "RedisClusterStore", "RedisSentinelStore", "DEFAULT_KEY_PREFIX"]
@@ -94,348 +91,11 @@ __all__ = ["RedisStore", "RedisClusterStore", "RedisSentinelStore", "DEFAULT_KEY
 log = logging.getLogger("remote_g2.registry")
 
 DEFAULT_KEY_PREFIX = "rg2:"
-_LUA_DIR = Path(__file__).with_name("lua")
-_INCLUDE = re.compile(r"^--!include (\S+)$", re.M)
 _ERRORS = (RedisError, RedisClusterException)
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, ClusterError, RedisClusterException)
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-
-# -- scripts --------------------------------------------------------------------------------
-
-
-@functools.cache
-def _script_sources() -> dict[str, str]:
-    """Every ``registry/lua/<name>.lua`` with its ``--!include`` lines expanded (``_*.lua`` are includes)."""
-    def expand(m: re.Match[str]) -> str:
-        return (_LUA_DIR / m.group(1)).read_text()
-    return {p.stem: _INCLUDE.sub(expand, p.read_text())
-            for p in sorted(_LUA_DIR.glob("*.lua")) if not p.stem.startswith("_")}
-
-
-class _Scripts:
-    """EVALSHA by name; on NOSCRIPT (new server, failover, SCRIPT FLUSH) load the script there and retry.
-
-    Every script call is on the hot path (a lookup is one EVALSHA), so it skips
-    redis-py's per-command machinery: the command is packed in C by hiredis and
-    sent on a connection taken from a plain per-node free list (list pop and
-    append are atomic; no pool bookkeeping, no condition variable). A socket
-    that died with a restarted server costs one immediate retry on a fresh
-    connection, as the pooled commands' ``Retry`` does.
-    """
-
-    def __init__(self) -> None:
-        self._src = _script_sources()
-        self._sha = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in self._src.items()}
-        self._idle: weakref.WeakKeyDictionary[redis.Redis, list[Connection]] = weakref.WeakKeyDictionary()
-        self._made: list[Connection] = []  # every connection made, for close()
-        self._lock = threading.Lock()
-
-    def run(self, client: redis.Redis, name: str, key: bytes, args: Sequence[Any]) -> Any:
-        return self.run_many(client, name, key, [args])[0]
-
-    def run_many(self, client: redis.Redis, name: str, key: bytes, arg_lists: Sequence[Sequence[Any]]) -> list[Any]:
-        """Run the script once per argument list, pipelined: one write, then every reply in order.
-
-        An error reply raises (after every reply was read, so the connection
-        stays in step); NOSCRIPT loads the script and reruns those calls.
-        """
-        return self.start_many(client, name, key, arg_lists).result()
-
-    def start_many(self, client: redis.Redis, name: str, key: bytes,
-                   arg_lists: Sequence[Sequence[Any]]) -> _PendingScripts:
-        """Send the calls now (one write) and return at once; ``.result()`` reads the replies.
-
-        The connection stays checked out until ``result()`` returns, so any
-        number of these can be on the wire at once, each on its own socket
-        (``fileno()``, for a poller to wait on).
-        """
-        sha = self._sha[name]
-        packed = [hiredis.pack_command(("EVALSHA", sha, 1, key, *args)) for args in arg_lists]
-        idle, conn = self._checkout(client)
-        try:
-            try:
-                self._send(conn, packed)
-            except RedisConnectionError:  # a socket that died with a restarted server
-                conn.disconnect()
-                self._send(conn, packed)
-        except BaseException:
-            idle.append(conn)
-            raise
-        return _PendingScripts(self, client, name, idle, conn, packed)
-
-    def _checkout(self, client: redis.Redis) -> tuple[list[Connection], Connection]:
-        idle = self._idle.get(client)
-        if idle is None:
-            with self._lock:
-                idle = self._idle.setdefault(client, [])
-        try:
-            return idle, idle.pop()
-        except IndexError:
-            pool = client.connection_pool
-            conn = pool.connection_class(**pool.connection_kwargs)
-            with self._lock:
-                self._made.append(conn)
-            return idle, conn
-
-    @classmethod
-    def _round_trip(cls, conn: Connection, packed: list[bytes]) -> list[Any]:
-        """Send the packed commands in one write and read as many replies (errors as values)."""
-        try:
-            cls._send(conn, packed)
-            return cls._read(conn, len(packed))
-        except RedisConnectionError:
-            conn.disconnect()
-        cls._send(conn, packed)
-        return cls._read(conn, len(packed))
-
-    @staticmethod
-    def _send(conn: Connection, packed: list[bytes]) -> None:
-        if conn._sock is None:  # connect() first: a Sentinel-managed connection asks the sentinels there
-            conn.connect()
-        conn.send_packed_command([b"".join(packed)] if len(packed) > 1 else packed, check_health=False)
-
-    @staticmethod
-    def _read(conn: Connection, n: int) -> list[Any]:
-        replies: list[Any] = []
-        for _ in range(n):
-            try:
-                replies.append(conn.read_response())
-            except ResponseError as e:  # a whole reply was read; the stream is still in step
-                replies.append(e)
-        return replies
-
-    def close(self) -> None:
-        """Disconnect every connection made (a later call reconnects)."""
-        with self._lock:
-            made = list(self._made)
-        for conn in made:
-            conn.disconnect()
-
-
-class _PendingScripts:
-    """Script calls on the wire (see :meth:`_Scripts.start_many`); ``result()`` once, from one thread."""
-
-    def __init__(self, scripts: _Scripts, client: redis.Redis, name: str, idle: list[Connection],
-                 conn: Connection, packed: list[bytes]) -> None:
-        self._scripts, self._client, self._name = scripts, client, name
-        self._idle, self._conn, self._packed = idle, conn, packed
-
-    def fileno(self) -> int:
-        sock = self._conn._sock
-        return sock.fileno() if sock is not None else -1
-
-    def result(self) -> list[Any]:
-        conn, packed = self._conn, self._packed
-        try:
-            try:
-                replies = _Scripts._read(conn, len(packed))
-            except RedisConnectionError:  # the server went away mid-call; the calls are resent once
-                conn.disconnect()
-                replies = _Scripts._round_trip(conn, packed)
-            redo = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
-            if redo:
-                self._client.script_load(self._scripts._src[self._name])
-                for i, r in zip(redo, _Scripts._round_trip(conn, [packed[i] for i in redo])):
-                    replies[i] = r
-        finally:
-            # Safe to reuse even after an error: redis-py disconnects a connection
-            # whose stream it could not finish, and the next send reconnects.
-            self._idle.append(conn)
-        for r in replies:
-            if isinstance(r, ResponseError):
-                raise r
-        return replies
-
-
-class _Keys:
-    """Key names (bytes, binary-safe) for one ``key_prefix``; see the module docstring."""
-
-    __slots__ = ("prefix", "meta", "lease", "gone", "topo", "block", "header")
-
-    def __init__(self, prefix: bytes) -> None:
-        self.prefix = prefix
-        self.meta = prefix + b"{m}:"
-        self.lease = self.meta + b"lease"
-        self.gone = self.meta + b"gone"
-        self.topo = self.meta + b"topo"
-        self.block = prefix + b"b:"
-        #: ARGV[1..3] of every script (see ``lua/_lib.lua``).
-        self.header = (self.meta, self.block, prefix + b"wb:")
-
-    def wb(self, inc: bytes) -> bytes:
-        return self.prefix + b"wb:{" + inc + b"}"
-
-
-# -- connections ------------------------------------------------------------------------------
-
-_Group = dict[str, tuple[redis.Redis, list[int]]]
-
-
-def _connection_options(socket_timeout_s: float) -> dict[str, Any]:
-    # One immediate retry replaces a pooled socket that died with a restarted
-    # server; no backoff, so an unreachable Redis fails within the timeouts.
-    return {"socket_timeout": socket_timeout_s, "socket_connect_timeout": socket_timeout_s,
-            "retry": Retry(NoBackoff(), 1), "health_check_interval": 30}
-
-
-def _address(url: str) -> str:
-    parts = urlsplit(url)
-    return parts.path if parts.scheme == "unix" else f"{parts.hostname or '127.0.0.1'}:{parts.port or 6379}"
-
-
-class _SingleNode:
-    """One Redis: every key is on the one node; redis-py reconnects by itself."""
-
-    all_keys_local = True
-
-    def __init__(self, url: str, socket_timeout_s: float, max_connections: int) -> None:
-        self.address = _address(url)
-        pool = redis.BlockingConnectionPool.from_url(url, max_connections=max_connections,
-                                                     timeout=socket_timeout_s,
-                                                     **_connection_options(socket_timeout_s))
-        self.client = redis.Redis(connection_pool=pool)
-
-    def node(self, key: bytes) -> tuple[str, redis.Redis]:
-        return "", self.client
-
-    def group(self, keys: Sequence[bytes]) -> _Group:
-        return {"": (self.client, list(range(len(keys))))} if keys else {}
-
-    def clients(self) -> dict[str, redis.Redis]:
-        """Every node, by name."""
-        return {"": self.client}
-
-    def retrying(self, fn: Callable[[], R]) -> R:
-        return fn()  # the connection's own Retry already covers a stale socket
-
-    def close(self) -> None:
-        self.client.close()
-        self.client.connection_pool.disconnect()
-
-
-class _SentinelNode(_SingleNode):
-    """One Redis whose master Redis Sentinel names: ``spec`` is ``host:port[,host:port...]/service``.
-
-    Each new connection asks the sentinels for the current master; a
-    connection to a master that was demoted fails (redis-py's
-    ``SentinelManagedConnection``) and the next one goes to the new master.
-    """
-
-    def __init__(self, spec: str, socket_timeout_s: float, max_connections: int) -> None:
-        from redis.sentinel import Sentinel
-
-        hosts, _, service = spec.rpartition("/")
-        sentinels = []
-        for item in hosts.split(","):
-            host, _, port = item.strip().rpartition(":")
-            if not host or not port.isdigit() or not service:
-                raise ConfigError(f"Redis Sentinel {spec!r}: want host:port[,host:port...]/service-name")
-            sentinels.append((host, int(port)))
-        self.address = f"sentinel {service} via {hosts}"
-        timeouts = {"socket_timeout": socket_timeout_s, "socket_connect_timeout": socket_timeout_s}
-        self._sentinel = Sentinel(sentinels, sentinel_kwargs=timeouts, **_connection_options(socket_timeout_s))
-        self.client = self._sentinel.master_for(service, max_connections=max_connections)
-
-    def close(self) -> None:
-        super().close()
-        for s in self._sentinel.sentinels:
-            s.close()
-
-
-class _ClusterNodes:
-    """A Redis Cluster addressed node by node, from a slot table copied out of redis-py.
-
-    Created lazily, so a store can be built while the cluster is down and
-    starts working once it is up.
-    """
-
-    all_keys_local = False
-
-    def __init__(self, url: str, socket_timeout_s: float, max_connections: int) -> None:
-        self.address = _address(url)
-        self._url = url
-        self._options = {**_connection_options(socket_timeout_s), "max_connections": max_connections}
-        self._lock = threading.Lock()
-        self._rc: RedisCluster | None = None
-        # (slot -> node name, node name -> client); replaced whole, read without a lock.
-        self._table: tuple[list[str], dict[str, redis.Redis]] | None = None
-        self._generation = 0  # counts refreshes, so threads failing together refresh once
-
-    def _slots(self) -> tuple[list[str], dict[str, redis.Redis]]:
-        table = self._table
-        if table is None:
-            with self._lock:
-                if self._table is None:
-                    if self._rc is None:
-                        self._rc = RedisCluster.from_url(self._url, **self._options)
-                    self._table = self._copy_table(self._rc)
-                table = self._table
-        return table
-
-    @staticmethod
-    def _copy_table(rc: RedisCluster) -> tuple[list[str], dict[str, redis.Redis]]:
-        names = [""] * 16384
-        clients: dict[str, redis.Redis] = {}
-        for slot, nodes in dict(rc.nodes_manager.slots_cache).items():
-            primary = nodes[0]
-            names[slot] = primary.name
-            clients[primary.name] = primary.redis_connection
-        if "" in names:
-            raise RedisClusterException("the cluster does not cover every slot")
-        return names, clients
-
-    def refresh(self, seen_generation: int | None = None) -> None:
-        """Re-read the slot table from the cluster (after MOVED, a dead node, ...).
-
-        With ``seen_generation``, do nothing if another thread refreshed since.
-        """
-        with self._lock:
-            if seen_generation is not None and seen_generation != self._generation:
-                return
-            self._generation += 1
-            self._table = None
-            if self._rc is not None:
-                self._rc.nodes_manager.initialize()
-                self._table = self._copy_table(self._rc)
-
-    def node(self, key: bytes) -> tuple[str, redis.Redis]:
-        names, clients = self._slots()
-        name = names[key_slot(key)]
-        return name, clients[name]
-
-    def clients(self) -> dict[str, redis.Redis]:
-        """Every master, by name."""
-        return dict(self._slots()[1])
-
-    def group(self, keys: Sequence[bytes]) -> _Group:
-        names, clients = self._slots()
-        out: _Group = {}
-        for i, key in enumerate(keys):
-            name = names[key_slot(key)]
-            entry = out.get(name)
-            if entry is None:
-                out[name] = (clients[name], [i])
-            else:
-                entry[1].append(i)
-        return out
-
-    def retrying(self, fn: Callable[[], R]) -> R:
-        """Run ``fn`` (which must be safe to repeat); on a Redis error refresh the slot table once and rerun."""
-        generation = self._generation
-        try:
-            return fn()
-        except _ERRORS:
-            self.refresh(generation)
-            return fn()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._rc is not None:
-                self._rc.close()
-            self._rc, self._table = None, None
 
 
 def _command(retry: bool = True) -> Callable[[Callable[P, R]], Callable[P, R]]:
@@ -467,15 +127,15 @@ class _RedisBase(RegistryStore):
 
     default_sweep_grace_ms = 0
 
-    def __init__(self, nodes: _SingleNode | _ClusterNodes, lease_ttl_ms: int, key_prefix: str | bytes,
+    def __init__(self, nodes: SingleNode | ClusterNodes, lease_ttl_ms: int, key_prefix: str | bytes,
                  sweep_grace_ms: int | None, sweep_max_incarnations: int, sweep_max_keys: int) -> None:
         super().__init__(lease_ttl_ms)
         prefix = key_prefix.encode() if isinstance(key_prefix, str) else bytes(key_prefix)
         if b"{" in prefix or b"}" in prefix:
             raise ValueError("key_prefix must not contain '{' or '}' (it would pin every key to one Cluster slot)")
         self._nodes = nodes
-        self._keys = _Keys(prefix)
-        self._scripts = _Scripts()
+        self._keys = Keys(prefix)
+        self._scripts = Scripts()
         self.sweep_grace_ms = self.default_sweep_grace_ms if sweep_grace_ms is None else sweep_grace_ms
         self.sweep_max_incarnations = sweep_max_incarnations
         self.sweep_max_keys = sweep_max_keys
@@ -853,8 +513,8 @@ class RedisStore(_WorkerCommands, _LookupCommands, _SweepCommands):
                          sweep_grace_ms, sweep_max_incarnations, sweep_max_keys)
 
     @staticmethod
-    def _connect(url: str, socket_timeout_s: float, max_connections: int) -> _SingleNode | _ClusterNodes:
-        return _SingleNode(url, socket_timeout_s, max_connections)
+    def _connect(url: str, socket_timeout_s: float, max_connections: int) -> SingleNode | ClusterNodes:
+        return SingleNode(url, socket_timeout_s, max_connections)
 
     @_command()
     def apply_events(self, req: Events) -> EventsReply:
@@ -890,8 +550,8 @@ class RedisSentinelStore(RedisStore):
     name = "redis-sentinel"
 
     @staticmethod
-    def _connect(url: str, socket_timeout_s: float, max_connections: int) -> _SingleNode | _ClusterNodes:
-        return _SentinelNode(url, socket_timeout_s, max_connections)
+    def _connect(url: str, socket_timeout_s: float, max_connections: int) -> SingleNode | ClusterNodes:
+        return SentinelNode(url, socket_timeout_s, max_connections)
 
 
 class RedisClusterStore(RedisStore):
@@ -909,8 +569,8 @@ class RedisClusterStore(RedisStore):
     default_sweep_grace_ms = 10_000
 
     @staticmethod
-    def _connect(url: str, socket_timeout_s: float, max_connections: int) -> _SingleNode | _ClusterNodes:
-        return _ClusterNodes(url, socket_timeout_s, max_connections)
+    def _connect(url: str, socket_timeout_s: float, max_connections: int) -> SingleNode | ClusterNodes:
+        return ClusterNodes(url, socket_timeout_s, max_connections)
 
     @_command(retry=False)  # the meta step is not idempotent; each step retries by itself
     def apply_events(self, req: Events) -> EventsReply:
