@@ -156,7 +156,8 @@ class Handler(BaseHTTPRequestHandler):
             self._reply(404, b'{"error": "GET /router/status; POST /v1/completions, /v1/chat/completions"}')
 
     def do_POST(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
+        length_text = self.headers.get("Content-Length") or "0"
+        length = int(length_text) if length_text.isascii() and length_text.isdigit() and len(length_text) < 12 else -1
         if not 0 < length <= _MAX_BODY or self.path not in ("/v1/completions", "/v1/chat/completions"):
             self._reply(400, b'{"error": "POST /v1/completions or /v1/chat/completions with a JSON body"}')
             return

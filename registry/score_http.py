@@ -66,6 +66,7 @@ _MAX_HEAD = 16 << 10
 _REQUEST_TIMEOUT_S = 10.0  # from a request's first byte to its last (slow-loris)
 _IDLE_TIMEOUT_S = 60.0  # a kept-alive connection with nothing to say
 _MAX_CONNECTIONS = 512
+_SINGLE_HEADERS = frozenset({"content-length", "transfer-encoding", "authorization", "expect"})
 _STATUS = {200: "OK", 100: "Continue", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
            405: "Method Not Allowed", 411: "Length Required", 413: "Content Too Large", 422: "Unprocessable Content",
            431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
@@ -237,14 +238,20 @@ class _Connection(asyncio.Protocol):
             name, sep, value = line.partition(":")
             if not sep or not name or name != name.strip():
                 raise _HttpError(400, "bad_request", "malformed header line", close=True)
-            headers[name.lower()] = value.strip()
+            key = name.lower()
+            if key in _SINGLE_HEADERS and key in headers:
+                # two lengths (or two tokens) leave it in doubt where this request ends (or who sent it)
+                raise _HttpError(400, "bad_request", f"{name} given twice", close=True)
+            headers[key] = value.strip()
         conn = headers.get("connection", "").lower()
         keep = conn != "close" if version == "HTTP/1.1" else conn == "keep-alive"
         if "transfer-encoding" in headers:
             raise _HttpError(411, "bad_request", "chunked bodies are not accepted: send Content-Length", close=True)
         length_text = headers.get("content-length", "0")
-        if not length_text.isdigit():
+        if not (length_text.isascii() and length_text.isdigit()):  # (isdigit alone takes "²", which int() refuses)
             raise _HttpError(400, "bad_request", "malformed Content-Length", close=True)
+        if len(length_text) > 18:  # over any max_body (and int() refuses 4,300 digits with a ValueError)
+            raise _HttpError(413, "too_large", f"a body of {len(length_text)} digits of bytes", close=True)
         length = int(length_text)
         if length > self.server.max_body:
             raise _HttpError(413, "too_large", f"a body of {length} bytes (at most {self.server.max_body})",

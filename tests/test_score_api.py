@@ -492,6 +492,11 @@ def test_a_million_tokens_and_oversized_bodies_are_refused(api, prompt):
     (b"POST /v1/score HTTP/2.0\r\nContent-Length: 2\r\n\r\n{}", b"400"),
     (b"POST /v1/score HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", b"411"),
     (b"POST /v1/score HTTP/1.1\r\nContent-Length: -1\r\n\r\n", b"400"),
+    (b"POST /v1/score HTTP/1.1\r\nContent-Length: \xb2\r\n\r\n", b"400"),  # a digit to isdigit(), not to int()
+    (b"POST /v1/score HTTP/1.1\r\nContent-Length: " + b"1" * 5000 + b"\r\n\r\n", b"413"),  # past int()'s limit
+    (b"POST /v1/score HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", b"400"),  # smuggling
+    (b"POST /v1/score HTTP/1.1\r\nAuthorization: Bearer a\r\nAuthorization: Bearer b\r\n"
+     b"Content-Length: 2\r\n\r\n{}", b"400"),
     (b"POST /v1/score HTTP/1.1\r\nContent-Length: 100\r\n\r\n{}", b"400"),  # the body ends early
     (b"GET /v1/score HTTP/1.1\r\n\r\n", b"405"),
     (b"GET /admin HTTP/1.1\r\n\r\n", b"404"),
