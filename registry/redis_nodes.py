@@ -24,7 +24,8 @@ from redis.retry import Retry
 from remote_g2.errors import ConfigError
 
 R = TypeVar("R")
-_ERRORS = (RedisError, RedisClusterException)
+#: every failure a Redis call can raise (the store turns them into StoreUnavailable)
+REDIS_ERRORS = (RedisError, RedisClusterException)
 
 
 class Keys:
@@ -204,7 +205,7 @@ class ClusterNodes:
         generation = self._generation
         try:
             return fn()
-        except _ERRORS:
+        except REDIS_ERRORS:
             self.refresh(generation)
             return fn()
 

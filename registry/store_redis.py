@@ -72,7 +72,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar, cast
 
 import redis
-from redis.exceptions import ClusterError, RedisClusterException, RedisError
+from redis.exceptions import ClusterError, RedisClusterException
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -82,7 +82,7 @@ from remote_g2.messages import (
     LookupReply, RegisterWorker, RegisterWorkerReply, Resync, ResyncReply, WorkerRecord,
 )
 
-from .redis_nodes import ClusterNodes, Keys, SentinelNode, SingleNode
+from .redis_nodes import REDIS_ERRORS, ClusterNodes, Keys, SentinelNode, SingleNode
 from .redis_scripts import Scripts
 from .store import DEFAULT_LEASE_TTL_MS, ConvertedLookups, PendingLookups, RegistryStore
 
@@ -91,7 +91,6 @@ __all__ = ["RedisStore", "RedisClusterStore", "RedisSentinelStore", "DEFAULT_KEY
 log = logging.getLogger("remote_g2.registry")
 
 DEFAULT_KEY_PREFIX = "rg2:"
-_ERRORS = (RedisError, RedisClusterException)
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, ClusterError, RedisClusterException)
 
 P = ParamSpec("P")
@@ -108,7 +107,7 @@ def _command(retry: bool = True) -> Callable[[Callable[P, R]], Callable[P, R]]:
                 if retry:
                     return store._nodes.retrying(lambda: method(*args, **kwargs))
                 return method(*args, **kwargs)
-            except _ERRORS as e:
+            except REDIS_ERRORS as e:
                 raise _unavailable(store, e) from e
         return call
     return wrap
@@ -357,12 +356,12 @@ class _LookupCommands(_RedisBase):
             pending = self._scripts.start_many(client, "lookup", self._keys.lease, [
                 self._lookup_args(r.hashes, b"k" * len(r.hashes), r.requester, r.compat_key, r.want_all_holders)
                 for r in requests])
-        except _ERRORS as e:
+        except REDIS_ERRORS as e:
             raise _unavailable(self, e) from e
         ties = list(tie_breakers)
         return ConvertedLookups(pending, lambda replies: [_lookup_reply(raw, t) for raw, t in
                                                           zip(replies, ties, strict=True)],
-                                errors=_ERRORS, on_error=lambda e: _unavailable(self, e))
+                                errors=REDIS_ERRORS, on_error=lambda e: _unavailable(self, e))
 
     def _lookup_args(self, payload: Sequence[bytes], kinds: bytes, requester: str | None,
                      compat_key: str | None, want_all_holders: bool) -> list[Any]:
