@@ -47,8 +47,9 @@ import threading
 import urllib.error
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 log = logging.getLogger("cache_aware_router")
