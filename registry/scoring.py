@@ -77,6 +77,10 @@ _GROWTH = 8
 #: that died meanwhile is never in a lookup's answer: it scores 0 until the list is read again. A store with
 #: one (the embedded store) is listed again whenever it changes, and a lease that lapsed drops its worker.
 _WORKERS_TTL_S = 1.0
+#: Why a connector worker is not scored for a LoRA request: the connector keys an adapter's blocks by vLLM's hash
+#: and the digest of the adapter files it loaded (``adapters/vllm/lora_identity.py``), which a request cannot name.
+_LORA_KEYED_BY_DIGEST = ("a remote-g2 worker keys a LoRA request's blocks by the digest of the adapter files it "
+                         "loaded, which the request cannot name: its cached prefix is unknown (send block_hashes)")
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1,
                 "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "uint8": 1, "int8": 1}
 
@@ -320,6 +324,9 @@ class Scorer:
                                                                    if engines is not None else None)
                 score = self._worker_score(c, tiers, bs, readable=False)
                 (matched if score.matched_tokens else idle).append(score)
+                continue
+            if lora is not None and req.token_ids is not None:  # (sent block_hashes are its keys as they are)
+                unscored.append((c.wid, "unsupported_input", _LORA_KEYED_BY_DIGEST))
                 continue
             group = groups.get(c.key)
             if group is None:

@@ -278,8 +278,16 @@ def test_salted_and_lora_prefixes_match_only_for_callers_who_send_them(prompt):
     assert matched() == {"salted": 0, "lora": 0}
     assert matched(cache_salt="tenant-b") == {"salted": 0, "lora": 0}
     assert matched(cache_salt="tenant-a") == {"salted": 62, "lora": 0}
-    assert matched(lora_name="sql", lora_path="/a/sql") == {"salted": 0, "lora": 62}
-    assert matched(lora_name="sql", lora_path="/b/sql") == {"salted": 0, "lora": 0}
+    # A connector keys a LoRA request's blocks by the adapter files' digest too (adapters/vllm/lora_identity.py):
+    # a LoRA request by token ids cannot be scored exactly, so its workers are unscored, never a zero.
+    for path in ("/a/sql", "/b/sql"):
+        with pytest.raises(CannotScore) as e:
+            matched(lora_name="sql", lora_path=path)
+        assert e.value.reason == "unsupported_input" and "digest of the adapter files" in e.value.message
+    # by the blocks' keys themselves, it is scored as before
+    reply = s.score(ScoreRequest("tiny", block_hashes=h.hashes(prompt, lora=("sql", "/a/sql")),
+                                 lora_name="sql", lora_path="/a/sql"))
+    assert {w.worker_id: w.matched_blocks for w in reply.workers} == {"salted": 0, "lora": 62}
 
 
 def test_what_cannot_be_hashed_exactly_is_an_error_never_a_zero(prompt):
@@ -455,7 +463,7 @@ def test_score_over_http(api, prompt):
     status, doc = _post(api.url + "/query", {"model_name": "tiny", "token_ids": prompt, "lora_name": "nope"})
     assert status == 422 and "--score-lora" in doc["error"]["message"]
     status, doc = _post(api.url + "/query", {"model_name": "tiny", "token_ids": prompt, "lora_name": "sql"})
-    assert status == 200 and doc["instances"]["a"]["longest_matched"] == 0  # a's blocks were not the adapter's
+    assert status == 422 and doc["error"]["reason"] == "unsupported_input"  # LoRA blocks: keyed by a digest
     with urllib.request.urlopen(api.url + "/healthz", timeout=5) as r:
         assert json.loads(r.read()) == {"ok": True}
 
