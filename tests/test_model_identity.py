@@ -46,6 +46,15 @@ def cache(tmp_path: Path) -> fd.DigestCache:
     return fd.DigestCache(tmp_path / "cache", racy_window_s=0)
 
 
+@pytest.fixture(autouse=True)
+def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> fd.DigestCache:
+    """The node-wide fallback cache, in the test's directory (not the box's /dev/shm)."""
+    n = fd.DigestCache(tmp_path / "node", racy_window_s=0)
+    monkeypatch.setattr(fd, "_node", n)
+    monkeypatch.setattr(fd, "_default", None)
+    return n
+
+
 def test_the_digest_covers_every_byte(tmp_path: Path) -> None:
     f = _safetensors(tmp_path / "m.safetensors", {"a": [float(i) for i in range(1000)], "b": [0.5] * 300})
     base = fd.digest_file(f).digest
@@ -134,14 +143,15 @@ def test_a_recently_changed_file_is_digested_but_not_cached(tmp_path: Path) -> N
     assert not fd.digest_file(f, racy).cached and not list(racy.directory.glob("*.json"))
 
 
-def test_a_cache_directory_others_can_write_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cache_directory_others_can_write_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       node: fd.DigestCache) -> None:
     d = tmp_path / "shared"
     d.mkdir(mode=0o777)
     os.chmod(d, 0o777)
     with pytest.raises(ConfigError, match="not this user's alone"):
         fd.DigestCache(d)
     monkeypatch.setenv(fd.CACHE_DIR_ENV, str(d))
-    assert fd.default_cache() is None  # the node's cache is off (with a warning), digests still computed
+    assert fd.default_cache() is node  # the node's memory takes its place (with a warning): read once per node
     monkeypatch.setenv(fd.CACHE_DIR_ENV, "")
     assert fd.default_cache() is None
     monkeypatch.setenv(fd.CACHE_DIR_ENV, str(tmp_path / "mine"))
@@ -156,7 +166,7 @@ def test_concurrent_digests_of_one_file_read_it_once(tmp_path: Path, cache: fd.D
     _age(f)
     reads = []
     real = fd._read_digest
-    monkeypatch.setattr(fd, "_read_digest", lambda fdn, algo: reads.append(1) or real(fdn, algo))
+    monkeypatch.setattr(fd, "_read_digest", lambda fdn, algo, *a: reads.append(1) or real(fdn, algo, *a))
     out: list[fd.FileDigest] = []
     threads = [threading.Thread(target=lambda: out.append(fd.digest_file(f, cache))) for _ in range(4)]
     for t in threads:
@@ -237,10 +247,10 @@ def test_a_file_that_keeps_changing_has_no_digest(tmp_path: Path, monkeypatch: p
     f.write_bytes(b"a" * 1000)
     real = fd._read_digest
 
-    def write_while_reading(fdn: int, algo: str) -> str:
+    def write_while_reading(fdn: int, algo: str, *a: object) -> str:
         with open(f, "ab") as h:
             h.write(b"b")
-        return real(fdn, algo)
+        return real(fdn, algo, *a)
 
     monkeypatch.setattr(fd, "_read_digest", write_while_reading)
     with pytest.raises(ConfigError, match="kept changing while it was read"):
@@ -258,6 +268,7 @@ def test_a_cache_that_cannot_be_written_costs_the_cache_not_the_digest(tmp_path:
     got = fd.digest_file(f, cache)
     assert got.digest == want and not got.cached
     assert not list(cache.directory.glob("*.json"))
+    assert fd.digest_file(f, cache).cached  # the node's fallback cache took the entry: the next process reads nothing
 
 
 def test_a_full_cache_volume_costs_the_cache_not_the_digest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
