@@ -9,7 +9,9 @@
 // Contract (the caller, remote_g2/vllm_hashing.py, keeps it):
 //   * `extra0` / `extra` are the already-encoded extra keys of block 0 and of every later block: in the
 //     pickle case the opcodes pickle writes for them inside the outer tuple (b"N" for None), in the CBOR
-//     case their CBOR item (0xf6 for None). They carry no back-reference to anything outside themselves.
+//     case their CBOR item (0xf6 for None). A pickle's back-references (BINGET n) in them count the outer
+//     tuple's memo as this chain writes it: the parent hash is entry 0, the token tuple entry 1 (the caller
+//     pickles the keys inside such a tuple and cuts them out).
 //   * a pickle body stays under pickle's 64 KiB frame target (the caller falls back to pickle itself
 //     otherwise): then pickle writes the whole body as one frame.
 // Token ids must be Python ints in [0, 2^31): anything else raises ValueError and nothing is returned.

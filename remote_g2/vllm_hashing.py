@@ -55,6 +55,10 @@ DEFAULT_SEED = "vllm-none-hash"
 MAX_TOKEN_ID = 2**31 - 1
 _MAX_KEY_CHARS = 4096  # a LoRA name or path, a salt: longer ones are refused
 _PICKLE_FRAME_TARGET = 64 * 1024  # pickle's _FRAME_SIZE_TARGET: a body under it is one frame
+# The outer tuple the extra keys are pickled inside (VllmBlockHasher._encode_extra): a parent hash, a token tuple.
+_STAND_IN_PARENT = bytes(32)
+_STAND_IN_HEAD = b"C " + _STAND_IN_PARENT + b"\x94K\x00\x85\x94"  # SHORT_BINBYTES 32, MEMOIZE, (0,), MEMOIZE
+_EXTRA_AT = 11 + len(_STAND_IN_HEAD)
 
 
 def token_ids_from_json(raw: bytes | memoryview | object) -> array.array:
@@ -151,9 +155,9 @@ class VllmBlockHasher:
         n = n if max_blocks is None else min(n, max_blocks)
         lora_keys: list[tuple[str, ...]] = []
         if lora is not None:
-            name, path = (_own_str(x) for x in lora)
+            name, path = (_as_engine_str(x) for x in lora)
             lora_keys.append(("lora", name, path))
-        first = lora_keys + ([("cache_salt", _own_str(cache_salt))] if cache_salt else [])
+        first = lora_keys + ([("cache_salt", _as_engine_str(cache_salt))] if cache_salt else [])
         extra = tuple(lora_keys) if lora_keys else None
         extra0 = (tuple(first) if first else None) if start == 0 else extra  # the salt is block 0's only
         enc0, enc = self._encode_extra(extra0), self._encode_extra(extra)
@@ -169,16 +173,25 @@ class VllmBlockHasher:
         return self._chain_python(token_ids[start * bs:(start + n) * bs], n, parent, extra0, extra)
 
     def _encode_extra(self, extra: tuple[tuple[str, ...], ...] | None) -> bytes:
-        """``extra`` as its encoding reads inside the block's tuple (cpp_ext/vllm_hash.cpp's contract)."""
+        """``extra`` as its encoding reads inside the block's tuple (cpp_ext/vllm_hash.cpp's contract).
+
+        A pickle writes an object it has already written as a back-reference
+        to the memo index it got then (BINGET n). Inside vLLM's outer tuple
+        the parent hash took index 0 and the token tuple index 1, so the keys
+        are pickled in that place: inside ``(32 bytes, (token,), extra)``,
+        and cut out. Pickled alone they would count from 0, and every
+        back-reference (two keys that are one object: :func:`_as_engine_str`)
+        would point at the wrong object.
+        """
         if extra is None:
             return b"\xf6" if self._cbor else b"N"
-        data = self._encode(extra)
-        if self._cbor:
-            return data
-        # pickle.dumps: PROTO 5, FRAME + 8-byte length, the opcodes, STOP. Memo puts carry no index, and
-        # the keys are distinct objects (_own_str), so the opcodes are the same inside the outer tuple.
-        assert data[:3] == b"\x80\x05\x95" and data[-1:] == b"."
-        return data[11:-1]
+        if self._cbor:  # canonical CBOR without value sharing: no back-references
+            return self._encode(extra)
+        data = _pickle_encoder((_STAND_IN_PARENT, (0,), extra))
+        # PROTO 5, FRAME <8-byte length>, then the parent and the token tuple as the C++ chain writes them;
+        # after the keys, TUPLE3 MEMOIZE STOP.
+        assert data[:3] == b"\x80\x05\x95" and data[11:_EXTRA_AT] == _STAND_IN_HEAD and data[-3:] == b"\x87\x94."
+        return data[_EXTRA_AT:-3]
 
     def _chain_python(self, token_ids: Sequence[int], n: int, parent: bytes, extra0: object,
                       extra: object) -> list[bytes]:
@@ -220,20 +233,28 @@ class PromptChain:
         return have if n == len(have) else have[:n]
 
 
-def _own_str(s: object) -> str:
-    """``s`` as a str object of its own, within the size vLLM's keys have.
+def _as_engine_str(s: object) -> str:
+    """``s`` as vLLM's engine core holds such a key: one object shared with an equal key exactly when
+    CPython shares it, within the size vLLM's keys have.
 
-    A pickle writes a str object a second time as a back-reference: two keys
-    that were one object in vLLM's request but two here (or the reverse)
-    would hash differently. vLLM's keys come from separate parsing, so each
-    key is made a distinct object here too.
+    A pickle writes a str object a second time as a back-reference, so
+    which keys are one object changes vLLM's hash. vLLM's engine core gets
+    each request decoded from msgpack (``EngineCoreRequest``, the LoRA
+    name and path and the salt each a string of its own), and CPython hands
+    out one shared object only for the empty string and for each
+    one-character Latin-1 string: two keys ``"a"`` are one object there,
+    two keys ``"ab"`` are two. A copy here gives exactly that (a slice of
+    one character below U+0100 is CPython's shared one), and is never the
+    ``"lora"`` or ``"cache_salt"`` tag (interned) either. A caller that
+    builds vLLM requests in its own process and passes one string object
+    twice (an in-process engine) gets hashes no outside scorer can know.
     """
     if not isinstance(s, str):
         raise CannotScore(f"a LoRA name or path, or a cache salt, is a string, not {type(s).__name__}",
                           reason="bad_request")
     if len(s) > _MAX_KEY_CHARS:
         raise CannotScore(f"a hash key of {len(s)} characters (at most {_MAX_KEY_CHARS})", reason="bad_request")
-    return (s + ".")[:-1] if s else s
+    return (s + ".")[:-1]
 
 
 def _pickle_encoder(obj: object) -> bytes:

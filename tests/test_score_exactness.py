@@ -1,0 +1,115 @@
+"""The scorer's hashes are vLLM's, byte for byte, or the worker is said to be unscored; bad KV events cost only
+themselves.
+
+* **Pickle memo.** vLLM pickles ``(parent, tokens, extra)`` whole: a key that
+  is the same object as one written before it is a back-reference to that
+  object's memo index *in the outer tuple* (the parent is 0, the token tuple 1).
+  Which keys are one object is as vLLM's engine core holds them: decoded from
+  msgpack, so equal keys share an object only where CPython shares it (the
+  empty string, one Latin-1 character). The reference here is vLLM's
+  ``hash_block_tokens`` written out (pickle / cbor2 of the outer tuple), its
+  keys decoded by msgspec as the engine core decodes ``EngineCoreRequest``; the
+  vLLM suite (``tests/test_vllm_score_hashing.py``) holds the same cases to
+  real vLLM, and the pinned digests below are what vLLM 0.32 gave.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+
+import cbor2
+import msgspec
+import pytest
+
+from remote_g2 import _vllm_hash
+from remote_g2.vllm_hashing import DEFAULT_SEED, VllmBlockHasher
+
+
+class _Lora(msgspec.Struct, array_like=True):
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+class _EngineKeys(msgspec.Struct, array_like=True):  # the parts of EngineCoreRequest the keys come from
+    lora_request: _Lora | None
+    cache_salt: str | None
+
+
+def _as_engine_core_decodes(lora: tuple[str, str] | None, salt: str | None) -> _EngineKeys:
+    wire = msgspec.msgpack.encode(_EngineKeys(_Lora(lora[0], 1, lora[1]) if lora else None, salt))
+    return msgspec.msgpack.decode(wire, type=_EngineKeys)
+
+
+def _vllm_chain(algo: str, tokens: list[int], bs: int, lora, salt) -> list[bytes]:
+    """vLLM 0.32's get_request_block_hasher + hash_block_tokens + sha256/sha256_cbor, written out."""
+    keys = _as_engine_core_decodes(lora, salt)
+    encode = (lambda o: cbor2.dumps(o, canonical=True)) if algo == "sha256_cbor" else \
+        (lambda o: pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL))
+    parent = hashlib.sha256(encode(DEFAULT_SEED)).digest()
+    out = []
+    for i in range(len(tokens) // bs):
+        lo = [("lora", keys.lora_request.lora_name, keys.lora_request.lora_path)] if keys.lora_request else []
+        extra = lo + ([("cache_salt", keys.cache_salt)] if i == 0 and keys.cache_salt else [])
+        parent = hashlib.sha256(encode((parent, tuple(tokens[i * bs:(i + 1) * bs]),
+                                        tuple(extra) if extra else None))).digest()
+        out.append(parent)
+    return out
+
+
+# Keys that are one object in vLLM's engine core (one-character Latin-1, empty) and keys that are not
+# (longer, or above U+00FF), equal to each other or to the tags "lora" / "cache_salt", short and long.
+MEMO_CASES = [
+    (("a", "a"), None), (("a", "/p"), "a"), (("x", "a"), "a"), (("a", "a"), "a"), (("", "a"), "a"),
+    (("ü", "ü"), "ü"), (("\x00", "\x00"), None), (("Ā", "Ā"), "Ā"), (("ab", "ab"), "ab"),
+    (("lora", "/l"), "cache_salt"), (("cache_salt", "lora"), "lora"), (None, "a"),
+    (("n" * 300, "n" * 300), "n" * 300), (("é" * 2000, "/x"), "é" * 2000),
+]
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+@pytest.mark.parametrize("bs", [1, 3, 4, 16])
+@pytest.mark.parametrize("lora, salt", MEMO_CASES)
+def test_keys_that_are_one_object_in_vllm_hash_as_vllm_hashes_them(algo, bs, lora, salt):
+    tokens = list(range(250, 250 + 3 * bs + 1))
+    ours = VllmBlockHasher(algo, DEFAULT_SEED, bs).hashes(tokens, lora=lora, cache_salt=salt)
+    assert ours == _vllm_chain(algo, tokens, bs, lora, salt)
+
+
+@pytest.mark.parametrize("portable", [True, False])
+def test_the_c_path_and_pickle_itself_agree_on_back_references(portable):
+    """A body past pickle's frame target goes through pickle.dumps itself; below it, through the C++ chain: the
+    same keys give the same chain either way (the memo offset is the C++ chain's contract too)."""
+    _vllm_hash.set_portable(portable)
+    try:
+        tokens = list(range(70_000, 70_000 + 4096 * 2))
+        hasher = VllmBlockHasher("sha256", DEFAULT_SEED, 4096)  # 5 bytes a token: past the frame target
+        for lora, salt in MEMO_CASES:
+            assert hasher.hashes(tokens, lora=lora, cache_salt=salt) == _vllm_chain("sha256", tokens, 4096, lora, salt)
+        small = VllmBlockHasher("sha256", DEFAULT_SEED, 8)
+        chain = small.hashes(tokens[:64], lora=("a", "a"), cache_salt="a")
+        assert chain == small._chain_python(tokens[:64], 8, small.none_hash, (("lora", "a", "a"), ("cache_salt", "a")),
+                                            (("lora", "a", "a"),))
+    finally:
+        _vllm_hash.set_portable(False)
+
+
+def test_the_extra_keys_bytes_carry_the_outer_tuples_memo_indices():
+    hasher = VllmBlockHasher("sha256", DEFAULT_SEED, 4)
+    a = "a"
+    # "lora" -> memo 2, "a" -> memo 3, the second "a" is BINGET 3 (pickled alone it would read BINGET 1)
+    assert hasher._encode_extra((("lora", a, a),)) == b"\x8c\x04lora\x94\x8c\x01a\x94h\x03\x87\x94\x85\x94"
+    assert hasher._encode_extra(None) == b"N"
+
+
+@pytest.mark.parametrize("algo, first, second", [
+    ("sha256", "3004150a3641b5e9daa16644342fdc57b7a8d2418f90a9633240e258ff25546b",
+     "8165b9661a7bd1202db199b960de17552e44dd0d420b2d3b3f488ef5c3b12cb5"),
+    ("sha256_cbor", "fff992a84adf25a684edeb4c72885d861e7678656ec80bd47a15a1787860eb20",
+     "5a37c83ae15f084f5ca258f1f11710c5a25ec454a775272fef85cd2c9f86ca74"),
+])
+def test_pinned_against_vllm_0_32(algo, first, second):
+    """vLLM 0.32's hash_block_tokens for tokens 1..8, block size 4, LoRA ("a", "a") and salt "a" (one object)."""
+    got = VllmBlockHasher(algo, DEFAULT_SEED, 4).hashes([1, 2, 3, 4, 5, 6, 7, 8], lora=("a", "a"), cache_salt="a")
+    assert [h.hex() for h in got] == [first, second]
