@@ -4,10 +4,22 @@
 servers in front of one store (:mod:`remote_g2.endpoint_list`). A call goes
 to the server in use; when it does not answer (:class:`RpcTimeout`) or its
 connection fails, the call is sent again to the next server, each with the
-full timeout, and that one stays in use. Every registry call may be sent
-twice: a repeated event batch or resync chunk is answered by sequence number
-(``resync_needed``, and the publisher resyncs), a repeated registration is
-a renewal, lookups and heartbeats change nothing twice.
+full timeout, and that one stays in use.
+
+A dead server is left at once, not after a timeout: every connection
+heartbeats and is watched (:mod:`remote_g2.connection_watch`). A call whose
+connection is lost while it waits (the server was killed: the kernel closed
+it; or it stopped answering heartbeats for ``heartbeat_s``: it hangs) moves
+to the next server at once; so does a call to a server whose connection is
+known to be down, or that refuses the connection, while another server is
+left to try (the last one is waited for, as a server being started may
+still answer).
+
+Every registry call may be sent twice: a repeated event batch is answered by
+sequence number (``resync_needed``, and the publisher resyncs: a batch the
+dead server applied is never applied twice, one it did not is never lost),
+a repeated registration is a renewal, a resync is restarted from its first
+chunk, lookups and heartbeats change nothing twice.
 
 Thread-safe (calls are serialised on one socket per server; see
 :class:`remote_g2.rpc_client.RpcClient`). Errors: :class:`RpcTimeout` when
@@ -24,6 +36,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from remote_g2.connection_watch import Liveness
 from remote_g2.curve import CurveClientConfig
 from remote_g2.endpoint_list import EndpointRotation
 from remote_g2.errors import RpcClosed, TransportError
@@ -41,13 +54,18 @@ log = logging.getLogger("remote_g2.registry")
 
 
 class RegistryClient:
-    """Calls the registry at ``endpoint`` (one server, or a failover list) with a default timeout of ``timeout_s``."""
+    """Calls the registry at ``endpoint`` (one server, or a failover list) with a default timeout of ``timeout_s``.
+
+    ``heartbeat_s``: a server that stops answering ZMTP heartbeats for that long is left (None:
+    ``REMOTE_G2_REGISTRY_HEARTBEAT_S``, else 1 s; :class:`~remote_g2.connection_watch.Liveness`).
+    """
 
     def __init__(self, endpoint: str | Sequence[str], *, timeout_s: float = 5.0,
-                 curve: CurveClientConfig | None = None) -> None:
+                 curve: CurveClientConfig | None = None, heartbeat_s: float | None = None) -> None:
         self._servers = EndpointRotation(endpoint)
         self._timeout_ms = timeout_s * 1000.0
         self._curve = curve
+        self._liveness = Liveness.from_env(heartbeat_s)
         self._clients: dict[str, RpcClient] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -69,15 +87,24 @@ class RegistryClient:
                 raise RpcClosed(f"registry client of {', '.join(self.endpoints)} is closed")
             client = self._clients.get(endpoint)
             if client is None:
-                client = self._clients[endpoint] = RpcClient(endpoint, timeout_ms=self._timeout_ms, curve=self._curve)
+                client = self._clients[endpoint] = RpcClient(endpoint, timeout_ms=self._timeout_ms, curve=self._curve,
+                                                            liveness=self._liveness)
             return client
 
     def _call(self, request: Any, *, timeout_ms: float | None = None) -> Any:
         """Send ``request`` to the server in use, and to the next ones while none answers (module docstring)."""
+        return self._call_moving(request, timeout_ms=timeout_ms)[0]
+
+    def _call_moving(self, request: Any, *, timeout_ms: float | None = None,
+                     fail_fast: bool = False) -> tuple[Any, bool]:
+        """As :meth:`_call`; also whether the answer came from another server than the one first sent to.
+        ``fail_fast``: the last server too is not waited for when its connection is down or refused."""
         endpoint = self._servers.current
         for attempt in range(len(self._servers.endpoints)):
+            # While another server is left to try, a connection known to be down (or refused) is not waited for.
+            fast = fail_fast or attempt + 1 < len(self._servers.endpoints)
             try:
-                return self._client(endpoint).call(request, timeout_ms=timeout_ms)
+                return self._client(endpoint).call(request, timeout_ms=timeout_ms, fail_fast=fast), attempt > 0
             except RpcClosed:
                 raise
             except TransportError as e:  # no answer, or the connection failed: the next server
@@ -88,6 +115,14 @@ class RegistryClient:
                 log.warning("registry %s: %s; moving to %s", endpoint, e, nxt)
                 endpoint = nxt
         raise AssertionError("unreachable")
+
+    def connection_state(self, endpoint: str | None = None) -> str:
+        """``up``, ``down`` or ``unknown`` for ``endpoint`` (None: the server in use); see
+        :mod:`remote_g2.connection_watch`. ``unknown`` for a server not called yet."""
+        endpoint = self._servers.current if endpoint is None else endpoint
+        with self._lock:
+            client = self._clients.get(endpoint)
+        return "unknown" if client is None else client.connection_state()
 
     # -- worker side -------------------------------------------------------------------
 
@@ -101,7 +136,13 @@ class RegistryClient:
         return reply
 
     def events(self, worker_id: str, epoch: int, seq: int, events: Sequence[BlockEvent]) -> EventsReply:
-        reply: EventsReply = self._call(Events(worker_id, epoch, seq, list(events)))
+        """Apply one batch. Sent again to the next server when the first one fails: if that one had applied
+        it, the store's sequence number says so (it expects ``seq + 1``) and the answer is ``ok``, as it
+        would have been; the resend is this very batch, so nothing in it is applied twice or lost."""
+        reply, moved = self._call_moving(Events(worker_id, epoch, seq, list(events)))
+        if moved and reply.status == "resync_needed" and reply.expected_seq == seq + 1:
+            return EventsReply("ok", seq + 1, 0)
+        assert isinstance(reply, EventsReply)
         return reply
 
     def resync(self, worker_id: str, epoch: int, seq: int, hashes: Sequence[bytes], *, first: bool,
@@ -155,8 +196,11 @@ class RegistryClient:
 
     # -- mirrors ---------------------------------------------------------------------------
 
-    def feed_info(self, *, timeout_s: float | None = None) -> FeedInfoReply:
-        reply: FeedInfoReply = self._call(FeedInfo(), timeout_ms=None if timeout_s is None else timeout_s * 1000.0)
+    def feed_info(self, *, timeout_s: float | None = None, fail_fast: bool = False) -> FeedInfoReply:
+        """The server's change feed. ``fail_fast``: give up at once on a server whose connection is down or
+        refused, even the last one (a mirror that can follow other servers meanwhile)."""
+        reply: FeedInfoReply = self._call_moving(FeedInfo(), timeout_ms=None if timeout_s is None else timeout_s * 1000.0,
+                                                 fail_fast=fail_fast)[0]
         return reply
 
     def scan_worker(self, worker_id: str, cursor: bytes = b"", count: int = 16_384) -> ScanWorkerReply:

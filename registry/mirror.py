@@ -22,10 +22,22 @@ How it stays right
   throws the copy away and takes a fresh snapshot. Meanwhile :meth:`lookup`
   raises :class:`~remote_g2.errors.MirrorNotReady`, and callers ask the
   server instead.
+* **A server that dies or hangs** is noticed from the feed's connection
+  (:mod:`remote_g2.connection_watch`): a killed server's connection is
+  closed by its kernel at once, a hung one stops answering ZMTP heartbeats
+  and is dropped after ``heartbeat_s``. Either throws the copy away and
+  takes a fresh snapshot from the servers that answer, at once rather than
+  after ``stale_after_s`` of silence (kept for a server whose libzmq still
+  answers heartbeats but whose feed stopped): writes the lost server
+  applied but never published are in the store, so the snapshot has them,
+  and the other feeds are subscribed before it is taken, so nothing they
+  publish across the switch is missed.
 * **A server that does not answer** is left out of a snapshot as long as
   another one answers (the store holds every write, whichever server took
-  it); the copy follows the others and asks the missing one again every
-  few seconds, taking a fresh snapshot once it is back. Writes that go
+  it); one whose connection is known to be down is not even asked. The
+  copy follows the others and asks the missing one again (every second once
+  its connection is back up, else every few seconds), taking a fresh
+  snapshot once it answers. Writes that go
   through a server the copy cannot reach are caught as above (sequence
   numbers, leases): lookups may miss blocks meanwhile, or name a block
   its worker has since dropped (the resolve then finds less), never a
@@ -50,33 +62,22 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import zmq
 
+from remote_g2.connection_watch import ConnectionWatch, Liveness
 from remote_g2.curve import CurveClientConfig
 from remote_g2.endpoint_list import endpoint_list
-from remote_g2.errors import (
-    MirrorNotReady, ProtocolError, RegistryError, RemoteG2Error, StaleEpoch, TransportError,
-)
-from remote_g2.messages import (
-    DrainWorker,
-    Events,
-    FeedTick,
-    Heartbeat,
-    Lookup,
-    LookupReply,
-    RegisterWorker,
-    Resync,
-    WorkerRecord,
-)
+from remote_g2.errors import MirrorNotReady, ProtocolError, RegistryError, RemoteG2Error, TransportError
+from remote_g2.messages import FeedTick, Lookup, LookupReply
 from remote_g2.net_address import is_loopback, is_wildcard, split_tcp, with_host
 from remote_g2.wire import decode_frame, decode_request_body
 
 from .client import RegistryClient
-from .store_memory import MemoryStore, _Incarnation
+from .mirror_index import MirrorIndex
 
 __all__ = ["RegistryMirror", "MirrorIndex", "MirrorStats", "feed_endpoint_from"]
 
@@ -85,112 +86,9 @@ log = logging.getLogger("remote_g2.registry.mirror")
 _FEED_TYPES = frozenset({"register_worker", "heartbeat", "events", "resync", "drain_worker", "feed_tick"})
 _RCVHWM = 1_000_000
 _MAX_RETRY_S = 30.0
-_PROBE_EVERY_S = 5.0     # how often a server left out of the copy is asked again
+_PROBE_EVERY_S = 5.0     # how often a server left out of the copy is asked again (its connection not known up)
+_PROBE_UP_EVERY_S = 1.0  # ... and once its connection is up again (it may be back)
 _PROBE_TIMEOUT_S = 0.25  # short: the follower thread waits for it
-
-
-class MirrorIndex(MemoryStore):
-    """The mirror's copy: a :class:`MemoryStore` filled from snapshots and fed the writes the servers applied.
-
-    With ``compat_key`` it holds only the workers whose layout has that key
-    (the blocks a target of that layout can use); every write of another
-    worker is skipped, and a worker that re-registers with another layout
-    leaves the copy. Its lookups of that layout answer as the server's, except
-    that blocks only other layouts hold are ``no_candidate`` rather than
-    ``incompatible_layout`` (either way: nothing to reuse).
-    """
-
-    name = "mirror"
-    keeps_block_sets = False  # a copy answers lookups only: the holder index is all it keeps per hash
-
-    def __init__(self, lease_ttl_ms: int, compat_key: str | None = None) -> None:
-        super().__init__(lease_ttl_ms)
-        self.compat_key = compat_key
-        self._ignored: set[str] = set()  # workers of another layout: their writes are skipped
-
-    def follows(self, record: WorkerRecord) -> bool:
-        """Whether this copy holds ``record``'s worker (else it is noted as one whose writes are skipped)."""
-        if self.compat_key is None or record.fingerprint.compat_key() == self.compat_key:
-            return True
-        with self._lock:
-            self._ignored.add(record.worker_id)
-        return False
-
-    @property
-    def ignored(self) -> int:
-        """Workers of another layout this copy skips."""
-        return len(self._ignored)
-
-    def install(self, record: WorkerRecord, hashes: Iterable[bytes]) -> None:
-        """Take a worker's record and first snapshot chunk as its current incarnation."""
-        with self._lock:
-            old = self._workers.get(record.worker_id)
-            if old is not None:
-                self._drop_incarnation(old)
-            rec = _Incarnation(
-                inc=next(self._ids), worker_id=record.worker_id, epoch=record.epoch, endpoint=record.endpoint,
-                fingerprint=record.fingerprint, compat=record.fingerprint.compat_key(),
-                registered_at_ms=record.registered_at_ms,
-                expires_at=self._clock() + record.lease_expires_in_ms / 1000,
-                last_seq=record.last_seq, load=record.load,
-            )
-            self._incs[rec.inc] = rec
-            self._workers[rec.worker_id] = rec
-            self._add(rec, hashes)
-
-    def extend(self, record: WorkerRecord, hashes: Iterable[bytes]) -> bool:
-        """Add a later snapshot chunk; False when the worker has moved to another incarnation since."""
-        with self._lock:
-            rec = self._workers.get(record.worker_id)
-            if rec is None or (rec.epoch, rec.registered_at_ms) != (record.epoch, record.registered_at_ms):
-                return False
-            self._add(rec, hashes)
-            return True
-
-    def replay(self, req: Any) -> bool:
-        """Apply one write a server applied; False when this copy cannot (it has drifted: resync).
-
-        A write older than what the copy holds — the snapshot already shows it —
-        is skipped: a batch whose ``seq`` is not past the worker's last, or any
-        write for an epoch older than the worker's current one.
-        """
-        if isinstance(req, DrainWorker):
-            self._ignored.discard(req.worker_id)
-            self.drain_worker(req.worker_id)
-            return True
-        if self.compat_key is not None:
-            if isinstance(req, RegisterWorker):
-                with self._lock:
-                    rec = self._workers.get(req.worker_id)
-                if rec is not None and rec.epoch > req.epoch:
-                    return True  # older than what the copy holds
-                if req.fingerprint.compat_key() != self.compat_key:
-                    self._ignored.add(req.worker_id)
-                    self.drain_worker(req.worker_id)  # its earlier incarnation of this layout goes
-                    return True
-                self._ignored.discard(req.worker_id)
-            elif req.worker_id in self._ignored:
-                return True
-        with self._lock:
-            rec = self._workers.get(req.worker_id)
-            live = rec is not None and self._live(rec)
-            if live and rec.epoch > req.epoch:
-                return True
-            if isinstance(req, Events) and live and rec.epoch == req.epoch and req.seq <= rec.last_seq:
-                return True
-        if isinstance(req, RegisterWorker):
-            try:
-                self.register_worker(req)
-            except StaleEpoch:
-                return False
-            return True
-        if isinstance(req, Heartbeat):
-            return self.heartbeat(req).status == "ok"
-        if isinstance(req, Events):
-            return self.apply_events(req).status == "ok"
-        if isinstance(req, Resync):
-            return self.resync(req).status == "ok"
-        raise TypeError(f"not a feed write: {type(req).__name__}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,9 +146,11 @@ class RegistryMirror:
     def __init__(self, endpoints: str | Sequence[str], *, timeout_s: float = 5.0,
                  curve: CurveClientConfig | None = None, scan_count: int = 16_384,
                  stale_after_s: float = 3.0, retry_s: float = 0.5, context: zmq.Context | None = None,
-                 compat_key: str | None = None) -> None:
+                 compat_key: str | None = None, heartbeat_s: float | None = None) -> None:
         """``compat_key``: hold only workers of that layout (``LayoutFingerprint.compat_key()``: a target's own),
-        not the whole fleet; None: every worker (a server's mirror answers every layout)."""
+        not the whole fleet; None: every worker (a server's mirror answers every layout). ``heartbeat_s``: a
+        server whose connections stay silent that long is left (:class:`~remote_g2.connection_watch.Liveness`;
+        None: ``REMOTE_G2_REGISTRY_HEARTBEAT_S``, else 1 s)."""
         self.compat_key = compat_key
         self.endpoints = endpoint_list(endpoints)  # one server, or several (comma-separated or a list); checked
         self._timeout_s = timeout_s
@@ -268,6 +168,10 @@ class RegistryMirror:
         self._resyncs: dict[str, int] = {}
         self._last_snapshot_s = 0.0
         self._missing: list[RegistryClient] = []  # servers left out of the current copy (no answer)
+        self._liveness = Liveness.from_env(heartbeat_s)
+        self._watch: ConnectionWatch | None = None  # the feed socket's connection events (follower thread only)
+        self._followed: set[str] = set()  # feed endpoints the current copy follows
+        self._dialled: set[str] = set()  # every feed endpoint ever connected to
         self.last_error = ""
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -348,13 +252,16 @@ class RegistryMirror:
     # -- the follower thread ------------------------------------------------------------------
 
     def _run(self) -> None:
-        clients = [RegistryClient(ep, timeout_s=self._timeout_s, curve=self._curve) for ep in self.endpoints]
+        clients = [RegistryClient(ep, timeout_s=self._timeout_s, curve=self._curve,
+                                  heartbeat_s=self._liveness.heartbeat_s) for ep in self.endpoints]
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, _RCVHWM)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         if self._curve is not None:
             self._curve.apply(sub)
+        self._liveness.apply(sub)
+        self._watch = ConnectionWatch(sub)
         connected: set[str] = set()
         failures = 0
         try:
@@ -383,6 +290,7 @@ class RegistryMirror:
                     self._stop.wait(delay)
         finally:
             self._ready.clear()
+            self._watch.close()
             sub.close(0)
             for c in clients:
                 c.close()
@@ -411,10 +319,13 @@ class RegistryMirror:
         self._ready.clear()
         infos, answering, self._missing = [], [], []
         for client in clients:
+            several = len(clients) > 1
             try:
-                info = client.feed_info()
+                if several and client.connection_state() == "down":
+                    raise TransportError("its connection is down")
+                info = client.feed_info(fail_fast=several)
             except TransportError as e:
-                if len(clients) == 1:
+                if not several:
                     raise
                 log.warning("registry mirror: %s does not answer (%s); following the others", client.endpoint, e)
                 self._missing.append(client)
@@ -423,13 +334,17 @@ class RegistryMirror:
             infos.append(replace(info, endpoint=feed_endpoint_from(client.endpoint, info.endpoint)))
         if not answering:
             raise RegistryError(f"no registry server of {', '.join(self.endpoints)} answers")
+        assert self._watch is not None
         for gone in connected - {info.endpoint for info in infos}:  # a restarted server's old feed port
             sub.disconnect(gone)
             connected.discard(gone)
+            self._watch.forget(gone)
         for info in infos:
             if info.endpoint not in connected:
                 sub.connect(info.endpoint)
                 connected.add(info.endpoint)
+        self._followed = set(connected)
+        self._dialled |= connected
         # Frames that arrive from here on are kept and replayed over the snapshot.
         backlog: list[tuple[str, int, Any]] = []
         last: dict[str, int] = {}
@@ -456,6 +371,7 @@ class RegistryMirror:
             if not index.replay(msg):
                 raise _Resync("drift", f"{type(msg).__name__} for {msg.worker_id!r} did not apply over the snapshot")
             self._applied += 1
+        self._watch.drain()  # what happened to the feeds' connections so far; _follow checks where they are now
         self._index = index
         self._snapshots += 1
         self._last_snapshot_s = time.perf_counter() - t0
@@ -508,9 +424,24 @@ class RegistryMirror:
         assert index is not None
         heard = {instance: time.monotonic() for instance in last}
         next_sweep = time.monotonic() + 1.0
-        next_probe = time.monotonic() + _PROBE_EVERY_S
+        next_probe = next_up_probe = time.monotonic() + _PROBE_UP_EVERY_S
+        watch = self._watch
+        assert watch is not None
+        for endpoint in self._followed:  # a feed lost while the snapshot was taken
+            if watch.state(endpoint) == "down":
+                raise _Resync("server_lost", f"the connection to feed {endpoint} went down")
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(watch.socket, zmq.POLLIN)
         while not self._stop.is_set():
-            got = self._recv(sub, 100)
+            ready = dict(poller.poll(100))
+            if watch.socket in ready:
+                for endpoint, state in watch.drain():
+                    # A feed followed, or one libzmq names in a form this copy never dialled (not one it left).
+                    if state == "down" and (endpoint in self._followed or endpoint not in self._dialled):
+                        raise _Resync("server_lost", f"the connection to feed {endpoint} was lost "
+                                                     "(its server was killed, or stopped answering heartbeats)")
+            got = self._recv(sub, 0) if sub in ready else None
             now = time.monotonic()
             if got is not None:
                 self._check_seq(last, got, first_sight_ok=False)
@@ -526,9 +457,15 @@ class RegistryMirror:
             if now >= next_sweep:
                 index.sweep()
                 next_sweep = now + 1.0
-            if self._missing and now >= next_probe:
-                next_probe = now + _PROBE_EVERY_S
+            if self._missing and now >= next_up_probe:
+                next_up_probe = now + _PROBE_UP_EVERY_S
+                every = now >= next_probe
+                if every:
+                    next_probe = now + _PROBE_EVERY_S
                 for client in self._missing:
+                    state = client.connection_state()
+                    if state == "down" or (state != "up" and not every):
+                        continue
                     try:
                         client.feed_info(timeout_s=_PROBE_TIMEOUT_S)
                     except TransportError:

@@ -15,6 +15,17 @@ own client when it needs its own pace.
 A ``tcp+stream://`` endpoint (:mod:`remote_g2.rpc_stream`) is called over one
 plain TCP connection instead, made on the first call and again on the call
 after one that failed; CURVE cannot be used with it.
+
+With ``liveness`` (a :class:`~remote_g2.connection_watch.Liveness`) the
+socket heartbeats and its connection events are watched
+(:mod:`remote_g2.connection_watch`): a call whose connection is lost while
+it waits (the server was killed, or stopped answering heartbeats) raises
+:class:`~remote_g2.errors.TransportError` at once instead of waiting out its
+timeout, since its reply can no longer come. With ``fail_fast=True`` a call
+also gives up at once when the connection is known to be down before it is
+sent, or a connect attempt fails while it waits (for a caller with another
+server to try); without it such a call waits, as a server being started
+may still answer in time.
 """
 
 from __future__ import annotations
@@ -28,8 +39,9 @@ from typing import Any
 
 import zmq
 
+from remote_g2.connection_watch import ConnectionWatch, Liveness
 from remote_g2.curve import CurveClientConfig
-from remote_g2.errors import ConfigError, RemoteError, RpcClosed, RpcTimeout, error_class_for
+from remote_g2.errors import ConfigError, RemoteError, RpcClosed, RpcTimeout, TransportError, error_class_for
 from remote_g2.messages import ErrorReply, Ping, Pong, spec_for_request
 from remote_g2.rpc_stream import StreamConnection, is_stream_endpoint
 from remote_g2.wire import (
@@ -67,6 +79,7 @@ class RpcClient:
         curve: CurveClientConfig | None = None,
         context: zmq.Context | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        liveness: Liveness | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.timeout_ms = timeout_ms
@@ -74,6 +87,8 @@ class RpcClient:
         self._stream = is_stream_endpoint(endpoint)
         self._conn: StreamConnection | None = None
         self._sock: zmq.Socket | None = None
+        self._watch: ConnectionWatch | None = None
+        self._poller: zmq.Poller | None = None
         if self._stream:
             if curve is not None:
                 raise ConfigError(f"{endpoint}: a stream endpoint cannot use CURVE")
@@ -83,12 +98,18 @@ class RpcClient:
             self._sock.maxmsgsize = 4 * max_frame_bytes
             if curve is not None:
                 curve.apply(self._sock)
+            if liveness is not None:
+                liveness.apply(self._sock)
+                self._watch = ConnectionWatch(self._sock)
+                self._poller = zmq.Poller()
+                self._poller.register(self._sock, zmq.POLLIN)
+                self._poller.register(self._watch.socket, zmq.POLLIN)
             self._sock.connect(endpoint)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
 
-    def call(self, request: Any, *, timeout_ms: float | None = None) -> Any:
+    def call(self, request: Any, *, timeout_ms: float | None = None, fail_fast: bool = False) -> Any:
         """Send ``request`` and return its validated reply; see the module docstring for errors."""
         spec = spec_for_request(type(request))
         timeout = self.timeout_ms if timeout_ms is None else timeout_ms
@@ -97,8 +118,13 @@ class RpcClient:
                 raise RpcClosed(f"calling {spec.name} on {self.endpoint}: client is closed")
             msg_id = next(self._ids)
             deadline = time.monotonic() + timeout / 1000.0
-            frames = self._stream_call if self._stream else self._zmq_call
-            for raw in frames(encode_request(msg_id, request), deadline):
+            if self._stream:
+                frames = self._stream_call(encode_request(msg_id, request), deadline)
+            elif self._watch is not None:
+                frames = self._watched_call(encode_request(msg_id, request), deadline, spec.name, fail_fast)
+            else:
+                frames = self._zmq_call(encode_request(msg_id, request), deadline)
+            for raw in frames:
                 frame = decode_frame(raw, max_frame_bytes=self._max_frame)
                 # An ERR without ``re`` means the server could not read our id; it is
                 # about this call. Any other id is a late reply to a timed-out call.
@@ -129,6 +155,47 @@ class RpcClient:
                 return
             yield self._sock.recv()
 
+    def connection_state(self) -> str:
+        """``up``, ``down`` or ``unknown`` (no liveness watch, or nothing known yet); see :mod:`.connection_watch`."""
+        with self._lock:
+            if self._watch is None or self._closed:
+                return "unknown"
+            self._watch.drain()
+            return self._watch.state()
+
+    def _watched_call(self, request: bytes, deadline: float, name: str, fail_fast: bool) -> Iterator[bytes]:
+        """As :meth:`_zmq_call`, ending early (TransportError) when the connection is lost (module docstring)."""
+        assert self._sock is not None and self._watch is not None and self._poller is not None
+        # One endpoint per socket: its events are taken together (libzmq may spell the address its own way).
+        watch, endpoint = self._watch, self.endpoint
+        watch.drain()
+        if fail_fast and watch.state() == "down":
+            raise TransportError(f"calling {name} on {endpoint}: the connection is down "
+                                 f"(for {watch.down_for_s():.1f} s)")
+        lost = watch.lost()
+        left_ms = (deadline - time.monotonic()) * 1000.0
+        if not self._sock.poll(max(1, int(left_ms)), zmq.POLLOUT):
+            return
+        try:
+            self._sock.send(request, zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        while True:
+            left_ms = (deadline - time.monotonic()) * 1000.0
+            if left_ms <= 0:
+                return
+            ready = dict(self._poller.poll(max(1, int(left_ms))))
+            if self._sock in ready:
+                yield self._sock.recv()
+                continue
+            if watch.socket in ready:
+                watch.drain()
+                if watch.lost() != lost:  # the connection the request went out on is gone
+                    raise TransportError(f"calling {name} on {endpoint}: the connection was lost "
+                                         "(the server closed it or stopped answering heartbeats)")
+                if fail_fast and watch.state() == "down":
+                    raise TransportError(f"calling {name} on {endpoint}: cannot connect")
+
     def _stream_call(self, request: bytes, deadline: float) -> Iterator[bytes]:
         """As :meth:`_zmq_call`, on the stream connection (connected now if there is none)."""
         if self._conn is None or self._conn.closed:
@@ -156,6 +223,8 @@ class RpcClient:
         with self._lock:
             if not self._closed:
                 self._closed = True
+                if self._watch is not None:
+                    self._watch.close()
                 if self._sock is not None:
                     self._sock.close(0)
                 if self._conn is not None:
