@@ -8,13 +8,23 @@ Each instance is named by the ``worker_id`` its remote-g2 connector registers
 connector, by the worker id ``serve --vllm-kv-events`` follows it under.
 For each ``POST /v1/completions`` or ``/v1/chat/completions`` the router:
 
-1. **Tokenizes** the prompt with the instances' own tokenizer: ``POST /tokenize``
-   on one of them, with the chat template for chat requests. Its token ids
-   are then exactly the engine's. A completion whose prompt is already token
+1. **Maps the model.** The client names a model as vLLM serves it: a
+   ``--served-model-name`` or a LoRA adapter's name. The scorer matches
+   the path the engine loaded, and a LoRA request's ``lora_name`` and
+   ``lora_path``. Each instance's ``GET /v1/models`` says both: a base
+   model's ``root`` is its path, an adapter's ``root`` is its path and its
+   ``parent`` the base model's name. Asked with the client's own headers
+   (so ``vllm serve --api-key`` is satisfied), kept for 30 s, asked again
+   sooner for a model no instance listed.
+2. **Tokenizes** the prompt with the instances' own tokenizer: ``POST
+   /tokenize`` on a live instance that serves the model (the next one if it
+   is down), with the client's headers, and for a chat request the chat
+   template's inputs (``chat_template_kwargs``, ``tools``, ...). Its token
+   ids are then the engine's. A completion whose prompt is already token
    ids skips this.
-2. **Scores** them: ``POST /v1/score`` with the model, the ids and the
-   request's ``cache_salt`` (docs/scoring.md).
-3. **Picks** the instance holding the longest cached prefix, if it has fewer
+3. **Scores** them: ``POST /v1/score`` with the model's path, the LoRA
+   adapter, the ids and the request's ``cache_salt`` (docs/scoring.md).
+4. **Picks** the instance holding the longest cached prefix, if it has fewer
    than ``--max-inflight`` requests in flight here. Otherwise it picks the
    least loaded instance whose engine shares the best one's blocks (the same
    ``compat_key``), and sets the response header ``X-Remote-G2-Pull-From`` to
@@ -22,43 +32,105 @@ For each ``POST /v1/completions`` or ``/v1/chat/completions`` the router:
    the registry and reads it from the best instance's G2 instead of
    recomputing it. With no cached prefix anywhere, it picks the least loaded
    instance.
-4. **Forwards** the request unchanged and relays the answer, streamed or
-   not. ``X-Routed-To`` and ``X-Route-Reason`` (``cache``, ``pull``, ``load``
-   or ``fallback``) say what was chosen and why.
+5. **Forwards** the request unchanged (its body, and its headers but the
+   hop-by-hop ones) and relays the answer, streamed or not. ``X-Routed-To``
+   and ``X-Route-Reason`` (``cache``, ``pull``, ``load`` or ``fallback``) say
+   what was chosen and why; they are left off an instance's 401 and 403, so a
+   client without a valid key learns nothing about what is cached.
 
-When the scoring API cannot answer (down, 4xx), the router falls back to the
-least loaded instance: routing by cache is an optimisation, never a
-dependency. ``--policy round-robin`` ignores scores (and asks for none): the
-baseline to compare against (``bench/bench_routing.py``). ``GET /router/status`` shows each instance's in-flight count and
-the router's decisions.
+Routing by cache is an optimisation, never a dependency. Whenever a step
+above cannot give a score (no prompt it understands, no instance can
+tokenize, the scorer is down or answers oddly, it lists the instances as
+unscored or knows none of them), the router picks the least loaded instance
+(reason ``fallback``), counts the reason under ``fallbacks`` in ``GET
+/router/status`` and logs it. An instance that refuses the connection is
+left for 5 s and the request sent to the next one (counted as
+``instance_down``). When an instance fails in the middle of a streamed
+answer, the router closes the client's connection without the stream's
+last chunk: the client sees a cut-short body, never an error inside a 200.
+``--policy round-robin`` ignores scores (and asks for none): the baseline to
+compare against (``bench/bench_routing.py``).
 
-Standard library only, one thread per connection: an example to read and
-adapt, not a production proxy (no retries or health checks, and no TLS).
+One file on aiohttp (which vLLM installs): an example to read and adapt,
+not a production proxy (no retries once a request has reached an instance,
+no health checks, no TLS).
 """
 
 from __future__ import annotations
 
 import argparse
-import http.client
+import asyncio
 import json
 import logging
 import sys
-import threading
-import urllib.error
-import urllib.request
+import time
 from collections import Counter
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
 
 log = logging.getLogger("cache_aware_router")
 
-_MAX_BODY = 16 << 20
+MAX_BODY = 16 << 20
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+# RFC 9110 7.6.1: these describe one connection, not the request, so a proxy never passes them on
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization",
+                        "te", "trailer", "transfer-encoding", "upgrade"})
+# the body's own framing: recomputed for the body sent on
+BODY_FRAMING = frozenset({"content-length", "host"})
+# a chat request's fields that change the prompt vLLM renders (TokenizeChatRequest's fields in vLLM 0.32)
+CHAT_TOKENIZE_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
+                        "chat_template_kwargs", "media_io_kwargs", "mm_processor_kwargs", "tools")
+DOWN_S = 5.0  # an instance that refused a connection is left this long
+MODELS_TTL_S = 30.0  # an instance's /v1/models is asked again after this long
+MODELS_RETRY_S = 2.0  # and no sooner than this for a model it did not list
+
+
+class NoScore(Exception):
+    """No usable score for this request: ``reason`` is the counter it is filed under."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class ScoreKey:
+    """What the scorer needs to know the request's model: the path the engine loaded, and its LoRA adapter."""
+
+    model: str
+    lora_name: str | None = None
+    lora_path: str | None = None
+
+
+@dataclass
+class InstanceModels:
+    """One instance's ``/v1/models``: each served name (base or LoRA) -> its :class:`ScoreKey`."""
+
+    keys: dict[str, ScoreKey] = field(default_factory=dict)
+    fetched_at: float = float("-inf")  # when it was read (monotonic); -inf: never
+    tried_at: float = float("-inf")  # when it was last asked, answered or not
+    pending: asyncio.Future[None] | None = None  # the ask in progress
+
+
+def models_from(listing: Any) -> dict[str, ScoreKey]:
+    """Served name -> :class:`ScoreKey` from a ``/v1/models`` answer. vLLM 0.32 lists a base model as ``{"id":
+    served name, "root": model path}`` and a LoRA adapter as ``{"id": lora name, "root": lora path, "parent":
+    base model's served name}``; vLLM hashes an adapter's blocks with its name and path."""
+    cards = [c for c in listing.get("data", []) if isinstance(c, dict) and isinstance(c.get("id"), str)]
+    bases = {c["id"]: str(c.get("root") or c["id"]) for c in cards if not c.get("parent")}
+    keys = {name: ScoreKey(root) for name, root in bases.items()}
+    for c in cards:
+        if c.get("parent"):
+            keys[c["id"]] = ScoreKey(bases.get(str(c["parent"]), str(c["parent"])), c["id"], str(c.get("root") or ""))
+    return keys
 
 
 class Router:
-    """The routing decision and the bookkeeping behind it (thread-safe)."""
+    """The routing decision and the bookkeeping behind it (one event loop: no locks needed)."""
 
     def __init__(self, instances: dict[str, str], score_url: str, *, max_inflight: int, token: str | None = None,
                  timeout_s: float = 2.0, policy: str = "score") -> None:
@@ -67,171 +139,353 @@ class Router:
         self.score_url = score_url.rstrip("/")
         self.max_inflight = max_inflight
         self.token = token
-        self.timeout_s = timeout_s
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.inflight: Counter[str] = Counter()
         self.decisions: Counter[str] = Counter()
-        self._lock = threading.Lock()
+        self.fallbacks: Counter[str] = Counter()  # routed by load without a score, by why
+        self.errors: Counter[str] = Counter()  # answers an instance failed to give whole
+        self.down_until: dict[str, float] = {}
+        self.models = {w: InstanceModels() for w in instances}
         self._rr = 0
+        self._session: aiohttp.ClientSession | None = None
 
-    def tokenize(self, path: str, body: dict[str, Any]) -> list[int] | None:
-        """The prompt's token ids as the engines see them (None: no prompt this router understands)."""
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:  # made inside the running loop; bodies relayed as sent, never decompressed
+            self._session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=10))
+        return self._session
+
+    def fallback(self, reason: str, detail: str) -> None:
+        self.fallbacks[reason] += 1
+        log.warning("routing by load (%s): %s", reason, detail)
+
+    def mark_down(self, wid: str, e: Exception) -> None:
+        """``wid`` refused a connection: leave it for :data:`DOWN_S` (tokenizing and routing skip it)."""
+        if self.down_until.get(wid, 0.0) <= time.monotonic():
+            log.warning("%s is down (%s): left for %.0f s", wid, e, DOWN_S)
+        self.down_until[wid] = time.monotonic() + DOWN_S
+
+    def live(self, among: list[str]) -> list[str]:
+        """``among`` less the instances left for refusing a connection (all of them if every one is down)."""
+        now = time.monotonic()
+        up = [w for w in among if self.down_until.get(w, 0.0) <= now]
+        return up or list(among)
+
+    def by_load(self, among: list[str]) -> list[str]:
+        n = len(self.instances)
+        order = list(self.instances)
+        return sorted(among, key=lambda w: (self.inflight[w], (order.index(w) - self._rr) % n))
+
+    # -- the model: served name -> what the scorer matches --------------------------------------------------------
+
+    async def _refresh_models(self, wid: str, headers: CIMultiDict[str], force: bool) -> None:
+        """Ask ``wid``'s ``/v1/models`` if it is stale (or ``force``), once at a time; concurrent callers wait."""
+        m, now = self.models[wid], time.monotonic()
+        if (m.pending is None and (force or now - m.fetched_at > MODELS_TTL_S) and now - m.tried_at > MODELS_RETRY_S
+                and self.down_until.get(wid, 0.0) <= now):
+            m.tried_at = now
+            m.pending = asyncio.ensure_future(self._fetch_models(wid, headers))
+        if m.pending is not None:
+            await asyncio.shield(m.pending)
+
+    async def _fetch_models(self, wid: str, headers: CIMultiDict[str]) -> None:
+        m = self.models[wid]
+        try:
+            async with self.session.get(self.instances[wid] + "/v1/models", headers=headers,
+                                        timeout=self.timeout) as r:
+                r.raise_for_status()
+                m.keys, m.fetched_at = models_from(await r.json(content_type=None)), time.monotonic()
+        except aiohttp.ClientConnectorError as e:
+            self.mark_down(wid, e)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError, TypeError) as e:
+            log.info("%s: GET /v1/models: %s", wid, e or type(e).__name__)
+        finally:
+            m.pending = None
+
+    async def serving(self, model: str, headers: CIMultiDict[str]) -> dict[str, ScoreKey]:
+        """The instances that list ``model``, each with its :class:`ScoreKey`. None listed it (or none could be
+        asked): every instance, with the model as the client named it (it may be the path)."""
+        await asyncio.gather(*(self._refresh_models(w, headers, force=all(model not in m.keys for m in
+                                                                          self.models.values()))
+                               for w in self.instances))
+        found = {w: m.keys[model] for w, m in self.models.items() if model in m.keys}
+        return found or {w: ScoreKey(model) for w in self.instances}
+
+    # -- tokens and scores -------------------------------------------------------------------------------------
+
+    async def tokenize(self, path: str, body: dict[str, Any], among: list[str], headers: CIMultiDict[str]
+                       ) -> list[int]:
+        """The prompt's token ids as the engines see them, from the first live instance in ``among`` that answers."""
         prompt = body.get("prompt")
-        if path.endswith("/completions") and not path.endswith("/chat/completions"):
+        if path == "/v1/completions":
             if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
                 return prompt
             if not isinstance(prompt, str):
-                return None  # several prompts in one request: route without a score
+                raise NoScore("no_prompt", "not one prompt (text or token ids): several prompts score nothing")
             ask = {"model": body.get("model"), "prompt": prompt}
+            if "add_special_tokens" in body:
+                ask["add_special_tokens"] = body["add_special_tokens"]
         else:
             if not isinstance(body.get("messages"), list):
-                return None
-            ask = {"model": body.get("model"), "messages": body["messages"], "add_generation_prompt": True}
-        url = next(iter(self.instances.values())) + "/tokenize"
-        return _post_json(url, ask, self.timeout_s).get("tokens")
+                raise NoScore("no_prompt", "a chat request without a list of messages")
+            ask = {"model": body.get("model"), "messages": body["messages"],
+                   **{k: body[k] for k in CHAT_TOKENIZE_FIELDS if k in body}}
+        errors = []
+        for wid in self.by_load(self.live(among)):
+            try:
+                async with self.session.post(self.instances[wid] + "/tokenize", json=ask, headers=headers,
+                                             timeout=self.timeout) as r:
+                    if 400 <= r.status < 500:  # the request's fault (or its key's): no other instance will differ
+                        raise NoScore("tokenize_refused", f"{wid}: /tokenize answered {r.status}")
+                    r.raise_for_status()
+                    tokens = (await r.json(content_type=None)).get("tokens")
+                if isinstance(tokens, list) and tokens and all(isinstance(t, int) for t in tokens):
+                    return tokens
+                errors.append(f"{wid}: no token ids in its answer")
+            except aiohttp.ClientConnectorError as e:
+                self.mark_down(wid, e)
+                errors.append(f"{wid}: {e}")
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as e:
+                errors.append(f"{wid}: {e or type(e).__name__}")
+        raise NoScore("tokenize_failed", "; ".join(errors) or "no instance to ask")
 
-    def score(self, model: str, tokens: list[int], salt: str | None) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": model, "token_ids": tokens, "workers": list(self.instances)}
-        if salt:
+    async def score(self, key: ScoreKey, tokens: list[int], salt: Any, workers: list[str]) -> dict[str, Any]:
+        """The scorer's answer for ``workers``, checked for the fields routing reads (NoScore if it cannot be used)."""
+        body: dict[str, Any] = {"model": key.model, "token_ids": tokens, "workers": workers}
+        if key.lora_name:
+            body |= {"lora_name": key.lora_name, "lora_path": key.lora_path}
+        if isinstance(salt, str) and salt:
             body["cache_salt"] = salt
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        return _post_json(self.score_url + "/v1/score", body, self.timeout_s, headers)
+        try:
+            async with self.session.post(self.score_url + "/v1/score", json=body, headers=headers,
+                                         timeout=self.timeout) as r:
+                if r.status == 422:  # well formed, but no candidate can be scored exactly
+                    raise NoScore("unscored", f"the scorer answered 422: {(await r.text())[:200]}")
+                r.raise_for_status()
+                answer = await r.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise NoScore("score_failed", str(e) or type(e).__name__) from e
+        except ValueError as e:
+            raise NoScore("score_bad_answer", f"not JSON: {e}") from e
+        try:  # only what routing reads, so that an odd answer is a fallback rather than a dropped connection
+            scored = [{"worker_id": str(w["worker_id"]), "matched_tokens": int(w["matched_tokens"]),
+                       "compat_key": str(w["compat_key"]), "readable": bool(w.get("readable", True))}
+                      for w in answer["workers"]]
+            unscored = [str(u["worker_id"]) for u in answer.get("unscored") or []]
+        except (KeyError, TypeError, ValueError) as e:
+            raise NoScore("score_bad_answer", f"{type(e).__name__}: {e} in {str(answer)[:200]}") from e
+        return {"workers": scored, "unscored": unscored}
 
-    def choose(self, scores: dict[str, Any] | None) -> tuple[str, str, str | None]:
-        """(worker id, reason, pull-from worker id or None); takes an in-flight slot on the chosen one."""
-        with self._lock:
-            if self.policy == "round-robin":
-                choice = list(self.instances)[self._rr % len(self.instances)]
-                self._rr += 1
-                self.inflight[choice] += 1
-                self.decisions["round-robin"] += 1
-                return choice, "round-robin", None
-            load = {w: self.inflight[w] for w in self.instances}
-            least = min(self.instances, key=lambda w: (load[w], (list(self.instances).index(w) - self._rr)
-                                                       % len(self.instances)))
-            choice, reason, pull = least, "fallback" if scores is None else "load", None
-            workers = [w for w in (scores or {}).get("workers", []) if w["worker_id"] in self.instances]
-            best = workers[0] if workers and workers[0]["matched_tokens"] > 0 else None
-            if best is not None:
-                if load[best["worker_id"]] < self.max_inflight:
+    async def scores(self, path: str, body: dict[str, Any], keys: dict[str, ScoreKey], headers: CIMultiDict[str]
+                     ) -> list[dict[str, Any]]:
+        """The scores of the instances in ``keys`` (those serving the request's model), best first; NoScore when
+        none can be had, or when none of them holds anything and some could not be scored (unknown, not zero)."""
+        tokens = await self.tokenize(path, body, list(keys), headers)
+        groups: dict[ScoreKey, list[str]] = {}
+        for wid, key in keys.items():  # one call per model path and adapter (instances may load from other paths)
+            groups.setdefault(key, []).append(wid)
+        answers = await asyncio.gather(*(self.score(k, tokens, body.get("cache_salt"), ws)
+                                         for k, ws in groups.items()), return_exceptions=True)
+        scored: list[dict[str, Any]] = []
+        unscored: list[str] = []
+        for a in answers:
+            if isinstance(a, BaseException) and not isinstance(a, NoScore):
+                raise a
+            if not isinstance(a, NoScore):
+                scored += [w for w in a["workers"] if w["worker_id"] in keys]
+                unscored += [w for w in a["unscored"] if w in keys]
+        scored.sort(key=lambda w: -w["matched_tokens"])  # stable: each answer's own order breaks ties
+        if scored and scored[0]["matched_tokens"] > 0:
+            return scored  # a cached prefix is known: worth routing by, whatever the rest could not say
+        if failed := [a for a in answers if isinstance(a, NoScore)]:
+            raise failed[0]
+        if unscored:
+            raise NoScore("unscored", f"the scorer cannot score {', '.join(unscored)} for {body.get('model')!r}")
+        if not scored:
+            raise NoScore("not_scored", f"the scorer lists none of the instances for {body.get('model')!r} (asked "
+                                        f"as {', '.join(sorted({k.model for k in groups}))})")
+        return scored
+
+    # -- the choice --------------------------------------------------------------------------------------------
+
+    def choose(self, among: list[str], scored: list[dict[str, Any]] | None, reason: str = "load"
+               ) -> tuple[str, str, str | None]:
+        """(worker id, reason, pull-from worker id or None) among live ``among``; takes an in-flight slot on it."""
+        live = self.live(among)
+        if self.policy == "round-robin":
+            choice = live[self._rr % len(live)]
+            reason, pull = "round-robin", None
+        else:
+            choice, pull = self.by_load(live)[0], None
+            best = scored[0] if scored and scored[0]["matched_tokens"] > 0 else None
+            if best is not None and best["worker_id"] in live:
+                if self.inflight[best["worker_id"]] < self.max_inflight:
                     choice, reason = best["worker_id"], "cache"
                 else:
-                    peers = [w["worker_id"] for w in workers
-                             if w["compat_key"] == best["compat_key"] and w["worker_id"] != best["worker_id"]
-                             and load[w["worker_id"]] < self.max_inflight]
-                    if peers and best.get("readable", True):
-                        choice = min(peers, key=lambda w: load[w])
+                    peers = [w["worker_id"] for w in scored if w["compat_key"] == best["compat_key"]
+                             and w["worker_id"] != best["worker_id"] and w["worker_id"] in live
+                             and self.inflight[w["worker_id"]] < self.max_inflight]
+                    if peers and best["readable"]:
+                        choice = min(peers, key=lambda w: self.inflight[w])
                         reason, pull = "pull", best["worker_id"]
-            self._rr += 1
-            self.inflight[choice] += 1
-            self.decisions[reason] += 1
-            return choice, reason, pull
-
-    def done(self, worker_id: str) -> None:
-        with self._lock:
-            self.inflight[worker_id] -= 1
+        self._rr += 1
+        self.inflight[choice] += 1
+        self.decisions[reason] += 1
+        return choice, reason, pull
 
     def status(self) -> dict[str, Any]:
-        with self._lock:
-            return {"instances": {w: {"url": u, "inflight": self.inflight[w]} for w, u in self.instances.items()},
-                    "decisions": dict(self.decisions), "max_inflight": self.max_inflight}
+        now = time.monotonic()
+        return {"instances": {w: {"url": u, "inflight": self.inflight[w],
+                                  "down_for_s": round(max(0.0, self.down_until.get(w, 0.0) - now), 1),
+                                  "models": sorted(self.models[w].keys)} for w, u in self.instances.items()},
+                "decisions": dict(self.decisions), "fallbacks": dict(self.fallbacks),
+                "errors": dict(self.errors),
+                "max_inflight": self.max_inflight}
 
 
-def _post_json(url: str, body: dict[str, Any], timeout_s: float, headers: dict[str, str] | None = None) -> Any:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        return json.loads(r.read())
+def forwarded(headers: Any) -> CIMultiDict[str]:
+    """The request's or answer's headers to pass on: all but the hop-by-hop ones (and those its ``Connection``
+    header names) and the framing of a body that is sent on afresh."""
+    named = {t.strip().lower() for v in headers.getall("Connection", []) for t in v.split(",")}
+    return CIMultiDict((k, v) for k, v in headers.items()
+                       if k.lower() not in HOP_BY_HOP and k.lower() not in named and k.lower() not in BODY_FRAMING)
 
 
-class Handler(BaseHTTPRequestHandler):
-    router: Router
-    protocol_version = "HTTP/1.1"
+def _json_error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
 
-    def log_message(self, fmt: str, *args: Any) -> None:  # one line per request, to the log, not stderr
-        log.debug(fmt, *args)
 
-    def do_GET(self) -> None:
-        if self.path == "/router/status":
-            self._reply(200, json.dumps(self.router.status()).encode())
-        else:
-            self._reply(404, b'{"error": "GET /router/status; POST /v1/completions, /v1/chat/completions"}')
+async def handle_status(request: web.Request) -> web.Response:
+    return web.json_response(request.app["router"].status())
 
-    def do_POST(self) -> None:
-        length_text = self.headers.get("Content-Length") or "0"
-        length = int(length_text) if length_text.isascii() and length_text.isdigit() and len(length_text) < 12 else -1
-        if not 0 < length <= _MAX_BODY or self.path not in ("/v1/completions", "/v1/chat/completions"):
-            self._reply(400, b'{"error": "POST /v1/completions or /v1/chat/completions with a JSON body"}')
-            return
-        raw = self.rfile.read(length)
+
+async def handle_route(request: web.Request) -> web.StreamResponse:
+    router: Router = request.app["router"]
+    if (request.content_length or 0) > MAX_BODY:  # at once, rather than after reading up to the limit
+        raise web.HTTPRequestEntityTooLarge(MAX_BODY, request.content_length or 0)
+    raw = await request.read()  # a chunked body past MAX_BODY is answered 413 by aiohttp (client_max_size)
+    headers = forwarded(request.headers)
+    side = CIMultiDict((k, v) for k, v in headers.items()  # for the router's own calls: the client's credentials
+                       if k.lower() not in ("content-type", "content-encoding", "accept-encoding", "accept"))
+    among, scored, reason = list(router.instances), None, "load"
+    if router.policy == "score":
         try:
-            body = json.loads(raw)
-        except ValueError:
-            self._reply(400, b'{"error": "the body is not JSON"}')
-            return
-        scores = None
+            try:
+                body = json.loads(raw)
+            except ValueError as e:  # forwarded all the same: the instance answers it
+                raise NoScore("no_prompt", f"the body is not JSON: {e}") from e
+            if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+                raise NoScore("no_prompt", "the body is not a JSON object naming a model")
+            keys = await router.serving(body["model"], side)
+            among = list(keys)
+            scored = await router.scores(request.path, body, keys, side)
+        except NoScore as e:
+            router.fallback(e.reason, str(e))
+            reason = "fallback"
+    tried: set[str] = set()
+    while True:
+        worker, why, pull = router.choose([w for w in among if w not in tried], scored, reason)
+        tried.add(worker)
         try:
-            tokens = self.router.tokenize(self.path, body) if self.router.policy == "score" else None
-            if tokens and isinstance(body.get("model"), str):
-                scores = self.router.score(body["model"], tokens, body.get("cache_salt"))
-        except (urllib.error.URLError, OSError, ValueError) as e:  # the scorer is an optimisation
-            log.warning("routing without a score: %s", getattr(e, "reason", e))
-        worker, reason, pull = self.router.choose(scores)
-        released = False
+            return await forward(request, router, worker, raw, headers, why, pull)
+        except aiohttp.ClientConnectorError as e:  # the request never reached it: safe to send elsewhere
+            router.decisions[why] -= 1
+            router.mark_down(worker, e)
+            router.fallback("instance_down", f"{worker}: {e}")
+            if len(tried) == len(among):
+                return _json_error(502, f"no instance answered; the last, {worker}: {e}")
+            reason, scored = "fallback", None
 
-        def release() -> None:  # once: when the instance has answered, or the forward failed
-            nonlocal released
-            if not released:
-                released = True
-                self.router.done(worker)
-        try:
-            self._forward(worker, raw, reason, pull, release)
-        finally:
-            release()
 
-    def _forward(self, worker: str, raw: bytes, reason: str, pull: str | None, release: Callable[[], None]) -> None:
-        """Relay one request to ``worker``; ``release`` is called as soon as the instance's answer is read whole,
-        before the client gets its last byte, so a client that asks ``/router/status`` right after its answer
-        never sees its own request still counted in flight."""
-        target = urlsplit(self.router.instances[worker])
-        conn = http.client.HTTPConnection(target.hostname, target.port or 80, timeout=600)
-        try:
-            conn.request("POST", self.path, raw, {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            self.send_response(resp.status)
-            for name, value in resp.getheaders():
-                if name.lower() not in ("content-length", "transfer-encoding", "connection", "date", "server"):
-                    self.send_header(name, value)
-            self.send_header("X-Routed-To", worker)
-            self.send_header("X-Route-Reason", reason)
-            if pull:
-                self.send_header("X-Remote-G2-Pull-From", pull)
-            if resp.getheader("Content-Length") is not None:
-                data = resp.read()
+async def forward(request: web.Request, router: Router, worker: str, raw: bytes, headers: CIMultiDict[str],
+                  reason: str, pull: str | None) -> web.StreamResponse:
+    """Relay one request to ``worker``, and release the in-flight slot :meth:`Router.choose` took. The slot is
+    released as soon as the instance's answer is read whole, before the client gets its last byte, so a client
+    that asks ``/router/status`` right after its answer never sees its own request still counted. Raises
+    ClientConnectorError when the instance could not be reached (nothing was sent)."""
+    released, resp = False, None
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            router.inflight[worker] -= 1
+
+    try:
+        async with router.session.post(router.instances[worker] + request.path_qs, data=raw, headers=headers,
+                                       skip_auto_headers=("Content-Type", "User-Agent", "Accept-Encoding")) as up:
+            out = forwarded(up.headers)
+            if up.status not in (401, 403):  # say nothing of the cache to a client the instance refused
+                out["X-Routed-To"], out["X-Route-Reason"] = worker, reason
+                if pull:
+                    out["X-Remote-G2-Pull-From"] = pull
+            if up.headers.get("Content-Length") is not None:
+                data = await up.read()
                 release()
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-            else:  # streamed (server-sent events): relay chunk by chunk
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                while chunk := resp.read1(65536):
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                    self.wfile.flush()
-                release()
-                self.wfile.write(b"0\r\n\r\n")
-        except OSError as e:
-            log.warning("%s: %s", worker, e)
+                return web.Response(status=up.status, reason=up.reason, body=data, headers=out)
+            resp = web.StreamResponse(status=up.status, reason=up.reason, headers=out)
+            resp.enable_chunked_encoding()
+            await resp.prepare(request)
+            while chunk := await up.content.readany():
+                await resp.write(chunk)
             release()
-            self._reply(502, json.dumps({"error": f"instance {worker}: {e}"}).encode())
-        finally:
-            conn.close()
+            await resp.write_eof()
+            return resp
+    except aiohttp.ClientConnectorError:
+        raise
+    except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+        client_gone = request.transport is None or request.transport.is_closing()
+        if resp is None and not client_gone:  # nothing sent yet: a plain error answer
+            router.errors["instance_failed"] += 1
+            log.warning("%s failed before its answer was whole: %s", worker, e or type(e).__name__)
+            return _json_error(502, f"instance {worker}: {e or type(e).__name__}")
+        if not client_gone:
+            # the status line is out: the one honest way to end is without the stream's last chunk, closing the
+            # connection, so the client's HTTP library reports a cut-short body (never an error inside a 200)
+            router.errors["stream_aborted"] += 1
+            log.warning("%s failed mid-stream (%s): the client's answer is cut short", worker, e or type(e).__name__)
+        request.protocol.force_close()  # leaving the `async with` closes the instance's connection: vLLM aborts
+        return resp if resp is not None else web.Response(status=499)
+    finally:
+        release()
 
-    def _reply(self, status: int, data: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+
+@web.middleware
+async def only_known_routes(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return _json_error(404, "GET /router/status; POST /v1/completions, /v1/chat/completions")
+
+
+def make_app(router: Router) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[only_known_routes])
+    app["router"] = router
+    app.router.add_get("/router/status", handle_status)
+    for path in ROUTES:
+        app.router.add_post(path, handle_route)
+
+    async def close_session(_app: web.Application) -> None:
+        if router._session is not None:
+            await router._session.close()
+    app.on_cleanup.append(close_session)
+    return app
+
+
+async def serve(router: Router, host: str, port: int) -> None:
+    # auto_decompress=False: a compressed body is forwarded as it came, with its Content-Encoding
+    runner = web.AppRunner(make_app(router), access_log=None, auto_decompress=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1]
+    print(f"cache-aware router on http://{host}:{bound} for {', '.join(router.instances)}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,16 +512,11 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.score_token_file, encoding="utf-8") as f:
             token = f.readline().strip()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    Handler.router = Router(instances, a.score_url, max_inflight=a.max_inflight, token=token, policy=a.policy)
-    server = ThreadingHTTPServer((a.host, a.port), Handler)
-    server.daemon_threads = True
-    print(f"cache-aware router on http://{a.host}:{server.server_address[1]} for {', '.join(instances)}", flush=True)
+    router = Router(instances, a.score_url, max_inflight=a.max_inflight, token=token, policy=a.policy)
     try:
-        server.serve_forever(poll_interval=0.2)
+        asyncio.run(serve(router, a.host, a.port))
     except KeyboardInterrupt:
         pass
-    finally:
-        server.server_close()
     return 0
 
 
