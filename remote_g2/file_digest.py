@@ -21,9 +21,10 @@ own check digest does not match, is ignored and rewritten, never trusted.
 **Filesystems whose ctime cannot be trusted** (:mod:`remote_g2.mounts`:
 FUSE object-store mounts, 9p, NFS ``nocto``) cannot prove a change, so no
 entry stands for a version there: an entry of such a file is taken only when
-its read *began after* this process asked for the digest (another process
-of the node read it while this one waited on the lock: as fresh as reading
-it again). Every start therefore reads those files, once per node.
+its read *began after* ``fresh_since_ns`` (the engine's start mark, which
+its scheduler and TP ranks share: another of them read it since, as fresh as
+reading it again; without one, the moment this process asked). Every start
+therefore reads those files, once per node.
 
 **Trust.** The cache directory (``$REMOTE_G2_DIGEST_CACHE_DIR``, default
 ``$XDG_CACHE_HOME/remote-g2/file-digests``, i.e. ``~/.cache/...``) must be
@@ -374,16 +375,18 @@ def _read_digest(fd: int, algorithm: str, on_bytes: Callable[[int], None] | None
 
 
 def digest_file(path: str | os.PathLike[str], cache: DigestCache | None = None, *,
-                algorithm: str = ALGORITHM, progress: Progress | None = None) -> FileDigest:
+                algorithm: str = ALGORITHM, progress: Progress | None = None,
+                fresh_since_ns: int | None = None) -> FileDigest:
     """The digest of every byte of the file at ``path``, from ``cache`` when it holds this exact version.
 
     The file is read through one descriptor and its version taken from that
     descriptor before and after the read; a file that changed while it was
     read is read again (up to three times, then ``ConfigError``: weights
     still being written have no identity yet). On a filesystem whose
-    ``ctime`` cannot be trusted only an entry read since this call began is
-    taken (module docstring). A cache that fails to write (a full or
-    read-only volume) gives way to :func:`node_cache`, then to no cache.
+    ``ctime`` cannot be trusted only an entry whose read began at or after
+    ``fresh_since_ns`` (default: when this call began) is taken (module
+    docstring). A cache that fails to write (a full or read-only volume)
+    gives way to :func:`node_cache`, then to no cache.
     """
     asked = time.time_ns()
     real = os.path.realpath(path)
@@ -392,7 +395,7 @@ def digest_file(path: str | os.PathLike[str], cache: DigestCache | None = None, 
     fd = os.open(real, os.O_RDONLY)
     try:
         version = FileVersion.of(real, os.fstat(fd))
-        read_since = asked if untrusted else None
+        read_since = (asked if fresh_since_ns is None else fresh_since_ns) if untrusted else None
         tried: list[DigestCache] = []
         while cache is not None and cache not in tried:
             tried.append(cache)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from remote_g2.errors import ConfigError
-from remote_g2.file_digest import ALGORITHM, DigestCache, FileDigest, default_cache, digest_file
+from remote_g2.file_digest import ALGORITHM, DigestCache, FileDigest, Progress, default_cache, digest_file
 
 __all__ = ["WEIGHT_GROUPS", "WeightsDigest", "checkpoint_files", "identity_of", "label_of", "model_id_for",
            "model_label", "override_model_id", "weights_digest"]
@@ -114,14 +114,16 @@ def checkpoint_files(path: str | os.PathLike[str], *, order: Sequence[str] = _DE
 
 def weights_digest(files: Sequence[str | os.PathLike[str]], root: str | os.PathLike[str] | None = None, *,
                    cache: DigestCache | None | bool = True, threads: int | None = None,
-                   algorithm: str = ALGORITHM) -> WeightsDigest:
+                   algorithm: str = ALGORITHM, fresh_since_ns: int | None = None) -> WeightsDigest:
     """One digest of ``files``' bytes and names (relative to ``root``; their base names without one).
 
     Names count because a sharded checkpoint's files are told apart by name;
     where the files live does not. ``cache=True`` uses the node's
     :func:`~remote_g2.file_digest.default_cache`; ``None``/``False`` reads every
     file. Files are read in ``threads`` threads (default: one per core, at
-    most 4): hashing releases the GIL.
+    most 4): hashing releases the GIL. A long read logs its progress every
+    10 s (bytes read of the total, MB/s). ``fresh_since_ns``: where the
+    cache cannot be trusted, take only entries read since (the engine's start).
     """
     if not files:
         raise ConfigError("no checkpoint files to digest")
@@ -131,8 +133,11 @@ def weights_digest(files: Sequence[str | os.PathLike[str]], root: str | os.PathL
         raise ConfigError(f"checkpoint file names repeat: {sorted(names)}")
     t0 = time.perf_counter()
     workers = max(1, min(len(files), threads or min(4, len(os.sched_getaffinity(0)))))
+    total = sum(os.path.getsize(f) for f in files)
+    progress = Progress(f"{len(files)} checkpoint files in {root or os.path.dirname(os.fspath(files[0]))}", total)
     with ThreadPoolExecutor(workers, thread_name_prefix="remote-g2-digest") as pool:
-        digests = list(pool.map(lambda f: digest_file(f, store, algorithm=algorithm), files))
+        digests = list(pool.map(lambda f: digest_file(f, store, algorithm=algorithm, progress=progress,
+                                                      fresh_since_ns=fresh_since_ns), files))
     h = hashlib.sha256(f"remote-g2 weights v1 {algorithm}\n".encode())
     for name, d in sorted(zip(names, digests)):
         h.update(json.dumps([name, d.size, d.digest]).encode() + b"\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,7 +12,13 @@ from remote_g2.adapters.vllm import block_identity as bi
 from remote_g2.adapters.vllm.fetches import FetchTable
 
 from remote_g2.errors import ConfigError
+from remote_g2.load_snapshot import MARGIN_NS, StartMark
 from remote_g2.model_identity import identity_of
+
+
+def _after_writes() -> StartMark:
+    """An engine that started after the test wrote its files (the after-start check is tested on its own)."""
+    return StartMark(time.time_ns() + 2 * MARGIN_NS, "the test's engine started")
 
 
 def _fp(**kw: object) -> object:
@@ -71,7 +78,7 @@ def _configs(model: Path | str, *, load_format: str = "auto", config: dict | Non
 
 
 def _identity(*args: object, override: str | None = None, **kw: object) -> bi.ModelIdentity:
-    return bi.model_identity(*_configs(*args, **kw), override, digest_cache=None)
+    return bi.model_identity(*_configs(*args, **kw), override, digest_cache=None, mark=_after_writes())
 
 
 def test_the_model_identity_is_the_loaded_weights_not_their_path(tmp_path: Path) -> None:
@@ -95,10 +102,10 @@ def test_options_that_change_k_or_v_change_the_identity_and_volatile_keys_do_not
         mc, lc, cc = _configs(d, config=cfg)
         for k, v in kw.items():
             setattr(lc if k == "load_format" else mc, k, v)
-        assert identity_of(bi.model_identity(mc, lc, cc, digest_cache=None).model_id) != base, kw
+        assert identity_of(bi.model_identity(mc, lc, cc, digest_cache=None, mark=_after_writes()).model_id) != base, kw
     mc, lc, cc = _configs(d, config=cfg)
     mc.dtype = torch.bfloat16  # the model's dtype: K and V are computed in it (an fp8 cache stores the same type)
-    assert identity_of(bi.model_identity(mc, lc, cc, digest_cache=None).model_id) != base
+    assert identity_of(bi.model_identity(mc, lc, cc, digest_cache=None, mark=_after_writes()).model_id) != base
     same = {**cfg, "transformers_version": "5.2", "_name_or_path": "/b/m"}  # another install of the same model
     assert identity_of(_identity(d, config=same).model_id) == base
 
@@ -164,7 +171,7 @@ def test_a_hub_id_is_digested_from_its_local_snapshot(tmp_path: Path, monkeypatc
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     mc, lc, cc = _configs("org/tiny")
     lc.download_dir = str(tmp_path / "hub")
-    hub = bi.model_identity(mc, lc, cc, digest_cache=None)
+    hub = bi.model_identity(mc, lc, cc, digest_cache=None, mark=_after_writes())
     assert hub.where == str(repo / "snapshots" / commit), hub.why_not
     local = _identity(_weights(tmp_path / "copy"))
     assert identity_of(hub.model_id) == identity_of(local.model_id)  # the hub's bytes, copied: the same model

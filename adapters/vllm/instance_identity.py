@@ -10,14 +10,23 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from prometheus_client import Gauge
+
 from remote_g2.messages import LayoutFingerprint
 
 from . import block_identity
 from .settings import ConnectorSettings
 
-__all__ = ["InstanceIdentity"]
+__all__ = ["IDENTITY_GAUGE", "InstanceIdentity"]
 
 log = logging.getLogger("remote_g2.adapters.vllm")
+
+#: 1 when this process's connector has a model identity (shares), 0 when not; ``kind`` says which
+#: (:attr:`~.block_identity.ModelIdentity.kind`: digest, override; generated, load_format, absent, changed,
+#: unreadable). On prometheus_client's default registry: vLLM's ``/metrics`` shows it where the connector's
+#: process serves it (one process, or PROMETHEUS_MULTIPROC_DIR).
+IDENTITY_GAUGE = Gauge("remote_g2_vllm_model_identity", "Whether this vLLM process's remote-g2 connector has a model "
+                       "identity (1: it shares KV) or not (0), by role and kind", ["role", "kind"])
 
 
 class InstanceIdentity:
@@ -38,22 +47,33 @@ class InstanceIdentity:
     def model_identity(self) -> block_identity.ModelIdentity:
         """This instance's model identity (the loaded weights' digest), worked out once per process.
 
-        Asked once the weights are on disk: the scheduler's connector is made
+        Asked once the weights are loaded: the scheduler's connector is made
         after the model loaded, a worker's asks in ``register_kv_caches``. The
         file digests are cached on the node, so the second process to ask
-        (and every restart) reads nothing. Without one, the instance shares
-        nothing: the scheduler says so in one warning.
+        (and every restart) reads nothing. Every process checks against the
+        same mark (the plugin's snapshot, taken before the load, inherited by
+        the engine's processes; else the process's own start): a change after
+        it gives no identity wherever it is seen, and an instance whose
+        scheduler or any worker has none shares nothing (the scheduler looks
+        nothing up and saves nothing; the workers agree over their TP group).
+        Without one, the scheduler says why in one warning and
+        :data:`IDENTITY_GAUGE` reads 0 with the reason's kind.
         """
         if self._identity is None:
             vc = self.vllm_config
             self._identity = ident = block_identity.model_identity(vc.model_config, vc.load_config, vc.cache_config,
                                                                    self.settings.model_id)
+            IDENTITY_GAUGE.labels(self.role, ident.kind).set(0 if ident.model_id is None else 1)
             if ident.model_id is None:
                 if self.role == "SCHEDULER":
                     log.warning("remote-g2: not sharing KV blocks: %s", ident.why_not)
+                else:
+                    log.info("remote-g2 %s: no model identity: %s", self.role.lower(), ident.why_not)
             else:
                 log.info("remote-g2 model identity %s (%s)", ident.model_id,
                          f"{ident.where}: {ident.weights.summary()}" if ident.weights else ident.where)
+                if ident.caveat and self.role == "SCHEDULER":
+                    log.warning("remote-g2: model identity given, but %s", ident.caveat)
         return self._identity
 
     def fingerprint(self) -> LayoutFingerprint | None:

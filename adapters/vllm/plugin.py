@@ -13,6 +13,14 @@ exists: in the frontend (``LLM(...)``, ``vllm serve``), before any engine
 process starts, once. The connector checks again when it is built, for
 engines created without ``EngineArgs``.
 
+It also records what the model's path names before anything is loaded
+(:class:`~remote_g2.load_snapshot.LoadSnapshot`: the moment, each component
+and symlink of the path, the hub ref and the commit it names) and hands it
+to the engine's processes through their environment: the connector, which
+digests the weights only after vLLM loaded them, gives an identity only
+when nothing on that path changed since (:mod:`remote_g2.load_snapshot`).
+The snapshot is taken before vLLM reads ``config.json``.
+
 Registering twice is harmless (vLLM may load plugins more than once); with
 vLLM absent or shaped otherwise, the plugin does nothing.
 """
@@ -36,6 +44,18 @@ def uses_remote_g2(kv_transfer_config: Any) -> bool:
             and str(getattr(kv_transfer_config, "kv_connector_module_path", None) or "").startswith("remote_g2"))
 
 
+def _snapshot(engine_args: Any) -> Any:
+    """The :class:`~remote_g2.load_snapshot.LoadSnapshot` of the model ``engine_args`` names, or None."""
+    from remote_g2.load_snapshot import LoadSnapshot
+
+    try:
+        return LoadSnapshot.take(str(engine_args.model), getattr(engine_args, "revision", None),
+                                 getattr(engine_args, "download_dir", None))
+    except (OSError, ValueError, AttributeError) as e:  # the connector falls back to its process's start time
+        log.warning("remote-g2: no snapshot of the model's path before the load (%s)", e)
+        return None
+
+
 def register() -> None:
     """vLLM's entry point: check RemoteG2Connector configs where vLLM creates them."""
     try:
@@ -48,11 +68,14 @@ def register() -> None:
 
     @functools.wraps(create)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        snapshot = _snapshot(self)  # before vLLM reads the model's config: the mark precedes every read
         config = create(self, *args, **kwargs)
         if uses_remote_g2(getattr(config, "kv_transfer_config", None)):
             from .connector import check_vllm_config
 
             check_vllm_config(config)
+            if snapshot is not None:
+                snapshot.publish()
         return config
 
     setattr(create_engine_config, _MARK, True)
