@@ -2,7 +2,10 @@
 
 * `remote-g2 serve` runs as a process with its scoring API (``--score-bind``);
 * two `vllm serve` instances, ``vllm-a`` and ``vllm-b``, each with the
-  documented ``--kv-transfer-config`` (RemoteG2Connector, sharing and reusing);
+  documented ``--kv-transfer-config`` (RemoteG2Connector, sharing and reusing),
+  ``--api-key`` and ``--served-model-name tiny``: the router must pass the
+  client's key on, and score the model by the path the engines loaded, which
+  it reads from their ``/v1/models``;
 * the example router in front of them, ``--max-inflight 1``.
 
 A prompt goes to the least loaded instance when nothing is cached (A), to
@@ -11,12 +14,18 @@ A is busy, to B with a hint to pull the prefix: B's connector reads A's G2 over
 NIXL instead of recomputing (its log says so). The three answers are the same
 tokens, as reuse must never change an output. A text prompt goes through
 vLLM's own tokenizer (``/tokenize``) and is scored too.
+
+Then the instance streaming an answer is killed mid-stream: the client's
+answer ends cut short (never an error inside the 200). A router that lists
+the dead instance first still tokenizes, scores and routes on the live one.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import signal
 import random
 import subprocess
 import sys
@@ -39,6 +48,8 @@ from bench_servers import post_json, stop_group, wait_http  # noqa: E402  (bench
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl]
 
 ROUTER = Path(__file__).resolve().parents[1] / "examples" / "cache_aware_router.py"
+KEY = "router-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def _tail(path: Path) -> str:
@@ -74,7 +85,8 @@ def test_the_router_follows_the_cache_and_sends_a_busy_instances_prefix_to_be_pu
             start(name, [str(Path(sys.executable).with_name("vllm")), "serve", str(model_dir), "--host",
                          "127.0.0.1", "--port", str(ports[name]), "--dtype", "float32", "--block-size", str(BLOCK),
                          "--enforce-eager", "--max-model-len", "1024", "--seed", "0",
-                         "--kv-transfer-config", json.dumps(kv)], vh.instance_env(name))
+                         "--kv-transfer-config", json.dumps(kv), "--api-key", KEY, "--served-model-name", "tiny"],
+                  vh.instance_env(name))
         for i, name in enumerate(("a", "b")):
             wait_http(f"http://127.0.0.1:{ports[name]}/health", procs[1 + i], logs[name])
         router_port = free_port()
@@ -86,11 +98,11 @@ def test_the_router_follows_the_cache_and_sends_a_busy_instances_prefix_to_be_pu
 
         ids = vh.prompts(9, 1)[0]
         blocks = (len(ids) - 1) // BLOCK
-        ask = {"model": str(model_dir), "prompt": ids, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
+        ask = {"model": "tiny", "prompt": ids, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
                "return_token_ids": True}
 
         # 1. nothing cached anywhere: the least loaded instance (the first listed, on a tie)
-        first, head = post_json(url + "/v1/completions", ask, 120)
+        first, head = post_json(url + "/v1/completions", ask, 120, AUTH)
         assert (head["X-Routed-To"], head["X-Route-Reason"]) == ("vllm-a", "load")
 
         # 2. once A's blocks are published, the prompt follows them
@@ -103,7 +115,7 @@ def test_the_router_follows_the_cache_and_sends_a_busy_instances_prefix_to_be_pu
             assert time.monotonic() < deadline, f"A's blocks never scored: {scores}\n{_tail(logs['a'])}"
             time.sleep(0.2)
         assert held.get("vllm-b", 0) == 0
-        again, head = post_json(url + "/v1/completions", ask, 120)
+        again, head = post_json(url + "/v1/completions", ask, 120, AUTH)
         assert (head["X-Routed-To"], head["X-Route-Reason"]) == ("vllm-a", "cache")
 
         # 3. A busy with a long generation: the same prompt goes to B, which pulls A's prefix over remote-g2
@@ -112,7 +124,7 @@ def test_the_router_follows_the_cache_and_sends_a_busy_instances_prefix_to_be_pu
         for _attempt in range(3):
             busy: dict = {}
             long = threading.Thread(target=lambda: busy.update(
-                zip(("answer", "head"), post_json(url + "/v1/completions", {**ask, "max_tokens": 700}, 300))))
+                zip(("answer", "head"), post_json(url + "/v1/completions", {**ask, "max_tokens": 700}, 300, AUTH))))
             long.start()
             deadline = time.monotonic() + 30
             while long.is_alive() and json.loads(urllib.request.urlopen(url + "/router/status", timeout=5).read()
@@ -122,7 +134,7 @@ def test_the_router_follows_the_cache_and_sends_a_busy_instances_prefix_to_be_pu
             if not long.is_alive():
                 long.join()
                 continue
-            pulled, head = post_json(url + "/v1/completions", ask, 120)
+            pulled, head = post_json(url + "/v1/completions", ask, 120, AUTH)
             long.join(300)
             if head["X-Route-Reason"] != "cache":
                 break
@@ -139,12 +151,46 @@ def test_the_router_follows_the_cache_and_sends_a_busy_instances_prefix_to_be_pu
         # 4. a text prompt: tokenized by vLLM itself (/tokenize), scored, routed
         rng = random.Random(3)
         text = " ".join(f"remote g2 shares kv cache block {rng.randrange(400)}" for _ in range(40))
-        answer, head = post_json(url + "/v1/completions", {"model": str(model_dir), "prompt": text, "max_tokens": 4,
-                                                           "temperature": 0.0}, 120)
+        answer, head = post_json(url + "/v1/completions", {"model": "tiny", "prompt": text, "max_tokens": 4,
+                                                           "temperature": 0.0}, 120, AUTH)
         assert head["X-Route-Reason"] in ("load", "cache") and answer["usage"]["completion_tokens"] == 4
         status = json.loads(urllib.request.urlopen(url + "/router/status", timeout=5).read())
         assert status["decisions"]["pull"] == 1 and status["decisions"].get("fallback", 0) == 0
+        assert status["fallbacks"] == {}, status  # every request was scored: the served name was mapped
         assert all(i["inflight"] == 0 for i in status["instances"].values())
+        assert status["instances"]["vllm-a"]["models"] == ["tiny"]
+
+        # 5. the instance streaming an answer is killed mid-stream: the client's answer ends cut short
+        conn = http.client.HTTPConnection("127.0.0.1", router_port, timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps({**ask, "max_tokens": 700, "stream": True}),
+                     {"Content-Type": "application/json", **AUTH})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.getheader("Transfer-Encoding") == "chunked"
+        assert resp.readline().startswith(b"data: ")  # the answer has begun
+        gone = resp.getheader("X-Routed-To")
+        killed = procs[1 + ("vllm-a", "vllm-b").index(gone)]
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait(30)
+        with pytest.raises(http.client.IncompleteRead) as cut:
+            resp.read()
+        assert b"502" not in cut.value.partial and b"[DONE]" not in cut.value.partial
+        conn.close()
+        live = "vllm-b" if gone == "vllm-a" else "vllm-a"
+
+        # 6. a router that lists the dead instance first: tokens from the live one, scored, routed there
+        port2 = free_port()
+        router2 = start("router2", [sys.executable, str(ROUTER), "--port", str(port2), "--score-url", score_url,
+                                    "--instance", f"{gone}=http://127.0.0.1:{ports[gone[-1]]}",
+                                    "--instance", f"{live}=http://127.0.0.1:{ports[live[-1]]}"])
+        url2 = f"http://127.0.0.1:{port2}"
+        wait_http(url2 + "/router/status", router2, logs["router2"], 30)
+        answer, head = post_json(url2 + "/v1/completions", {"model": "tiny", "prompt": text, "max_tokens": 2,
+                                                            "temperature": 0.0}, 120, AUTH)
+        assert head["X-Routed-To"] == live and head["X-Route-Reason"] in ("load", "cache"), head
+        status2 = json.loads(urllib.request.urlopen(url2 + "/router/status", timeout=5).read())
+        assert status2["fallbacks"] == {} and status2["instances"][gone]["down_for_s"] > 0, status2
+        status = json.loads(urllib.request.urlopen(url + "/router/status", timeout=5).read())
+        assert status["errors"] == {"stream_aborted": 1}, status
     finally:
         for proc in reversed(procs):
             stop_group(proc)
