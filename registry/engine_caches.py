@@ -23,6 +23,14 @@ memory:
   algorithm and each configured seed (vLLM's default among them), and the
   one that gives the engine's own hash is that engine's. Until one matches,
   the engine cannot be scored by token ids, and the answer says why.
+* **One unit per block, one group.** vLLM with several KV-cache groups
+  (hybrid models) publishes each group's blocks, of their own sizes, some
+  hashed finer than the block. Their prefix hits do not follow one chain of
+  blocks, so an engine whose events name more than one group or block size
+  is listed as unscored (:meth:`EngineCaches.unscorable`), never matched.
+* **One bad event costs itself.** An event that cannot be applied is
+  refused on its own (counted: :meth:`EngineCaches.apply` answers how many),
+  and the rest of its batch is applied.
 * **What is dropped.** A publisher that restarted (its sequence went back)
   or whose events cleared everything starts empty. So does one the
   subscriber stopped following (``clear``). At most ``max_blocks`` hashes
@@ -35,15 +43,18 @@ Thread-safe: the subscriber's thread writes, the scoring thread reads.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from remote_g2.vllm_hashing import ALGORITHMS, DEFAULT_SEED, VllmBlockHasher
+from remote_g2.vllm_hashing import ALGORITHMS, DEFAULT_SEED, MAX_BLOCK_SIZE, VllmBlockHasher
 
 from .vllm_event_decode import EngineEvent
 
 __all__ = ["EngineCaches", "tier_of"]
+
+log = logging.getLogger("remote_g2.registry.engine_caches")
 
 _MEDIUM_TIERS = {"GPU": "g1", "DEVICE": "g1", "CPU": "g2", "CPU_PINNED": "g2", "CPU_TIER1": "g2"}
 _LEARN_TRIES = 256  # chain-starting events tried before an engine's hash space is given up on (salts, seeds)
@@ -61,6 +72,8 @@ class _Engine:
     tiers: dict[str, set[bytes]] = field(default_factory=dict)
     short: bool | None = None        # its hashes are vLLM's 64-bit int form (8 bytes)
     block_size: int | None = None
+    sizes: set[int] = field(default_factory=set)  # block sizes its BlockStored events stated
+    groups: set[int] = field(default_factory=set)  # KV-cache groups its events named
     hasher: VllmBlockHasher | None = None
     tries: int = 0
     held: int = 0
@@ -77,39 +90,53 @@ class EngineCaches:
         self._lock = threading.Lock()
         self._hashers: dict[tuple[str, str, int], VllmBlockHasher] = {}
 
-    def apply(self, worker_id: str, events: Sequence[EngineEvent]) -> None:
-        """Apply one batch of ``worker_id``'s events, in order."""
+    def apply(self, worker_id: str, events: Sequence[EngineEvent]) -> int:
+        """Apply one batch of ``worker_id``'s events, in order; answers how many were refused (each on its own:
+        one that cannot be applied leaves the others applied, and is logged)."""
+        refused = 0
         with self._lock:
             e = self._engines.setdefault(worker_id, _Engine())
             for ev in events:
-                if ev.kind == "cleared":
-                    e.tiers.clear()
-                    e.held = 0
-                    continue
-                if ev.hashes:
-                    e.short = len(ev.hashes[0]) == 8
-                tier = e.tiers.setdefault(tier_of(ev.medium), set())
-                if ev.kind == "removed":
-                    before = len(tier)
-                    tier.difference_update(ev.hashes)
-                    e.held -= before - len(tier)
-                    continue
-                if ev.block_size:
-                    e.block_size = ev.block_size
-                room = self.max_blocks - e.held
-                new = ev.hashes if len(ev.hashes) <= room else ev.hashes[:max(room, 0)]
-                e.dropped += len(ev.hashes) - len(new)
-                before = len(tier)
-                tier.update(new)
-                e.held += len(tier) - before
-                if e.hasher is None and e.tries < _LEARN_TRIES:
-                    self._learn(e, ev)
+                try:
+                    self._apply_one(e, ev)
+                except Exception:  # a bug or an event nobody foresaw: it alone is lost, not the batch
+                    refused += 1
+                    log.exception("KV event of %s refused: %.200r", worker_id, ev)
+        return refused
+
+    def _apply_one(self, e: _Engine, ev: EngineEvent) -> None:
+        if ev.kind == "cleared":
+            e.tiers.clear()
+            e.held = 0
+            return
+        if ev.group is not None and len(e.groups) < 64:
+            e.groups.add(ev.group)
+        if ev.hashes:
+            e.short = len(ev.hashes[0]) == 8
+        tier = e.tiers.setdefault(tier_of(ev.medium), set())
+        if ev.kind == "removed":
+            before = len(tier)
+            tier.difference_update(ev.hashes)
+            e.held -= before - len(tier)
+            return
+        if ev.block_size:
+            e.block_size = ev.block_size
+            if len(e.sizes) < 64:
+                e.sizes.add(ev.block_size)
+        room = self.max_blocks - e.held
+        new = ev.hashes if len(ev.hashes) <= room else ev.hashes[:max(room, 0)]
+        e.dropped += len(ev.hashes) - len(new)
+        before = len(tier)
+        tier.update(new)
+        e.held += len(tier) - before
+        if e.hasher is None and e.tries < _LEARN_TRIES:
+            self._learn(e, ev)
 
     def _learn(self, e: _Engine, ev: EngineEvent) -> None:
         """Try ``ev`` (a chain's first blocks, no LoRA) against every algorithm and seed."""
         bs = ev.block_size or e.block_size
         if ev.parent is not None or ev.lora_id is not None or not ev.token_ids or not bs or not ev.hashes \
-                or len(ev.token_ids) < bs:
+                or len(ev.token_ids) < bs or bs > MAX_BLOCK_SIZE:
             return
         e.tries += 1
         theirs = ev.hashes[0]
@@ -141,6 +168,28 @@ class EngineCaches:
                 return None, (f"none of its {e.tries} chain-starting KV events matched vLLM's sha256 or sha256_cbor "
                               "with a configured seed (give its PYTHONHASHSEED to --score-hash-seed)")
             return None, "its KV events have not yet shown a chain's first block to learn its hash space from"
+
+    def unscorable(self, worker_id: str) -> tuple[str, str] | None:
+        """``(reason, message)``: why ``worker_id``'s cache cannot be matched against one chain of blocks (None: it
+        can, or is unknown). Reasons: ``kv_cache_groups``, ``block_too_large``.
+
+        Several KV-cache groups, or blocks of several sizes (vLLM publishes
+        each group's blocks, and partial ones where hits land inside a block):
+        which prefix it would reuse is not one chain's match. Blocks over
+        :data:`~remote_g2.vllm_hashing.MAX_BLOCK_SIZE` tokens are not hashed here.
+        """
+        with self._lock:
+            e = self._engines.get(worker_id)
+            if e is None:
+                return None
+            if len(e.groups) > 1 or len(e.sizes) > 1:
+                return "kv_cache_groups", (f"its KV events name KV-cache groups {sorted(e.groups)[:8]} and block "
+                        f"sizes {sorted(e.sizes)[:8]}: its prefix hits do not follow one chain of blocks, which is what is "
+                        "scored here")
+            if e.block_size is not None and e.block_size > MAX_BLOCK_SIZE:
+                return "block_too_large", f"its blocks of {e.block_size} tokens are over the {MAX_BLOCK_SIZE} " \
+                                          "hashed here"
+            return None
 
     def block_size(self, worker_id: str) -> int | None:
         """The block size ``worker_id``'s events stated (None: none yet)."""

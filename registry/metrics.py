@@ -43,6 +43,9 @@ class RegistryMetrics(PrivateMetrics):
         self.resyncs = Counter("remote_g2_registry_resync_requests", "Event batches answered resync_needed",
                                registry=r)
         self.errors = Counter("remote_g2_registry_errors", "Errors by kind", ["kind"], registry=r)
+        self.kv_events_refused = Counter("remote_g2_registry_kv_events_refused",
+                                         "vLLM KV events refused one by one, the rest of their batch kept "
+                                         "(serve --vllm-kv-events)", registry=r)
         self.endpoint_checks = Counter("remote_g2_registry_endpoint_checks",
                                        "Registrations whose endpoint other hosts may not dial, by verdict "
                                        "(refused: wildcard or loopback; flagged: loopback to a wildcard-bound registry)",

@@ -12,8 +12,12 @@ worker that serves the request's model:
 2. **Which hashes.** Per group, vLLM's block hashes of the token ids
    (:mod:`remote_g2.vllm_hashing`), in the group's hash scheme and block
    size, with the request's LoRA adapter and ``cache_salt`` folded in as
-   vLLM folds them. A group whose hashes cannot be computed exactly (a
-   scheme it does not know, a seed it was not given) is listed as unscored
+   vLLM folds them. Where the scheme names a hash unit finer than the block
+   (several KV-cache groups, ``prefix_match_unit``:
+   :func:`~remote_g2.vllm_hashing.with_hash_unit`), the chain runs per unit
+   and a block's hash is its last unit's, as the worker publishes it. A
+   group whose hashes cannot be computed exactly (a scheme it does not
+   know, a seed it was not given) is listed as unscored
    with the reason — never a silent zero. Or the caller sends
    ``block_hashes`` directly. The chain is computed only as far as its
    blocks are held anywhere, where the store can tell that locally
@@ -81,6 +85,8 @@ _WORKERS_TTL_S = 1.0
 #: and the digest of the adapter files it loaded (``adapters/vllm/lora_identity.py``), which a request cannot name.
 _LORA_KEYED_BY_DIGEST = ("a remote-g2 worker keys a LoRA request's blocks by the digest of the adapter files it "
                          "loaded, which the request cannot name: its cached prefix is unknown (send block_hashes)")
+#: Per-worker reasons (``unscored``) answered 422 ``unknown_scheme`` when no candidate can be scored.
+_NOT_A_CHAIN = frozenset({"scheme_not_learned", "kv_cache_groups", "block_too_large"})
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1,
                 "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "uint8": 1, "int8": 1}
 
@@ -292,13 +298,15 @@ class Scorer:
         cands = [c for c in self._candidates(req.model) if wanted is None or c.worker.worker_id in wanted]
         lora = (req.lora_name, req.lora_path) if req.lora_name is not None else None
         unscored: list[tuple[str, str, str]] = []  # (worker id, reason code, why)
-        chains: dict[tuple[str, int], PromptChain] = {}
+        chains: dict[tuple[str, int, int], PromptChain] = {}
 
-        def chain_of(hasher: VllmBlockHasher) -> PromptChain:
-            hk = (hasher.scheme, hasher.block_size)
+        def chain_of(hasher: VllmBlockHasher, block_size: int | None = None) -> PromptChain:
+            # A worker whose vLLM hashes more finely than its block publishes every stride-th hash.
+            stride = (block_size or hasher.block_size) // hasher.block_size
+            hk = (hasher.scheme, hasher.block_size, stride)
             if hk not in chains:
                 chains[hk] = PromptChain(hasher, req.token_ids or [], lora=lora, cache_salt=req.cache_salt,
-                                         max_blocks=MAX_SCORE_HASHES)
+                                         max_blocks=MAX_SCORE_HASHES, stride=stride)
             return chains[hk]
 
         def hashes_of(hasher: VllmBlockHasher) -> list[bytes]:
@@ -314,6 +322,10 @@ class Scorer:
             if c.events_only:  # each its own hash space, learned from its events
                 hasher, why = (None, "this server follows no KV events (serve --vllm-kv-events)") \
                     if engines is None else engines.hasher(c.wid)
+                odd = engines.unscorable(c.wid) if engines is not None else None
+                if odd is not None:  # several KV-cache groups, or blocks too large to hash: not one chain
+                    unscored.append((c.wid, *odd))
+                    continue
                 if req.token_ids is not None and hasher is None:
                     unscored.append((c.wid, "scheme_not_learned", why))
                     continue
@@ -336,7 +348,7 @@ class Scorer:
                         hashes = list(req.block_hashes or ())
                         held = self._lookup(hashes, c.key) if hashes else {}
                     else:  # (an engine's G1 may hold more than any G2: the whole prompt, where engines count)
-                        chain = chain_of(self._hasher(fp))
+                        chain = chain_of(self._hasher(fp), fp.tokens_per_block)
                         hashes = self._hashes_needed(chain) if engines is None else chain.upto(chain.total)
                         held = self._lookup(hashes, c.key) if hashes else {}
                 except CannotScore as e:
@@ -359,7 +371,7 @@ class Scorer:
         if unscored and not matched and not idle:
             _, reason, why = unscored[0]
             raise CannotScore(f"no worker of this model can be scored: {unscored[0][0]}: {why}",
-                              reason="unknown_scheme" if reason == "scheme_not_learned" else reason)
+                              reason="unknown_scheme" if reason in _NOT_A_CHAIN else reason)
         matched.sort(key=_by_matched_tokens, reverse=True)  # stable: least loaded, then worker id, among equals
         best = matched[0].worker_id if matched else None
         return ScoreReply(req.model, None if req.token_ids is None else len(req.token_ids), matched + idle, best,

@@ -17,6 +17,13 @@ map ``{"type": "BlockStored", …}`` depending on the release; both are read.
   its 8 big-endian bytes: the low 64 bits of vLLM's hash), with the token ids
   and block size a BlockStored carries: what the engine itself holds, for
   scoring only (:mod:`.engine_caches`), never for reads.
+
+A batch that is not a ``KVEventBatch`` at all is a :class:`ProtocolError`.
+One event that is malformed (an unknown type, a field of the wrong type) is
+refused on its own: left out of both views and counted in
+``DecodedBatch.refused``, and the rest of its batch is kept. Leaving out a
+BlockStored only shortens a match; leaving out a BlockRemoved leaves a hash
+that a resolve then finds missing, as a missed batch would.
 """
 
 from __future__ import annotations
@@ -45,7 +52,8 @@ class EngineEvent:
     """One KV event as the engine sent it, for the engine-cache view (see the module docstring).
 
     ``hashes`` (and ``parent``) are 32 bytes where vLLM sent bytes, 8 where it sent its 64-bit int;
-    ``token_ids`` / ``block_size`` / ``lora_id`` only for a BlockStored that carried them.
+    ``token_ids`` / ``block_size`` / ``lora_id`` only for a BlockStored that carried them; ``group`` is vLLM's
+    ``group_idx`` (its KV-cache group) where the event names one (map-tagged releases).
     """
 
     kind: Literal["stored", "removed", "cleared"]
@@ -55,6 +63,7 @@ class EngineEvent:
     token_ids: list[int] | None = None
     block_size: int | None = None
     lora_id: int | None = None
+    group: int | None = None
 
 
 @dataclass(frozen=True)
@@ -62,13 +71,16 @@ class DecodedBatch:
     """The G2 block events of one vLLM batch, and what was left out of it.
 
     ``int_hash_events``: events skipped because their hashes were vLLM's 64-bit
-    ints; ``other_media``: media of events ignored by the medium filter.
+    ints; ``other_media``: media of events ignored by the medium filter; ``refused``: malformed events left
+    out of both views (``refusal`` says why the first was).
     """
 
     events: list[BlockEvent]
     int_hash_events: int = 0
     other_media: frozenset[str | None] = frozenset()
     engine: list[EngineEvent] = field(default_factory=list, compare=False)
+    refused: int = 0
+    refusal: str = field(default="", compare=False)
 
 
 def _hashes(values: list[Any], convert_ints: bool) -> tuple[list[bytes], bool]:
@@ -115,45 +127,58 @@ def decode_kv_event_batch(payload: bytes, *, all_media: bool = False, engine: bo
         raise ProtocolError("KVEventBatch must be an array [ts, events, ...]")
     out: list[BlockEvent] = []
     view: list[EngineEvent] = []
-    int_hash_events = 0
+    counts = [0, 0]  # events with int hashes, events refused
     other_media: set[str | None] = set()
+    refusal = ""
     for raw in batch[1]:
-        tag = raw[0] if type(raw) is list and raw else raw.get("type") if type(raw) is dict else None
-        if tag == "AllBlocksCleared":
-            out.append(BlockEvent("cleared"))
-            if engine:
-                view.append(EngineEvent("cleared"))
-            continue
-        names = _STORED_FIELDS if tag == "BlockStored" else _REMOVED_FIELDS if tag == "BlockRemoved" else None
-        if names is None:
-            raise ProtocolError(f"unknown KV event type {tag!r:.40}")
-        f = _fields(raw, names)
-        medium = f.get("medium")
-        if medium is not None and type(medium) is not str:
-            raise ProtocolError("medium must be a string or nil")
-        hashes = f.get("block_hashes")
-        if type(hashes) is not list:
-            raise ProtocolError("block_hashes must be an array")
-        parent = f.get("parent_block_hash") if tag == "BlockStored" else None
-        # Validated before the medium filter, so a bad value is malformed on every medium.
-        converted, ints = _hashes(hashes + ([] if parent is None else [parent]), engine)
-        # (without the engine view, an event with int hashes is only counted: own and parent_b go unused)
-        own, parent_b = converted[:len(hashes)], (None if parent is None or not converted else converted[-1])
-        if engine and tag == "BlockStored":
-            size, lora = f.get("block_size"), f.get("lora_id")
-            view.append(EngineEvent("stored", medium, own, parent_b, _token_ids(f.get("token_ids")),
-                                    size if type(size) is int and 0 < size <= 1 << 20 else None,
-                                    lora if type(lora) is int else None))
-        elif engine:
-            view.append(EngineEvent("removed", medium, own))
-        if not all_media and medium != G2_MEDIUM:
-            other_media.add(medium)
-        elif ints:
-            int_hash_events += 1
-        elif tag == "BlockStored":
-            out.append(BlockEvent("stored", own, parent_b))
-        else:
-            out.append(BlockEvent("removed", own))
-    return DecodedBatch(out, int_hash_events, frozenset(other_media), view)
+        try:
+            _decode_event(raw, out, view, counts, other_media, all_media, engine)
+        except ProtocolError as e:  # this event only: the rest of the batch is kept
+            counts[1] += 1
+            refusal = refusal or str(e)
+    return DecodedBatch(out, counts[0], frozenset(other_media), view, counts[1], refusal)
 
 
+def _decode_event(raw: Any, out: list[BlockEvent], view: list[EngineEvent], counts: list[int],
+                  other_media: set[str | None], all_media: bool, engine: bool) -> None:
+    """Decode one event into ``out`` (the G2 view) and, with ``engine``, ``view``; validated whole before either
+    is written, so a :class:`ProtocolError` leaves both as they were."""
+    tag = raw[0] if type(raw) is list and raw else raw.get("type") if type(raw) is dict else None
+    if tag == "AllBlocksCleared":
+        out.append(BlockEvent("cleared"))
+        if engine:
+            view.append(EngineEvent("cleared"))
+        return
+    names = _STORED_FIELDS if tag == "BlockStored" else _REMOVED_FIELDS if tag == "BlockRemoved" else None
+    if names is None:
+        raise ProtocolError(f"unknown KV event type {tag!r:.40}")
+    f = _fields(raw, names)
+    medium = f.get("medium")
+    if medium is not None and type(medium) is not str:
+        raise ProtocolError("medium must be a string or nil")
+    hashes = f.get("block_hashes")
+    if type(hashes) is not list:
+        raise ProtocolError("block_hashes must be an array")
+    parent = f.get("parent_block_hash") if tag == "BlockStored" else None
+    # Validated before the medium filter, so a bad value is malformed on every medium.
+    converted, ints = _hashes(hashes + ([] if parent is None else [parent]), engine)
+    # (without the engine view, an event with int hashes is only counted: own and parent_b go unused)
+    own, parent_b = converted[:len(hashes)], (None if parent is None or not converted else converted[-1])
+    group = f.get("group_idx") if type(raw) is dict else None  # (array-tagged releases had no groups)
+    if group is not None and (type(group) is not int or not 0 <= group < 1 << 16):
+        raise ProtocolError("group_idx must be a small non-negative int or nil")
+    if engine and tag == "BlockStored":
+        size, lora = f.get("block_size"), f.get("lora_id")
+        view.append(EngineEvent("stored", medium, own, parent_b, _token_ids(f.get("token_ids")),
+                                size if type(size) is int and 0 < size <= 1 << 20 else None,
+                                lora if type(lora) is int else None, group))
+    elif engine:
+        view.append(EngineEvent("removed", medium, own, group=group))
+    if not all_media and medium != G2_MEDIUM:
+        other_media.add(medium)
+    elif ints:
+        counts[0] += 1
+    elif tag == "BlockStored":
+        out.append(BlockEvent("stored", own, parent_b))
+    else:
+        out.append(BlockEvent("removed", own))

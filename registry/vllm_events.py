@@ -55,7 +55,9 @@ The subscriber keeps a mirror of the worker's hashes, so whenever the registry
 needs a resync (new record, sequence gap, Redis back after an outage) it sends
 the mirror. A publisher whose ``seq`` goes back (a restarted vLLM, whose cache
 is empty) clears the mirror and the registry's copy. Malformed frames are
-counted and skipped; nothing stops the subscriber.
+counted and skipped; a malformed event is refused on its own and counted
+(``kv_events_refused``), the rest of its batch applied; nothing stops the
+subscriber.
 """
 
 from __future__ import annotations
@@ -241,7 +243,8 @@ class VllmEventSubscriber:
         self._feeds: list[_Feed] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.malformed = 0
+        self.malformed = 0  # frames or batches skipped whole
+        self.refused = 0  # single events refused, the rest of their batch kept
         self.int_hash_events = 0
         self.gaps = 0
         self.restarts = 0
@@ -407,8 +410,11 @@ class VllmEventSubscriber:
             log.warning("vLLM event from %s skipped: %s", feed.endpoint, e)
         else:
             events += batch.events
-            if self.engines is not None:
-                self.engines.apply(feed.sub.worker_id, batch.engine)
+            refused = batch.refused
+            if self.engines is not None:  # (never raises: an event it cannot apply is refused on its own)
+                refused += self.engines.apply(feed.sub.worker_id, batch.engine)
+            if refused:
+                self._refused(feed, refused, batch.refusal or "the engine-cache view could not apply it")
             if batch.int_hash_events:
                 self._int_hashes(feed, batch.int_hash_events)
             if batch.other_media and not batch.events and not self.all_media:
@@ -441,6 +447,14 @@ class VllmEventSubscriber:
         self.gaps += 1
         log.warning("vLLM events from %s: gap %d -> %d", feed.endpoint, last, seq)
         return False
+
+    def _refused(self, feed: _Feed, n: int, why: str) -> None:
+        """``n`` events of one batch were refused one by one; the rest of the batch went on."""
+        self.refused += n
+        if self.metrics:
+            self.metrics.kv_events_refused.inc(n)
+        log.warning("vLLM events from %s for %s: %d refused, the rest of the batch kept (first: %s)",
+                    feed.endpoint, feed.sub.worker_id, n, why)
 
     def _int_hashes(self, feed: _Feed, n: int) -> None:
         self.int_hash_events += n

@@ -42,8 +42,9 @@ from collections.abc import Iterable, Sequence
 from remote_g2 import _vllm_hash
 from remote_g2.errors import CannotScore
 
-__all__ = ["ALGORITHMS", "DEFAULT_SEED", "MAX_TOKEN_ID", "VllmBlockHasher", "PromptChain", "scheme_name",
-           "parse_scheme", "hasher_for_scheme", "token_ids_from_json", "split_token_ids"]
+__all__ = ["ALGORITHMS", "DEFAULT_SEED", "MAX_BLOCK_SIZE", "MAX_TOKEN_ID", "VllmBlockHasher", "PromptChain",
+           "scheme_name", "with_hash_unit", "parse_scheme", "hasher_for_scheme", "token_ids_from_json",
+           "split_token_ids"]
 
 assert array.array("I").itemsize == 4  # cpp_ext/vllm_hash.cpp reads token buffers as uint32
 
@@ -53,6 +54,8 @@ ALGORITHMS = ("sha256", "sha256_cbor")
 DEFAULT_SEED = "vllm-none-hash"
 #: Token ids are pickled as 4-byte signed ints below this; no tokenizer's vocabulary comes near it.
 MAX_TOKEN_ID = 2**31 - 1
+#: The largest block (tokens) hashed here.
+MAX_BLOCK_SIZE = 4096
 _MAX_KEY_CHARS = 4096  # a LoRA name or path, a salt: longer ones are refused
 _PICKLE_FRAME_TARGET = 64 * 1024  # pickle's _FRAME_SIZE_TARGET: a body under it is one frame
 # The outer tuple the extra keys are pickled inside (VllmBlockHasher._encode_extra): a parent hash, a token tuple.
@@ -95,9 +98,32 @@ def scheme_name(algo: str, seed: str) -> str:
     return f"vllm/{algo}/{hashlib.blake2b(seed.encode(), digest_size=4).hexdigest()}"
 
 
-def parse_scheme(scheme: str) -> tuple[str, str]:
-    """``(algo, seed digest)`` of a scheme name; :class:`CannotScore` for one these hashes cannot reproduce."""
+def with_hash_unit(scheme: str, hash_unit: int | None, block_size: int) -> str:
+    """The hash space a worker publishes in when vLLM hashes every ``hash_unit`` tokens and the worker
+    publishes one hash per block of ``block_size`` (the last of the block's): ``<scheme>/u<hash_unit>``.
+
+    vLLM hashes more finely than the block with several KV-cache groups (the
+    GCD of their block sizes, or ``prefix_match_unit``); the published hash
+    of a block is then the hash of its last unit, which chains over the
+    whole prefix. The same tokens give other hashes than with one unit per
+    block, so it is another hash space, and named so: a scorer that cannot
+    read the suffix lists the worker as unscored instead of scoring it zero.
+    ``scheme`` unchanged where the unit is the block (or not known: vLLM then
+    hashes per block).
+    """
+    if type(hash_unit) is not int or hash_unit <= 0 or hash_unit == block_size:
+        return scheme
+    return f"{scheme}/u{hash_unit}"
+
+
+def parse_scheme(scheme: str) -> tuple[str, str, int | None]:
+    """``(algo, seed digest, hash unit or None)`` of a scheme name (:func:`scheme_name`, :func:`with_hash_unit`);
+    :class:`CannotScore` for one these hashes cannot reproduce."""
     parts = scheme.split("/")
+    unit: int | None = None
+    if len(parts) == 4 and parts[3][:1] == "u" and parts[3][1:].isascii() and parts[3][1:].isdigit():
+        unit = int(parts[3][1:])
+        parts = parts[:3]
     if len(parts) != 3 or parts[0] != "vllm":
         raise CannotScore(f"hash scheme {scheme!r} is not a vLLM one: its block hashes cannot be computed from "
                           "token ids here (send block_hashes instead)", reason="unknown_scheme")
@@ -105,15 +131,26 @@ def parse_scheme(scheme: str) -> tuple[str, str]:
         raise CannotScore(f"hash scheme {scheme!r}: vLLM's {parts[1]!r} hashes are seeded with a secret, or unknown "
                           f"here; computable: {', '.join(ALGORITHMS)} (send block_hashes instead)",
                           reason="unknown_scheme")
-    return parts[1], parts[2]
+    return parts[1], parts[2], unit
 
 
 def hasher_for_scheme(scheme: str, block_size: int, seeds: Iterable[str]) -> VllmBlockHasher:
-    """A hasher for a worker's published ``scheme``, with the one of ``seeds`` whose digest the scheme names."""
-    algo, digest = parse_scheme(scheme)
+    """A hasher for a worker's published ``scheme``, with the one of ``seeds`` whose digest the scheme names.
+
+    Its ``block_size`` is the scheme's hash unit (``block_size`` itself
+    without one): a worker of blocks of ``block_size`` tokens publishes
+    every ``block_size // hasher.block_size``-th of its hashes
+    (:class:`PromptChain`'s ``stride``).
+    """
+    algo, digest, unit = parse_scheme(scheme)
+    if unit is not None and not (1 <= unit <= MAX_BLOCK_SIZE and block_size % unit == 0):
+        raise CannotScore(f"hash scheme {scheme!r}: vLLM hashes every {unit} tokens, which does not divide the "
+                          f"worker's {block_size}-token blocks (its connector then shares nothing)",
+                          reason="unknown_scheme")
+    base = scheme.rsplit("/", 1)[0] if unit is not None else scheme
     for seed in seeds:
-        if scheme_name(algo, seed) == scheme:
-            return VllmBlockHasher(algo, seed, block_size)
+        if scheme_name(algo, seed) == base:
+            return VllmBlockHasher(algo, seed, unit or block_size)
     raise CannotScore(f"hash scheme {scheme!r}: none of the configured hash seeds has digest {digest} (give the "
                       "workers' PYTHONHASHSEED to `remote-g2 serve --score-hash-seed`)", reason="seed_unknown")
 
@@ -129,7 +166,7 @@ class VllmBlockHasher:
     def __init__(self, algo: str, seed: str, block_size: int) -> None:
         if algo not in ALGORITHMS:
             raise CannotScore(f"algorithm {algo!r} is not one of {ALGORITHMS}", reason="unknown_scheme")
-        if not 1 <= block_size <= 4096:
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise CannotScore(f"block size {block_size} out of range", reason="bad_request")
         self.algo, self.seed, self.block_size = algo, seed, block_size
         self.scheme = scheme_name(algo, seed)
@@ -212,24 +249,34 @@ class PromptChain:
     A scorer asks for the first blocks, and for more only while some worker
     holds every block asked so far: a long prompt whose cached prefix is
     short is not hashed to its end. ``total`` is how many full blocks the
-    prompt has (at most ``max_blocks``).
+    prompt has (at most ``max_blocks``). With ``stride`` > 1 a block is
+    ``stride`` of the hasher's units and its hash is the last of theirs
+    (:func:`with_hash_unit`: what a worker publishes when vLLM hashes more
+    finely than its block).
     """
 
     def __init__(self, hasher: VllmBlockHasher, token_ids: Sequence[int], *, lora: tuple[str, str] | None = None,
-                 cache_salt: str | None = None, max_blocks: int | None = None) -> None:
-        self.hasher, self._tokens, self._lora, self._salt = hasher, token_ids, lora, cache_salt
-        n = len(token_ids) // hasher.block_size
+                 cache_salt: str | None = None, max_blocks: int | None = None, stride: int = 1) -> None:
+        if stride < 1:
+            raise ValueError("stride must be at least 1")
+        self.hasher, self._tokens, self._lora, self._salt, self.stride = hasher, token_ids, lora, cache_salt, stride
+        n = len(token_ids) // (hasher.block_size * stride)
         self.total = n if max_blocks is None else min(n, max_blocks)
         self._hashes: list[bytes] = []
+        self._units: list[bytes] = []  # with a stride: every unit's hash so far
 
     def upto(self, n: int) -> list[bytes]:
         """The hashes of blocks ``0 .. min(n, total) - 1`` (the list itself: read, do not change it)."""
         n = min(n, self.total)
         have = self._hashes
         if n > len(have):
-            start = len(have)
-            have += self.hasher.hashes(self._tokens, lora=self._lora, cache_salt=self._salt, max_blocks=n - start,
-                                       start=start, parent=have[-1] if have else None)
+            k = self.stride
+            units = self._units if k > 1 else have
+            start = len(units)
+            units += self.hasher.hashes(self._tokens, lora=self._lora, cache_salt=self._salt,
+                                        max_blocks=n * k - start, start=start, parent=units[-1] if units else None)
+            if k > 1:
+                have += units[len(have) * k + k - 1:n * k:k]
         return have if n == len(have) else have[:n]
 
 

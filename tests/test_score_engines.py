@@ -15,12 +15,13 @@ import urllib.request
 
 import msgspec
 import pytest
-from test_vllm_events import NewBatch, NewCleared, NewRemoved, NewStored, VllmLikePublisher, wait_for
+from test_vllm_events import NewBatch, NewCleared, NewRemoved, NewStored, VllmLikePublisher, blocks_of, wait_for
 
 from remote_g2.errors import CannotScore
 from remote_g2.messages import BlockEvent, Events, LayoutFingerprint, RegisterWorker
 from remote_g2.registry import MemoryStore
 from remote_g2.registry.engine_caches import EngineCaches, tier_of
+from remote_g2.registry.metrics import RegistryMetrics
 from remote_g2.registry.score_http import ScoreHttpServer
 from remote_g2.registry.scoring import Scorer, ScoreRequest
 from remote_g2.registry.vllm_event_decode import EngineEvent, decode_kv_event_batch
@@ -50,7 +51,7 @@ def test_int_hashes_decode_as_their_low_eight_bytes():
     h = VllmBlockHasher("sha256", DEFAULT_SEED, BS).hashes(list(range(BS)))[0]
     batch = decode_kv_event_batch(_encode([_stored(list(range(BS)), [h], ints=True)]), all_media=True, engine=True)
     assert batch.events == [] and batch.int_hash_events == 1  # never into the store
-    assert batch.engine == [EngineEvent("stored", "GPU", [h[-8:]], None, list(range(BS)), BS, None)]
+    assert batch.engine == [EngineEvent("stored", "GPU", [h[-8:]], None, list(range(BS)), BS, None, group=0)]
     assert decode_kv_event_batch(_encode([_stored(list(range(BS)), [h], ints=True)])).engine == []  # not asked
 
 
@@ -191,3 +192,67 @@ def test_block_hashes_score_an_engine_known_from_its_events(prompt):
     reply = Scorer(store, engines=caches).score(ScoreRequest("tiny", block_hashes=hashes))
     (w,) = reply.workers
     assert (w.worker_id, w.tier, w.matched_tokens, w.readable) == ("stock", {"g1": 9}, 9 * BS, False)
+
+
+def test_an_event_with_blocks_over_4096_tokens_costs_nothing_else_in_its_batch(prompt):
+    """vLLM 0.32 accepts any block size; the chain here hashes up to 4,096 tokens a block. Before, a chain-starting
+    event of 8,192-token blocks raised in EngineCaches.apply: the rest of its batch was dropped, and the batch's G2
+    events went neither into the subscriber's mirror nor into the store."""
+    store = MemoryStore(lease_ttl_ms=60_000)
+    metrics = RegistryMetrics()
+    pub = VllmLikePublisher()
+    caches = EngineCaches()
+    sub = VllmEventSubscriber(store, [Subscription(pub.endpoint, "vllm-0", model="tiny")], metrics=metrics,
+                              engines=caches).start()
+    hashes = VllmBlockHasher("sha256", DEFAULT_SEED, BS).hashes(prompt)
+    g2 = [bytes([i]) * 32 for i in range(40, 43)]
+    try:
+        wait_for(lambda: sub.state("vllm-0") is FeedState.OWN, "the events-only record")
+        pub.handshake(sub)
+        huge = NewStored([b"\x09" * 32], None, list(range(8192)), 8192, None, "GPU", None, group_idx=0)
+        pub.send([huge, _stored(prompt[:BS * 4], hashes[:4], ints=False), NewStored(g2, None, [], BS, None, "CPU",
+                                                                                     None, group_idx=0)])
+        wait_for(lambda: blocks_of(store, "vllm-0") == set(g2), "the batch's G2 events in the store")
+        assert set(g2) <= sub.mirror("vllm-0")
+        assert caches.matched("vllm-0", hashes)["g1"] == 4  # the good event beside it
+        assert sub.refused == 0  # nothing malformed: its blocks are only too large to hash here
+        only_huge = EngineCaches()
+        assert only_huge.apply("w", decode_kv_event_batch(_encode([huge]), engine=True).engine) == 0
+        assert only_huge.unscorable("w") == ("block_too_large", "its blocks of 8192 tokens are over the 4096 hashed "
+                                                                "here")
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_an_event_that_cannot_be_applied_is_refused_alone_and_counted():
+    caches = EngineCaches()
+    good = [bytes([i]) * 32 for i in range(3)]
+    odd = EngineEvent("stored", "GPU", None)  # type: ignore[arg-type]  # what no decoder makes: a bug's shape
+    assert caches.apply("w", [EngineEvent("stored", "GPU", good[:2]), odd, EngineEvent("stored", "GPU", good[2:])]) == 1
+    assert caches.matched("w", good) == {"g1": 3}
+
+
+def test_an_engine_with_several_kv_cache_groups_is_unscored_not_zero(prompt):
+    """vLLM with several KV-cache groups publishes each group's blocks (their own sizes, some hashed finer than the
+    block): no one chain's match says what it would reuse. Before, it was scored, and matched nothing: a silent 0."""
+    store = MemoryStore(lease_ttl_ms=60_000)
+    events_only = LayoutFingerprint(model_id="tiny", dtype="unknown", tokens_per_block=1, kv_layout="events-only",
+                                    num_layers=1, num_kv_heads=1, head_dim=1, tp_size=1)
+    store.register_worker(RegisterWorker("hybrid", "events-only://hybrid", events_only, 1))
+    hashes = VllmBlockHasher("sha256", DEFAULT_SEED, BS).hashes(prompt)
+    fine = VllmBlockHasher("sha256", DEFAULT_SEED, BS // 2).hashes(prompt)
+    caches = EngineCaches()
+    batch = decode_kv_event_batch(_encode([
+        _stored(prompt[:BS * 4], hashes[:4], ints=False),  # group 0: blocks of 16, hashed per block
+        NewStored(fine[1:8:2], None, prompt[:BS * 4], 2 * BS, None, "GPU", None, group_idx=1)]), engine=True)
+    assert [ev.group for ev in batch.engine] == [0, 1]
+    caches.apply("hybrid", batch.engine)
+    for req in (ScoreRequest("tiny", prompt), ScoreRequest("tiny", block_hashes=hashes)):
+        with pytest.raises(CannotScore) as e:
+            Scorer(store, engines=caches).score(req)
+        assert e.value.reason == "unknown_scheme" and "KV-cache groups" in e.value.message
+    store.register_worker(RegisterWorker("sharing", "tcp://10.0.0.2:7000", FP, 1))
+    reply = Scorer(store, engines=caches).score(ScoreRequest("tiny", prompt))
+    assert [w.worker_id for w in reply.workers] == ["sharing"]
+    assert [(u["worker_id"], u["reason"]) for u in reply.unscored] == [("hybrid", "kv_cache_groups")]

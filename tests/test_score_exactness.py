@@ -1,5 +1,4 @@
-"""The scorer's hashes are vLLM's, byte for byte, or the worker is said to be unscored; bad KV events cost only
-themselves.
+"""The scorer's hashes are vLLM's, byte for byte, or the worker is said to be unscored.
 
 * **Pickle memo.** vLLM pickles ``(parent, tokens, extra)`` whole: a key that
   is the same object as one written before it is a back-reference to that
@@ -11,6 +10,10 @@ themselves.
   keys decoded by msgspec as the engine core decodes ``EngineCoreRequest``; the
   vLLM suite (``tests/test_vllm_score_hashing.py``) holds the same cases to
   real vLLM, and the pinned digests below are what vLLM 0.32 gave.
+* **Hash unit.** A worker whose vLLM hashes more finely than its block
+  (several KV-cache groups, ``prefix_match_unit``) publishes the last fine
+  hash of each block, and names the unit in its scheme; the scorer hashes at
+  that unit, or lists the worker as unscored with the reason.
 """
 
 from __future__ import annotations
@@ -23,7 +26,17 @@ import msgspec
 import pytest
 
 from remote_g2 import _vllm_hash
-from remote_g2.vllm_hashing import DEFAULT_SEED, VllmBlockHasher
+from remote_g2.messages import BlockEvent, Events, LayoutFingerprint, RegisterWorker
+from remote_g2.registry import MemoryStore
+from remote_g2.registry.scoring import Scorer, ScoreRequest
+from remote_g2.vllm_hashing import (
+    DEFAULT_SEED,
+    VllmBlockHasher,
+    hasher_for_scheme,
+    parse_scheme,
+    scheme_name,
+    with_hash_unit,
+)
 
 
 class _Lora(msgspec.Struct, array_like=True):
@@ -113,3 +126,53 @@ def test_pinned_against_vllm_0_32(algo, first, second):
     """vLLM 0.32's hash_block_tokens for tokens 1..8, block size 4, LoRA ("a", "a") and salt "a" (one object)."""
     got = VllmBlockHasher(algo, DEFAULT_SEED, 4).hashes([1, 2, 3, 4, 5, 6, 7, 8], lora=("a", "a"), cache_salt="a")
     assert [h.hex() for h in got] == [first, second]
+
+
+# -- hashing finer than the block: several KV-cache groups, prefix_match_unit ----------------------------------
+
+
+def _fp(scheme: str, bs: int = 16) -> LayoutFingerprint:
+    return LayoutFingerprint(model_id="m#w-1", dtype="float32", tokens_per_block=bs, kv_layout="HND", num_layers=2,
+                             num_kv_heads=2, head_dim=64, tp_size=1, hash_scheme=scheme)
+
+
+def test_a_worker_whose_vllm_hashes_finer_than_its_block_is_scored_at_that_unit():
+    """vLLM with several KV-cache groups hashes every hash_block_size tokens (8 here), and the connector publishes
+    each 16-token block's last fine hash (block_identity.prompt_block_hashes). Before, the scorer hashed per 16
+    tokens: no hash matched, and the worker was scored 0."""
+    from remote_g2.adapters.vllm.block_identity import prompt_block_hashes
+
+    tokens = list(range(1000, 1000 + 16 * 12 + 5))
+    fine = VllmBlockHasher("sha256", DEFAULT_SEED, 8).hashes(tokens, cache_salt="a")
+    published = prompt_block_hashes(fine, len(tokens), len(tokens), 16)  # what the connector publishes
+    assert len(published) == 12
+    scheme = with_hash_unit(scheme_name("sha256", DEFAULT_SEED), 8, 16)  # what the connector names it
+    assert scheme == scheme_name("sha256", DEFAULT_SEED) + "/u8"
+    store = MemoryStore(lease_ttl_ms=60_000)
+    store.register_worker(RegisterWorker("fine", "tcp://10.0.0.2:7000", _fp(scheme), 1))
+    store.apply_events(Events("fine", 1, 1, [BlockEvent("stored", published[:7])]))
+    reply = Scorer(store).score(ScoreRequest("m", tokens, cache_salt="a"))
+    (w,) = reply.workers
+    assert (w.matched_blocks, w.matched_tokens, w.block_size) == (7, 7 * 16, 16) and reply.unscored == []
+
+
+def test_the_unit_leaves_a_per_block_scheme_as_it_was():
+    plain = scheme_name("sha256_cbor", "9")
+    assert with_hash_unit(plain, None, 16) == with_hash_unit(plain, 16, 16) == plain  # one group: unchanged
+    assert parse_scheme(with_hash_unit(plain, 4, 16)) == ("sha256_cbor", plain.split("/")[2], 4)
+    assert hasher_for_scheme(with_hash_unit(plain, 4, 16), 16, ["9"]).block_size == 4
+
+
+@pytest.mark.parametrize("scheme, reason", [
+    (scheme_name("sha256", DEFAULT_SEED) + "/u5", "unknown_scheme"),  # 5 does not divide 16: nothing shared
+    (scheme_name("sha256", DEFAULT_SEED) + "/x8", "unknown_scheme"),
+    ("vllm/xxhash/seeded/u8", "unknown_scheme"),
+    (scheme_name("sha256", "other") + "/u8", "seed_unknown"),
+])
+def test_a_unit_that_cannot_be_hashed_exactly_is_unscored_with_the_reason(scheme, reason):
+    store = MemoryStore(lease_ttl_ms=60_000)
+    store.register_worker(RegisterWorker("odd", "tcp://10.0.0.2:7000", _fp(scheme), 1))
+    store.register_worker(RegisterWorker("plain", "tcp://10.0.0.3:7000", _fp(scheme_name("sha256", DEFAULT_SEED)), 1))
+    reply = Scorer(store).score(ScoreRequest("m", list(range(64))))
+    assert [w.worker_id for w in reply.workers] == ["plain"]
+    assert [(u["worker_id"], u["reason"]) for u in reply.unscored] == [("odd", reason)]

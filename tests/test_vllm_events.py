@@ -153,18 +153,34 @@ def test_int_hashes_are_skipped_and_counted_not_converted():
 @pytest.mark.parametrize("payload", [
     b"\xc1",
     msgspec.msgpack.encode({"ts": 1}),
-    msgspec.msgpack.encode([1.0, [["Bogus", []]]]),
-    msgspec.msgpack.encode([1.0, [["BlockStored", [b""], None, [], 16, None, "CPU"]]]),
-    msgspec.msgpack.encode([1.0, [["BlockStored", [b"x" * 33], None, [], 16, None, "CPU"]]]),
-    msgspec.msgpack.encode([1.0, [["BlockStored", [1, b"x" * 33], None, [], 16, None, "CPU"]]]),
-    msgspec.msgpack.encode([1.0, [["BlockStored", "notalist", None, [], 16, None, "CPU"]]]),
-    msgspec.msgpack.encode([1.0, [["BlockRemoved", [1.5], "CPU"]]]),
-    msgspec.msgpack.encode([1.0, [{"no_type": 1}]]),
-    msgspec.msgpack.encode([1.0, [["BlockRemoved", [1], 7]]]),
+    msgspec.msgpack.encode([1.0, "events"]),
 ])
 def test_malformed_batches_are_protocol_errors(payload):
     with pytest.raises(ProtocolError):
         decode_kv_event_batch(payload)
+
+
+@pytest.mark.parametrize("bad", [
+    ["Bogus", []],
+    ["BlockStored", [b""], None, [], 16, None, "CPU"],
+    ["BlockStored", [b"x" * 33], None, [], 16, None, "CPU"],
+    ["BlockStored", [1, b"x" * 33], None, [], 16, None, "CPU"],
+    ["BlockStored", "notalist", None, [], 16, None, "CPU"],
+    ["BlockRemoved", [1.5], "CPU"],
+    {"no_type": 1},
+    ["BlockRemoved", [1], 7],
+    {"type": "BlockStored", "block_hashes": [b"y" * 32], "parent_block_hash": None, "token_ids": [],
+     "block_size": 16, "lora_id": None, "medium": "CPU", "group_idx": "zero"},
+])
+@pytest.mark.parametrize("engine", [False, True])
+def test_a_malformed_event_is_refused_alone_and_the_rest_of_its_batch_kept(bad, engine):
+    """Before, one such event made the whole batch a ProtocolError: every good event in it was lost."""
+    payload = msgspec.msgpack.encode([1.0, [["BlockStored", [H[0]], None, [], 16, None, "CPU"], bad,
+                                            ["BlockRemoved", [H[1]], "CPU"]]])
+    batch = decode_kv_event_batch(payload, engine=engine)
+    assert batch.events == [BlockEvent("stored", [H[0]]), BlockEvent("removed", [H[1]])]
+    assert batch.refused == 1 and batch.refusal
+    assert len(batch.engine) == (2 if engine else 0)
 
 
 def test_parse_subscriptions():
@@ -322,11 +338,13 @@ def test_malformed_frames_are_counted_and_skipped():
         pub.handshake(sub)
         pub.send(raw=b"\xc1garbage")
         pub.sock.send_multipart([b"", b"short", b""])
-        pub.send(raw=msgspec.msgpack.encode([1.0, [["BlockStored", [b"x" * 40], None, [], 16, None, "CPU"]]]))
+        pub.send(raw=msgspec.msgpack.encode([1.0, [["BlockStored", [b"x" * 40], None, [], 16, None, "CPU"],
+                                                   ["BlockStored", [H[2]], None, [], 16, None, "CPU"]]]))
         pub.send([new_stored(H[:2])])
-        wait_for(lambda: blocks_of(store, "vllm-0") == set(H[:2]), "events after garbage")
-        assert sub.malformed == 3
-        assert metrics.registry.get_sample_value("remote_g2_registry_errors_total", {"kind": "vllm_malformed"}) == 3
+        wait_for(lambda: blocks_of(store, "vllm-0") == set(H[:3]), "events after garbage, and beside a bad one")
+        assert sub.malformed == 2 and sub.refused == 1
+        assert metrics.registry.get_sample_value("remote_g2_registry_errors_total", {"kind": "vllm_malformed"}) == 2
+        assert metrics.registry.get_sample_value("remote_g2_registry_kv_events_refused_total") == 1
     finally:
         sub.close()
         pub.close()

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from remote_g2.errors import ConfigError
+from remote_g2.vllm_hashing import with_hash_unit
 
 from . import block_identity
 from .instance_identity import InstanceIdentity
@@ -108,7 +109,10 @@ class RemoteG2Connector(KVConnectorBase_V1):
         self.settings = ConnectorSettings.from_extra(
             dict(self._kv_transfer_config.kv_connector_extra_config or {}),
             default_worker_id=f"vllm-{socket.gethostname()}-{engine_id[:12]}" if engine_id else None)
-        hash_scheme = check_vllm_config(vllm_config)
+        # vLLM hashes every hash_block_size tokens (finer than the block with several KV-cache groups); the
+        # scheme says so, so a scorer hashes as this instance publishes (vllm_hashing.with_hash_unit).
+        hash_scheme = with_hash_unit(check_vllm_config(vllm_config), getattr(kv_cache_config, "hash_block_size", None),
+                                     int(vllm_config.cache_config.block_size))
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy != "recompute":
             log.warning("kv_load_failure_policy=%r: a failed remote load fails the request; set \"recompute\" to "
