@@ -19,7 +19,16 @@ identity cost (files read, seconds). The table shows each mode's median
 start and its difference from ``plain`` in the same round; the starts are
 interleaved, and the order rotates every round.
 
-    .venv-vllm/bin/python bench/bench_vllm_identity_startup.py [--gb 2] [--rounds 2] [--json F]
+``--base DIR`` (a checkout of another commit, e.g. ``git worktree add
+/tmp/base-1330aac 1330aac``) adds ``base-first`` and ``base-restart``: the
+same starts with that commit's package (its ``remote_g2``, ``adapters``,
+``registry``, ``source`` and ``target`` folders put together as the
+installed package maps them, this venv's C++ extensions beside them, and
+the editable install's redirect taken out of the child's import system), interleaved with this
+checkout's in every round. Each child reports the file its connector's
+identity came from, so a side that imported the wrong tree is seen.
+
+    .venv-vllm/bin/python bench/bench_vllm_identity_startup.py [--gb 2] [--rounds 2] [--base DIR] [--json F]
 """
 
 from __future__ import annotations
@@ -41,12 +50,17 @@ from vllm_bench_common import vllm_version, write_result
 HERE = Path(__file__).resolve().parent
 BLOCK = 32
 MODES = ("plain", "first", "restart")
+BASE_MODES = ("base-first", "base-restart")
+_PACKAGE_DIRS = {"registry": "registry", "source": "source", "target": "target", "adapters": "adapters"}
 _IDENTITY = re.compile(r"remote-g2 model identity \S+ \(.*?: (\d+) files, ([\d.]+) GB, (\d+) from the digest cache, "
                        r"([\d.]+) GB read in ([\d.]+) s\)")
 
 
 def _child(a: argparse.Namespace) -> None:
     """One vLLM start; writes how long ``LLM(...)`` took."""
+    if a.no_editable:  # the base side: remote_g2 from PYTHONPATH, not through the editable install's redirect
+        sys.meta_path[:] = [f for f in sys.meta_path if not type(f).__module__.startswith("_editable_")]
+        sys.modules.pop("remote_g2", None)
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -60,7 +74,9 @@ def _child(a: argparse.Namespace) -> None:
     llm = LLM(model=a.model, tokenizer=a.model, dtype="float32", block_size=BLOCK, enforce_eager=True,
               max_model_len=256, max_num_batched_tokens=256, max_num_seqs=2, kv_transfer_config=kv, seed=0)
     start_s = time.perf_counter() - t0
-    Path(a.out).write_text(json.dumps({"start_s": start_s}))
+    from remote_g2.adapters.vllm import block_identity
+
+    Path(a.out).write_text(json.dumps({"start_s": start_s, "identity_module": block_identity.__file__}))
     del llm
     os._exit(0)  # NIXL and vLLM threads: skip interpreter teardown
 
@@ -87,19 +103,47 @@ def _make_model(out: Path, gb: float) -> tuple[Path, int]:
     return out, layers
 
 
-def _run(a: argparse.Namespace, mode: str, model: Path, registry: str, tmp: Path, cache: Path, n: int) -> dict:
+def _base_package(base: Path, tmp: Path) -> Path:
+    """A folder to put first on ``PYTHONPATH`` that imports ``remote_g2`` from checkout ``base`` (see the doc)."""
+    import remote_g2
+
+    root = tmp / "base-package"
+    pkg = root / "remote_g2"
+    pkg.mkdir(parents=True)
+    for entry in (base / "remote_g2").iterdir():
+        (pkg / entry.name).symlink_to(entry)
+    for name, folder in _PACKAGE_DIRS.items():
+        (pkg / name).symlink_to(base / folder)
+    for ext in Path(remote_g2.__file__).parent.parent.glob("remote_g2/_*.so"):
+        if not (pkg / ext.name).exists():
+            (pkg / ext.name).symlink_to(ext)
+    for ext in Path(sys.prefix).glob("lib/python3*/site-packages/remote_g2/_*.so"):
+        if not (pkg / ext.name).exists():
+            (pkg / ext.name).symlink_to(ext)
+    return root
+
+
+def _run(a: argparse.Namespace, mode: str, model: Path, registry: str, tmp: Path, cache: Path, n: int,
+         base_path: Path | None = None) -> dict:
     out = tmp / f"{mode}-{n}.json"
-    cmd = [sys.executable, __file__, "--child", "--mode", mode, "--model", str(model), "--registry", registry,
+    child_mode = mode.removeprefix("base-")
+    cmd = [sys.executable, __file__, "--child", "--mode", child_mode, "--model", str(model), "--registry", registry,
            "--out", str(out)]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_LOGGING_LEVEL": "WARNING", "UCX_LOG_LEVEL": "fatal", "REMOTE_G2_LOG_LEVEL": "INFO",
            "TOKENIZERS_PARALLELISM": "false", "REMOTE_G2_DIGEST_CACHE_DIR": str(cache)}
+    if mode.startswith("base-"):
+        assert base_path is not None
+        env.update(PYTHONPATH=str(base_path))
+        cmd.append("--no-editable")
     drop_pages([f for f in model.iterdir() if f.is_file()])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0 or not out.exists():
         raise SystemExit(f"{mode} run failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
     result = json.loads(out.read_text())
     found = _IDENTITY.findall(proc.stdout + proc.stderr)
+    if mode.startswith("base-") and not result["identity_module"].startswith(str(base_path)):
+        raise SystemExit(f"{mode}: the connector came from {result['identity_module']}, not the base checkout")
     if mode != "plain" and not found:
         raise SystemExit(f"{mode}: no identity line in the log:\n{(proc.stdout + proc.stderr)[-4000:]}")
     # one line per process that worked the identity out (the worker, then the scheduler)
@@ -116,11 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gb", type=float, default=2.0, help="checkpoint size in GB (default 2)")
     p.add_argument("--rounds", type=int, default=2, help="rounds of plain, first and restart starts (default 2)")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--base", type=Path, help="a checkout of another commit to start interleaved with this one")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--registry", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--no-editable", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
         _child(a)
@@ -128,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from remote_g2.registry import MemoryStore, RegistryServer
 
-    runs: dict[str, list[dict]] = {m: [] for m in MODES}
+    modes = MODES + (BASE_MODES if a.base else ())
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory(prefix="rg2-identity-bench-", dir="/var/tmp") as tmp_s:
         tmp = Path(tmp_s)
         t0 = time.monotonic()
@@ -136,32 +183,33 @@ def main(argv: list[str] | None = None) -> int:
         size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         print(f"model: {layers} layers, {size / 1e9:.2f} GB in {len(list(model.glob('*.safetensors')))} files "
               f"(written in {time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+        base_path = _base_package(a.base.resolve(), tmp) if a.base else None
         server = RegistryServer(MemoryStore(lease_ttl_ms=10_000), bind="tcp://127.0.0.1:0")
         registry = server.start()
         try:
             for n in range(a.rounds):
-                cache = tmp / f"digests-{n}"  # empty for this round's first start, kept for its restart
-                order = [m for m in MODES[n % 3:] + MODES[:n % 3]]
-                if order.index("restart") < order.index("first"):  # a restart needs the first start's cache
-                    order.remove("restart")
-                    order.insert(order.index("first") + 1, "restart")
-                for mode in order:
-                    runs[mode].append(_run(a, mode, model, registry, tmp, cache, n))
+                # each side's restart right after its first start; the sides and plain rotate every round
+                units = [("plain",), ("first", "restart")] + ([BASE_MODES] if a.base else [])
+                units = units[n % len(units):] + units[:n % len(units)]
+                for unit in units:
+                    cache = tmp / f"digests-{unit[0]}-{n}"  # empty for the first start, kept for the restart
+                    for mode in unit:
+                        runs[mode].append(_run(a, mode, model, registry, tmp, cache, n, base_path))
         finally:
             server.close()
 
-    med = {m: statistics.median(r["start_s"] for r in runs[m]) for m in MODES}
-    added = {m: [runs[m][i]["start_s"] - runs["plain"][i]["start_s"] for i in range(a.rounds)] for m in MODES[1:]}
-    worker_s = {m: [r["identity"][0]["s"] for r in runs[m]] for m in MODES[1:]}
-    read_gb = {m: [sum(x["gb_read"] for x in r["identity"]) for r in runs[m]] for m in MODES[1:]}
+    med = {m: statistics.median(r["start_s"] for r in runs[m]) for m in modes}
+    added = {m: [runs[m][i]["start_s"] - runs["plain"][i]["start_s"] for i in range(a.rounds)] for m in modes[1:]}
+    worker_s = {m: [r["identity"][0]["s"] for r in runs[m]] for m in modes[1:]}
+    read_gb = {m: [sum(x["gb_read"] for x in r["identity"]) for r in runs[m]] for m in modes[1:]}
     print(f"\nvLLM {vllm_version()}, {size / 1e9:.2f} GB float32 checkpoint ({layers} layers), {os.cpu_count()} CPUs, "
           f"model pages dropped before every start, {a.rounds} rounds")
-    print(f"{'start':10s} {'median s':>9s} {'vs plain, s (per round)':>28s} {'identity: GB read':>18s} "
+    print(f"{'start':13s} {'median s':>9s} {'vs plain, s (per round)':>28s} {'identity: GB read':>18s} "
           f"{'worker digest s':>16s}")
-    print(f"{'plain':10s} {med['plain']:9.2f} {'':>28s} {'':>18s} {'':>16s}")
-    for m in MODES[1:]:
+    print(f"{'plain':13s} {med['plain']:9.2f} {'':>28s} {'':>18s} {'':>16s}")
+    for m in modes[1:]:
         rounds = ", ".join(f"{x:+.2f}" for x in added[m])
-        print(f"{m:10s} {med[m]:9.2f} {rounds:>28s} {statistics.median(read_gb[m]):18.2f} "
+        print(f"{m:13s} {med[m]:9.2f} {rounds:>28s} {statistics.median(read_gb[m]):18.2f} "
               f"{statistics.median(worker_s[m]):16.2f}")
     if a.json:
         write_result(a.json, "vllm_identity_startup", gb=size / 1e9, layers=layers, rounds=a.rounds,
