@@ -2,8 +2,10 @@
 
 * ``get_num_new_matched_tokens`` takes vLLM's own block hashes of the
   prompt's full blocks (``request.block_hashes``: they fold in the LoRA
-  adapter, multimodal inputs, ``cache_salt`` and prompt embeddings; see
-  :mod:`.block_identity`) and asks the registry (its in-process mirror by
+  adapter's name and path, multimodal inputs, ``cache_salt`` and prompt
+  embeddings; see :mod:`.block_identity`) — for a LoRA request bound to the
+  digest of the adapter's files (:mod:`.lora_identity`; an adapter without
+  one shares nothing) — and asks the registry (its in-process mirror by
   default) how many leading blocks one other worker with the same layout
   fingerprint holds; the tokens beyond vLLM's local prefix hit are loaded.
 * ``update_state_after_alloc`` records the destination blocks;
@@ -25,6 +27,7 @@ from remote_g2.errors import RemoteG2Error
 from ..failed_sources import FailedSources
 from . import block_identity
 from .instance_identity import InstanceIdentity
+from .lora_identity import LoraIdentities, LoraIdentity, lora_block_keys, lora_options
 from .metadata import LoadPlan, RemoteG2ConnectorMetadata, RemoteG2WorkerMetadata
 from .seen_blocks import SeenBlocks
 
@@ -44,7 +47,7 @@ log = logging.getLogger("remote_g2.adapters.vllm")
 class _ReqState:
     """The scheduler side's view of one request."""
 
-    hashes: list[bytes]  # vLLM's hash of each full prompt block
+    hashes: list[bytes]  # vLLM's hash of each full prompt block (a LoRA request's: bound to its adapter's key)
     eligible: int = 0  # leading blocks seen in save_threshold requests: only these are saved
     blocks: list[int] = field(default_factory=list)
     saved: int = 0  # leading prompt blocks already sent for saving
@@ -52,6 +55,7 @@ class _ReqState:
     load_blocks: int = 0
     source: tuple[str, str, int] | None = None  # where the matched blocks would come from: worker id, endpoint, TP
     tried: bool = False  # a remote load was issued: this request never gets another
+    adapter: LoraIdentity | None = None  # a LoRA request's adapter: re-checked before each lookup and save
 
 
 class SchedulerSide:
@@ -68,6 +72,8 @@ class SchedulerSide:
         self._pending_loads: list[LoadPlan] = []
         self._failed_sources = FailedSources(self.settings.failed_source_cooldown_s)
         self._seen = SeenBlocks(self.settings.save_threshold)
+        # Built before vLLM loads any adapter (the engine takes no request, no add_lora, before its scheduler).
+        self._loras = LoraIdentities(lora_options(getattr(ident.vllm_config, "lora_config", None)))
         ident.model_identity()  # vLLM makes the scheduler's connector after the model loaded
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -81,7 +87,12 @@ class SchedulerSide:
                 log.warning("%s: %d block hashes for %d tokens of %d-token blocks: not sharing its blocks",
                             request.request_id, len(request.block_hashes), request.num_tokens, self.block_size)
                 hashes = []
-            state = self._reqs[request.request_id] = _ReqState(hashes, self._seen.count(hashes))
+            adapter = None
+            lora = getattr(request, "lora_request", None)
+            if lora is not None and hashes:
+                adapter = self._loras.identity(str(lora.lora_name), str(lora.lora_path))
+                hashes = lora_block_keys(adapter.key, hashes) if adapter.key is not None else []
+            state = self._reqs[request.request_id] = _ReqState(hashes, self._seen.count(hashes), adapter=adapter)
         if not self.settings.target or not self.settings.registry:
             return 0, False
         if state.tried:
@@ -92,7 +103,7 @@ class SchedulerSide:
         prompt_len = len(request.prompt_token_ids or ())
         reusable = min((prompt_len - 1) // self.block_size, len(state.hashes))
         local = num_computed_tokens // self.block_size
-        if reusable <= local:
+        if reusable <= local or not self._adapter_ok(state):
             return 0, False
         fp = self._ident.fingerprint()
         if fp is None:
@@ -131,6 +142,17 @@ class SchedulerSide:
         # async: the request waits (WAITING_FOR_REMOTE_KVS) while others run; sync: it is scheduled now and the
         # step's forward waits for its READ (start_load_kv blocks).
         return (matched - local) * self.block_size, self.settings.load == "async"
+
+    def _adapter_ok(self, state: _ReqState) -> bool:
+        """Whether a LoRA request's adapter still has the identity its blocks' keys were made with (no adapter: yes).
+
+        Once its files changed the request neither looks up nor saves another block."""
+        if state.adapter is None:
+            return True
+        if self._loras.still_valid(state.adapter) is None:
+            state.adapter, state.hashes, state.eligible = None, [], 0
+            return False
+        return True
 
     def _lookup(self, hashes: list[bytes], compat_key: str) -> Any:
         """The registry's answer: from the in-process mirror when it holds a complete copy, else the server."""
@@ -173,6 +195,7 @@ class SchedulerSide:
                                          preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ()),
                                          idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._pending_loads = []
+        self._loras.new_step()  # (this step's lookups ran before: its saves check the adapters' files again)
         if not self.settings.source or self._ident.fingerprint() is None:
             return meta
         for new in scheduler_output.scheduled_new_reqs:
@@ -199,7 +222,9 @@ class SchedulerSide:
     def _plan_save(self, meta: RemoteG2ConnectorMetadata, request_id: str, state: _ReqState,
                    computed_after_step: int) -> None:
         full = min(state.eligible, computed_after_step // self.block_size, len(state.blocks))
-        if full > state.saved:
+        if full > state.saved and self._adapter_ok(state):
+            if state.adapter is not None or meta.save_lora:  # a worker checks the adapter again after the forward
+                meta.add_lora_saves(len(meta.save_hashes), state.adapter, full - state.saved)
             meta.save_hashes += state.hashes[state.saved:full]
             meta.save_block_ids += state.blocks[state.saved:full]
             meta.save_request_ids += [request_id] * (full - state.saved)

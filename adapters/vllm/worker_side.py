@@ -14,7 +14,9 @@
 * ``wait_for_save`` queues the step's new full prompt blocks for the
   worker's copy thread (:mod:`.saver`), which copies them into G2 beside the
   engine's next step; the source's pool listener publishes them to the
-  registry once copied. A finished request's blocks are kept (vLLM's delayed
+  registry once copied (a LoRA request's blocks only if its adapter's files
+  are still the ones digested, checked after the forward:
+  :mod:`.lora_identity`). A finished request's blocks are kept (vLLM's delayed
   free) until ``get_finished`` reports no copy reads them any more, and
   ``handle_preemptions`` waits for a preempted request's copies before its
   blocks can be reused.
@@ -53,6 +55,7 @@ from . import block_identity
 from .fetches import FetchTable, RequestLoad
 from .instance_identity import InstanceIdentity
 from .kv_blocks import VllmKvLayout
+from .lora_identity import changed_adapters
 from .metadata import LoadPlan, RemoteG2ConnectorMetadata, RemoteG2WorkerMetadata
 from .saver import BlockSaver
 from .tp_sync import FetchOutcome, TpSync
@@ -267,8 +270,17 @@ class WorkerSide:
             return
         # Every rank sees the same metadata: each reports these requests finished sending alike.
         self._save_reqs.update(meta.save_request_ids)
-        if self.saver is not None:
-            self.saver.submit(meta.save_request_ids, meta.save_hashes, meta.save_block_ids)
+        if self.saver is None:
+            return
+        rids, hashes, blocks = meta.save_request_ids, meta.save_hashes, meta.save_block_ids
+        changed = changed_adapters(meta.save_lora, meta.lora_files) if meta.save_lora else set()
+        if changed:  # after this forward: whatever vLLM loaded of the adapter may not be what was digested
+            keep = [i for i in range(len(hashes)) if i >= len(meta.save_lora) or meta.save_lora[i] not in changed]
+            log.warning("not saving %d blocks of LoRA adapters whose files changed since they were digested (%s)",
+                        len(hashes) - len(keep), ", ".join(k[:16] for k in sorted(changed)))
+            rids, hashes, blocks = [rids[i] for i in keep], [hashes[i] for i in keep], [blocks[i] for i in keep]
+        if hashes:
+            self.saver.submit(rids, hashes, blocks)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(sent, received)``: finished requests none of whose blocks a save still copies (vLLM frees their
