@@ -157,3 +157,19 @@ def test_lora_options_leave_out_capacities() -> None:
     assert li.lora_options(Cfg()) == li.lora_options(Cfg(max_loras=4, max_cpu_loras=8))
     assert li.lora_options(Cfg()) != li.lora_options(Cfg(lora_dtype="float32"))
     assert li.lora_options(None) == {}
+
+
+def test_an_adapter_on_an_untrusted_filesystem_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    d = _adapter(tmp_path / "bucket" / "l1")
+    assert _key(d).caveat == ""  # this test's temp dir: a local filesystem
+    info = f"36 35 0:50 / {tmp_path / 'bucket'} rw,relatime - fuse.gcsfuse my-bucket rw\n"
+    from remote_g2 import mounts
+
+    real = mounts.untrusted_reason
+    monkeypatch.setattr(li, "untrusted_reason", lambda p: real(p, info))  # the mount table of a gcsfuse node
+    ident = _key(d)
+    assert ident.key is not None and "fuse.gcsfuse" in ident.caveat
+    with caplog.at_level(logging.WARNING, logger="remote_g2.adapters.vllm"):
+        assert li.LoraIdentities({}, loaded_after_ns=LATER).identity("l1", str(d)).key == ident.key
+    assert any("would go unseen" in r.message for r in caplog.records)

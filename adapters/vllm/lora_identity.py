@@ -40,8 +40,11 @@ Limits, stated so no one relies on more: a change between a lookup and the
 worker's (re)load of an adapter within the same step or two is seen only
 at the next check (that request's forward may mix the two adapters'
 bytes); a directory above the adapter replaced *before* the first request
-with it is not seen. Timestamps must be trustworthy: a filesystem whose
-``ctime`` does not move on writes can hide a change.
+with it is not seen. Timestamps must be trustworthy: on a filesystem whose
+``ctime`` need not move on writes (FUSE object-store mounts, 9p, NFS
+``nocto``: :func:`remote_g2.mounts.untrusted_reason`) an adapter still gets
+an identity, as the model does, with a warning that a change keeping size
+and ``mtime`` would go unseen: roll adapters out to new paths there.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from prometheus_client import Counter
 from remote_g2.errors import ConfigError
 from remote_g2.file_digest import ALGORITHM, hasher_for
 from remote_g2.metrics_export import PrivateMetrics
+from remote_g2.mounts import untrusted_reason
 
 __all__ = ["CONFIG_FILE", "SETTLE_S", "WEIGHT_FILES", "LoraIdentities", "LoraIdentity", "PathVersion",
            "changed_adapters", "digest_adapter", "files_unchanged", "lora_block_keys", "lora_options"]
@@ -133,6 +137,7 @@ class LoraIdentity:
     reason: str = ""
     versions: tuple[PathVersion, ...] = ()
     nbytes: int = 0
+    caveat: str = ""  # an identity given on a filesystem whose stat cannot prove every change (logged)
 
 
 def lora_options(lora_config: Any) -> dict[str, Any]:
@@ -226,7 +231,8 @@ def digest_adapter(name: str, path: str, options: Mapping[str, Any], *, loaded_a
         return LoraIdentity(name, path, None, f"{', '.join(late)} changed after the engine started (or within "
                                               f"{SETTLE_S:g} s before): vLLM may have loaded other bytes than "
                                               "these; restart the instance to share this adapter", "changed")
-    return LoraIdentity(name, path, h.digest(), versions=tuple(versions), nbytes=nbytes)
+    caveat = next((r for r in (untrusted_reason(os.path.realpath(v.path)) for v in versions if not v.link) if r), "")
+    return LoraIdentity(name, path, h.digest(), versions=tuple(versions), nbytes=nbytes, caveat=caveat)
 
 
 class LoraMetrics(PrivateMetrics):
@@ -270,6 +276,9 @@ class LoraIdentities:
                 self.metrics.digested.inc()
                 log.info("remote-g2: LoRA adapter %r (%s): key %s (%d bytes digested in %.3f s)", name, path,
                          ident.key.hex()[:16], ident.nbytes, time.perf_counter() - t0)
+                if ident.caveat:
+                    log.warning("remote-g2: LoRA adapter %r has an identity, but a change of its files that keeps "
+                                "their size and mtime would go unseen: %s", name, ident.caveat)
         elif ident.key is not None and k not in self._checked:
             self._checked.add(k)
             if not files_unchanged(ident.versions):
