@@ -89,6 +89,8 @@ def _request(rid: str, hashes: list[bytes], lora: tuple[str, str] | None) -> Any
 
 
 def test_the_scheduler_keys_lora_blocks_by_the_adapter_and_stops_once_its_files_change(tmp_path: Path) -> None:
+    from prometheus_client import REGISTRY
+
     adapter = tmp_path / "l1"
     adapter.mkdir()
     (adapter / li.CONFIG_FILE).write_text('{"r": 8}')
@@ -114,6 +116,7 @@ def test_the_scheduler_keys_lora_blocks_by_the_adapter_and_stops_once_its_files_
     assert li.changed_adapters(meta.save_lora, meta.lora_files) == set()
 
     # the adapter's files change: the next step saves nothing more of the LoRA request, the plain one goes on
+    changed = REGISTRY.get_sample_value("remote_g2_vllm_lora_no_identity_total", {"reason": "changed"}) or 0
     (adapter / li.WEIGHT_FILES[0]).write_bytes(b"v" * 100)
     meta = side.build_connector_meta(SimpleNamespace(
         scheduled_new_reqs=[],
@@ -121,7 +124,7 @@ def test_the_scheduler_keys_lora_blocks_by_the_adapter_and_stops_once_its_files_
                                               num_computed_tokens=[8, 8]),
         num_scheduled_tokens={"plain": 8, "lora": 8}, total_num_scheduled_tokens=16, preempted_req_ids=set()))
     assert meta.save_hashes == raw[2:4] and meta.save_lora == []
-    assert side._loras.metrics.value("remote_g2_vllm_lora_no_identity_total", {"reason": "changed"}) == 1
+    assert REGISTRY.get_sample_value("remote_g2_vllm_lora_no_identity_total", {"reason": "changed"}) == changed + 1
     # and a new request with it gets no keys at all (nothing looked up, nothing saved)
     side.get_num_new_matched_tokens(_request("again", raw, ("l1", str(adapter))), 0)
     assert side._reqs["again"].hashes == []

@@ -33,7 +33,7 @@ adapter has an identity only when
   stats them again after its forward, before it saves a block
   (:func:`files_unchanged`). An adapter whose files changed has no identity
   from then on, in this process: its blocks are neither looked up nor
-  saved (one warning; ``remote_g2_vllm_lora_no_identity_total``).
+  saved (one warning; ``remote_g2_vllm_lora_no_identity_total{reason}``).
   Restart the instance to share it again.
 
 Limits, stated so no one relies on more: a change between a lookup and the
@@ -63,10 +63,9 @@ from prometheus_client import Counter
 
 from remote_g2.errors import ConfigError
 from remote_g2.file_digest import ALGORITHM, hasher_for
-from remote_g2.metrics_export import PrivateMetrics
 from remote_g2.mounts import untrusted_reason
 
-__all__ = ["CONFIG_FILE", "SETTLE_S", "WEIGHT_FILES", "LoraIdentities", "LoraIdentity", "PathVersion",
+__all__ = ["CONFIG_FILE", "DIGESTED", "NO_IDENTITY", "SETTLE_S", "WEIGHT_FILES", "LoraIdentities", "LoraIdentity", "PathVersion",
            "changed_adapters", "digest_adapter", "files_unchanged", "lora_block_keys", "lora_options"]
 
 log = logging.getLogger("remote_g2.adapters.vllm")
@@ -82,6 +81,13 @@ _CAPACITY_OPTIONS = frozenset({"max_loras", "max_cpu_loras"})
 _KEY_DOMAIN = b"remote-g2/lora\0"
 _CHUNK = 8 << 20
 _MAX_LINKS = 40  # as the kernel's ELOOP limit
+
+#: On prometheus_client's default registry, as the model identity's gauge: vLLM's ``/metrics`` shows them where
+#: the connector's scheduler process serves it.
+DIGESTED = Counter("remote_g2_vllm_lora_digested", "LoRA adapters this vLLM scheduler digested and shares")
+NO_IDENTITY = Counter("remote_g2_vllm_lora_no_identity", "LoRA adapters whose KV blocks this vLLM scheduler neither "
+                      "looks up nor saves, by reason (unreadable: no local files to digest; changed: files changed "
+                      "after the engine started or after they were digested)", ["reason"])
 
 
 class PathVersion(NamedTuple):
@@ -235,19 +241,6 @@ def digest_adapter(name: str, path: str, options: Mapping[str, Any], *, loaded_a
     return LoraIdentity(name, path, h.digest(), versions=tuple(versions), nbytes=nbytes, caveat=caveat)
 
 
-class LoraMetrics(PrivateMetrics):
-    """The scheduler's adapters: how many got an identity, how many none (by reason)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        r = self.registry
-        self.digested = Counter("remote_g2_vllm_lora_digested", "Adapters digested, with an identity", registry=r)
-        self.no_identity = Counter("remote_g2_vllm_lora_no_identity",
-                                   "Adapters whose blocks are neither looked up nor saved, by reason "
-                                   "(unreadable: no local files to digest; changed: files changed after the engine "
-                                   "started or after they were digested)", ["reason"], registry=r)
-
-
 class LoraIdentities:
     """The adapters one scheduler has seen: each digested once, re-checked at most once a step, lost for good.
 
@@ -260,7 +253,6 @@ class LoraIdentities:
         self.loaded_after_ns = clock() if loaded_after_ns is None else loaded_after_ns
         self._known: dict[tuple[str, str], LoraIdentity] = {}
         self._checked: set[tuple[str, str]] = set()  # re-checked in this step
-        self.metrics = LoraMetrics()
 
     def identity(self, name: str, path: str) -> LoraIdentity:
         """The adapter's identity now: digested on first sight, its files stat-checked once a step after that."""
@@ -273,7 +265,7 @@ class LoraIdentities:
             if ident.key is None:
                 self._lost(ident)
             else:
-                self.metrics.digested.inc()
+                DIGESTED.inc()
                 log.info("remote-g2: LoRA adapter %r (%s): key %s (%d bytes digested in %.3f s)", name, path,
                          ident.key.hex()[:16], ident.nbytes, time.perf_counter() - t0)
                 if ident.caveat:
@@ -294,7 +286,7 @@ class LoraIdentities:
         self._checked.clear()
 
     def _lost(self, ident: LoraIdentity) -> None:
-        self.metrics.no_identity.labels(ident.reason).inc()
+        NO_IDENTITY.labels(ident.reason).inc()
         log.warning("remote-g2: not sharing the KV blocks of LoRA adapter %r (%s): %s", ident.name, ident.path,
                     ident.why_not)
 
