@@ -3,7 +3,7 @@
 ``python tests/vllm_procs/instance.py --model DIR --prompts P.json --out O.json [--registry E --worker-id W]
 [--hold-file F] [--dtype D] [--lora DIR] [--hf-overrides JSON] [--load-format F] [--batch] [--abort-first MARKER]
 [--transfer T] [--load async|sync] [--registry-mirror on|off] [--tp N] [--dump-g2 PREFIX] [--kv-blocks N]
-[--save-delay-s S --save-marker F]``.
+[--save-delay-s S --save-marker F] [--go-file F]``.
 
 With ``--registry`` the RemoteG2Connector is enabled (source and target);
 without it this is plain vLLM. Each prompt is a token-id list, or an object
@@ -31,6 +31,10 @@ With ``--dump-g2 PREFIX``, once the prompts ran every TP rank writes its G2
 pool (block hash hex → the block as ``[layers, 2, rank's kv heads,
 block_size, head_dim]``) to ``PREFIX.rank{R}.pt`` (torch.save), read in the
 worker process through vLLM's ``collective_rpc``.
+
+With ``--go-file F`` (one prompt at a time) the instance runs its first
+prompt, creates ``F.ready`` and waits until ``F`` exists before the others:
+a test can change the world (kill a registry server) between them.
 
 With ``--hold-file`` the instance stays up (its G2 pool keeps serving) until
 that file exists.
@@ -72,6 +76,7 @@ def main() -> None:
     p.add_argument("--kv-blocks", type=int, help="vLLM's num_gpu_blocks_override")
     p.add_argument("--save-delay-s", type=float, default=0.0)
     p.add_argument("--save-marker")
+    p.add_argument("--go-file")
     p.add_argument("--hold-file")
     p.add_argument("--hold-s", type=float, default=300)
     a = p.parse_args()
@@ -154,7 +159,12 @@ def main() -> None:
         results = [record(o) for o in outs]
     else:
         # One prompt at a time, in order: the first one fetches a shared prefix, the later ones find it cached.
-        for e in entries:
+        for i, e in enumerate(entries):
+            if i == 1 and a.go_file:
+                Path(a.go_file + ".ready").touch()
+                deadline = time.monotonic() + a.hold_s
+                while not os.path.exists(a.go_file) and time.monotonic() < deadline:
+                    time.sleep(0.01)
             out = llm.generate([prompt(e)], params, use_tqdm=False, lora_request=lora_of(e))[0]
             results.append(record(out))
     if a.dump_g2:
