@@ -25,10 +25,14 @@ same starts with that commit's package (its ``remote_g2``, ``adapters``,
 ``registry``, ``source`` and ``target`` folders put together as the
 installed package maps them, this venv's C++ extensions beside them, and
 the editable install's redirect taken out of the child's import system), interleaved with this
-checkout's in every round. Each child reports the file its connector's
-identity came from, so a side that imported the wrong tree is seen.
+checkout's in every round. ``--head DIR`` takes the ``first`` and
+``restart`` starts' package from another checkout the same way (e.g. a
+commit with only some changes over BASE, to tell their cost from the rest).
+Each child reports the file its connector's identity came from, so a side
+that imported the wrong tree is seen.
 
-    .venv-vllm/bin/python bench/bench_vllm_identity_startup.py [--gb 2] [--rounds 2] [--base DIR] [--json F]
+    .venv-vllm/bin/python bench/bench_vllm_identity_startup.py [--gb 2] [--rounds 2] [--base DIR] [--head DIR]
+        [--json F]
 """
 
 from __future__ import annotations
@@ -103,11 +107,11 @@ def _make_model(out: Path, gb: float) -> tuple[Path, int]:
     return out, layers
 
 
-def _base_package(base: Path, tmp: Path) -> Path:
+def _base_package(base: Path, tmp: Path, name: str = "base") -> Path:
     """A folder to put first on ``PYTHONPATH`` that imports ``remote_g2`` from checkout ``base`` (see the doc)."""
     import remote_g2
 
-    root = tmp / "base-package"
+    root = tmp / f"{name}-package"
     pkg = root / "remote_g2"
     pkg.mkdir(parents=True)
     for entry in (base / "remote_g2").iterdir():
@@ -124,7 +128,7 @@ def _base_package(base: Path, tmp: Path) -> Path:
 
 
 def _run(a: argparse.Namespace, mode: str, model: Path, registry: str, tmp: Path, cache: Path, n: int,
-         base_path: Path | None = None) -> dict:
+         base_path: Path | None = None, head_path: Path | None = None) -> dict:
     out = tmp / f"{mode}-{n}.json"
     child_mode = mode.removeprefix("base-")
     cmd = [sys.executable, __file__, "--child", "--mode", child_mode, "--model", str(model), "--registry", registry,
@@ -132,9 +136,9 @@ def _run(a: argparse.Namespace, mode: str, model: Path, registry: str, tmp: Path
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_LOGGING_LEVEL": "WARNING", "UCX_LOG_LEVEL": "fatal", "REMOTE_G2_LOG_LEVEL": "INFO",
            "TOKENIZERS_PARALLELISM": "false", "REMOTE_G2_DIGEST_CACHE_DIR": str(cache)}
-    if mode.startswith("base-"):
-        assert base_path is not None
-        env.update(PYTHONPATH=str(base_path))
+    side = base_path if mode.startswith("base-") else head_path if mode != "plain" else None
+    if side is not None:
+        env.update(PYTHONPATH=str(side))
         cmd.append("--no-editable")
     drop_pages([f for f in model.iterdir() if f.is_file()])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -142,8 +146,8 @@ def _run(a: argparse.Namespace, mode: str, model: Path, registry: str, tmp: Path
         raise SystemExit(f"{mode} run failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
     result = json.loads(out.read_text())
     found = _IDENTITY.findall(proc.stdout + proc.stderr)
-    if mode.startswith("base-") and not result["identity_module"].startswith(str(base_path)):
-        raise SystemExit(f"{mode}: the connector came from {result['identity_module']}, not the base checkout")
+    if side is not None and not result["identity_module"].startswith(str(side)):
+        raise SystemExit(f"{mode}: the connector came from {result['identity_module']}, not {side}")
     if mode != "plain" and not found:
         raise SystemExit(f"{mode}: no identity line in the log:\n{(proc.stdout + proc.stderr)[-4000:]}")
     # one line per process that worked the identity out (the worker, then the scheduler)
@@ -161,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="rounds of plain, first and restart starts (default 2)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--base", type=Path, help="a checkout of another commit to start interleaved with this one")
+    p.add_argument("--head", type=Path, help="take the first and restart starts' package from this checkout")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -184,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {layers} layers, {size / 1e9:.2f} GB in {len(list(model.glob('*.safetensors')))} files "
               f"(written in {time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
         base_path = _base_package(a.base.resolve(), tmp) if a.base else None
+        head_path = _base_package(a.head.resolve(), tmp, "head") if a.head else None
         server = RegistryServer(MemoryStore(lease_ttl_ms=10_000), bind="tcp://127.0.0.1:0")
         registry = server.start()
         try:
@@ -194,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                 for unit in units:
                     cache = tmp / f"digests-{unit[0]}-{n}"  # empty for the first start, kept for the restart
                     for mode in unit:
-                        runs[mode].append(_run(a, mode, model, registry, tmp, cache, n, base_path))
+                        runs[mode].append(_run(a, mode, model, registry, tmp, cache, n, base_path, head_path))
         finally:
             server.close()
 
