@@ -19,7 +19,6 @@ can produce).
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
