@@ -438,13 +438,14 @@ def _post(url: str, body: object = None, *, raw: bytes | None = None, headers: d
         return e.code, json.loads(e.read())
 
 
-def _raw(url: str, data: bytes, *, read_all: bool = True) -> bytes:
+def _raw(url: str, data: bytes) -> bytes:
+    """What the server answers to ``data`` on a connection of its own, up to its closing it (every error that
+    leaves the stream in doubt closes it; a client's half-close would end the connection unanswered)."""
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
         s.sendall(data)
-        s.shutdown(socket.SHUT_WR)
         chunks = []
-        while read_all and (chunk := s.recv(65536)):
+        while chunk := s.recv(65536):
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -497,23 +498,27 @@ def test_a_million_tokens_and_oversized_bodies_are_refused(api, prompt):
 
 @pytest.mark.parametrize("data, status", [
     (b"GARBAGE\r\n\r\n", b"400"),
-    (b"POST /v1/score HTTP/2.0\r\nContent-Length: 2\r\n\r\n{}", b"400"),
-    (b"POST /v1/score HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", b"411"),
-    (b"POST /v1/score HTTP/1.1\r\nContent-Length: -1\r\n\r\n", b"400"),
-    (b"POST /v1/score HTTP/1.1\r\nContent-Length: \xb2\r\n\r\n", b"400"),  # a digit to isdigit(), not to int()
-    (b"POST /v1/score HTTP/1.1\r\nContent-Length: " + b"1" * 5000 + b"\r\n\r\n", b"413"),  # past int()'s limit
-    (b"POST /v1/score HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", b"400"),  # smuggling
-    (b"POST /v1/score HTTP/1.1\r\nAuthorization: Bearer a\r\nAuthorization: Bearer b\r\n"
+    (b"POST /v1/score HTTP/2.0\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}", b"400"),
+    (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", b"411"),
+    (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", b"400"),
+    (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: \xb2\r\n\r\n", b"400"),  # a digit to isdigit()
+    (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: " + b"1" * 5000 + b"\r\n\r\n", b"400"),  # overflow
+    (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\n\r\n", b"413"),
+    (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", b"400"),
+    (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a\r\nAuthorization: Bearer b\r\n"
      b"Content-Length: 2\r\n\r\n{}", b"400"),
-    (b"POST /v1/score HTTP/1.1\r\nContent-Length: 100\r\n\r\n{}", b"400"),  # the body ends early
-    (b"GET /v1/score HTTP/1.1\r\n\r\n", b"405"),
-    (b"GET /admin HTTP/1.1\r\n\r\n", b"404"),
-    (b"POST /v1/score HTTP/1.1\r\nX: " + b"y" * 20_000 + b"\r\n\r\n", b"431"),
+    (b"POST /v1/score HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}", b"400"),  # HTTP/1.1 without Host (RFC 9112)
+    (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\nContent-Length: 2\r\n\r\n{}", b"415"),
+    (b"GET /v1/score HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", b"405"),
+    (b"GET /admin HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", b"404"),
+    (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nX: " + b"y" * 20_000 + b"\r\n\r\n", b"431"),
+    (b"POST /v1/score HTTP/1.1\r\nHost: x\r\n" + b"X: y\r\n" * 100 + b"\r\n", b"431"),
     (b"\x00\xff\xfe\r\n\r\n", b"400"),
 ])
 def test_hostile_http_gets_an_error_and_the_server_keeps_serving(api, prompt, data, status):
     reply = _raw(api.url, data)
-    assert reply.startswith(b"HTTP/1.1 " + status), reply[:200]
+    assert reply.split(b" ", 2)[1] == status and b"application/json" in reply, reply[:200]
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["reason"], reply
     assert _post(api.url + "/v1/score", {"model": "tiny", "token_ids": prompt})[0] == 200
 
 
@@ -564,32 +569,32 @@ def test_pipelined_requests_are_answered_in_order(api, prompt):
     host, port = api.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
         # four requests in one write, one of them refused: each answered, in order, on one connection
-        s.sendall(b"".join(b"POST /v1/score HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(b), b)
-                           for b in (ok, bad, ok, ok)) + b"GET /healthz HTTP/1.1\r\n\r\n")
+        s.sendall(b"".join(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(b), b)
+                           for b in (ok, bad, ok, ok)) + b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
         got = _answers(s.makefile("rb"), 5)
     assert [st.split()[1] for st, _ in got] == [b"200", b"400", b"200", b"200", b"200"]
     assert got[0][1]["best"] == "a" and got[1][1]["error"]["reason"] == "bad_request" and got[4][1] == {"ok": True}
 
 
-def test_slow_and_idle_clients_are_cut_off(prompt, monkeypatch):
-    from remote_g2.registry import score_http
+def test_slow_and_idle_clients_are_cut_off(prompt):
+    from remote_g2.registry.score_http import ScoreLimits
 
-    monkeypatch.setattr(score_http, "_REQUEST_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(score_http, "_IDLE_TIMEOUT_S", 1.0)
     store = MemoryStore()
     _add(store, "a", _fp(), VllmBlockHasher("sha256", DEFAULT_SEED, 16).hashes(prompt)[:5])
     body = json.dumps({"model": "tiny", "token_ids": prompt}).encode()
-    with ScoreHttpServer(Scorer(store), "127.0.0.1:0") as srv:
+    limits = ScoreLimits(request_timeout_s=0.5, idle_timeout_s=1.0)
+    with ScoreHttpServer(Scorer(store), "127.0.0.1:0", limits=limits) as srv:
         host, port = srv.url.removeprefix("http://").split(":")
         addr = (host, int(port))
         with socket.create_connection(addr, timeout=10) as slow:  # half a body, then nothing: 400 in time
             t0 = time.monotonic()
-            slow.sendall(b"POST /v1/score HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body[:100]))
+            slow.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body[:100]))
             reply = slow.makefile("rb").read()
             assert reply.startswith(b"HTTP/1.1 400") and b"did not arrive within" in reply
             assert 0.4 < time.monotonic() - t0 < 5
         with socket.create_connection(addr, timeout=10) as idle:  # answered, then silent: closed after 1 s
-            idle.sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
+            idle.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
             f = idle.makefile("rb")
             assert _answers(f, 1)[0][1] == {"ok": True}
             t0 = time.monotonic()
@@ -607,7 +612,7 @@ def _wide_store(prompt) -> MemoryStore:
 
 def _small_request(prompt) -> bytes:
     small = json.dumps({"model": "tiny", "token_ids": prompt[:32]}).encode()
-    return b"POST /v1/score HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(small), small)
+    return b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(small), small)
 
 
 def test_a_client_that_reads_no_answers_is_not_read_from_until_it_does(prompt):
@@ -636,16 +641,16 @@ def test_a_client_that_reads_no_answers_is_not_read_from_until_it_does(prompt):
         assert len(scored) == n + 1
 
 
-def test_a_client_that_never_reads_its_answers_is_disconnected(prompt, monkeypatch):
-    from remote_g2.registry import score_http
+def test_a_client_that_never_reads_its_answers_is_disconnected(prompt):
+    from remote_g2.registry.score_http import ScoreLimits
 
-    monkeypatch.setattr(score_http, "_IDLE_TIMEOUT_S", 1.0)
-    with ScoreHttpServer(Scorer(_wide_store(prompt)), "127.0.0.1:0") as srv:
+    limits = ScoreLimits(idle_timeout_s=1.0)
+    with ScoreHttpServer(Scorer(_wide_store(prompt)), "127.0.0.1:0", limits=limits) as srv:
         host, port = srv.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=20) as greedy:
             greedy.sendall(_small_request(prompt) * 3000)
             time.sleep(2.5)  # backed up since about the first second: cut off after one more
-            assert len(srv._connections) == 0
+            assert srv.connection_counts()["authenticated"] == 0
             got = 0
             with pytest.raises(ConnectionError):  # what the kernel held arrives, then the reset
                 while chunk := greedy.recv(1 << 20):
@@ -668,8 +673,131 @@ def test_beyond_loopback_a_token_is_required(prompt):
         assert _post(srv.url + "/v1/score", body, headers={"Authorization": "Basic new-token"})[0] == 401
         for token in ("old-token", "new-token"):  # rotation: both accepted
             assert _post(srv.url + "/v1/score", body, headers={"Authorization": f"Bearer {token}"})[0] == 200
-        reply = _raw(srv.url, b"POST /query HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 10\r\n\r\n")
+        reply = _raw(srv.url, b"POST /query HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 10\r\n\r\n")
         assert reply.startswith(b"HTTP/1.1 401") and b"WWW-Authenticate: Bearer" in reply
+
+
+# -- the holes of issue 53: smuggling, lock-out, bodies read before authentication ---------------------
+
+def _until_closed(s: socket.socket) -> bytes:
+    chunks = []
+    while chunk := s.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@pytest.mark.parametrize("head", [
+    b"POST /v1/score HTTP/1.1\r\nHost: x\r\nX-A: 1\nContent-Length: %d\r\n\r\n",  # two header lines to a lenient proxy
+    b"POST /v1/score HTTP/1.1\nHost: x\nContent-Length: %d\n\n",
+    b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\n",
+])
+def test_a_bare_lf_in_a_head_is_refused_and_never_answered_as_a_second_request(api, prompt, head):
+    """Request smuggling: to a proxy that ends lines at a bare LF, ``X-A: 1\\nContent-Length: N`` frames N bytes of
+    body, and those bytes are a request of their own to a server that does not. Refused whole: one 400, the
+    connection closed, nothing of the smuggled request answered."""
+    smuggled = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    reply = _raw(api.url, head % len(smuggled) + smuggled)
+    assert reply.split(b" ", 2)[1] == b"400" and reply.count(b"HTTP/1.") == 1 and b'"ok"' not in reply, reply
+    assert _post(api.url + "/v1/score", {"model": "tiny", "token_ids": prompt})[0] == 200
+
+
+def _token_server(prompt, **kw) -> ScoreHttpServer:
+    store = MemoryStore()
+    _add(store, "a", _fp(), VllmBlockHasher("sha256", DEFAULT_SEED, 16).hashes(prompt)[:5])
+    return ScoreHttpServer(Scorer(store), "127.0.0.1:0", tokens=["t0ken"], **kw)
+
+
+def test_no_body_is_read_before_its_request_is_authenticated(prompt):
+    """/healthz needs no token and takes no body: one announced is refused unread. A request without a token
+    is answered 401 from its head: the client gets the answer before it has sent a byte of its body."""
+    with _token_server(prompt) as srv:
+        addr = srv.url.removeprefix("http://").split(":")
+        for head in (b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 4194304\r\n\r\n",
+                     b"GET /healthz HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n",
+                     b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: 4000000\r\n\r\n",
+                     b"POST /query HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\nContent-Length: 100\r\n\r\n"):
+            with socket.create_connection((addr[0], int(addr[1])), timeout=5) as s:
+                s.sendall(head)  # and no body: the answer must not wait for it
+                reply = _until_closed(s)
+            want = b"401" if head.startswith(b"POST") else b"400"
+            assert reply.split(b" ", 2)[1] == want and b"Connection: close" in reply, reply
+        # without a body, /healthz answers anyone; a connection that has not authenticated carries one answer
+        with socket.create_connection((addr[0], int(addr[1])), timeout=5) as s:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            reply = _until_closed(s)
+            assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b'{"ok":true}'), reply
+        # a token holder's connection is kept alive
+        with socket.create_connection((addr[0], int(addr[1])), timeout=5) as s:
+            f = s.makefile("rb")
+            for _ in range(2):
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t0ken\r\n\r\n")
+                assert _answers(f, 1)[0][1] == {"ok": True}
+        assert srv.connection_counts()["unauthenticated"] <= 1
+
+
+def test_idle_strangers_cannot_lock_out_a_client_with_a_token(prompt):
+    """More idle connections than every connection cap (512 before), some with half a head: the ones that
+    never authenticated share a small budget, the oldest of the busiest source leaves for a new one, and a
+    client with a valid token gets its 200 at once."""
+    from remote_g2.registry.score_http import ScoreLimits
+
+    body = {"model": "tiny", "token_ids": prompt}
+    with _token_server(prompt) as srv:
+        addr = srv.url.removeprefix("http://").split(":")
+        budget = ScoreLimits().max_unauthenticated
+        strangers = []
+        try:
+            for i in range(520):
+                s = socket.create_connection((addr[0], int(addr[1])), timeout=5)
+                if i % 50 == 0:
+                    s.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Le")
+                strangers.append(s)
+            t0 = time.monotonic()
+            assert _post(srv.url + "/v1/score", body, headers={"Authorization": "Bearer t0ken"})[0] == 200
+            assert time.monotonic() - t0 < 3
+            counts = srv.connection_counts()
+            assert counts["unauthenticated"] <= budget and counts["evicted_unauthenticated"] >= 520 - budget
+        finally:
+            for s in strangers:
+                s.close()
+
+
+def test_the_budgets_evict_the_busiest_sources_oldest_and_never_a_busy_authenticated_connection():
+    from remote_g2.registry.score_admission import Admission, source_of
+
+    class Conn:
+        def __init__(self, source: str) -> None:
+            self.source, self.idle, self.evicted = source, True, False
+
+        def evict(self) -> None:
+            self.evicted = True
+
+    a = Admission(max_unauthenticated=3, max_authenticated=2)
+    client = Conn("10.0.0.9")
+    attackers = [Conn("10.0.0.66") for _ in range(2)]
+    for c in [attackers[0], client, attackers[1]]:
+        a.admit(c)
+    for _ in range(5):  # a flood from one host evicts its own connections, never the client's
+        c = Conn("10.0.0.66")
+        a.admit(c)
+        attackers.append(c)
+    assert not client.evicted and a.unauthenticated == 3 and sum(c.evicted for c in attackers) == 5
+    assert a.authenticate(client) and a.unauthenticated == 2 and a.authenticated == 1
+    other = Conn("10.0.0.10")
+    a.admit(other)
+    assert a.authenticate(other) and a.authenticated == 2
+    client.idle, other.idle = False, False  # both busy: a third is refused rather than either closed
+    third = Conn("10.0.0.11")
+    a.admit(third)
+    assert not a.authenticate(third) and not client.evicted and not other.evicted
+    other.idle = True
+    a.touch(client)
+    assert a.authenticate(third) and other.evicted and not client.evicted  # the idle one gave way
+    a.release(third)
+    a.release(third)
+    assert a.authenticated == 1
+    assert source_of(("2001:db8::1", 1, 0, 0)) == source_of(("2001:db8::ffff", 1, 0, 0)) == "2001:db8::/64"
+    assert source_of(("::ffff:10.1.2.3", 1, 0, 0)) == "10.1.2.3" and source_of(None) == ""
 
 
 # -- `remote-g2 serve --score-bind` and `remote-g2 admin score`, as processes -----------------------
@@ -781,3 +909,41 @@ def http_client_errors() -> type[Exception]:
     import http.client
 
     return http.client.HTTPException
+
+
+def test_tls_handshakes_count_in_the_unauthenticated_budget_and_time_out(pki: Path, prompt):
+    """Handshakes that never finish (silent, or half a ClientHello) are held in the same small budget, evicted
+    by newer connections and closed at the request timeout; a token holder's HTTPS request gets its 200."""
+    import ssl
+
+    from remote_g2.registry.score_http import ScoreLimits, tls_context
+
+    limits = ScoreLimits(request_timeout_s=1.0, max_unauthenticated=16)
+    with _token_server(prompt, tls=tls_context(str(pki / "server.pem"), str(pki / "server.key")),
+                       limits=limits) as srv:
+        host, port = srv.url.removeprefix("https://").split(":")
+        strangers = []
+        try:
+            for i in range(60):
+                s = socket.create_connection((host, int(port)), timeout=5)
+                if i % 3 == 0:
+                    s.sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")  # the start of a ClientHello
+                strangers.append(s)
+            time.sleep(0.2)
+            counts = srv.connection_counts()
+            assert counts["unauthenticated"] <= 16 and counts["evicted_unauthenticated"] >= 60 - 16, counts
+            ctx = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+            req = urllib.request.Request(srv.url + "/v1/score", data=json.dumps({"model": "tiny", "token_ids": prompt})
+                                         .encode(), headers={"Authorization": "Bearer t0ken"})
+            t0 = time.monotonic()
+            with urllib.request.urlopen(req, context=ctx, timeout=5) as r:
+                assert r.status == 200 and time.monotonic() - t0 < 1.0
+            t0 = time.monotonic()  # the survivors' handshakes end at the deadline
+            survivor = strangers[-1]
+            assert survivor.recv(10) == b"" and time.monotonic() - t0 < 2.5
+            while srv.connection_counts()["unauthenticated"] and time.monotonic() - t0 < 3:
+                time.sleep(0.02)  # (the others' ends are seen on the server's loop a moment later)
+            assert srv.connection_counts()["unauthenticated"] == 0
+        finally:
+            for s in strangers:
+                s.close()
