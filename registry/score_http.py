@@ -323,8 +323,9 @@ class ScoreHttpServer:
         body = b""
         if has_body:
             content = request.content
-            if not content.is_eof() and headers.get("Expect", "").lower() == "100-continue":
-                request.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # type: ignore[union-attr]
+            transport = request.transport
+            if transport is not None and not content.is_eof() and headers.get("Expect", "").lower() == "100-continue":
+                transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             conn.body_stream = content
             try:
                 body = await content.read()
