@@ -185,3 +185,27 @@ def test_an_adapter_on_an_untrusted_filesystem_says_so(tmp_path: Path, monkeypat
     with caplog.at_level(logging.WARNING, logger="remote_g2.adapters.vllm"):
         assert li.LoraIdentities({}, loaded_after_ns=LATER).identity("l1", str(d)).key == ident.key
     assert any("would go unseen" in r.message for r in caplog.records)
+
+
+def test_a_file_that_is_a_link_counts_too(tmp_path: Path) -> None:
+    """A hub cache's snapshot: each file a link to a blob. A link re-pointed at another blob is a change."""
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    (blobs / "cfg").write_text('{"r": 8}')
+    (blobs / "w1").write_bytes(b"w" * 1000)
+    (blobs / "w2").write_bytes(b"v" * 1000)
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    (snap / li.CONFIG_FILE).symlink_to(blobs / "cfg")
+    (snap / li.WEIGHT_FILES[0]).symlink_to(blobs / "w1")
+    ident = _key(snap)
+    assert ident.key == _key(_adapter(tmp_path / "plain")).key  # the bytes, wherever the links lead
+    assert str(snap / li.WEIGHT_FILES[0]) in {v.path for v in ident.versions if v.link}
+    t = time.time_ns()
+    tmp = snap / "next"
+    tmp.symlink_to(blobs / "w2")
+    os.replace(tmp, snap / li.WEIGHT_FILES[0])
+    assert not li.files_unchanged(ident.versions)
+    # re-pointed after the engine started, at a blob written before: no identity (vLLM may have read w1)
+    late = _key(snap, loaded_after_ns=t)
+    assert late.key is None and str(snap / li.WEIGHT_FILES[0]) in late.why_not

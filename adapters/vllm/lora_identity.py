@@ -25,7 +25,7 @@ adapter has an identity only when
 * each file is read through one descriptor whose version — device, inode,
   size, ``mtime_ns``, ``ctime_ns`` — is the same before and after the read;
 * every file, the adapter directory and every symbolic link met resolving
-  its path last changed at least :data:`SETTLE_S` before ``loaded_after``
+  their paths last changed at least :data:`SETTLE_S` before ``loaded_after``
   (the scheduler's start): whatever vLLM loaded since, before or after
   the digest, were these bytes as long as they stay unchanged;
 * and they stay unchanged: :meth:`LoraIdentities.identity` stats them again
@@ -65,8 +65,8 @@ from remote_g2.errors import ConfigError
 from remote_g2.file_digest import ALGORITHM, hasher_for
 from remote_g2.mounts import untrusted_reason
 
-__all__ = ["CONFIG_FILE", "DIGESTED", "NO_IDENTITY", "SETTLE_S", "WEIGHT_FILES", "LoraIdentities", "LoraIdentity", "PathVersion",
-           "changed_adapters", "digest_adapter", "files_unchanged", "lora_block_keys", "lora_options"]
+__all__ = ["CONFIG_FILE", "DIGESTED", "NO_IDENTITY", "SETTLE_S", "WEIGHT_FILES", "LoraIdentities", "LoraIdentity",
+           "PathVersion", "changed_adapters", "digest_adapter", "files_unchanged", "lora_block_keys", "lora_options"]
 
 log = logging.getLogger("remote_g2.adapters.vllm")
 
@@ -215,16 +215,18 @@ def digest_adapter(name: str, path: str, options: Mapping[str, Any], *, loaded_a
         weights = next((w for w in WEIGHT_FILES if os.path.isfile(os.path.join(where, w))), None)
         if weights is None:
             return LoraIdentity(name, path, None, f"no {' / '.join(WEIGHT_FILES)} in {where}", "unreadable")
+        files = [os.path.join(where, f) for f in (CONFIG_FILE, weights)]
         links: list[str] = []
-        _links_on(where, links)
-        versions = [PathVersion.of(p, os.lstat(p), True) for p in links]
+        for f in files:  # the directory's path, and a file that is itself a link (a hub cache's snapshot)
+            _links_on(f, links)
+        versions = [PathVersion.of(p, os.lstat(p), True) for p in dict.fromkeys(links)]
         versions.append(PathVersion.of(where, os.stat(where)))
         h = hashlib.sha256(f"remote-g2 lora v1 {ALGORITHM}\n".encode())
         h.update(json.dumps(dict(options), sort_keys=True).encode() + b"\n")
         nbytes = 0
-        for fname in (CONFIG_FILE, weights):
-            digest, version = _read(os.path.join(where, fname))
-            h.update(json.dumps([fname, version.size, digest]).encode() + b"\n")
+        for f in files:
+            digest, version = _read(f)
+            h.update(json.dumps([os.path.basename(f), version.size, digest]).encode() + b"\n")
             versions.append(version)
             nbytes += version.size
         if not files_unchanged(versions):  # the directory or a link moved while the files were read
