@@ -152,8 +152,9 @@ class Router:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:  # made inside the running loop; bodies relayed as sent, never decompressed
-            self._session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=10))
+            self._session = aiohttp.ClientSession(  # no cap on connections: each is a client's request
+                connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         return self._session
 
     def fallback(self, reason: str, detail: str) -> None:
@@ -414,7 +415,7 @@ async def forward(request: web.Request, router: Router, worker: str, raw: bytes,
             router.inflight[worker] -= 1
 
     try:
-        async with router.session.post(router.instances[worker] + request.path_qs, data=raw, headers=headers,
+        async with router.session.post(router.instances[worker] + request.raw_path, data=raw, headers=headers,
                                        skip_auto_headers=("Content-Type", "User-Agent", "Accept-Encoding")) as up:
             out = forwarded(up.headers)
             if up.status not in (401, 403):  # say nothing of the cache to a client the instance refused
