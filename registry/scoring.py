@@ -17,7 +17,9 @@ worker that serves the request's model:
    :func:`~remote_g2.vllm_hashing.with_hash_unit`), the chain runs per unit
    and a block's hash is its last unit's, as the worker publishes it. A
    group whose hashes cannot be computed exactly (a scheme it does not
-   know, a seed it was not given) is listed as unscored
+   know, a seed it was not given; for a LoRA request by token ids, every
+   connector worker: it binds those hashes to the adapter files' digest) is
+   listed as unscored
    with the reason — never a silent zero. Or the caller sends
    ``block_hashes`` directly. The chain is computed only as far as its
    blocks are held anywhere, where the store can tell that locally
