@@ -26,6 +26,12 @@ counts as after it.
 * the model directory itself changed (a file added, removed or renamed in it),
 * the hub ref the snapshot resolved (``refs/main``) was written, or names
   another commit than the snapshot did,
+* a digested file is not the one the snapshot recorded under its name
+  (another size, ``mtime``, ``ctime`` or inode), or was not there then: the
+  snapshot records the model directory's files (up to
+  :data:`MAX_SNAPSHOT_BYTES` of them: it travels in the environment),
+  which also catches, on filesystems whose ``ctime`` cannot be trusted, a
+  file whose size changed with its ``mtime`` preserved,
 * any directory on the model's path names another inode than it did when the
   snapshot was taken (``mv v2 current``); without a snapshot this last one
   cannot be checked for directories above the model directory, since their
@@ -41,6 +47,7 @@ A wall clock stepped back after the mark also hides changes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -50,7 +57,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["MARGIN_NS", "SNAPSHOT_ENV", "LoadSnapshot", "PathLink", "StartMark", "changed_after", "hub_repo_dir",
+__all__ = ["MARGIN_NS", "MAX_SNAPSHOT_BYTES", "SNAPSHOT_ENV", "FileStamp", "LoadSnapshot", "PathLink", "StartMark", "changed_after", "hub_repo_dir",
            "path_chain", "process_start_ns", "start_mark"]
 
 SNAPSHOT_ENV = "REMOTE_G2_LOAD_SNAPSHOT"
@@ -58,6 +65,9 @@ SNAPSHOT_ENV = "REMOTE_G2_LOAD_SNAPSHOT"
 #: wall clock by a tick (up to 10 ms at HZ=100).
 MARGIN_NS = 50_000_000
 _MAX_LINKS = 40  # as the kernel's ELOOP limit
+#: The most a snapshot's JSON may take with its files recorded (an environment string is limited to 128 KiB;
+#: past this the files are left out and only the ctime checks and the path's chain remain).
+MAX_SNAPSHOT_BYTES = 32 << 10
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
@@ -159,6 +169,36 @@ def hub_repo_dir(model: str, cache_dir: str | None = None) -> Path:
 
 
 @dataclass(frozen=True, slots=True)
+class FileStamp:
+    """One file of the model directory as the snapshot saw it (``os.stat``, through symlinks)."""
+
+    name: str
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    dev: int
+    ino: int
+
+    @classmethod
+    def of(cls, name: str, st: os.stat_result) -> FileStamp:
+        return cls(name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_dev, st.st_ino)
+
+
+def _file_stamps(where: str) -> tuple[FileStamp, ...]:
+    if os.path.isfile(where):
+        return (FileStamp.of(os.path.basename(where), os.stat(where)),)
+    stamps = []
+    with os.scandir(where) as entries:
+        for e in entries:
+            try:
+                if e.is_file():
+                    stamps.append(FileStamp.of(e.name, e.stat()))
+            except OSError:
+                continue
+    return tuple(sorted(stamps, key=lambda s: s.name))
+
+
+@dataclass(frozen=True, slots=True)
 class LoadSnapshot:
     """What a model's path named when the engine's configuration was made (before the load), and when.
 
@@ -167,7 +207,8 @@ class LoadSnapshot:
     use it). ``where`` is the path the weights are read from: the local path,
     or for a hub model its snapshot folder for ``hub_commit``, the commit
     the ref file ``hub_ref`` named then (None: not in the local cache yet);
-    ``chain`` is its :func:`path_chain`.
+    ``chain`` is its :func:`path_chain`; ``files`` the files directly in it
+    (``files_recorded``: False when they were too many to travel).
     """
 
     taken_ns: int
@@ -180,6 +221,8 @@ class LoadSnapshot:
     chain: tuple[PathLink, ...]
     hub_ref: str | None = None
     hub_commit: str | None = None
+    files: tuple[FileStamp, ...] = ()
+    files_recorded: bool = False
 
     @classmethod
     def take(cls, model: str, revision: str | None = None, download_dir: str | None = None) -> LoadSnapshot:
@@ -199,8 +242,13 @@ class LoadSnapshot:
                     hub_commit = None
             where = str(repo / "snapshots" / hub_commit) if hub_commit else None
         chain = tuple(path_chain(where)[0]) if where else ()
-        return cls(taken, os.getpid(), process_start_ticks(), model, revision, download_dir, where, chain, hub_ref,
+        snap = cls(taken, os.getpid(), process_start_ticks(), model, revision, download_dir, where, chain, hub_ref,
                    hub_commit)
+        if where and os.path.exists(where):
+            with_files = dataclasses.replace(snap, files=_file_stamps(where), files_recorded=True)
+            if len(with_files.to_json()) <= MAX_SNAPSHOT_BYTES:
+                return with_files
+        return snap
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -209,6 +257,7 @@ class LoadSnapshot:
     def from_json(cls, text: str) -> LoadSnapshot:
         raw = json.loads(text)
         raw["chain"] = tuple(PathLink(**link) for link in raw["chain"])
+        raw["files"] = tuple(FileStamp(**f) for f in raw.get("files", ()))
         return cls(**raw)
 
     def publish(self) -> None:
@@ -310,8 +359,33 @@ def changed_after(mark: StartMark, files: Iterable[str | os.PathLike[str]], mode
                         return f"{before.path} names another {after.kind} than when {mark.what}"
                 if len(now) != len(snapshot.chain):
                     return f"{snapshot.model} resolves through other paths than when {mark.what}"
+            why = _files_changed(snapshot, files, mark)
+            if why:
+                return why
     except OSError as e:
         return f"cannot check what the model's path named {when}: {e}"
+    return None
+
+
+def _files_changed(snapshot: LoadSnapshot, files: Iterable[str | os.PathLike[str]], mark: StartMark) -> str | None:
+    """Why a digested file in the snapshot's folder is not the file it recorded under that name, or None."""
+    if not snapshot.files_recorded or snapshot.where is None:
+        return None
+    recorded = {f.name: f for f in snapshot.files}
+    folder = os.path.abspath(snapshot.where)
+    single = os.path.isfile(folder)
+    for f in files:
+        path = os.path.abspath(f)
+        if single:
+            name = os.path.basename(path) if path == folder else None
+        else:
+            name = os.path.relpath(path, folder) if os.path.dirname(path) == folder else None
+        if name is None:
+            continue  # not directly in the folder (an hf_overrides file elsewhere): the ctime checks cover it
+        if name not in recorded:
+            return f"{path} was not there when {mark.what}"
+        if FileStamp.of(name, os.stat(path)) != recorded[name]:
+            return f"{path} is not the file it was when {mark.what} (size, mtime, ctime or inode differ)"
     return None
 
 

@@ -19,6 +19,7 @@ can produce).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -146,6 +147,34 @@ def test_a_directory_above_swapped_after_the_start_is_seen_through_the_snapshot(
     (tmp_path / "staged").rename(tmp_path / "models")  # a new inode under the old name, its files all older
     why = ls.changed_after(ls.StartMark(mark.ns, mark.what), [old / "model.safetensors"], old, snap)
     assert why is not None and "names another dir than when" in why, why
+
+
+def test_a_file_unlike_the_one_the_snapshot_recorded_gives_no_identity(tmp_path: Path) -> None:
+    """On a FUSE mount an object's size may change with its mtime (and so its ctime) preserved: the ctime
+    checks cannot see it, the snapshot's record of the file can. No FUSE mount can be made here, so the
+    snapshot is given a record of another size (a fault no real part of this box can produce)."""
+    d = _weights(tmp_path / "m")
+    time.sleep(ls.MARGIN_NS / 1e9 + 0.02)
+    snap = ls.LoadSnapshot.take(str(d))
+    assert snap.files_recorded and [f.name for f in snap.files] == ["config.json", "model.safetensors"]
+    mark = ls.start_mark(snap)
+    files = [d / "model.safetensors"]
+    assert ls.changed_after(mark, files, d, snap) is None
+    other = tuple(dataclasses.replace(f, size=f.size + 1) if f.name == "model.safetensors" else f
+                  for f in snap.files)
+    why = ls.changed_after(mark, files, d, dataclasses.replace(snap, files=other))
+    assert why is not None and "is not the file it was when the engine's configuration was made" in why
+    fewer = tuple(f for f in snap.files if f.name != "model.safetensors")
+    why = ls.changed_after(mark, files, d, dataclasses.replace(snap, files=fewer))
+    assert why is not None and "was not there when" in why
+    # a directory of too many files to travel in the environment: the files are left out, the rest holds
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(1000):
+        (many / f"shard-{i:05d}-of-01000.safetensors").write_bytes(b"x")
+    big = ls.LoadSnapshot.take(str(many))
+    assert not big.files_recorded and len(big.to_json()) < ls.MAX_SNAPSHOT_BYTES
+    assert ls.LoadSnapshot.from_json(snap.to_json()) == snap
 
 
 def _hub(tmp_path: Path, commit: str, fill: bytes) -> Path:
