@@ -363,7 +363,8 @@ class Scorer:
                 continue
             hashes, held, bs = group
             g2 = held.get(c.wid, 0)
-            if engines is not None and hashes:  # its engine's own tiers, where this server follows them
+            # its engine's own tiers, where this server follows them and they are one chain of blocks (else G2 alone)
+            if engines is not None and hashes and engines.unscorable(c.wid) is None:
                 score = self._worker_score(c, {**engines.matched(c.wid, hashes), "g2": g2}, bs, readable=True)
                 (matched if score.matched_tokens else idle).append(score)
             elif g2:

@@ -256,3 +256,15 @@ def test_an_engine_with_several_kv_cache_groups_is_unscored_not_zero(prompt):
     reply = Scorer(store, engines=caches).score(ScoreRequest("tiny", prompt))
     assert [w.worker_id for w in reply.workers] == ["sharing"]
     assert [(u["worker_id"], u["reason"]) for u in reply.unscored] == [("hybrid", "kv_cache_groups")]
+
+
+def test_a_sharing_worker_whose_events_name_several_groups_is_scored_by_its_g2_alone(prompt):
+    store = MemoryStore(lease_ttl_ms=60_000)
+    hashes = VllmBlockHasher("sha256", DEFAULT_SEED, BS).hashes(prompt)
+    store.register_worker(RegisterWorker("sharing", "tcp://10.0.0.2:7000", FP, 1))
+    store.apply_events(Events("sharing", 1, 1, [BlockEvent("stored", hashes[:6])]))
+    caches = EngineCaches()
+    caches.apply("sharing", [EngineEvent("stored", "GPU", hashes[:9], None, None, BS, None, group=0),
+                             EngineEvent("stored", "GPU", [b"\x05" * 32], None, None, 2 * BS, None, group=1)])
+    (w,) = Scorer(store, engines=caches).score(ScoreRequest("tiny", prompt)).workers
+    assert (w.tier, w.matched_blocks) == ({"g2": 6}, 6)  # its G1 is not one chain: not guessed from
