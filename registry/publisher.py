@@ -12,9 +12,14 @@ thread; they only append to a queue. One background thread:
   store changed hands) sends a full snapshot from ``snapshot()``; on
   ``unknown_worker`` (lease lapsed, drained) registers with a new epoch first.
 
-A registry that does not answer costs nothing but delay: the batch is kept
-and retried with back-off; if the backlog grows past ``max_backlog_hashes``
-it is dropped and a resync is scheduled instead, so memory stays bounded.
+With a failover list, a server that dies or hangs is left by the client
+(:mod:`.client`) as soon as its connection is lost or stops answering
+heartbeats; the batch in flight goes to the next server unchanged, and its
+sequence number keeps it from being applied twice (a batch the lost server
+applied is answered ``ok``) or lost. A registry that does not answer at all
+costs nothing but delay: the batch is kept and retried with back-off; if the
+backlog grows past ``max_backlog_hashes`` it is dropped and a resync is
+scheduled instead, so memory stays bounded.
 """
 
 from __future__ import annotations
