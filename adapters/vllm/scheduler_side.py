@@ -89,9 +89,11 @@ class SchedulerSide:
                 hashes = []
             adapter = None
             lora = getattr(request, "lora_request", None)
-            if lora is not None and hashes:
-                adapter = self._loras.identity(str(lora.lora_name), str(lora.lora_path))
-                hashes = lora_block_keys(adapter.key, hashes) if adapter.key is not None else []
+            if lora is not None and hashes:  # (no fingerprint: nothing is shared, so nothing to digest)
+                if self._ident.fingerprint() is not None:
+                    adapter = self._loras.identity(str(lora.lora_name), str(lora.lora_path))
+                key = adapter.key if adapter is not None else None
+                hashes = lora_block_keys(key, hashes) if key is not None else []
             state = self._reqs[request.request_id] = _ReqState(hashes, self._seen.count(hashes), adapter=adapter)
         if not self.settings.target or not self.settings.registry:
             return 0, False
@@ -195,7 +197,9 @@ class SchedulerSide:
                                          preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ()),
                                          idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._pending_loads = []
-        self._loras.new_step()  # (this step's lookups ran before: its saves check the adapters' files again)
+        # Each adapter's files are stat-checked again at their first use in this step's saves, then in the next
+        # step's lookups (vLLM schedules, and so looks up, before it builds a step's metadata).
+        self._loras.new_step()
         if not self.settings.source or self._ident.fingerprint() is None:
             return meta
         for new in scheduler_output.scheduled_new_reqs:
