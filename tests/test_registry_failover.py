@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 from conftest import free_port
 
-from remote_g2.errors import MirrorNotReady
+from remote_g2.errors import ConfigError, MirrorNotReady, RpcTimeout
 from remote_g2.messages import LayoutFingerprint
 from remote_g2.registry import RegistryClient, RegistryMirror, SourcePublisher
 
@@ -261,3 +261,22 @@ def test_a_batch_the_lost_server_applied_is_not_applied_again_nor_answered_resyn
         worker.join(10)
         client.close()
         behind.close()
+
+
+def test_a_server_that_refuses_the_connection_is_passed_over_at_once_and_the_last_one_waited_for(
+        registry: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failover list whose first server was never up (its port refuses): the first call moves on at once,
+    not after the 5 s timeout; a list of refusing servers only waits for the last one (it may be starting)."""
+    closed = f"tcp://127.0.0.1:{free_port()}"
+    with RegistryClient(f"{closed},{registry}") as client:
+        t0 = time.monotonic()
+        client.ping()
+        assert time.monotonic() - t0 < MOVE_BOUND_S and client.endpoint == registry and client.failovers == 1
+    with RegistryClient(closed, timeout_s=0.6) as alone:
+        t0 = time.monotonic()
+        with pytest.raises(RpcTimeout, match="no reply within 600 ms"):
+            alone.ping()
+        assert time.monotonic() - t0 >= 0.55
+    monkeypatch.setenv("REMOTE_G2_REGISTRY_HEARTBEAT_S", "soon")
+    with pytest.raises(ConfigError, match="REMOTE_G2_REGISTRY_HEARTBEAT_S"):
+        RegistryClient(registry)
