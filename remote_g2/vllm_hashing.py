@@ -18,17 +18,19 @@ are refused, never guessed).
 :class:`VllmBlockHasher` writes the chain in C++ (``cpp_ext/vllm_hash.cpp``:
 for these objects both encodings are a fixed frame around the token ids, and
 the extra keys are encoded once, by :func:`pickle.dumps` or ``cbor2``, the
-encoders vLLM uses); a pickle too large for one frame goes through
-:func:`pickle.dumps` block by block. ``tests/test_score_api.py`` holds the
-chain to vLLM's code written out with those encoders, and the vLLM suite to
-vLLM's own ``request.block_hashes``. Only encoding happens here: nothing is
-unpickled.
+encoders vLLM uses, in their place in the outer tuple so that pickle's
+back-references are vLLM's); a pickle too large for one frame goes through
+:func:`pickle.dumps` block by block. ``tests/test_score_api.py`` and
+``tests/test_score_exactness.py`` hold the chain to vLLM's code written out
+with those encoders, and the vLLM suite to vLLM's own
+``request.block_hashes``. Only encoding happens here: nothing is unpickled.
 
 A hash space is named as the vLLM connector names it (:func:`scheme_name`:
 ``vllm/<algo>/<8 hex digits of the seed's digest>``): the registry matches a
 seed it was given to a worker's published scheme by that digest, so a seed
 is never guessed — vLLM's documented default included, which is used only
-where a worker's scheme names it.
+where a worker's scheme names it. A worker whose vLLM hashes more finely than
+its block names that unit too (:func:`with_hash_unit`).
 """
 
 from __future__ import annotations
