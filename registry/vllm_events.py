@@ -55,9 +55,8 @@ The subscriber keeps a mirror of the worker's hashes, so whenever the registry
 needs a resync (new record, sequence gap, Redis back after an outage) it sends
 the mirror. A publisher whose ``seq`` goes back (a restarted vLLM, whose cache
 is empty) clears the mirror and the registry's copy. Malformed frames are
-counted and skipped; a malformed event is refused on its own and counted
-(``kv_events_refused``), the rest of its batch applied; nothing stops the
-subscriber.
+counted and skipped; a malformed event is refused alone and counted
+(``kv_events_refused``); nothing stops the subscriber.
 """
 
 from __future__ import annotations
@@ -243,8 +242,7 @@ class VllmEventSubscriber:
         self._feeds: list[_Feed] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.malformed = 0  # frames or batches skipped whole
-        self.refused = 0  # single events refused, the rest of their batch kept
+        self.malformed, self.refused = 0, 0  # frames or batches skipped whole; single events refused
         self.int_hash_events = 0
         self.gaps = 0
         self.restarts = 0
@@ -448,8 +446,7 @@ class VllmEventSubscriber:
         log.warning("vLLM events from %s: gap %d -> %d", feed.endpoint, last, seq)
         return False
 
-    def _refused(self, feed: _Feed, n: int, why: str) -> None:
-        """``n`` events of one batch were refused one by one; the rest of the batch went on."""
+    def _refused(self, feed: _Feed, n: int, why: str) -> None:  # (the rest of their batch went on)
         self.refused += n
         if self.metrics:
             self.metrics.kv_events_refused.inc(n)
