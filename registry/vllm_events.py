@@ -408,9 +408,8 @@ class VllmEventSubscriber:
             log.warning("vLLM event from %s skipped: %s", feed.endpoint, e)
         else:
             events += batch.events
-            refused = batch.refused
-            if self.engines is not None:  # (never raises: an event it cannot apply is refused on its own)
-                refused += self.engines.apply(feed.sub.worker_id, batch.engine)
+            # (EngineCaches.apply never raises: an event it cannot apply is refused on its own)
+            refused = batch.refused + (self.engines.apply(feed.sub.worker_id, batch.engine) if self.engines else 0)
             if refused:
                 self._refused(feed, refused, batch.refusal or "the engine-cache view could not apply it")
             if batch.int_hash_events:
