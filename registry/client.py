@@ -199,8 +199,8 @@ class RegistryClient:
     def feed_info(self, *, timeout_s: float | None = None, fail_fast: bool = False) -> FeedInfoReply:
         """The server's change feed. ``fail_fast``: give up at once on a server whose connection is down or
         refused, even the last one (a mirror that can follow other servers meanwhile)."""
-        reply: FeedInfoReply = self._call_moving(FeedInfo(), timeout_ms=None if timeout_s is None else timeout_s * 1000.0,
-                                                 fail_fast=fail_fast)[0]
+        timeout_ms = None if timeout_s is None else timeout_s * 1000.0
+        reply: FeedInfoReply = self._call_moving(FeedInfo(), timeout_ms=timeout_ms, fail_fast=fail_fast)[0]
         return reply
 
     def scan_worker(self, worker_id: str, cursor: bytes = b"", count: int = 16_384) -> ScanWorkerReply:
