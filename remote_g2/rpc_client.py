@@ -140,20 +140,27 @@ class RpcClient:
     def _zmq_call(self, request: bytes, deadline: float) -> Iterator[bytes]:
         """Send ``request``, then yield every frame that arrives until ``deadline``."""
         assert self._sock is not None
-        # Never a blocking send: a DEALER with no usable pipe (a CURVE handshake the
-        # server keeps refusing, a full queue) would block it for good, past any deadline.
-        left_ms = (deadline - time.monotonic()) * 1000.0
-        if not self._sock.poll(max(1, int(left_ms)), zmq.POLLOUT):
-            return
-        try:
-            self._sock.send(request, zmq.NOBLOCK)
-        except zmq.Again:
+        if not self._send_by(request, deadline):
             return
         while True:
             left_ms = (deadline - time.monotonic()) * 1000.0
             if left_ms <= 0 or not self._sock.poll(max(1, int(left_ms)), zmq.POLLIN):
                 return
             yield self._sock.recv()
+
+    def _send_by(self, request: bytes, deadline: float) -> bool:
+        """Queue ``request`` on the ZMQ socket before ``deadline``; False when it could not be sent by then."""
+        assert self._sock is not None
+        # Never a blocking send: a DEALER with no usable pipe (a CURVE handshake the
+        # server keeps refusing, a full queue) would block it for good, past any deadline.
+        left_ms = (deadline - time.monotonic()) * 1000.0
+        if not self._sock.poll(max(1, int(left_ms)), zmq.POLLOUT):
+            return False
+        try:
+            self._sock.send(request, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     def connection_state(self) -> str:
         """``up``, ``down`` or ``unknown`` (no liveness watch, or nothing known yet); see :mod:`.connection_watch`."""
@@ -173,12 +180,7 @@ class RpcClient:
             raise TransportError(f"calling {name} on {endpoint}: the connection is down "
                                  f"(for {watch.down_for_s():.1f} s)")
         lost = watch.lost()
-        left_ms = (deadline - time.monotonic()) * 1000.0
-        if not self._sock.poll(max(1, int(left_ms)), zmq.POLLOUT):
-            return
-        try:
-            self._sock.send(request, zmq.NOBLOCK)
-        except zmq.Again:
+        if not self._send_by(request, deadline):
             return
         while True:
             left_ms = (deadline - time.monotonic()) * 1000.0
