@@ -318,6 +318,19 @@ def _newer(link: PathLink, since_ns: int) -> bool:
     return max(link.ctime_ns, link.mtime_ns) >= since_ns
 
 
+def _chain_changed(chain: list[PathLink], since: int, when: str) -> str | None:
+    """Why one resolved path (its links, then what it names) is not as it was before ``since``; None if it is."""
+    for link in chain:
+        if link.kind == "missing":
+            return f"{link.path} is gone"
+        if link.kind == "link" and _newer(link, since):
+            return f"the symlink {link.path} -> {link.target} was made {when}"
+    last = chain[-1]
+    if _newer(last, since):
+        return f"{last.path} changed {when} (at {_stamp(max(last.ctime_ns, last.mtime_ns))})"
+    return None
+
+
 def changed_after(mark: StartMark, files: Iterable[str | os.PathLike[str]], model_dir: str | os.PathLike[str],
                   snapshot: LoadSnapshot | None = None) -> str | None:
     """Why what ``files`` and ``model_dir`` name may not be what was loaded after ``mark``, or None.
@@ -330,23 +343,10 @@ def changed_after(mark: StartMark, files: Iterable[str | os.PathLike[str]], mode
     when = f"after {mark.what} ({_stamp(mark.ns)})"
     try:
         dir_chain, _ = path_chain(model_dir)
-        for link in dir_chain:
-            if link.kind == "missing":
-                return f"{link.path} is gone"
-            if link.kind == "link" and _newer(link, since):
-                return f"the symlink {link.path} -> {link.target} was made {when}"
-        last = dir_chain[-1]
-        if _newer(last, since):
-            return f"{last.path} changed {when} (at {_stamp(max(last.ctime_ns, last.mtime_ns))})"
-        for f in files:
-            chain, _ = path_chain(f)
-            for link in chain:
-                if link.kind == "missing":
-                    return f"{link.path} is gone"
-                if link.kind == "link" and _newer(link, since):
-                    return f"the symlink {link.path} -> {link.target} was made {when}"
-            if _newer(chain[-1], since):
-                return f"{chain[-1].path} changed {when} (at {_stamp(max(chain[-1].ctime_ns, chain[-1].mtime_ns))})"
+        for chain in (dir_chain, *(path_chain(f)[0] for f in files)):
+            why = _chain_changed(chain, since, when)
+            if why:
+                return why
         if snapshot is not None:
             if snapshot.hub_ref is not None:
                 why = _hub_ref_changed(snapshot, since, when)
