@@ -116,24 +116,24 @@ def instrument_rpc() -> None:
 
     orig = RpcClient.call
 
-    def call(self: Any, request: Any, *, timeout_ms: float | None = None) -> Any:
+    def call(self: Any, request: Any, **kw: Any) -> Any:  # RpcClient.call's keywords, whatever they are
         t0 = time.monotonic()
         try:
-            return orig(self, request, timeout_ms=timeout_ms)
+            return orig(self, request, **kw)
         finally:
             record("rpc:" + type(request).__name__, t0, time.monotonic())
 
     RpcClient.call = call  # type: ignore[method-assign]
     orig_mux = RpcMux.call
 
-    def mux_call(self: Any, endpoint: str, request: Any, callback: Any, *, timeout_ms: float | None = None) -> None:
+    def mux_call(self: Any, endpoint: str, request: Any, callback: Any, **kw: Any) -> None:
         t0 = time.monotonic()
 
         def timed(outcome: Any) -> None:
             record("rpc:" + type(request).__name__, t0, time.monotonic())
             callback(outcome)
 
-        orig_mux(self, endpoint, request, timed, timeout_ms=timeout_ms)
+        orig_mux(self, endpoint, request, timed, **kw)
 
     RpcMux.call = mux_call  # type: ignore[method-assign]
 
