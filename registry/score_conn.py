@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from multidict import CIMultiDict
 
 from .score_admission import source_of
 from .score_wire import error_answer
@@ -40,9 +41,13 @@ from .score_wire import error_answer
 if TYPE_CHECKING:
     from .score_http import _AiohttpServer
 
-__all__ = ["ScoreConnection", "TlsGate", "RequestLate"]
+__all__ = ["ScoreConnection", "TlsGate", "RequestLate", "ANSWER_HEADERS"]
 
 log = logging.getLogger("remote_g2.registry.score")
+
+#: Every answer's headers but its length, date and Connection (aiohttp's): JSON, and a Server header that names
+#: this API, not the HTTP library and its version (aiohttp's default) for an attacker to look up.
+ANSWER_HEADERS = CIMultiDict({"Content-Type": "application/json", "Server": "remote-g2"})
 
 _NEW, _IDLE, _HEAD, _BUSY = range(4)  # accepted / answered, waiting / a request's first bytes in / in the handler
 
@@ -130,7 +135,7 @@ class ScoreConnection(web.RequestHandler):
             log.debug("score API: refused a request from %s: %s", request.remote, text)
             body = error_answer("bad_request", f"malformed request: {text}")
         self.state = _IDLE
-        resp = web.Response(status=status, body=body, content_type="application/json")
+        resp = web.Response(status=status, body=body, headers=ANSWER_HEADERS)
         resp.force_close()
         return resp
 

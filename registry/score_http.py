@@ -56,12 +56,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import HttpVersion10, HttpVersion11, web
+from multidict import CIMultiDict
 
 from remote_g2.errors import CannotScore, ConfigError, StoreUnavailable
 from remote_g2.net_address import is_loopback
 
 from .score_admission import Admission, BearerTokens
-from .score_conn import RequestLate, ScoreConnection, TlsGate
+from .score_conn import ANSWER_HEADERS, RequestLate, ScoreConnection, TlsGate
 from .score_wire import error_answer, query_answer, query_request, request_from_json, score_answer
 from .scoring import Scorer
 
@@ -75,6 +76,7 @@ _REASON_STATUS = {"bad_request": 400, "too_large": 413, "unknown_scheme": 422, "
                   "unsupported_input": 422}
 _ROUTES = ("/v1/score", "/query")
 _OK = b'{"ok":true}'
+_HEADERS_401 = CIMultiDict({**ANSWER_HEADERS, "WWW-Authenticate": 'Bearer realm="remote-g2"'})
 
 
 @dataclass(frozen=True)
@@ -258,21 +260,21 @@ class ScoreHttpServer:
         conn: ScoreConnection = request.protocol  # type: ignore[assignment]
         started = time.perf_counter()
         conn.request_started()
-        extra = None
+        headers = ANSWER_HEADERS
         try:
             payload = await self._answer(request, conn)
             status, keep = 200, True
         except _Refusal as e:
             status, payload, keep = e.status, error_answer(e.reason, e.message), not e.close
             if status == 401:
-                extra = {"WWW-Authenticate": 'Bearer realm="remote-g2"'}
+                headers = _HEADERS_401
         except ConnectionError:
             raise  # the client went away: aiohttp ends the connection
         except Exception:  # a bug: this connection ends, the server keeps serving
             log.exception("score API: request failed")
             status, payload, keep = 500, error_answer("internal", "internal error (logged by the server)"), False
         conn.request_done()
-        resp = web.Response(body=payload, status=status, content_type="application/json", headers=extra)
+        resp = web.Response(body=payload, status=status, headers=headers)
         if not keep or not conn.authenticated:  # a connection that never authenticated carries one answer
             resp.force_close()
         self._observe(status, time.perf_counter() - started)
@@ -326,6 +328,8 @@ class ScoreHttpServer:
             transport = request.transport
             if transport is not None and not content.is_eof() and headers.get("Expect", "").lower() == "100-continue":
                 transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            if content.is_eof():  # the usual case: the whole body came with the head
+                return self._score(content.read_nowait(), path)
             conn.body_stream = content
             try:
                 body = await content.read()

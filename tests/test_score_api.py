@@ -522,6 +522,15 @@ def test_hostile_http_gets_an_error_and_the_server_keeps_serving(api, prompt, da
     assert _post(api.url + "/v1/score", {"model": "tiny", "token_ids": prompt})[0] == 200
 
 
+def test_answers_name_the_api_not_the_http_library_and_its_version(api, prompt):
+    body = json.dumps({"model": "tiny", "token_ids": prompt}).encode()
+    for data in (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                 % (len(body), body),  # answered by the API
+                 b"GARBAGE\r\n\r\n"):  # answered by aiohttp's error path
+        head = _raw(api.url, data).split(b"\r\n\r\n", 1)[0].lower()
+        assert b"\r\nserver: remote-g2\r\n" in head and b"aiohttp" not in head and b"python" not in head, head
+
+
 def test_a_silent_client_does_not_stop_the_others(api, prompt):
     host, port = api.url.removeprefix("http://").split(":")
     idle = [socket.create_connection((host, int(port))) for _ in range(20)]
