@@ -22,6 +22,19 @@ what aiohttp leaves to its user:
   connection already counts in the unauthenticated budget, with
   ``request_timeout_s`` to finish; the connection is handed to aiohttp only
   then.
+* **A fast path for the common request.** aiohttp hands each request to its
+  connection's task and builds a request, a payload stream, a response and a
+  writer for it: about 0.1 ms a request, a quarter of a score's cost
+  (docs/benchmarks.md). On a connection that has authenticated and whose
+  earlier requests are all answered, a request that aiohttp's parser has
+  read whole (HTTP/1.1, no ``Expect``, no ``Connection: close``, not
+  chunked) is answered in ``data_received`` by the same rules
+  (:meth:`~.score_http.ScoreHttpServer.answer_inline`), its answer written
+  at once. Anything else, and everything after it on that connection until
+  aiohttp's task has answered it, goes aiohttp's way, so answers keep their
+  order. Parsing stays aiohttp's in both paths. The fast path uses some of
+  aiohttp's handler internals (``_FAST_PATH`` lists them); an aiohttp
+  without them serves every request its own way.
 """
 
 from __future__ import annotations
@@ -29,9 +42,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
+from email.utils import formatdate
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.streams import EMPTY_PAYLOAD
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from multidict import CIMultiDict
 
@@ -52,6 +70,30 @@ ANSWER_HEADERS = CIMultiDict({"Content-Type": "application/json", "Server": "rem
 _NEW, _IDLE, _HEAD, _BUSY = range(4)  # accepted / answered, waiting / a request's first bytes in / in the handler
 
 
+#: What the fast path uses of aiohttp's RequestHandler beyond its public API (aiohttp 3.13 and 3.14 have it all).
+#: With another aiohttp that lacks any of it, every request takes aiohttp's own path: slower, as correct.
+_FAST_PATH = {"_waiter", "_messages", "_parser", "_paused", "_reading_paused", "_buffer_paused", "_force_close",
+              "_close", "_msg_queue_resume_size", "_next_keepalive_close_time", "_keepalive_timeout"} \
+    <= set(getattr(web.RequestHandler, "__slots__", ())) | set(getattr(web.RequestHandler.__mro__[1], "__slots__", ())) \
+    and hasattr(web.RequestHandler, "_resume_reading_if_drained") and hasattr(web.RequestHandler, "finish_response")
+
+_date = ("", -1)  # (the Date header's line, for this second)
+
+
+def _head(status: int, length: int, keep: bool) -> bytes:
+    """An answer's status line and headers (those aiohttp writes for a :class:`web.Response` of ours)."""
+    global _date
+    now = int(time.time())
+    if _date[1] != now:
+        _date = (f"Date: {formatdate(now, usegmt=True)}\r\n", now)
+    return (f"HTTP/1.1 {status} {_REASONS.get(status) or HTTPStatus(status).phrase}\r\n"
+            f"Content-Type: application/json\r\nServer: remote-g2\r\nContent-Length: {length}\r\n"
+            f"{_date[0]}{'' if keep else 'Connection: close' + chr(13) + chr(10)}\r\n").encode("latin-1")
+
+
+_REASONS = {200: "OK"}
+
+
 class RequestLate(Exception):
     """The request did not arrive whole within the request timeout (set on its body's stream)."""
 
@@ -69,6 +111,9 @@ class ScoreConnection(web.RequestHandler):
         self.state = _NEW
         self.raw: asyncio.BaseTransport | None = None  # the TCP transport while a TLS handshake runs
         self.body_stream: Any = None  # the body being awaited, while it is
+        self.inline_pending: Any = None  # (message, payload): the fast path's next request, its body still coming
+        self.inline_busy = False  # in the fast path's loop (data_received may be re-entered from it)
+        self.handed = False  # aiohttp's handler task holds requests of this connection (queued or in hand)
         self.deadline = 0.0
         self.timer: asyncio.TimerHandle | None = None
 
@@ -99,7 +144,85 @@ class ScoreConnection(web.RequestHandler):
         if self.state == _IDLE:  # a new request's first bytes: its time starts now
             self.state = _HEAD
             self._expect(self.site.limits.request_timeout_s)
-        super().data_received(data)
+        messages = self._messages
+        if self.inline_busy:  # re-entered (aiohttp resumes parsing with b"" as a body is read): the loop below
+            waiter, self._waiter = self._waiter, None  # answers what this parses
+            try:
+                super().data_received(data)
+            finally:
+                self._waiter = waiter
+            return
+        pending = self.inline_pending
+        if pending is None and (self.handed or messages or not self.authenticated or self._paused or not _FAST_PATH):
+            super().data_received(data)  # aiohttp's way: each request in its handler task
+            if messages:
+                self.handed = True
+            return
+        # The fast path: aiohttp holds no request of this connection, which has authenticated. aiohttp parses
+        # as always, but its task is not woken for the requests that are whole now: they are answered here, in
+        # order, and only what is left (anything unusual) is handed to it. A plain request whose body is still
+        # coming waits here for it, out of aiohttp's queue (inline_pending), unless reading was paused for it
+        # (a body past aiohttp's read buffer: its task reads that).
+        waiter = self._waiter
+        self._waiter = None
+        try:
+            super().data_received(data)
+        finally:
+            self._waiter = waiter
+        if pending is not None:
+            self.inline_pending = None
+            messages.appendleft(pending)
+        self.inline_busy = True
+        try:
+            while messages:
+                answered = self._answer_inline(*messages[0])
+                if not answered and (answered is False or self._reading_paused or self._paused):
+                    break
+                message = messages.popleft()
+                if self._parser is not None:
+                    self._parser.message_consumed()
+                if answered is None:  # its body is still coming: wait for it here
+                    self.inline_pending = message
+                    return
+                if self._buffer_paused and len(messages) <= self._msg_queue_resume_size:
+                    self._resume_reading_if_drained()
+        finally:
+            self.inline_busy = False
+        if messages:
+            self.handed = True
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    async def finish_response(self, request: web.BaseRequest, resp: web.StreamResponse,
+                              start_time: float | None) -> tuple[web.StreamResponse, bool]:
+        """aiohttp's, and once the last request it was handed is answered, the fast path may answer again."""
+        try:
+            return await super().finish_response(request, resp, start_time)
+        finally:
+            if not self._messages:
+                self.handed = False
+
+    def _answer_inline(self, message: Any, payload: Any) -> bool | None:
+        """Answer a request that is whole and plain here: True; None for a plain one whose body is not all in;
+        False (nothing done) to leave it to aiohttp's task."""
+        transport = self.transport
+        if (transport is None or self._force_close or self._close or self._paused
+                or type(message) is not RawRequestMessage or message.version != HttpVersion11 or message.should_close
+                or message.upgrade or message.chunked or "Expect" in message.headers):
+            return False
+        site = self.site
+        if not payload.is_eof():  # worth waiting for only where the head alone would not be refused
+            return None if site.wants_body(message.method, message.path, message.headers) else False
+        site.answered_inline += 1
+        body = payload.read_nowait() if payload is not EMPTY_PAYLOAD else b""
+        status, answer, keep = site.answer_inline(self, message.method, message.path, message.version,
+                                                  message.headers, body)
+        transport.write(_head(status, len(answer), keep) + answer)
+        if keep:
+            self._next_keepalive_close_time = self._loop.time() + self._keepalive_timeout
+        else:
+            self.force_close()
+        return True
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.gone = True
@@ -160,6 +283,14 @@ class ScoreConnection(web.RequestHandler):
             return
         if self.body_stream is not None:  # the handler answers 400 and closes
             self.body_stream.set_exception(RequestLate())
+            return
+        if self.inline_pending is not None and self.transport is not None:  # a body late for the fast path
+            self.inline_pending = None
+            late = error_answer("bad_request", "the request did not arrive within "
+                                f"{self.site.limits.request_timeout_s:g} s")
+            self.transport.write(_head(400, len(late), False) + late)
+            self.gone = True
+            self.force_close()
             return
         transport = self.transport
         if transport is None or transport.get_write_buffer_size() > 0:  # a handshake; or answers unread

@@ -17,7 +17,8 @@ store is unreachable, or every authenticated connection is busy).
 
 The HTTP is aiohttp's (its low-level server and C parser; plain HTTP on
 uvloop where installed): parsing, keep-alive, pipelining, writing with back-pressure and
-TLS are that library's code. This module writes the routes and the rules
+TLS are that library's code; a plain request on an authenticated kept-alive
+connection is answered without a task of its own (:mod:`.score_conn`). This module writes the routes and the rules
 of who may ask; :mod:`.score_conn` the per-connection deadline and the TLS
 hand-over; :mod:`.score_admission` the tokens and the connection budgets.
 
@@ -162,6 +163,7 @@ class ScoreHttpServer:
         self.limits = limits or ScoreLimits(max_body=max_body)
         self.admission = Admission(self.limits.max_unauthenticated, self.limits.max_authenticated)
         self.metrics = metrics
+        self.answered_inline = 0  # requests answered by the fast path (ScoreConnection.data_received)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopped: asyncio.Event | None = None
@@ -246,7 +248,7 @@ class ScoreHttpServer:
         a = self.admission
         return {"unauthenticated": a.unauthenticated, "authenticated": a.authenticated,
                 "evicted_unauthenticated": a.evicted_unauthenticated, "evicted_idle": a.evicted_idle,
-                "refused": a.refused}
+                "refused": a.refused, "answered_inline": self.answered_inline}
 
     # -- a request -----------------------------------------------------------------------------------
 
@@ -283,16 +285,39 @@ class ScoreHttpServer:
     async def _answer(self, request: web.BaseRequest, conn: ScoreConnection) -> bytes:
         """The answer's body; :class:`_Refusal` for every error. Everything up to the body's read looks at
         the head alone: a refused request's body is never read."""
-        version = request.version
+        has_body = request.body_exists
+        path = self.check_head(conn, request.method, request.raw_path, request.version, request.headers, has_body)
+        if path == "/healthz":
+            return _OK
+        body = b""
+        if has_body:
+            content = request.content
+            transport = request.transport
+            if transport is not None and not content.is_eof() and \
+                    request.headers.get("Expect", "").lower() == "100-continue":
+                transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            if content.is_eof():  # the usual case: the whole body came with the head
+                return self._score(content.read_nowait(), path)
+            conn.body_stream = content
+            try:
+                body = await content.read()
+            except RequestLate:
+                raise _Refusal(400, "bad_request", "the request did not arrive within "
+                               f"{self.limits.request_timeout_s:g} s", close=True) from None
+            finally:
+                conn.body_stream = None
+        return self._score(body, path)
+
+    def check_head(self, conn: ScoreConnection, method: str, raw_path: str, version: Any, headers: Any,
+                   has_body: bool) -> str:
+        """A request's head judged alone (version, framing, auth, route, method, length): its route's path,
+        or :class:`_Refusal`. Authenticates ``conn`` by a valid token it carries."""
         if version != HttpVersion11 and version != HttpVersion10:
             raise _Refusal(400, "bad_request", f"unsupported protocol HTTP/{version[0]}.{version[1]}", close=True)
-        headers = request.headers
         for name in _SINGLE_HEADERS:  # two of them leave it in doubt how the body is framed, or who sent it
             if name in headers and len(headers.getall(name)) > 1:
                 raise _Refusal(400, "bad_request", f"{name} given twice", close=True)
-        path = request.raw_path.partition("?")[0]
-        method = request.method
-        has_body = request.body_exists
+        path = raw_path.partition("?")[0]
         if not conn.authenticated:
             if self.tokens.accept(headers.get("Authorization")):
                 if not self.authenticate(conn):
@@ -306,7 +331,7 @@ class ScoreHttpServer:
                 raise _Refusal(405, "bad_request", f"{method[:16]} {path}: use GET", close=has_body)
             if has_body:
                 raise _Refusal(400, "bad_request", "GET /healthz takes no body", close=True)
-            return _OK
+            return path
         if path not in _ROUTES:
             raise _Refusal(404, "not_found", f"no route {path[:128]!r} (POST /v1/score, POST /query, GET /healthz)",
                            close=has_body)
@@ -314,7 +339,7 @@ class ScoreHttpServer:
             raise _Refusal(405, "bad_request", f"{method[:16]} {path}: use POST", close=has_body)
         if "Transfer-Encoding" in headers:
             raise _Refusal(411, "bad_request", "chunked bodies are not accepted: send Content-Length", close=True)
-        length = request.content_length or 0
+        length = int(headers.get("Content-Length") or 0)  # (the parser has checked it: digits, once)
         if length > self.limits.max_body:
             raise _Refusal(413, "too_large", f"a body of {length} bytes (at most {self.limits.max_body})",
                            close=True)
@@ -322,23 +347,31 @@ class ScoreHttpServer:
         if encoding is not None and encoding.lower() != "identity":
             raise _Refusal(415, "bad_request", "Content-Encoding is not accepted: send the JSON as it is",
                            close=True)
-        body = b""
-        if has_body:
-            content = request.content
-            transport = request.transport
-            if transport is not None and not content.is_eof() and headers.get("Expect", "").lower() == "100-continue":
-                transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            if content.is_eof():  # the usual case: the whole body came with the head
-                return self._score(content.read_nowait(), path)
-            conn.body_stream = content
-            try:
-                body = await content.read()
-            except RequestLate:
-                raise _Refusal(400, "bad_request", "the request did not arrive within "
-                               f"{self.limits.request_timeout_s:g} s", close=True) from None
-            finally:
-                conn.body_stream = None
-        return self._score(body, path)
+        return path
+
+    def wants_body(self, method: str, raw_path: str, headers: Any) -> bool:
+        """A request on an authenticated connection whose head :meth:`check_head` would let its body be read."""
+        return (method == "POST" and raw_path.partition("?")[0] in _ROUTES and "Transfer-Encoding" not in headers
+                and "Content-Encoding" not in headers and int(headers.get("Content-Length") or 0) <= self.limits.max_body)
+
+    def answer_inline(self, conn: ScoreConnection, method: str, raw_path: str, version: Any, headers: Any,
+                      body: bytes) -> tuple[int, bytes, bool]:
+        """A request whose head and body are both in (:meth:`ScoreConnection.data_received`'s fast path), answered
+        without a task: ``(status, body, keep the connection)``. The same rules as :meth:`_handle`."""
+        started = time.perf_counter()
+        conn.request_started()
+        try:
+            path = self.check_head(conn, method, raw_path, version, headers, bool(body))
+            payload = _OK if path == "/healthz" else self._score(body, path)
+            status, keep = 200, True
+        except _Refusal as e:
+            status, payload, keep = e.status, error_answer(e.reason, e.message), not e.close
+        except Exception:  # a bug: this connection ends, the server keeps serving
+            log.exception("score API: request failed")
+            status, payload, keep = 500, error_answer("internal", "internal error (logged by the server)"), False
+        conn.request_done()
+        self._observe(status, time.perf_counter() - started)
+        return status, payload, keep
 
     def _score(self, body: bytes, path: str) -> bytes:
         try:
