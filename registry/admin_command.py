@@ -11,7 +11,9 @@ what a router would: which workers hold how much of a prompt's prefix
 ``models`` groups the workers by model identity (the part of a fingerprint's
 ``model_id`` after its last ``#``: what matching compares) and names a label
 (the part before it) that more than one identity is served under: during a
-rolling update, old and new weights under one path.
+rolling update, old and new weights under one path. An instance without an
+identity (it shares nothing: docs/integrations.md) is a row of its own,
+``none (KIND)``, its ``no_identity`` the kind in ``--json``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from remote_g2.curve import CurveClientConfig
 from remote_g2.errors import ConfigError
 from remote_g2.hashing import hash_from_hex
 from remote_g2.messages import WorkerRecord
-from remote_g2.model_identity import model_label
+from remote_g2.model_identity import model_label, unshared_kind
 
 from .client import RegistryClient
 
@@ -112,6 +114,7 @@ def _models_doc(workers: list[WorkerRecord]) -> dict[str, Any]:
         ws = sorted(ws, key=lambda w: w.worker_id)
         models.append({
             "identity": identity,
+            "no_identity": unshared_kind(ws[0].fingerprint.model_id),  # why it has none; None: it shares
             "labels": sorted({lb for w in ws if (lb := model_label(w.fingerprint.model_id)) is not None}),
             "workers": [{"worker_id": w.worker_id, "live": w.live, "tp_size": w.tp_size, "blocks": w.blocks,
                          "dtype": w.fingerprint.dtype, "label": model_label(w.fingerprint.model_id),
@@ -122,6 +125,8 @@ def _models_doc(workers: list[WorkerRecord]) -> dict[str, Any]:
     models.sort(key=lambda m: (-m["blocks"], m["identity"]))
     by_label: dict[str, set[str]] = {}
     for m in models:
+        if m["no_identity"] is not None:  # not weights under a name: an instance that shares nothing
+            continue
         for label in m["labels"]:
             by_label.setdefault(label, set()).add(m["identity"])
     # an id without a label is all identity: two such ids are two names, not one name split
@@ -190,7 +195,8 @@ def _models(client: RegistryClient, args: argparse.Namespace) -> int:
         return 0
     print_table(
         ["identity", "labels", "live/total", "worker_ids", "tp", "dtype", "blocks"],
-        [[m["identity"], ", ".join(m["labels"]) or "-", f"{m['live_workers']}/{len(m['workers'])}",
+        [[m["identity"] if m["no_identity"] is None else f"none ({m['no_identity']}): shares nothing",
+          ", ".join(m["labels"]) or "-", f"{m['live_workers']}/{len(m['workers'])}",
           _ids_cell(m["workers"]), _distinct([w["tp_size"] for w in m["workers"]]),
           _distinct([w["dtype"] for w in m["workers"]]), m["blocks"]] for m in doc["models"]],
     )

@@ -61,7 +61,7 @@ import msgspec
 
 from remote_g2.errors import CannotScore, ConfigError
 from remote_g2.messages import LayoutFingerprint, WorkerRecord
-from remote_g2.model_identity import identity_of, model_label
+from remote_g2.model_identity import identity_of, model_label, unshared_kind
 from remote_g2.vllm_hashing import DEFAULT_SEED, PromptChain, VllmBlockHasher, hasher_for_scheme
 
 from .engine_caches import EngineCaches
@@ -176,12 +176,13 @@ class _Candidate:
     per block and, built on first use, its score when it holds nothing (most workers, for most prompts:
     reused until the store changes, which lists again)."""
 
-    __slots__ = ("worker", "wid", "ends", "key", "costs", "events_only", "fixed", "zeros")
+    __slots__ = ("worker", "wid", "ends", "key", "costs", "events_only", "unshared", "fixed", "zeros")
 
     def __init__(self, worker: WorkerRecord, ends: float, key: str,
                  costs: tuple[float | None, float | None]) -> None:
         self.worker, self.wid, self.ends, self.key, self.costs = worker, worker.worker_id, ends, key, costs
         self.events_only = worker.fingerprint.kv_layout == EVENTS_ONLY_LAYOUT  # an engine without remote-g2
+        self.unshared = unshared_kind(worker.fingerprint.model_id)  # an instance without a model identity: why
         # the fields of its WorkerScore that no prompt changes, in their order
         self.fixed = (worker.worker_id, worker.endpoint, worker.tp_size, worker.fingerprint.model_id, key)
         self.zeros: dict[tuple[Any, ...], WorkerScore] = {}  # (*tier names, block size) -> that score at 0
@@ -321,6 +322,10 @@ class Scorer:
         matched: list[WorkerScore] = []  # some tokens matched: sorted below
         idle: list[WorkerScore] = []  # none: already in the answer's order (least loaded, then worker id)
         for c in cands:
+            if c.unshared is not None:  # publishes nothing: what its own engine holds is not known here
+                unscored.append((c.wid, "no_identity", f"this instance has no model identity ({c.unshared}): it "
+                                 "shares and publishes no block (its log says why)"))
+                continue
             if c.events_only:  # each its own hash space, learned from its events
                 hasher, why = (None, "this server follows no KV events (serve --vllm-kv-events)") \
                     if engines is None else engines.hasher(c.wid)

