@@ -226,19 +226,25 @@ class Scorer:
             self._workers, self._by_model, self._workers_at, self._workers_gen = workers, by_model, now, gen
         return workers, by_model
 
-    def _candidates(self, model: str | None) -> list[_Candidate]:
+    def _candidates(self, model: str | None) -> tuple[list[_Candidate], str | None]:
         """The live workers serving ``model`` (all, for None), least loaded first (then by worker id); a
-        lease that lapsed since the store was listed drops its worker."""
+        lease that lapsed since the store was listed drops its worker. With them, their one compat key when
+        they all have the same and each is a remote-g2 worker with an identity (the usual fleet), else None."""
         now = time.monotonic()
         workers, by_model = self._listing(now)
-        listed = by_model.get(model)
-        if listed is None:
+        entry = by_model.get(model)
+        if entry is None:
             listed = [_Candidate(w, ends, key, self._costs_of(w.fingerprint, model)) for w, ends, key in workers
                       if model is None or _serves(w.fingerprint, model)]
             listed.sort(key=lambda c: (c.worker.load, c.worker.worker_id))
+            keys = {c.key for c in listed}
+            uniform = keys.pop() if len(keys) == 1 and not any(c.events_only or c.unshared for c in listed) \
+                else None
+            entry = (listed, uniform)
             if len(by_model) < 1024:  # models are whatever callers send: bounded (a dict write: atomic)
-                by_model[model] = listed
-        return [c for c in listed if c.ends > now]
+                by_model[model] = entry
+        listed, uniform = entry
+        return [c for c in listed if c.ends > now], uniform
 
     def _hasher(self, fp: LayoutFingerprint) -> VllmBlockHasher:
         key = (fp.hash_scheme, fp.tokens_per_block)
@@ -298,7 +304,9 @@ class Scorer:
             raise CannotScore("a LoRA adapter is hashed by its name and path: send both lora_name and lora_path",
                               reason="bad_request")
         wanted = set(req.workers) if req.workers is not None else None
-        cands = [c for c in self._candidates(req.model) if wanted is None or c.worker.worker_id in wanted]
+        cands, uniform = self._candidates(req.model)
+        if wanted is not None:
+            cands = [c for c in cands if c.worker.worker_id in wanted]
         lora = (req.lora_name, req.lora_path) if req.lora_name is not None else None
         unscored: list[tuple[str, str, str]] = []  # (worker id, reason code, why)
         chains: dict[tuple[str, int, int], PromptChain] = {}
@@ -321,6 +329,8 @@ class Scorer:
         engines = self.engines
         matched: list[WorkerScore] = []  # some tokens matched: sorted below
         idle: list[WorkerScore] = []  # none: already in the answer's order (least loaded, then worker id)
+        if uniform is not None and engines is None and (lora is None or req.token_ids is None) and cands:
+            cands = self._score_uniform(cands, uniform, req, chain_of, matched, idle, unscored)
         for c in cands:
             if c.unshared is not None:  # publishes nothing: what its own engine holds is not known here
                 unscored.append((c.wid, "no_identity", f"this instance has no model identity ({c.unshared}): it "
@@ -384,6 +394,33 @@ class Scorer:
         best = matched[0].worker_id if matched else None
         return ScoreReply(req.model, None if req.token_ids is None else len(req.token_ids), matched + idle, best,
                           [{"worker_id": wid, "reason": reason, "message": why} for wid, reason, why in unscored])
+
+    def _score_uniform(self, cands: list[_Candidate], key: str, req: ScoreRequest, chain_of: Any,
+                       matched: list[WorkerScore], idle: list[WorkerScore],
+                       unscored: list[tuple[str, str, str]]) -> list[_Candidate]:
+        """:meth:`score`'s loop for the usual fleet (one compat key, remote-g2 workers, G2 alone): one lookup,
+        then each worker's score, in the candidates' order. Returns the candidates left to the general loop
+        (none)."""
+        fp = cands[0].worker.fingerprint
+        bs = fp.tokens_per_block
+        try:
+            if req.token_ids is None:
+                hashes = list(req.block_hashes or ())
+            else:
+                hashes = self._hashes_needed(chain_of(self._hasher(fp), bs))
+            held = self._lookup(hashes, key) if hashes else {}
+        except CannotScore as e:
+            unscored.extend((c.wid, e.reason, e.message) for c in cands)
+            return []
+        zero = ("g2", bs)
+        build, zero_score = self._build_score, self._worker_score
+        for c in cands:
+            g2 = held.get(c.wid)
+            if g2:
+                matched.append(build(c, {"g2": g2}, bs, g2, readable=True))
+            else:
+                idle.append(c.zeros.get(zero) or zero_score(c, {"g2": 0}, bs, readable=True))
+        return []
 
     def _worker_score(self, c: _Candidate, tiers: dict[str, int], block_size: int | None, *,
                       readable: bool) -> WorkerScore:
