@@ -184,3 +184,41 @@ def test_a_body_past_the_read_buffer_goes_to_aiohttps_task(prompt):
             s.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(long), long))
             status, _, body = _read_answer(f)
             assert status == 200 and json.loads(body)["workers"][0]["matched_tokens"] == 320
+
+
+def test_requests_on_one_tls_connection_take_the_fast_path(prompt, tmp_path):
+    """HTTPS with client certificates: the handshake authenticates the connection, and its requests from then on
+    are answered by the fast path through the TLS transport."""
+    import shutil
+    import ssl
+    import subprocess
+
+    from remote_g2.registry.score_http import tls_context
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make test certificates with")
+    (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    for args in (["req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=ca"],
+                 ["req", *ec, "-keyout", "s.key", "-out", "s.csr", "-subj", "/CN=s"],
+                 ["x509", "-req", "-in", "s.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "s.pem",
+                  "-days", "2", "-extfile", "san.ext"],
+                 ["req", *ec, "-keyout", "c.key", "-out", "c.csr", "-subj", "/CN=c"],
+                 ["x509", "-req", "-in", "c.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "c.pem",
+                  "-days", "2"]):
+        subprocess.run(["openssl", *args], cwd=tmp_path, check=True, capture_output=True, timeout=60)
+    tls = tls_context(str(tmp_path / "s.pem"), str(tmp_path / "s.key"), str(tmp_path / "ca.pem"))
+    ctx = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+    ctx.load_cert_chain(str(tmp_path / "c.pem"), str(tmp_path / "c.key"))
+    ok = json.dumps({"model": "tiny", "token_ids": prompt}).encode()
+    request = b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(ok), ok)
+    with _server(prompt, tls=tls) as srv:
+        host, port = srv.url.removeprefix("https://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as raw, \
+                ctx.wrap_socket(raw, server_hostname=host) as s:
+            f = s.makefile("rb")
+            for _ in range(4):
+                s.sendall(request)
+                status, _, body = _read_answer(f)
+                assert status == 200 and json.loads(body)["workers"][0]["matched_blocks"] == 20
+        assert srv.connection_counts()["answered_inline"] == 4  # authenticated by its certificate at the handshake
