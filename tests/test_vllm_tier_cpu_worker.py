@@ -29,6 +29,7 @@ control's spec is :class:`ZeroingLoadsSpec` below, loaded by vLLM through
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -102,6 +103,11 @@ class ZeroingLoadsSpec(RemoteG2OffloadingSpec):
         return self._worker  # type: ignore[return-value]
 
 
+def _engine_id(out: str) -> str:
+    """The engine's KV-transfer id, unique per run: it names the CPU tier's ``/dev/shm`` region file."""
+    return f"rg2-cpu-worker-test-{hashlib.sha256(out.encode()).hexdigest()[:12]}"
+
+
 def _engine_main(mode: str, model: str, prompts_path: str, out: str) -> None:
     """One engine run (this file as a script): the prompts in ORDER, one at a time; tokens, hits and metrics."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core here: get_metrics() sees the connector's
@@ -113,7 +119,7 @@ def _engine_main(mode: str, model: str, prompts_path: str, out: str) -> None:
         name, module = (("ZeroingLoadsSpec", Path(__file__).stem) if mode == "zeroing"
                         else ("RemoteG2OffloadingSpec", "remote_g2.adapters.vllm_tier.spec"))
         kw["kv_transfer_config"] = {
-            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": _engine_id(out),
             "kv_connector_extra_config": {"spec_name": name, "spec_module_path": module, "cpu_bytes_to_use": 32 << 20,
                                           "blocks_per_chunk": 2, "canonical_layout": mode == "canonical"}}
     llm = LLM(model=model, tokenizer=model, dtype="float32", block_size=vh.BLOCK, enforce_eager=True,
@@ -134,9 +140,15 @@ def _engine_main(mode: str, model: str, prompts_path: str, out: str) -> None:
 def _run_engine(tmp: Path, mode: str, model: Path, prompts: Path) -> dict:
     out, log = tmp / f"{mode}.json", tmp / f"{mode}.log"
     env = {**vh.instance_env("t"), "PYTHONPATH": os.pathsep.join([str(vh.HERE), os.environ.get("PYTHONPATH", "")])}
-    with open(log, "wb") as f:
-        rc = subprocess.run([sys.executable, __file__, mode, str(model), str(prompts), str(out)], stdout=f,
-                            stderr=subprocess.STDOUT, env=env, timeout=180).returncode
+    try:
+        with open(log, "wb") as f:
+            rc = subprocess.run([sys.executable, __file__, mode, str(model), str(prompts), str(out)], stdout=f,
+                                stderr=subprocess.STDOUT, env=env, timeout=180).returncode
+    finally:
+        # TieringOffloadingSpec's region has no barrier, so only an orderly shutdown unlinks its file; the
+        # engine ends with os._exit.
+        for path in Path("/dev/shm").glob(f"vllm_offload_{_engine_id(str(out))}*.mmap"):
+            path.unlink()
     assert rc == 0 and out.exists(), f"{mode} engine failed (rc={rc}):\n{log.read_text(errors='replace')[-6000:]}"
     return json.loads(out.read_text())
 
