@@ -1,0 +1,202 @@
+"""Loading chunks from peers: resolve at the holder, NIXL READ into the primary rows vLLM assigned, release.
+
+The reader side of the tier (:mod:`.tier`). vLLM's tiering manager hands
+``submit_load`` a job: the chunk keys, and for each a row of this instance's
+primary region reserved for it. Each job runs on this module's one thread,
+never on the scheduler's:
+
+1. the keys, in order, in runs by holder (the one the tier's lookup chose);
+2. per run, a ``resolve`` RPC to the holder's :class:`~.serving.ChunkServer`:
+   it pins the longest prefix it still holds and names their rows;
+3. one NIXL READ of those rows into the reserved ones (one descriptor per
+   run of rows contiguous on both sides), polled to its end, then a
+   ``release``;
+4. the job's result: every key read, or which ones were (partial success).
+
+A key is reported read only when its READ completed ``done`` while its lease
+was held (the READ must end within half the lease's TTL): a holder that
+died, a lease that lapsed, a chunk evicted before the resolve all fail that
+key, and vLLM recomputes it. Nothing here waits without a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from remote_g2.errors import RemoteG2Error
+from remote_g2.messages import Release, Resolve
+from remote_g2.secondary_pool import MemoryRegion
+
+__all__ = ["ChunkFetcher", "LoadRun"]
+
+log = logging.getLogger("remote_g2.adapters.vllm_tier")
+
+
+@dataclass(frozen=True)
+class LoadRun:
+    """Consecutive keys of one job that one holder serves: their registry hashes and the rows they land in."""
+
+    endpoint: str
+    keys: list[bytes]
+    hashes: list[bytes]
+    rows: list[int]
+
+
+def coalesce(local: list[int], remote: list[int], row_bytes: int, local_base: int,
+             remote_base: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Extents ``(local addr, remote addr, length)`` for row pairs, a run of rows contiguous on both sides in one."""
+    lo: list[int] = []
+    ro: list[int] = []
+    ln: list[int] = []
+    for a, b in zip(local, remote):
+        if ln and lo[-1] + ln[-1] == local_base + a * row_bytes and ro[-1] + ln[-1] == remote_base + b * row_bytes:
+            ln[-1] += row_bytes
+        else:
+            lo.append(local_base + a * row_bytes)
+            ro.append(remote_base + b * row_bytes)
+            ln.append(row_bytes)
+    return np.asarray(lo, np.uint64), np.asarray(ro, np.uint64), np.asarray(ln, np.uint64)
+
+
+class ChunkFetcher:
+    """Runs load jobs on one thread (see the module docstring); results through :meth:`results`."""
+
+    def __init__(self, worker_id: str, region_base: int, row_bytes: int, num_rows: int, *,
+                 timeout_s: float = 5.0, lease_ttl_ms: int = 10_000, rpc_timeout_ms: float = 2_000) -> None:
+        from remote_g2.adapters.nixl_transfer import NixlTransfer
+
+        self.worker_id = worker_id
+        self.region_base, self.row_bytes, self.num_rows = region_base, row_bytes, num_rows
+        self.timeout_s, self.lease_ttl_ms, self.rpc_timeout_ms = timeout_s, lease_ttl_ms, rpc_timeout_ms
+        self.transfer = NixlTransfer(f"remote-g2-tier-reader-{worker_id}-{secrets.token_hex(4)}")
+        self.transfer.register_local([MemoryRegion(region_base, row_bytes * num_rows)])
+        self._jobs: queue.Queue[tuple[int, list[LoadRun]] | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._results: list[Any] = []
+        self._busy = 0  # jobs queued or running
+        self._idle = threading.Condition(self._lock)
+        self._clients: dict[str, Any] = {}
+        self._agents: dict[str, str] = {}  # holder endpoint -> its NIXL agent, once loaded
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"remote-g2-tier-fetch-{worker_id}", daemon=True)
+        self._thread.start()
+        # Counters, for logs, metrics and tests.
+        self.chunks_read = self.chunks_failed = 0
+
+    def submit(self, job_id: int, runs: list[LoadRun]) -> None:
+        """Queue a job (from the scheduler thread: returns at once)."""
+        with self._lock:
+            self._busy += 1
+        self._jobs.put((job_id, runs))
+
+    def results(self) -> list[Any]:
+        """``JobResult`` of the jobs ended since the last call."""
+        with self._lock:
+            out, self._results = self._results, []
+        return out
+
+    def busy(self) -> bool:
+        with self._lock:
+            return self._busy > 0
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait until every submitted job has ended (its result queued); False if ``timeout_s`` passed first."""
+        with self._lock:
+            return self._idle.wait_for(lambda: self._busy == 0, timeout_s)
+
+    def close(self) -> None:
+        """Finish the queued jobs (each ends within its deadline), then release the agent and the clients."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._thread.join(self.timeout_s * 4 + 5)
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+        self.transfer.close()
+
+    # -- the fetch thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        from vllm.v1.kv_offload.tiering.base import JobResult
+
+        while (item := self._jobs.get()) is not None:
+            job_id, runs = item
+            t0 = time.perf_counter()
+            ok: list[bytes] = []
+            wanted = sum(len(r.keys) for r in runs)
+            for run in runs:
+                try:
+                    ok += self._load_run(run)
+                except Exception as e:  # a holder gone, a bad answer, a failed READ: those keys are recomputed
+                    log.info("tier fetch of %d chunks from %s failed: %s", len(run.keys), run.endpoint, e)
+            self.chunks_read += len(ok)
+            self.chunks_failed += wanted - len(ok)
+            result = JobResult(job_id=job_id, success=len(ok) == wanted,
+                               successful_keys=None if len(ok) == wanted else ok,
+                               transfer_time=time.perf_counter() - t0, transfer_bytes=len(ok) * self.row_bytes)
+            with self._lock:
+                self._results.append(result)
+                self._busy -= 1
+                self._idle.notify_all()
+
+    def _client(self, endpoint: str) -> Any:
+        from remote_g2.rpc_client import RpcClient
+
+        client = self._clients.get(endpoint)
+        if client is None:
+            client = self._clients[endpoint] = RpcClient(endpoint, timeout_ms=self.rpc_timeout_ms)
+        return client
+
+    def _load_run(self, run: LoadRun) -> list[bytes]:
+        """READ what the holder still holds of ``run``; the keys read (a prefix of ``run.keys``)."""
+        client = self._client(run.endpoint)
+        t = self.transfer
+        started = time.monotonic()
+        reply = client.call(Resolve(run.hashes, self.lease_ttl_ms, self.worker_id,
+                                    [name for name in (self._agent_of(run.endpoint),) if name and t.has_peer(name)]),
+                            fail_fast=True)
+        if reply.reason != "ok" or reply.matched == 0:
+            return []
+        try:
+            info = reply.metadata[0]
+            if not t.has_peer(info.agent_name):
+                if info.agent_metadata is None:
+                    raise RemoteG2Error(f"{run.endpoint} sent no metadata for agent {info.agent_name}")
+                t.add_peer(info.agent_name, info.agent_metadata)
+                self._agents[run.endpoint] = info.agent_name
+            rows = list(reply.ranks[0].block_ids[:reply.matched])
+            if info.layout.block_bytes != self.row_bytes or any(not 0 <= r < info.layout.num_blocks for r in rows):
+                raise RemoteG2Error(f"{run.endpoint} answered rows outside its region or of another size "
+                                    f"({info.layout.block_bytes} bytes, not {self.row_bytes})")
+            deadline = started + min(self.timeout_s, reply.expires_in_ms / 2000)
+            local, remote, nbytes = coalesce(run.rows[:len(rows)], rows, self.row_bytes, self.region_base,
+                                             info.pool_base)
+            handle = t.start_read(info.agent_name, local, remote, nbytes, not_after=deadline)
+            try:
+                while (state := t.poll(handle)) == "pending":
+                    if time.monotonic() > deadline:
+                        raise RemoteG2Error(f"READ from {run.endpoint} not done within its deadline")
+                    time.sleep(0.0002)
+            finally:
+                t.release(handle)
+            if state != "done" or time.monotonic() > deadline:
+                raise RemoteG2Error(f"READ from {run.endpoint} ended {state!r}")
+            return run.keys[:len(rows)]
+        finally:
+            try:
+                client.call(Release(reply.lease_id), fail_fast=True)
+            except Exception as e:  # the lease lapses at the holder on its own
+                log.debug("tier release at %s failed: %s", run.endpoint, e)
+
+    def _agent_of(self, endpoint: str) -> str | None:
+        return self._agents.get(endpoint)

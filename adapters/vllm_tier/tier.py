@@ -1,0 +1,306 @@
+"""remote-g2 as a secondary tier of vLLM's offloading: chunks found fleet-wide, READ from the peer that holds them.
+
+vLLM's tiering stack (``OffloadingConnector`` + ``TieringOffloadingSpec``)
+owns the copies between the GPU and its primary CPU tier. This tier adds what
+it lacks: the fleet-wide index of which live, compatible peer holds which
+chunk, the READ from that peer's primary region with no router in the loop,
+and the leases that keep the chunk there meanwhile. Configuration (one entry
+of ``secondary_tiers`` in ``kv_connector_extra_config``)::
+
+    {"type": "RemoteG2Tier", "module_path": "remote_g2.adapters.vllm_tier.tier",
+     "registry": "tcp://registry:7450",        # or REMOTE_G2_REGISTRY
+     "worker_id": "pod-a",                     # default: host and pid
+     "bind": "tcp://0.0.0.0:0", "advertise": "tcp://10.0.0.5:0"}   # where peers reach this instance
+
+The contract with vLLM's manager (``vllm/v1/kv_offload/tiering/base.py``):
+every call below runs on the scheduler thread and returns at once; the work
+is done by threads of :mod:`.serving` and :mod:`.fetching`.
+
+* **lookup:** the registry, through its in-process mirror
+  (:class:`~remote_g2.registry.RegistryMirror`): ``HIT`` when a live peer of
+  the same fingerprint (:mod:`.identity`) holds the chunk, ``MISS``
+  otherwise, and while the mirror has no complete copy yet. A chunk whose
+  load failed is a ``MISS`` for ``failed_ttl_s``, so it is not tried every step.
+* **submit_load:** :class:`~.fetching.ChunkFetcher`: resolve and lease at the
+  holder, one NIXL READ into the rows the manager reserved, release; partial
+  success reported by key.
+* **submit_store:** the chunk is complete in the primary tier: it is
+  published (a :class:`~remote_g2.registry.SourcePublisher` registered under
+  the tier's fingerprint and this instance's serving endpoint). The job ends
+  at once: the chunk stays where the primary keeps it.
+* **serve_external_requests:** :class:`~.serving.ChunkServer`: peers' asks,
+  pinned through the ``ParentManager``, unpinned when their lease ends.
+* **Eviction:** the manager tells a tier nothing when the primary evicts. A
+  published chunk a peer then asks for is answered ``miss`` and unpublished
+  there; the published set is also bounded by the primary's row count, the
+  oldest unpublished first. Until one of those, the registry may name this
+  instance for a chunk it no longer holds: a peer's load of it fails and is
+  recomputed, never read wrong.
+* **An idle engine:** peers are served only while the engine steps. The
+  tier says it has work only while asks wait or leases are open, and a new
+  ask wakes an idle engine (vLLM's own ``WAKEUP`` on the engine core's input
+  queue), so an idle instance costs no steps (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Collection, Iterable
+from typing import Any
+
+from vllm.v1.kv_offload.base import Locality, LookupResult, OffloadKey, ReqContext, RequestOffloadingContext
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from remote_g2.messages import Lookup
+
+from .fetching import ChunkFetcher, LoadRun
+from .identity import TierIdentity, tier_identity, vllm_config_of_caller
+from .serving import TIER_GROUP, ChunkServer
+
+__all__ = ["RemoteG2Tier"]
+
+log = logging.getLogger("remote_g2.adapters.vllm_tier")
+
+
+def _engine_input_queue(max_depth: int = 48) -> Any:
+    """A weak reference to the engine core whose construction built this tier (its ``input_queue`` is read at
+    wake time), or None (an engine built some other way: then peers are served whenever it steps)."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if type(owner).__name__.endswith("EngineCoreProc") and isinstance(getattr(owner, "input_queue", None),
+                                                                             queue.Queue):
+            return weakref.ref(owner)
+        frame = frame.f_back
+    return None
+
+
+class RemoteG2Tier(SecondaryTierManager):
+    """The tier (see the module docstring); built by vLLM's ``SecondaryTierFactory``."""
+
+    cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str = "RemoteG2Tier",
+                 backpressure_detector: Any = None, *, registry: str | None = None, worker_id: str | None = None,
+                 bind: str = "tcp://127.0.0.1:0", advertise: str | None = None, model_id: str | None = None,
+                 lease_ttl_ms: int = 10_000, fetch_timeout_s: float = 5.0, serve_wait_s: float = 2.0,
+                 failed_ttl_s: float = 30.0, identity: TierIdentity | None = None, **unknown: Any) -> None:
+        if unknown:
+            raise ValueError(f"RemoteG2Tier: unknown settings {sorted(unknown)} (see remote_g2.adapters.vllm_tier.tier)")
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = Locality.REMOTE
+        self.registry = registry or os.environ.get("REMOTE_G2_REGISTRY") or None
+        self.worker_id = worker_id or os.environ.get("REMOTE_G2_WORKER_ID") or \
+            f"vllm-tier-{socket.gethostname()}-{os.getpid()}"
+        self.row_bytes = int(primary_kv_view.strides[0])
+        self.num_rows = int(primary_kv_view.shape[0])
+        self.region_base = ctypes.addressof(ctypes.c_char.from_buffer(primary_kv_view))
+        self.failed_ttl_s = failed_ttl_s
+        if identity is None:
+            identity = tier_identity(offloading_spec, self.row_bytes, vllm_config_of_caller(), model_id=model_id)
+        self.identity = identity
+        self.fingerprint = identity.fingerprint
+        self._wake_ref = _engine_input_queue()
+        self._lock = threading.Lock()
+        self._done: list[JobResult] = []  # store jobs, ended at once
+        self._holders: dict[bytes, str] = {}  # key -> the endpoint its lookup found (until its load)
+        self._loading: dict[int, list[bytes]] = {}  # load job -> its keys, until its result
+        self._failed: dict[bytes, float] = {}  # key -> until when it is a MISS
+        self._published: OrderedDict[bytes, None] = OrderedDict()
+        self.server: ChunkServer | None = None
+        self.fetcher: ChunkFetcher | None = None
+        self._mirror: Any = None
+        self._client: Any = None
+        self._publisher: Any = None
+        self._compat = ""
+        self._mirror_missing_logged = False
+        if self.fingerprint is None or not self.registry:
+            why = identity.why_not if self.fingerprint is None else "no registry (setting 'registry' or " \
+                                                                    "REMOTE_G2_REGISTRY)"
+            log.warning("remote-g2 tier %s: not sharing chunks: %s", self.worker_id, why)
+            return
+        try:
+            self._start(bind, advertise, lease_ttl_ms, fetch_timeout_s, serve_wait_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, bind: str, advertise: str | None, lease_ttl_ms: int, fetch_timeout_s: float,
+               serve_wait_s: float) -> None:
+        from remote_g2.registry import RegistryClient, RegistryMirror, SourcePublisher
+
+        fp = self.fingerprint
+        assert fp is not None and self.registry
+        self._compat = fp.compat_key()
+        self.server = ChunkServer(self.worker_id, self.region_base, self.row_bytes, self.num_rows, bind=bind,
+                                  wait_s=serve_wait_s, on_ask=self._wake_engine, on_unheld=self._unpublish)
+        self.fetcher = ChunkFetcher(self.worker_id, self.region_base, self.row_bytes, self.num_rows,
+                                    timeout_s=fetch_timeout_s, lease_ttl_ms=lease_ttl_ms)
+        endpoint = self.server.endpoint
+        if advertise:
+            host = advertise.rsplit(":", 1)[0]
+            endpoint = f"{host}:{endpoint.rsplit(':', 1)[1]}"
+        self._client = RegistryClient(self.registry, timeout_s=5.0)
+        self._publisher = SourcePublisher(self._client, worker_id=self.worker_id, endpoint=endpoint, fingerprint=fp,
+                                          snapshot=self._snapshot, load=self.server.open_leases).start()
+        self._mirror = RegistryMirror(self.registry, timeout_s=2.0).start()
+        log.info("remote-g2 tier %s: sharing %d-token chunks (%d bytes a row, %d rows) as %s at %s", self.worker_id,
+                 fp.tokens_per_block, self.row_bytes, self.num_rows, fp.model_id, endpoint)
+
+    # -- lookups and loads -------------------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        mirror = self._mirror
+        if mirror is None or int.from_bytes(key[-4:], "big") != TIER_GROUP:
+            return LookupResult.MISS
+        until = self._failed.get(key)
+        if until is not None:
+            if until > time.monotonic():
+                return LookupResult.MISS
+            del self._failed[key]
+        replies = mirror.lookup_many([Lookup([bytes(key[:-4])], self.worker_id, self._compat, False)])
+        if replies is None:  # no complete copy yet (start-up, or the feed was lost): nothing to go by
+            if not self._mirror_missing_logged:
+                self._mirror_missing_logged = True
+                log.info("remote-g2 tier %s: the registry mirror has no copy yet; lookups miss until it does",
+                         self.worker_id)
+            return LookupResult.MISS
+        reply = replies[0]
+        if reply.best is None:
+            return LookupResult.MISS
+        self._holders[bytes(key)] = reply.best.endpoint
+        return LookupResult.HIT
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        keys = [bytes(k) for k in job_metadata.keys]
+        rows = [int(c) for c in job_metadata.chunk_ids]
+        runs: list[LoadRun] = []
+        for key, row in zip(keys, rows):
+            endpoint = self._holders.pop(key, "")
+            if runs and runs[-1].endpoint == endpoint:
+                runs[-1].keys.append(key)
+                runs[-1].hashes.append(key[:-4])
+                runs[-1].rows.append(row)
+            else:
+                runs.append(LoadRun(endpoint, [key], [key[:-4]], [row]))
+        assert self.fetcher is not None  # (lookup HITs only with one)
+        self._loading[job_metadata.job_id] = keys
+        self.fetcher.submit(job_metadata.job_id, [r for r in runs if r.endpoint])
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        with self._lock:
+            out, self._done = self._done, []
+        if self.server is not None:
+            out += self.server.finished_jobs()
+        if self.fetcher is not None:
+            for result in self.fetcher.results():
+                keys = self._loading.pop(result.job_id, [])
+                if not result.success:
+                    read = set(result.successful_keys or ())
+                    self.note_failed([k for k in keys if k not in read])
+                out.append(result)
+        return out
+
+    def note_failed(self, keys: Collection[bytes]) -> None:
+        """Keys whose load failed: a MISS for ``failed_ttl_s`` (recomputed meanwhile, not retried every step)."""
+        until = time.monotonic() + self.failed_ttl_s
+        for k in keys:
+            self._failed[bytes(k)] = until
+        if len(self._failed) > 4 * self.num_rows:  # bounded: the oldest go first
+            for k in list(self._failed)[:len(self._failed) - 4 * self.num_rows]:
+                del self._failed[k]
+
+    # -- stores: publish --------------------------------------------------------------------------------------
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        publisher = self._publisher
+        if publisher is not None:
+            new = []
+            for k in job_metadata.keys:
+                if int.from_bytes(k[-4:], "big") == TIER_GROUP:
+                    h = bytes(k[:-4])
+                    if h not in self._published:
+                        new.append(h)
+                    self._published[h] = None
+                    self._published.move_to_end(h)
+            if new:
+                publisher.stored(new)
+            over = len(self._published) - self.num_rows
+            if over > 0:  # more than the primary can hold: the oldest are gone from it, or soon will be
+                old = [self._published.popitem(last=False)[0] for _ in range(over)]
+                publisher.removed(old)
+        with self._lock:
+            self._done.append(JobResult(job_id=job_metadata.job_id, success=True))
+
+    def _unpublish(self, hashes: list[bytes]) -> None:
+        """A peer asked for chunks this instance no longer holds (RPC thread): the registry forgets them."""
+        gone = [h for h in hashes if h in self._published]
+        for h in gone:
+            self._published.pop(h, None)
+        if gone and self._publisher is not None:
+            self._publisher.removed(gone)
+
+    def _snapshot(self) -> list[bytes]:
+        return list(self._published)
+
+    # -- serving peers ------------------------------------------------------------------------------------------
+
+    def serve_external_requests(self, parent: Any) -> None:
+        if self.server is not None:
+            self.server.serve(parent)
+
+    def _wake_engine(self) -> None:
+        """An ask was queued (RPC thread): an idle engine steps once so that the next step serves it."""
+        engine = self._wake_ref() if self._wake_ref is not None else None
+        if engine is None:
+            return
+        try:
+            from vllm.v1.engine import EngineCoreRequestType
+
+            engine.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+        except Exception as e:  # the engine is shutting down
+            log.debug("remote-g2 tier: cannot wake the engine: %s", e)
+
+    def has_pending_work(self) -> bool:
+        if self.server is not None and self.server.has_work():
+            return True
+        if self.fetcher is not None and self.fetcher.busy():
+            return True
+        with self._lock:
+            return bool(self._done)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def drain_jobs(self) -> None:
+        if self.fetcher is not None:
+            self.fetcher.drain()
+
+    def shutdown(self) -> None:
+        """Stop serving and fetching, unregister nothing (the lease lapses), release every view of the region."""
+        for name in ("_publisher", "_mirror"):
+            part = getattr(self, name)
+            setattr(self, name, None)
+            if part is not None:
+                part.close()
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self.fetcher is not None:
+            self.fetcher.close()
+            self.fetcher = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None

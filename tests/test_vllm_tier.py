@@ -1,0 +1,211 @@
+"""remote-g2's secondary tier inside vLLM's real tiering manager, with no engine: two processes, a real registry
+(its server and change feed, the tier's in-process mirror), real NIXL agents, vLLM's own shared primary region.
+
+Each process is tests/vllm_procs/tier_proc.py: vLLM's ``TieringOffloadingSpec`` builds its CPU primary tier and
+the tier by ``module_path``. Holder A stores chunks (bytes drawn from a seed), which the tier publishes; reader
+B looks them up, vLLM promotes them through the tier (resolve at A, NIXL READ into B's primary rows, release),
+and B's rows are compared with the bytes A wrote. Failures must end as misses, never as other bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+pytest.importorskip("vllm")
+
+PROC = Path(__file__).parent / "vllm_procs" / "tier_proc.py"
+BLOCK_BYTES = 8192  # one block's KV on one worker: a row of 8 KiB
+FP = {"model_id": "tiny#w-" + "a" * 32, "dtype": "bfloat16", "tokens_per_block": 16, "num_layers": 2,
+      "num_kv_heads": 2, "head_dim": 64, "tp_size": 1, "hash_scheme": "vllm/sha256/test",
+      "kv_layout": f"tier/tp1/default/r{BLOCK_BYTES}"}
+
+
+class Side:
+    """One tier_proc.py process, spoken to a JSON line at a time."""
+
+    def __init__(self, registry: str, worker_id: str, *, fp: dict | None = None, idle: bool = False,
+                 tier: dict | None = None) -> None:
+        self.engine_id = f"remote-g2-test-{os.urandom(6).hex()}"
+        cfg = {"registry": registry, "worker_id": worker_id, "fingerprint": fp or FP, "block_bytes": BLOCK_BYTES,
+               "cpu_bytes": 64 * BLOCK_BYTES, "idle": idle, "tier": tier or {}, "engine_id": self.engine_id}
+        self.proc = subprocess.Popen([sys.executable, str(PROC), json.dumps(cfg)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env={**os.environ, "UCX_LOG_LEVEL": "error"})
+        self.info = self.read(60)
+        assert self.info.get("ready"), self.info
+
+    def read(self, timeout_s: float) -> dict:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
+            if ready:
+                line = self.proc.stdout.readline()
+                assert line, f"the tier process exited ({self.proc.poll()})"
+                if line.startswith(b"@@ "):
+                    return json.loads(line[3:])
+        raise AssertionError(f"no answer from the tier process within {timeout_s} s")
+
+    def ask(self, timeout_s: float = 30, **cmd: object) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.proc.stdin.flush()
+        return self.read(timeout_s)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.ask(op="stop", timeout_s=30)
+            except (AssertionError, BrokenPipeError, OSError):
+                pass
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def keys(n: int, tag: str) -> list[str]:
+    return [(hashlib.sha256(f"{tag}-{i}".encode()).digest() + bytes(4)).hex() for i in range(n)]
+
+
+def expected(seed: int, key_hex: str, row_bytes: int) -> str:
+    out = bytearray()
+    block = hashlib.sha256(seed.to_bytes(8, "big") + bytes.fromhex(key_hex)).digest()
+    while len(out) < row_bytes:
+        out += block
+        block = hashlib.sha256(block).digest()
+    return hashlib.sha256(bytes(out[:row_bytes])).hexdigest()
+
+
+def load_until(side: Side, wanted: list[str], *, hits: int, timeout_s: float = 20) -> dict:
+    """Load ``wanted`` until at least ``hits`` of them land (the holder's publishing reaches the mirror in ms)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = side.ask(op="load", keys=wanted, timeout_s=5)["got"]
+        if sum(v is not None and v != "timeout" for v in got.values()) >= hits or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def registry_url():
+    from remote_g2.registry import MemoryStore, RegistryServer
+
+    server = RegistryServer(MemoryStore(lease_ttl_ms=5000), bind="tcp://127.0.0.1:0", feed_bind="tcp://127.0.0.1:0")
+    try:
+        yield server.start()
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def pair(registry_url):
+    """Holder A (stepping only while its tier has work, as an idle engine) and reader B, shared by the tests
+    below (each with keys of its own): starting a process with vLLM costs seconds."""
+    a = Side(registry_url, "a", idle=True)
+    b = Side(registry_url, "b", tier={"fetch_timeout_s": 2.0})
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def test_a_chunk_stored_by_one_instance_is_read_byte_exact_by_another(pair):
+    a, b = pair
+    assert a.info["sharing"] and b.info["sharing"]
+    ks = keys(6, "prefix")
+    served = a.ask(op="stats")["served"]
+    assert a.ask(op="store", keys=ks, seed=7) == {"stored": 6}
+    got = load_until(b, ks, hits=6)
+    row = b.info["row_bytes"]
+    assert got == {k: expected(7, k, row) for k in ks}
+    stats = a.ask(op="stats")
+    assert stats["served"] > served and stats["open_leases"] == 0 and stats["lapsed"] == 0  # released, unpinned
+    # now in B's own primary tier: a second load takes nothing from A
+    assert b.ask(op="load", keys=ks, timeout_s=5)["got"] == got
+    assert a.ask(op="stats")["served"] == stats["served"]
+
+
+def test_the_test_sees_other_bytes_negative_control(pair):
+    """The comparison is real: bytes written under another seed do not pass it."""
+    a, b = pair
+    ks = keys(2, "control")
+    a.ask(op="store", keys=ks, seed=8)
+    got = load_until(b, ks, hits=2)
+    assert all(v is not None for v in got.values())
+    assert got != {k: expected(7, k, b.info["row_bytes"]) for k in ks}
+    assert got == {k: expected(8, k, b.info["row_bytes"]) for k in ks}
+
+
+def test_an_idle_holder_takes_no_steps_until_a_peer_asks(pair):
+    """The tier says it has work only while a peer's ask waits or a lease is open: an idle engine stays idle."""
+    a, b = pair
+    ks = keys(2, "idle")
+    a.ask(op="store", keys=ks, seed=9)
+    time.sleep(0.3)  # (the store's job result is collected by a step or two)
+    before = a.ask(op="stats")["steps"]
+    time.sleep(1.0)
+    assert a.ask(op="stats")["steps"] == before  # nothing asked: not one step in a second
+    got = load_until(b, ks, hits=2)
+    assert got == {k: expected(9, k, b.info["row_bytes"]) for k in ks}
+    after = a.ask(op="stats")
+    assert after["open_leases"] == 0
+    assert 0 < after["steps"] - before < 200  # it stepped while asked, then went idle again
+
+
+def test_other_fingerprints_never_share(pair, registry_url):
+    a, _ = pair
+    other = Side(registry_url, "c", fp={**FP, "dtype": "float16"})
+    try:
+        ks = keys(3, "fp")
+        served = a.ask(op="stats")["served"]
+        a.ask(op="store", keys=ks, seed=1)
+        time.sleep(1.0)  # A's chunks are in the registry by now (a same-fingerprint reader sees them: above)
+        assert other.ask(op="load", keys=ks, timeout_s=5)["got"] == {k: None for k in ks}
+        assert a.ask(op="stats")["served"] == served
+    finally:
+        other.stop()
+    chunked = {**FP, "tokens_per_block": 32}
+    from remote_g2.messages import LayoutFingerprint
+
+    assert LayoutFingerprint(**chunked).compat_key() != LayoutFingerprint(**FP).compat_key()  # another chunk size
+
+
+def test_a_chunk_evicted_after_it_was_published_is_a_miss_and_is_unpublished(pair):
+    a, b = pair
+    ks = keys(4, "evict")
+    a.ask(op="store", keys=ks, seed=3)
+    assert sum(v is not None for v in load_until(b, ks[:1], hits=1).values()) == 1  # B's mirror has them
+    missed = a.ask(op="stats")["missed"]
+    assert a.ask(op="evict", timeout_s=60) == {"evicted": True}
+    got = b.ask(op="load", keys=ks[1:], timeout_s=10)["got"]
+    assert got == {k: None for k in ks[1:]}  # missed (then recomputed), never other bytes
+    stats = a.ask(op="stats")
+    assert stats["missed"] > missed and stats["open_leases"] == 0
+
+
+def test_a_holder_killed_is_a_miss_not_a_hang(pair, registry_url):
+    _, b = pair
+    doomed = Side(registry_url, "doomed")
+    ks = keys(3, "killed")
+    doomed.ask(op="store", keys=ks, seed=5)
+    assert load_until(b, ks[:1], hits=1) == {ks[0]: expected(5, ks[0], b.info["row_bytes"])}
+    os.kill(doomed.proc.pid, signal.SIGKILL)
+    doomed.proc.wait(10)
+    shm = Path(f"/dev/shm/vllm_offload_{doomed.engine_id}.mmap")
+    shm.unlink(missing_ok=True)  # (vLLM unlinks its region only on an orderly shutdown)
+    t0 = time.monotonic()
+    got = b.ask(op="load", keys=ks[1:], timeout_s=20)["got"]
+    assert got == {k: None for k in ks[1:]}  # B's mirror may still name it: the load fails, and is a miss
+    assert time.monotonic() - t0 < 10

@@ -1,0 +1,164 @@
+"""One vLLM tiering manager with remote-g2's tier, no engine: vLLM's real ``TieringOffloadingSpec`` builds the
+shared primary region, its CPU primary tier and the tier (by ``module_path``, as an engine's connector does).
+
+Run by tests/test_vllm_tier.py in a process of its own::
+
+    python tier_proc.py CONFIG_JSON
+
+and driven over stdin/stdout, one JSON object a line (answers start with ``@@ ``: NIXL logs to stdout). Commands:
+
+* ``{"op": "store", "keys": [hex, ...], "seed": N}``: each chunk is written into the primary region with bytes
+  drawn from ``seed`` and the key (what the engine's worker would copy from the GPU), then completed, which
+  cascades it to the tier (published);
+* ``{"op": "load", "keys": [...], "timeout_s": T}``: looks each key up, steps until each is in the primary tier
+  or missed, and answers ``{"got": {key: sha256 of its row, or null}}``;
+* ``{"op": "evict"}``: stores fresh chunks until every earlier one has left the primary (its LRU);
+* ``{"op": "stats"}``; ``{"op": "stop"}``.
+
+Between commands the manager steps every 2 ms, as an engine's scheduler would (it serves peers then), unless
+the config says ``"idle": true``: then it steps only while the tier says it has work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import select
+import sys
+import time
+import uuid
+
+import numpy as np
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
+                                       OffloadingModelConfig, OffloadingParallelConfig)
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from remote_g2.adapters.vllm_tier.identity import TierIdentity
+from remote_g2.messages import LayoutFingerprint
+
+STEP = ScheduleEndContext((), ())
+
+
+def chunk_bytes(seed: int, key: bytes, n: int) -> bytes:
+    out = bytearray()
+    block = hashlib.sha256(seed.to_bytes(8, "big") + key).digest()
+    while len(out) < n:
+        out += block
+        block = hashlib.sha256(block).digest()
+    return bytes(out[:n])
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    cfg = json.loads(sys.argv[1])
+    fp = LayoutFingerprint(**cfg["fingerprint"])
+    tier = {"type": "RemoteG2Tier", "module_path": "remote_g2.adapters.vllm_tier.tier", "registry": cfg["registry"],
+            "worker_id": cfg["worker_id"], "identity": TierIdentity(fp), **cfg.get("tier", {})}
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
+        worker_kv_bytes_per_block=cfg["block_bytes"], enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": cfg["cpu_bytes"], "blocks_per_chunk": 1, "secondary_tiers": [tier]},
+        engine_id=cfg.get("engine_id") or f"remote-g2-test-{uuid.uuid4().hex[:12]}", model=OffloadingModelConfig("tiny", "bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                                          data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                                          is_parallelism_agnostic=True))
+    spec = TieringOffloadingSpec(config)
+    manager = spec.get_manager()
+    primary = manager.primary_tier
+    view = np.asarray(primary.get_kv_memoryview())  # (rows, row bytes) of uint8, vLLM's shared region
+    rows, row_bytes = view.shape
+    ours = manager.secondary_tiers[0]
+    n_ctx = 0
+    steps = 0
+
+    def say(obj: dict) -> None:
+        sys.stdout.write("@@ " + json.dumps(obj) + "\n")  # (NIXL logs to stdout too)
+        sys.stdout.flush()
+
+    def step() -> None:
+        nonlocal steps
+        manager.on_schedule_end(STEP)
+        steps += 1
+
+    def ctx() -> ReqContext:
+        nonlocal n_ctx
+        n_ctx += 1
+        c = ReqContext(req_id=f"req-{n_ctx}")
+        manager.on_new_request(c)
+        return c
+
+    def store(keys: list[bytes], seed: int) -> None:
+        c = ctx()
+        out = manager.prepare_store(keys, c)
+        assert out is not None, "the primary tier refused the store"
+        for key, row in zip(out.keys_to_store, out.store_spec.chunk_ids):
+            view[int(row)] = np.frombuffer(chunk_bytes(seed, key, row_bytes), np.uint8)
+        manager.complete_store(out.keys_to_store, c, success=True)
+        manager.on_request_finished(c)
+        step()
+
+    def load(keys: list[bytes], timeout_s: float) -> dict[str, str | None]:
+        c = ctx()
+        got: dict[str, str | None] = {}
+        pending = list(keys)
+        deadline = time.monotonic() + timeout_s
+        while pending and time.monotonic() < deadline:
+            for key in list(pending):
+                r = manager.lookup(key, c)
+                if r == LookupResult.HIT:
+                    spec_ = manager.prepare_load([key], c)
+                    got[key.hex()] = hashlib.sha256(view[int(spec_.chunk_ids[0])].tobytes()).hexdigest()
+                    manager.complete_load([key], c)
+                    pending.remove(key)
+                elif r == LookupResult.MISS:
+                    got[key.hex()] = None
+                    pending.remove(key)
+            step()
+            time.sleep(0.002)
+        for key in pending:
+            got[key.hex()] = "timeout"
+        manager.on_request_finished(c)
+        return got
+
+    say({"ready": True, "rows": rows, "row_bytes": row_bytes, "pid": os.getpid(),
+         "sharing": ours.server is not None})
+    idle = bool(cfg.get("idle"))
+    while True:
+        readable, _, _ = select.select([sys.stdin], [], [], 0.002)
+        if not readable:
+            if not idle or ours.has_pending_work():
+                step()
+            continue
+        line = sys.stdin.readline()
+        if not line:
+            break
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "store":
+            store([bytes.fromhex(k) for k in cmd["keys"]], int(cmd["seed"]))
+            say({"stored": len(cmd["keys"])})
+        elif op == "load":
+            say({"got": load([bytes.fromhex(k) for k in cmd["keys"]], float(cmd.get("timeout_s", 10)))})
+        elif op == "evict":
+            fresh = [os.urandom(32) + bytes(4) for _ in range(rows)]
+            for i in range(0, len(fresh), 8):
+                store(fresh[i:i + 8], 0)
+            say({"evicted": True})
+        elif op == "stats":
+            server, fetcher = ours.server, ours.fetcher
+            say({"steps": steps, "served": server.served if server else 0, "missed": server.missed if server else 0,
+                 "lapsed": server.lapsed if server else 0, "open_leases": server.open_leases() if server else 0,
+                 "read": fetcher.chunks_read if fetcher else 0, "failed": fetcher.chunks_failed if fetcher else 0})
+        elif op == "stop":
+            break
+    del view  # (a view of the region left alive would keep vLLM from unmapping it)
+    manager.shutdown()
+    say({"stopped": True})
+
+
+if __name__ == "__main__":
+    main()
