@@ -30,12 +30,15 @@ is done by threads of :mod:`.serving` and :mod:`.fetching`.
   at once: the chunk stays where the primary keeps it.
 * **serve_external_requests:** :class:`~.serving.ChunkServer`: peers' asks,
   pinned through the ``ParentManager``, unpinned when their lease ends.
-* **Eviction:** the manager tells a tier nothing when the primary evicts. A
-  published chunk a peer then asks for is answered ``miss`` and unpublished
-  there; the published set is also bounded by the primary's row count, the
-  oldest unpublished first. Until one of those, the registry may name this
-  instance for a chunk it no longer holds: a peer's load of it fails and is
-  recomputed, never read wrong.
+* **Eviction:** the manager tells a tier nothing when the primary evicts, so
+  the tier wraps the primary's cache policy (:func:`watch_evictions`: its
+  ``evict``, ``remove`` and ``clear``) and unpublishes each key as it leaves;
+  the registry lags by the publisher's flush (50 ms) and the feed. Where the
+  primary is not found, a published chunk a peer asks for and that is gone
+  is answered ``miss`` and unpublished then, and the published set is capped
+  at the primary's row count. Either way a chunk the registry still names
+  but the holder no longer has is a failed load, recomputed, never read
+  wrong.
 * **An idle engine:** peers are served only while the engine steps. The
   tier says it has work only while asks wait or leases are open, and a new
   ask wakes an idle engine (vLLM's own ``WAKEUP`` on the engine core's input
@@ -54,7 +57,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from vllm.v1.kv_offload.base import Locality, LookupResult, OffloadKey, ReqContext, RequestOffloadingContext
@@ -87,6 +90,42 @@ def _engine_input_queue(max_depth: int = 48) -> Any:
     return None
 
 
+def _primary_of_caller(max_depth: int = 8) -> Any:
+    """The primary tier vLLM built just before this tier (``TieringOffloadingSpec.get_manager``'s local), or None."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        primary = frame.f_locals.get("primary_tier")
+        if primary is not None and hasattr(primary, "_policy"):
+            return primary
+        frame = frame.f_back
+    return None
+
+
+def watch_evictions(policy: Any, removed: Callable[[list[bytes] | None], None]) -> None:
+    """Have ``policy`` (the primary tier's cache policy) tell ``removed`` every key that leaves it: evicted,
+    removed (a failed write), or all of them (``None``: the cache was reset). vLLM tells a secondary tier
+    nothing of the primary's evictions; its policy is where they happen (``CPUOffloadingManager.prepare_store``)."""
+    evict, remove, clear = policy.evict, policy.remove, policy.clear
+
+    def evict_and_tell(n: int, protected: Any) -> Any:
+        out = evict(n, protected)
+        if out:
+            removed([bytes(key) for key, _ in out])
+        return out
+
+    def remove_and_tell(key: Any) -> None:
+        remove(key)
+        removed([bytes(key)])
+
+    def clear_and_tell() -> None:
+        clear()
+        removed(None)
+
+    policy.evict, policy.remove, policy.clear = evict_and_tell, remove_and_tell, clear_and_tell
+
+
 class RemoteG2Tier(SecondaryTierManager):
     """The tier (see the module docstring); built by vLLM's ``SecondaryTierFactory``."""
 
@@ -113,6 +152,8 @@ class RemoteG2Tier(SecondaryTierManager):
         self.identity = identity
         self.fingerprint = identity.fingerprint
         self._wake_ref = _engine_input_queue()
+        self._primary = _primary_of_caller()
+        self._watching = False  # the primary's evictions reach _evicted
         self._lock = threading.Lock()
         self._done: list[JobResult] = []  # store jobs, ended at once
         self._holders: dict[bytes, str] = {}  # key -> the endpoint its lookup found (until its load)
@@ -156,6 +197,13 @@ class RemoteG2Tier(SecondaryTierManager):
         self._publisher = SourcePublisher(self._client, worker_id=self.worker_id, endpoint=endpoint, fingerprint=fp,
                                           snapshot=self._snapshot, load=self.server.open_leases).start()
         self._mirror = RegistryMirror(self.registry, timeout_s=2.0).start()
+        if self._primary is not None:
+            watch_evictions(self._primary._policy, self._evicted)
+            self._watching = True
+        else:
+            log.warning("remote-g2 tier %s: vLLM's primary tier not found: its evictions reach the registry only "
+                        "when a peer asks for an evicted chunk", self.worker_id)
+        self._primary = None  # (only its policy was needed)
         log.info("remote-g2 tier %s: sharing %d-token chunks (%d bytes a row, %d rows) as %s at %s", self.worker_id,
                  fp.tokens_per_block, self.row_bytes, self.num_rows, fp.model_id, endpoint)
 
@@ -238,19 +286,29 @@ class RemoteG2Tier(SecondaryTierManager):
             if new:
                 publisher.stored(new)
             over = len(self._published) - self.num_rows
-            if over > 0:  # more than the primary can hold: the oldest are gone from it, or soon will be
+            if over > 0 and not self._watching:  # more than the primary holds: the oldest are gone, or soon
                 old = [self._published.popitem(last=False)[0] for _ in range(over)]
                 publisher.removed(old)
         with self._lock:
             self._done.append(JobResult(job_id=job_metadata.job_id, success=True))
 
     def _unpublish(self, hashes: list[bytes]) -> None:
-        """A peer asked for chunks this instance no longer holds (RPC thread): the registry forgets them."""
+        """Chunks this instance no longer holds (scheduler thread): the registry forgets them."""
         gone = [h for h in hashes if h in self._published]
         for h in gone:
             self._published.pop(h, None)
         if gone and self._publisher is not None:
             self._publisher.removed(gone)
+
+    def _evicted(self, keys: list[bytes] | None) -> None:
+        """Keys the primary tier let go of (its cache policy, on the scheduler thread): unpublished at once."""
+        if keys is None:
+            gone = list(self._published)
+            self._published.clear()
+            if gone and self._publisher is not None:
+                self._publisher.removed(gone)
+            return
+        self._unpublish([k[:-4] for k in keys if int.from_bytes(k[-4:], "big") == TIER_GROUP])
 
     def _snapshot(self) -> list[bytes]:
         return list(self._published)
