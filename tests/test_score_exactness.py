@@ -203,3 +203,26 @@ def test_an_instance_without_a_model_identity_is_unscored_not_zero():
     with pytest.raises(CannotScore) as e:  # nothing else to score: an error, never a silent zero
         Scorer(store).score(ScoreRequest("m", tokens))
     assert e.value.reason == "no_identity"
+
+
+def test_a_vllm_tier_worker_is_scored_by_its_chunks():
+    """A RemoteG2Tier worker publishes one key per chunk: the hash of the chunk's last hash unit (vLLM's
+    OffloadKey without its group). Its fingerprint names the chunk's tokens and the unit (adapters/vllm_tier/
+    identity.py), so the scorer hashes the prompt at the unit and takes every chunk's last hash: scored exactly,
+    readable, like a connector's blocks."""
+    tokens = list(range(5000, 5000 + 64 * 5 + 20))
+    unit, blocks_per_chunk = 16, 4
+    hashes = VllmBlockHasher("sha256", DEFAULT_SEED, unit).hashes(tokens)
+    chunk_keys = hashes[blocks_per_chunk - 1::blocks_per_chunk]  # vLLM's OffloadingConnectorScheduler naming
+    assert len(chunk_keys) == 5
+    scheme = with_hash_unit(scheme_name("sha256", DEFAULT_SEED), unit, unit * blocks_per_chunk)
+    tier_fp = LayoutFingerprint(model_id="m#w-1", dtype="bfloat16", tokens_per_block=unit * blocks_per_chunk,
+                                kv_layout="tier/tp1/default/r262144", num_layers=2, num_kv_heads=2, head_dim=64,
+                                tp_size=1, hash_scheme=scheme)
+    store = MemoryStore(lease_ttl_ms=60_000)
+    store.register_worker(RegisterWorker("tier-a", "tcp://10.0.0.4:7000", tier_fp, 1))
+    store.apply_events(Events("tier-a", 1, 1, [BlockEvent("stored", chunk_keys[:3])]))
+    reply = Scorer(store).score(ScoreRequest("m", tokens))
+    (w,) = reply.workers
+    assert (w.matched_blocks, w.matched_tokens, w.block_size, w.readable) == (3, 3 * 64, 64, True)
+    assert reply.unscored == []
