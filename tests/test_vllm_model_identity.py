@@ -102,7 +102,8 @@ def test_dummy_weights_share_nothing_and_say_so_once(tmp_path: Path, model_dir: 
     _, fps = vh.result_and_fingerprints(d, registry)
     log = d.text()
     assert log.count(NOT_SHARING) == 1, log[-4000:]
-    assert "vllm-d" not in fps  # no source: nothing published, nobody can read it
+    # no source: registered for operators to see, under an identity nothing else has; nothing published
+    assert unshared_kind(fps["vllm-d"].model_id) == "generated"
     assert vh.blocks_fetched(log) == 0 and "blocks loaded from a remote G2" not in log
 
 
