@@ -13,10 +13,12 @@ connector's and the tiering manager's metrics, and the tier object is readable h
 time, in order; after each one the file records its tokens, ``num_cached_tokens``, the cumulative metrics that
 name the tier or the offloading, and the tier's own counters. ``out`` is written once they all ran.
 
-With ``hold_file`` the engine then stays up until that file exists, and keeps stepping: every ~50 ms a
-one-token request. An in-process engine core has no ``EngineCoreProc`` whose input queue the tier could wake,
-so an idle one would not serve its peers' asks; the tier serves only from the manager's steps. When the hold
-ends the tier's counters are written to ``out + ".final"``.
+With ``hold_file`` the engine then stays up, idle, until that file exists. With ``multiprocess`` the engine core
+runs in a process of its own (vLLM's ``EngineCoreProc``): a peer's ask then wakes the idle engine (the tier puts
+vLLM's ``WAKEUP`` on its input queue), and the hold measures the CPU this engine's processes used meanwhile.
+Without it an in-process engine core has no input queue to wake, so the hold keeps it stepping instead (a
+one-token request every ~50 ms). When the hold ends, ``out + ".final"`` gets the tier's counters (in-process)
+or the hold's CPU (multiprocess).
 """
 
 from __future__ import annotations
@@ -74,9 +76,33 @@ def write(path: str, obj: Any) -> None:
     tmp.replace(path)  # a reader never sees half a file
 
 
+def tree_cpu_s() -> float:
+    """User + system CPU of this process and every process under it, in seconds (from /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(d.name)] = int(fields[1])
+        cpu[int(d.name)] = (int(fields[11]) + int(fields[12])) / tick
+    mine, frontier = {os.getpid()}, [os.getpid()]
+    while frontier:
+        kids = [pid for pid, pp in parent.items() if pp in frontier and pid not in mine]
+        mine.update(kids)
+        frontier = kids
+    return sum(cpu.get(pid, 0.0) for pid in mine)
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # (module docstring)
+    multiprocess = bool(cfg.get("multiprocess"))
+    if not multiprocess:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # (module docstring)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -90,10 +116,11 @@ def main() -> None:
     # The settings of tests/vllm_procs/instance.py's plain vLLM (the outputs are compared with its).
     llm = LLM(model=cfg["model"], tokenizer=cfg["model"], dtype="float32", block_size=BLOCK, enforce_eager=True,
               max_model_len=1024, max_num_seqs=8, seed=0, kv_transfer_config=kv, disable_log_stats=False)
-    tier = the_tier(llm)
+    tier = None if multiprocess else the_tier(llm)
     # Lookups miss until the tier's registry mirror holds its first complete copy; the engine's start-up gives it
     # seconds, but a loaded box must not turn that race into a test failure.
-    assert tier._mirror is None or tier._mirror.wait_ready(30), "the tier's registry mirror never got a copy"
+    assert tier is None or tier._mirror is None or tier._mirror.wait_ready(30), \
+        "the tier's registry mirror never got a copy"
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     entries = json.loads(Path(cfg["prompts"]).read_text())
     results = []
@@ -102,16 +129,22 @@ def main() -> None:
         t0 = time.monotonic()
         o = llm.generate([TokensPrompt(prompt_token_ids=e["ids"], **kw)], params, use_tqdm=False)[0]
         results.append({"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens or 0,
-                        "s": round(time.monotonic() - t0, 3), "metrics": metrics(llm), "tier": tier_counters(tier)})
-    write(cfg["out"], results)
+                        "s": round(time.monotonic() - t0, 3), "metrics": metrics(llm),
+                        "tier": tier_counters(tier) if tier is not None else None})
     hold = cfg.get("hold_file")
+    cpu0, t_hold = tree_cpu_s(), time.monotonic()
+    write(cfg["out"], results)
     if hold:
         tick = SamplingParams(temperature=0.0, max_tokens=1)
         deadline = time.monotonic() + 300
         while not os.path.exists(hold) and time.monotonic() < deadline:
-            llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], tick, use_tqdm=False)  # a step: peers served
+            if not multiprocess:  # (module docstring)
+                llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], tick, use_tqdm=False)
             time.sleep(0.05)
-        write(cfg["out"] + ".final", tier_counters(tier))
+        if multiprocess:
+            write(cfg["out"] + ".final", {"hold_s": time.monotonic() - t_hold, "hold_cpu_s": tree_cpu_s() - cpu0})
+        else:
+            write(cfg["out"] + ".final", tier_counters(tier))
     os._exit(0)  # do not wait for interpreter teardown (vLLM's and NIXL's threads)
 
 
