@@ -221,3 +221,60 @@ def test_a_holder_killed_is_a_miss_not_a_hang(pair, registry_url):
     got = b.ask(op="load", keys=ks[1:], timeout_s=20)["got"]
     assert got == {k: None for k in ks[1:]}  # B's mirror may still name it: the load fails, and is a miss
     assert time.monotonic() - t0 < 10
+
+
+def _spec(**extra: object):
+    """vLLM's real TieringOffloadingSpec over an OffloadingConfig as an engine would build it (32-token blocks)."""
+    from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
+                                           OffloadingModelConfig, OffloadingParallelConfig)
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    groups = extra.pop("groups", (OffloadingGroupConfig(tokens_per_block=32, layer_names=("l0", "l1"),
+                                                        group_id=0),))
+    config = OffloadingConfig(
+        groups=groups, worker_kv_bytes_per_block=BLOCK_BYTES, enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": 64 * BLOCK_BYTES}, engine_id="unused",
+        model=OffloadingModelConfig("tiny", "float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=int(extra.pop("tokens_per_hash", 32)), blocks_per_chunk=2),
+        parallel=OffloadingParallelConfig(rank=0, world_size=int(extra.pop("world_size", 1)), tp_size=1, pp_size=1,
+                                          pcp_size=1, dcp_size=1, data_parallel_index=0, data_parallel_size=1,
+                                          data_parallel_rank_local=None, is_parallelism_agnostic=True),
+        **extra)
+    return TieringOffloadingSpec(config)
+
+
+def test_the_tier_fingerprint_holds_what_must_match(model_dir: Path) -> None:
+    """tier_identity: the connector's model identity, the chunk's tokens, the hash unit, the row; none with LoRA,
+    several KV-cache groups or generated weights."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_offload.config import OffloadingGroupConfig
+
+    from remote_g2.adapters.vllm import block_identity
+    from remote_g2.adapters.vllm_tier.identity import tier_identity
+    from remote_g2.load_snapshot import MARGIN_NS, StartMark
+
+    def config(**kw: object):
+        return EngineArgs(model=str(model_dir), tokenizer=str(model_dir), dtype="float32", block_size=32,
+                          enforce_eager=True, max_model_len=1024, **kw).create_engine_config()
+
+    vc = config()
+    mark = StartMark(time.time_ns() + 2 * MARGIN_NS, "the test's engine started")  # (the model is fresh: see harness)
+    ident = block_identity.model_identity(vc.model_config, vc.load_config, vc.cache_config, digest_cache=None,
+                                          mark=mark)
+    assert ident.model_id is not None, ident.why_not
+    fp = tier_identity(_spec(), 4096, vc, identity=ident).fingerprint
+    assert fp is not None and fp.model_id == ident.model_id and fp.dtype == "float32"
+    assert fp.tokens_per_block == 64 and fp.kv_layout == "tier/tp1/default/r4096"  # two 32-token blocks a chunk
+    assert fp.hash_scheme.endswith("/u32") and fp.hash_scheme.startswith("vllm/sha256/")  # keyed by each chunk's last
+    assert tier_identity(_spec(world_size=2), 4096, vc, identity=ident).fingerprint.kv_layout.startswith("tier/tp2/")
+    canonical = tier_identity(_spec(canonical_layout=True), 4096, vc, identity=ident).fingerprint
+    assert canonical.kv_layout.startswith("tier/canonical/") and canonical.compat_key() != fp.compat_key()
+    assert tier_identity(_spec(tokens_per_hash=16), 4096, vc, identity=ident).fingerprint.compat_key() != \
+        fp.compat_key()  # another hash unit: other keys for the same chunks
+
+    two_groups = (OffloadingGroupConfig(32, ("l0",), 0), OffloadingGroupConfig(32, ("l1",), 1))
+    assert tier_identity(_spec(groups=two_groups), 4096, vc, identity=ident).kind == "kv_cache_groups"
+    assert tier_identity(_spec(), 4096, config(enable_lora=True), identity=ident).kind == "lora"
+    dummy = config(load_format="dummy")
+    assert tier_identity(_spec(), 4096, dummy).kind == "generated"
+    assert tier_identity(_spec(), 4096, None).kind == "unreadable"
