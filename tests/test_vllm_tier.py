@@ -36,12 +36,13 @@ class Side:
     """One tier_proc.py process, spoken to a JSON line at a time."""
 
     def __init__(self, registry: str, worker_id: str, *, fp: dict | None = None, idle: bool = False,
-                 tier: dict | None = None) -> None:
+                 tier: dict | None = None, block_bytes: int = BLOCK_BYTES, rows: int = 64, quiet: bool = False) -> None:
         self.engine_id = f"remote-g2-test-{os.urandom(6).hex()}"
-        cfg = {"registry": registry, "worker_id": worker_id, "fingerprint": fp or FP, "block_bytes": BLOCK_BYTES,
-               "cpu_bytes": 64 * BLOCK_BYTES, "idle": idle, "tier": tier or {}, "engine_id": self.engine_id}
+        cfg = {"registry": registry, "worker_id": worker_id, "fingerprint": fp or FP, "block_bytes": block_bytes,
+               "cpu_bytes": rows * block_bytes, "idle": idle, "tier": tier or {}, "engine_id": self.engine_id}
         self.proc = subprocess.Popen([sys.executable, str(PROC), json.dumps(cfg)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env={**os.environ, "UCX_LOG_LEVEL": "error"})
+                                     stdout=subprocess.PIPE, env={**os.environ, "UCX_LOG_LEVEL": "error"},
+                                     stderr=subprocess.DEVNULL if quiet else None)
         self.info = self.read(60)
         assert self.info.get("ready"), self.info
 

@@ -9,9 +9,9 @@ never on the scheduler's:
 2. per run, a ``resolve`` RPC to the holder's :class:`~.serving.ChunkServer`:
    it pins the longest prefix it still holds and names their rows;
 3. one NIXL READ of those rows into the reserved ones (one descriptor per
-   run of rows contiguous on both sides), polled to its end, then a
-   ``release``;
-4. the job's result: every key read, or which ones were (partial success).
+   run of rows contiguous on both sides), polled to its end;
+4. the job's result: every key read, or which ones were (partial success);
+   then the ``release`` of its leases, off the job's critical path.
 
 A key is reported read only when its READ completed ``done`` while its lease
 was held (the READ must end within half the lease's TTL): a holder that
@@ -26,6 +26,7 @@ import queue
 import secrets
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,8 @@ from remote_g2.secondary_pool import MemoryRegion
 __all__ = ["ChunkFetcher", "LoadRun"]
 
 log = logging.getLogger("remote_g2.adapters.vllm_tier")
+
+_SPIN_S = 0.002  # a READ is polled without a pause this long (most end within it), then every 0.2 ms
 
 
 @dataclass(frozen=True)
@@ -88,8 +91,9 @@ class ChunkFetcher:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"remote-g2-tier-fetch-{worker_id}", daemon=True)
         self._thread.start()
-        # Counters, for logs, metrics and tests.
+        # Counters, for logs, metrics and tests; the last jobs' (chunks read, seconds in all, resolving, READing).
         self.chunks_read = self.chunks_failed = 0
+        self.recent: deque[tuple[int, float, float, float]] = deque(maxlen=1024)
 
     def submit(self, job_id: int, runs: list[LoadRun]) -> None:
         """Queue a job (from the scheduler thread: returns at once)."""
@@ -133,21 +137,31 @@ class ChunkFetcher:
             job_id, runs = item
             t0 = time.perf_counter()
             ok: list[bytes] = []
+            leases: list[tuple[str, int]] = []
             wanted = sum(len(r.keys) for r in runs)
+            phases = [0.0, 0.0]  # seconds resolving (the holder's step included), seconds READing
             for run in runs:
                 try:
-                    ok += self._load_run(run)
+                    ok += self._load_run(run, leases, phases)
                 except Exception as e:  # a holder gone, a bad answer, a failed READ: those keys are recomputed
                     log.info("tier fetch of %d chunks from %s failed: %s", len(run.keys), run.endpoint, e)
             self.chunks_read += len(ok)
             self.chunks_failed += wanted - len(ok)
+            seconds = time.perf_counter() - t0
+            self.recent.append((len(ok), seconds, phases[0], phases[1]))
             result = JobResult(job_id=job_id, success=len(ok) == wanted,
                                successful_keys=None if len(ok) == wanted else ok,
-                               transfer_time=time.perf_counter() - t0, transfer_bytes=len(ok) * self.row_bytes)
+                               transfer_time=seconds, transfer_bytes=len(ok) * self.row_bytes)
             with self._lock:
                 self._results.append(result)
                 self._busy -= 1
                 self._idle.notify_all()
+            # The job is done once its bytes landed; its leases are given back after, off its critical path.
+            for endpoint, lease_id in leases:
+                try:
+                    self._client(endpoint).call(Release(lease_id), fail_fast=True)
+                except Exception as e:  # the lease lapses at the holder on its own
+                    log.debug("tier release at %s failed: %s", endpoint, e)
 
     def _client(self, endpoint: str) -> Any:
         from remote_g2.rpc_client import RpcClient
@@ -157,46 +171,48 @@ class ChunkFetcher:
             client = self._clients[endpoint] = RpcClient(endpoint, timeout_ms=self.rpc_timeout_ms)
         return client
 
-    def _load_run(self, run: LoadRun) -> list[bytes]:
-        """READ what the holder still holds of ``run``; the keys read (a prefix of ``run.keys``)."""
+    def _load_run(self, run: LoadRun, leases: list[tuple[str, int]], phases: list[float]) -> list[bytes]:
+        """READ what the holder still holds of ``run``; the keys read (a prefix of ``run.keys``). The lease taken
+        is appended to ``leases`` (released by the caller, READ or not); the time spent to ``phases``."""
         client = self._client(run.endpoint)
         t = self.transfer
         started = time.monotonic()
         reply = client.call(Resolve(run.hashes, self.lease_ttl_ms, self.worker_id,
                                     [name for name in (self._agent_of(run.endpoint),) if name and t.has_peer(name)]),
                             fail_fast=True)
+        resolved = time.monotonic()
+        phases[0] += resolved - started
         if reply.reason != "ok" or reply.matched == 0:
             return []
+        leases.append((run.endpoint, reply.lease_id))
+        info = reply.metadata[0]
+        if not t.has_peer(info.agent_name):
+            if info.agent_metadata is None:
+                raise RemoteG2Error(f"{run.endpoint} sent no metadata for agent {info.agent_name}")
+            t.add_peer(info.agent_name, info.agent_metadata)
+            self._agents[run.endpoint] = info.agent_name
+        rows = list(reply.ranks[0].block_ids[:reply.matched])
+        if info.layout.block_bytes != self.row_bytes or any(not 0 <= r < info.layout.num_blocks for r in rows):
+            raise RemoteG2Error(f"{run.endpoint} answered rows outside its region or of another size "
+                                f"({info.layout.block_bytes} bytes, not {self.row_bytes})")
+        deadline = started + min(self.timeout_s, reply.expires_in_ms / 2000)
+        local, remote, nbytes = coalesce(run.rows[:len(rows)], rows, self.row_bytes, self.region_base,
+                                         info.pool_base)
+        handle = t.start_read(info.agent_name, local, remote, nbytes, not_after=deadline)
         try:
-            info = reply.metadata[0]
-            if not t.has_peer(info.agent_name):
-                if info.agent_metadata is None:
-                    raise RemoteG2Error(f"{run.endpoint} sent no metadata for agent {info.agent_name}")
-                t.add_peer(info.agent_name, info.agent_metadata)
-                self._agents[run.endpoint] = info.agent_name
-            rows = list(reply.ranks[0].block_ids[:reply.matched])
-            if info.layout.block_bytes != self.row_bytes or any(not 0 <= r < info.layout.num_blocks for r in rows):
-                raise RemoteG2Error(f"{run.endpoint} answered rows outside its region or of another size "
-                                    f"({info.layout.block_bytes} bytes, not {self.row_bytes})")
-            deadline = started + min(self.timeout_s, reply.expires_in_ms / 2000)
-            local, remote, nbytes = coalesce(run.rows[:len(rows)], rows, self.row_bytes, self.region_base,
-                                             info.pool_base)
-            handle = t.start_read(info.agent_name, local, remote, nbytes, not_after=deadline)
-            try:
-                while (state := t.poll(handle)) == "pending":
-                    if time.monotonic() > deadline:
-                        raise RemoteG2Error(f"READ from {run.endpoint} not done within its deadline")
+            spin_until = time.monotonic() + _SPIN_S
+            while (state := t.poll(handle)) == "pending":
+                now = time.monotonic()
+                if now > deadline:
+                    raise RemoteG2Error(f"READ from {run.endpoint} not done within its deadline")
+                if now > spin_until:  # a READ this long is not one more poll away: stop spinning a core on it
                     time.sleep(0.0002)
-            finally:
-                t.release(handle)
-            if state != "done" or time.monotonic() > deadline:
-                raise RemoteG2Error(f"READ from {run.endpoint} ended {state!r}")
-            return run.keys[:len(rows)]
         finally:
-            try:
-                client.call(Release(reply.lease_id), fail_fast=True)
-            except Exception as e:  # the lease lapses at the holder on its own
-                log.debug("tier release at %s failed: %s", run.endpoint, e)
+            t.release(handle)
+            phases[1] += time.monotonic() - resolved
+        if state != "done" or time.monotonic() > deadline:
+            raise RemoteG2Error(f"READ from {run.endpoint} ended {state!r}")
+        return run.keys[:len(rows)]
 
     def _agent_of(self, endpoint: str) -> str | None:
         return self._agents.get(endpoint)

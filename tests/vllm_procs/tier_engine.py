@@ -6,7 +6,7 @@ Run by tests/test_vllm_tier_engines.py in a process of its own::
 
 ``CONFIG_JSON``: ``model``, ``prompts`` (a file of entries ``{"ids": [...], "salt": "..."}``, salt optional),
 ``out``, ``registry``, ``worker_id``, ``engine_id`` (vLLM's KV-transfer id: it names the primary tier's
-``/dev/shm`` region file), and optionally ``hold_file``.
+``/dev/shm`` region file), and optionally ``hold_file``, ``multiprocess``, ``no_tier`` (plain vLLM).
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``llm.get_metrics()`` sees the
 connector's and the tiering manager's metrics, and the tier object is readable here. The prompts run one at a
@@ -115,8 +115,9 @@ def main() -> None:
                                         "secondary_tiers": [tier_cfg]}}
     # The settings of tests/vllm_procs/instance.py's plain vLLM (the outputs are compared with its).
     llm = LLM(model=cfg["model"], tokenizer=cfg["model"], dtype="float32", block_size=BLOCK, enforce_eager=True,
-              max_model_len=1024, max_num_seqs=8, seed=0, kv_transfer_config=kv, disable_log_stats=False)
-    tier = None if multiprocess else the_tier(llm)
+              max_model_len=1024, max_num_seqs=8, seed=0, disable_log_stats=False,
+              kv_transfer_config=None if cfg.get("no_tier") else kv)  # (no_tier: plain vLLM, a bench's baseline)
+    tier = None if multiprocess or cfg.get("no_tier") else the_tier(llm)
     # Lookups miss until the tier's registry mirror holds its first complete copy; the engine's start-up gives it
     # seconds, but a loaded box must not turn that race into a test failure.
     assert tier is None or tier._mirror is None or tier._mirror.wait_ready(30), \

@@ -13,6 +13,10 @@ and driven over stdin/stdout, one JSON object a line (answers start with ``@@ ``
 * ``{"op": "load", "keys": [...], "timeout_s": T}``: looks each key up, steps until each is in the primary tier
   or missed, and answers ``{"got": {key: sha256 of its row, or null}}``;
 * ``{"op": "evict"}``: stores fresh chunks until every earlier one has left the primary (its LRU);
+* ``{"op": "fetch_times"}``: the tier's last loads, ``(chunks, seconds from resolve to release)`` each;
+* ``{"op": "raw_read", "endpoint": E, "keys": [...]}``: those chunks READ from holder ``E`` by a NIXL agent of
+  this process's own, into a scratch buffer, timed from the post to ``done`` (bench/bench_vllm_tier.py's
+  baseline);
 * ``{"op": "stats"}``; ``{"op": "stop"}``.
 
 Between commands the manager steps every 2 ms, as an engine's scheduler would (it serves peers then), unless
@@ -49,6 +53,54 @@ def chunk_bytes(seed: int, key: bytes, n: int) -> bytes:
         out += block
         block = hashlib.sha256(block).digest()
     return bytes(out[:n])
+
+
+class RawReader:
+    """A NIXL agent of its own over a scratch buffer: READs a holder's rows with no tier in the way (a bench's
+    baseline; the resolve and release around it are not timed)."""
+
+    def __init__(self, row_bytes: int, rows: int) -> None:
+        self.row_bytes, self.rows = row_bytes, rows
+        self.buf: np.ndarray | None = None
+        self.agent = None
+        self.clients: dict = {}
+
+    def read(self, endpoint: str, hashes: list[bytes]) -> float:
+        from remote_g2.adapters.nixl_transfer import NixlTransfer
+        from remote_g2.adapters.vllm_tier.fetching import coalesce
+        from remote_g2.messages import Release, Resolve
+        from remote_g2.rpc_client import RpcClient
+        from remote_g2.secondary_pool import MemoryRegion
+
+        if self.agent is None:
+            self.buf = np.zeros(self.row_bytes * self.rows, np.uint8)
+            self.agent = NixlTransfer(f"tier-bench-raw-{os.getpid()}")
+            self.agent.register_local([MemoryRegion(self.buf.ctypes.data, self.buf.nbytes)])
+        client = self.clients.get(endpoint) or self.clients.setdefault(endpoint, RpcClient(endpoint))
+        reply = client.call(Resolve(hashes, 10_000, "bench-raw"))
+        assert reply.reason == "ok" and reply.matched == len(hashes), reply
+        try:
+            info = reply.metadata[0]
+            if not self.agent.has_peer(info.agent_name):
+                self.agent.add_peer(info.agent_name, info.agent_metadata)
+            local, remote, nbytes = coalesce(list(range(len(hashes))), list(reply.ranks[0].block_ids),
+                                             self.row_bytes, self.buf.ctypes.data, info.pool_base)
+            t0 = time.perf_counter()
+            handle = self.agent.start_read(info.agent_name, local, remote, nbytes)
+            while (state := self.agent.poll(handle)) == "pending":
+                pass
+            seconds = time.perf_counter() - t0
+            self.agent.release(handle)
+            assert state == "done", state
+            return seconds
+        finally:
+            client.call(Release(reply.lease_id))
+
+    def close(self) -> None:
+        for c in self.clients.values():
+            c.close()
+        if self.agent is not None:
+            self.agent.close()
 
 
 def main() -> None:
@@ -124,6 +176,7 @@ def main() -> None:
         manager.on_request_finished(c)
         return got
 
+    raw = RawReader(row_bytes, rows)
     say({"ready": True, "rows": rows, "row_bytes": row_bytes, "pid": os.getpid(),
          "sharing": ours.server is not None})
     idle = bool(cfg.get("idle"))
@@ -148,6 +201,13 @@ def main() -> None:
             for i in range(0, len(fresh), 8):
                 store(fresh[i:i + 8], 0)
             say({"evicted": True})
+        elif op == "fetch_times":  # the tier's last loads: (chunks, seconds from resolve to release), then forgotten
+            times = list(ours.fetcher.recent) if ours.fetcher else []
+            if ours.fetcher:
+                ours.fetcher.recent.clear()
+            say({"fetches": times})
+        elif op == "raw_read":  # the bench's baseline: the same chunks by one raw NIXL READ into a scratch buffer
+            say({"seconds": raw.read(cmd["endpoint"], [bytes.fromhex(k)[:-4] for k in cmd["keys"]])})
         elif op == "stats":
             server, fetcher = ours.server, ours.fetcher
             say({"steps": steps, "served": server.served if server else 0, "missed": server.missed if server else 0,
@@ -155,6 +215,7 @@ def main() -> None:
                  "read": fetcher.chunks_read if fetcher else 0, "failed": fetcher.chunks_failed if fetcher else 0})
         elif op == "stop":
             break
+    raw.close()
     del view  # (a view of the region left alive would keep vLLM from unmapping it)
     manager.shutdown()
     say({"stopped": True})
