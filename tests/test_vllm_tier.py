@@ -279,3 +279,49 @@ def test_the_tier_fingerprint_holds_what_must_match(model_dir: Path) -> None:
     dummy = config(load_format="dummy")
     assert tier_identity(_spec(), 4096, dummy).kind == "generated"
     assert tier_identity(_spec(), 4096, None).kind == "unreadable"
+
+
+def test_a_lease_never_released_lapses_and_unpins(pair, registry_url):
+    """A reader that resolved and then vanished: its lease lapses after its TTL, and the holder reports the pinning
+    job finished, so vLLM unpins the chunks (they could not be evicted meanwhile)."""
+    from remote_g2.registry import RegistryClient
+
+    a, b = pair
+    ks = keys(2, "lapse")
+    a.ask(op="store", keys=ks, seed=4)
+    with RegistryClient(registry_url) as reg:
+        (endpoint,) = [w.endpoint for w in reg.list_workers() if w.worker_id == "a"]
+    lapsed = a.ask(op="stats")["lapsed"]
+    assert b.ask(op="resolve_only", endpoint=endpoint, keys=ks, ttl_ms=300) == {"matched": 2, "expires_in_ms": 300}
+    assert a.ask(op="stats")["open_leases"] == 1
+    deadline = time.monotonic() + 5
+    while a.ask(op="stats")["open_leases"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stats = a.ask(op="stats")
+    assert stats["open_leases"] == 0 and stats["lapsed"] == lapsed + 1
+    assert a.ask(op="evict", timeout_s=60) == {"evicted": True}  # unpinned: the primary could evict them all
+
+
+def test_a_registry_that_dies_turns_lookups_into_misses_not_hangs(tmp_path):
+    """With the registry gone, the reader's mirror loses its copy: lookups miss (and vLLM recomputes) at once."""
+    from remote_g2.registry import MemoryStore, RegistryServer
+
+    server = RegistryServer(MemoryStore(lease_ttl_ms=5000), bind="tcp://127.0.0.1:0", feed_bind="tcp://127.0.0.1:0")
+    url = server.start()
+    a = b = None
+    try:
+        a, b = Side(url, "ra"), Side(url, "rb")
+        ks = keys(3, "registry-down")
+        a.ask(op="store", keys=ks, seed=6)
+        assert load_until(b, ks[:1], hits=1) == {ks[0]: expected(6, ks[0], b.info["row_bytes"])}
+        server.close()
+        time.sleep(3.0)  # the mirror's heartbeat sees its feed gone (1 s), and drops its copy
+        t0 = time.monotonic()
+        got = b.ask(op="load", keys=ks[1:], timeout_s=10)["got"]
+        assert got == {k: None for k in ks[1:]}  # (A still holds them: without a registry B cannot know)
+        assert time.monotonic() - t0 < 5
+    finally:
+        for side in (b, a):
+            if side is not None:
+                side.stop()
+        server.close()

@@ -17,6 +17,8 @@ and driven over stdin/stdout, one JSON object a line (answers start with ``@@ ``
 * ``{"op": "raw_read", "endpoint": E, "keys": [...]}``: those chunks READ from holder ``E`` by a NIXL agent of
   this process's own, into a scratch buffer, timed from the post to ``done`` (bench/bench_vllm_tier.py's
   baseline);
+* ``{"op": "resolve_only", "endpoint": E, "keys": [...], "ttl_ms": T}``: a lease on those chunks at holder ``E``,
+  never released;
 * ``{"op": "stats"}``; ``{"op": "stop"}``.
 
 Between commands the manager steps every 2 ms, as an engine's scheduler would (it serves peers then), unless
@@ -206,6 +208,13 @@ def main() -> None:
             if ours.fetcher:
                 ours.fetcher.recent.clear()
             say({"fetches": times})
+        elif op == "resolve_only":  # a reader that takes a lease and never gives it back (it died, say)
+            from remote_g2.messages import Resolve
+            from remote_g2.rpc_client import RpcClient
+
+            with RpcClient(cmd["endpoint"]) as client:
+                reply = client.call(Resolve([bytes.fromhex(k)[:-4] for k in cmd["keys"]], int(cmd["ttl_ms"]), "gone"))
+            say({"matched": reply.matched, "expires_in_ms": reply.expires_in_ms})
         elif op == "raw_read":  # the bench's baseline: the same chunks by one raw NIXL READ into a scratch buffer
             say({"seconds": raw.read(cmd["endpoint"], [bytes.fromhex(k)[:-4] for k in cmd["keys"]])})
         elif op == "stats":
