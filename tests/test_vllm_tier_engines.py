@@ -181,6 +181,7 @@ def test_engine_b_reuses_engine_as_chunks_through_the_tier_and_generates_as_plai
         assert delta(out_b, i, TIER_HITS) == CHUNKS, out_b[i]["metrics"]
         assert delta(out_b, i, TIER_READ) == delta(out_b, i, LOADED) == CHUNKS * chunk_bytes, out_b[i]["metrics"]
         assert out_b[i]["tier"]["chunks_read"] - out_b[i - 1]["tier"]["chunks_read"] == CHUNKS, out_b[i]["tier"]
+        assert delta(out_b, i, "vllm:remote_g2_tier_chunks_read") == CHUNKS, out_b[i]["metrics"]  # vLLM's /metrics
     assert out_b[-1]["tier"]["chunks_failed"] == 0
     # A served those while idle: woken by each ask, not stepping meanwhile (a stepping engine burns a core).
     assert final_a["hold_cpu_s"] < 0.5 * final_a["hold_s"], final_a

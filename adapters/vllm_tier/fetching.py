@@ -94,6 +94,7 @@ class ChunkFetcher:
         # Counters, for logs, metrics and tests; the last jobs' (chunks read, seconds in all, resolving, READing).
         self.chunks_read = self.chunks_failed = 0
         self.recent: deque[tuple[int, float, float, float]] = deque(maxlen=1024)
+        self.unreported: deque[float] = deque(maxlen=4096)  # fetch seconds not yet in the tier's stats
 
     def submit(self, job_id: int, runs: list[LoadRun]) -> None:
         """Queue a job (from the scheduler thread: returns at once)."""
@@ -149,6 +150,7 @@ class ChunkFetcher:
             self.chunks_failed += wanted - len(ok)
             seconds = time.perf_counter() - t0
             self.recent.append((len(ok), seconds, phases[0], phases[1]))
+            self.unreported.append(seconds)  # (the tier's metrics take them)
             result = JobResult(job_id=job_id, success=len(ok) == wanted,
                                successful_keys=None if len(ok) == wanted else ok,
                                transfer_time=seconds, transfer_bytes=len(ok) * self.row_bytes)

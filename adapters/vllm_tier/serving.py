@@ -111,7 +111,7 @@ class ChunkServer:
             self.agent.close()
             raise
         # Counters, for logs, metrics and tests.
-        self.served = self.missed = self.lapsed = 0
+        self.served = self.missed = self.lapsed = self.chunks_served = 0
 
     # -- RPC threads -------------------------------------------------------------------------------------
 
@@ -173,6 +173,7 @@ class ChunkServer:
                     ask.done.set()
                 if job is not None:
                     self.served += 1
+                    self.chunks_served += len(held)
                     self.agent.wake()
                 else:
                     self.missed += 1

@@ -126,10 +126,60 @@ def watch_evictions(policy: Any, removed: Callable[[list[bytes] | None], None]) 
     policy.evict, policy.remove, policy.clear = evict_and_tell, remove_and_tell, clear_and_tell
 
 
+#: The tier's metrics, through vLLM's offloading stats (its ``/metrics``, beside the tiering manager's own).
+_COUNTERS = {
+    "vllm:remote_g2_tier_chunks_read": "Chunks this instance READ from peers through remote-g2's tier",
+    "vllm:remote_g2_tier_chunks_failed": "Chunks whose load from a peer failed (recomputed)",
+    "vllm:remote_g2_tier_chunks_served": "Chunks this instance pinned for peers' READs",
+    "vllm:remote_g2_tier_asks_missed": "Peers' asks this instance held none of (evicted, or not served in time)",
+    "vllm:remote_g2_tier_leases_lapsed": "Peers' leases that ended unreleased (their TTL passed)",
+}
+_GAUGES = {
+    "vllm:remote_g2_tier_open_leases": "Peers' leases open on this instance's chunks",
+    "vllm:remote_g2_tier_published_chunks": "Chunks this instance has published to the registry",
+}
+_FETCH_SECONDS = "vllm:remote_g2_tier_fetch_seconds"
+
+
 class RemoteG2Tier(SecondaryTierManager):
     """The tier (see the module docstring); built by vLLM's ``SecondaryTierFactory``."""
 
     cache_hit_source = CacheHitSource.P2P
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        from vllm.v1.kv_offload.base import (OffloadingCounterMetadata, OffloadingGaugeMetadata,
+                                             OffloadingHistogramMetadata)
+
+        out: dict[str, Any] = {name: OffloadingCounterMetadata(doc) for name, doc in _COUNTERS.items()}
+        out.update({name: OffloadingGaugeMetadata(doc) for name, doc in _GAUGES.items()})
+        out[_FETCH_SECONDS] = OffloadingHistogramMetadata(
+            "A load job's time from its first resolve to its last byte",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0))
+        return out
+
+    def get_stats(self) -> Any:
+        """What changed since the last call (counters), the gauges now, and the fetches' times."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+        server, fetcher = self.server, self.fetcher
+        if server is None or fetcher is None:
+            return None
+        now = {"vllm:remote_g2_tier_chunks_read": fetcher.chunks_read,
+               "vllm:remote_g2_tier_chunks_failed": fetcher.chunks_failed,
+               "vllm:remote_g2_tier_chunks_served": server.chunks_served,
+               "vllm:remote_g2_tier_asks_missed": server.missed,
+               "vllm:remote_g2_tier_leases_lapsed": server.lapsed}
+        stats = OffloadingConnectorStats()
+        for name, value in now.items():
+            if value != self._reported.get(name, 0):
+                stats.increase_counter(name, value - self._reported.get(name, 0))
+                self._reported[name] = value
+        stats.set_gauge("vllm:remote_g2_tier_open_leases", server.open_leases())
+        stats.set_gauge("vllm:remote_g2_tier_published_chunks", len(self._published))
+        while fetcher.unreported:
+            stats.observe_histogram(_FETCH_SECONDS, fetcher.unreported.popleft())
+        return stats
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str = "RemoteG2Tier",
                  backpressure_detector: Any = None, *, registry: str | None = None, worker_id: str | None = None,
@@ -160,6 +210,7 @@ class RemoteG2Tier(SecondaryTierManager):
         self._loading: dict[int, list[bytes]] = {}  # load job -> its keys, until its result
         self._failed: dict[bytes, float] = {}  # key -> until when it is a MISS
         self._published: OrderedDict[bytes, None] = OrderedDict()
+        self._reported: dict[str, int] = {}  # each counter's value at the last get_stats
         self.server: ChunkServer | None = None
         self.fetcher: ChunkFetcher | None = None
         self._mirror: Any = None

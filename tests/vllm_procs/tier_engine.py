@@ -32,7 +32,8 @@ from typing import Any
 
 BLOCK = 32
 #: The metrics worth recording: vLLM's cache-hit tokens by source, the connector's and the tiering manager's.
-METRIC_PREFIXES = ("vllm:prompt_tokens_cached_by_source", "vllm:kv_offload_", "vllm:external_prefix_cache_hits")
+METRIC_PREFIXES = ("vllm:prompt_tokens_cached_by_source", "vllm:kv_offload_", "vllm:external_prefix_cache_hits",
+                   "vllm:remote_g2_tier_")
 
 
 def metrics(llm: Any) -> dict[str, float]:
