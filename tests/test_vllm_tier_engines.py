@@ -49,17 +49,6 @@ TIER_HITS = "vllm:kv_offload_tiering_chunk_hits{tier=1:RemoteG2Tier}"
 LOADED = "vllm:kv_offload_load_bytes"  # CPU primary tier -> KV cache
 
 
-@pytest.fixture
-def registry_url():
-    from remote_g2.registry import MemoryStore, RegistryServer
-
-    server = RegistryServer(MemoryStore(lease_ttl_ms=5000), bind="tcp://127.0.0.1:0", feed_bind="tcp://127.0.0.1:0")
-    try:
-        yield server.start()
-    finally:
-        server.close()
-
-
 class Engine:
     """One tier_engine.py process (the engine core in it), on the core(s) ``vh.cores(name)`` gives it."""
 
@@ -129,7 +118,8 @@ def delta(results: list[dict], i: int, key: str) -> float:
 
 
 def test_engine_b_reuses_engine_as_chunks_through_the_tier_and_generates_as_plain_vllm(
-        tmp_path: Path, model_dir: Path, registry_url: str) -> None:
+        tmp_path: Path, model_dir: Path, registry: str) -> None:
+    registry_url = registry  # (conftest's: a registry server on the memory store, with its change feed)
     settled(model_dir)
     t0 = time.monotonic()
     ps = vh.prompts(41, 2, PROMPT_LEN)
