@@ -325,3 +325,20 @@ def test_a_registry_that_dies_turns_lookups_into_misses_not_hangs(tmp_path):
             if side is not None:
                 side.stop()
         server.close()
+
+
+def test_vllms_plugin_takes_the_load_snapshot_for_the_tier_too() -> None:
+    """The snapshot the identity checks against (remote_g2/load_snapshot.py) is taken for the tier's configs as
+    for the connector's: the model's path as it was before vLLM read it."""
+    from vllm.config import KVTransferConfig
+
+    from remote_g2.adapters.vllm.plugin import uses_remote_g2, uses_remote_g2_tier
+
+    def config(tiers: list) -> KVTransferConfig:
+        return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                kv_connector_extra_config={"cpu_bytes_to_use": 1 << 30, "secondary_tiers": tiers})
+
+    ours = config([{"type": "RemoteG2Tier", "module_path": "remote_g2.adapters.vllm_tier.tier"}])
+    assert uses_remote_g2_tier(ours) and not uses_remote_g2(ours)
+    assert not uses_remote_g2_tier(config([{"type": "p2p"}])) and not uses_remote_g2_tier(config([]))
+    assert not uses_remote_g2_tier(None)

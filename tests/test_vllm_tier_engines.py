@@ -17,14 +17,15 @@ blocks on its input queue while it has no work. B's asks reach A's tier on an RP
 wakes the engine core (vLLM's ``WAKEUP``); the step that follows serves them. Over the hold, A's processes must
 not have burnt a core (vLLM's own ``p2p`` tier keeps an idle engine stepping for ever).
 
-The engines start only once the model's files are over ~1.5 s old (:func:`settled`): the tier's model identity
-refuses weights written after its process's start mark, which it floors to the boot time's second.
+The engines run a copy of the model written just before they start: the tier's identity holds against the
+snapshot vLLM's plugin takes before the load (adapters/vllm/plugin.py), not against the process's start.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -103,14 +104,6 @@ class Engine:
             path.unlink()
 
 
-def settled(model: Path) -> None:
-    """Wait until the model's files are over ~1.5 s old. Without vLLM's plugin snapshot the identity's start mark is
-    the process's start time floored to the boot time's second (remote_g2/load_snapshot.py), so weights the
-    fixture wrote just before the engine started count as changed after it: the tier would share nothing."""
-    newest = max(p.stat().st_mtime for p in [model, *model.iterdir()])
-    time.sleep(max(0.0, newest + 1.5 - time.time()))
-
-
 def delta(results: list[dict], i: int, key: str) -> float:
     """How much counter ``key`` grew while prompt ``i`` ran (cumulative snapshots after each prompt)."""
     before = results[i - 1]["metrics"].get(key, 0.0) if i else 0.0
@@ -120,7 +113,10 @@ def delta(results: list[dict], i: int, key: str) -> float:
 def test_engine_b_reuses_engine_as_chunks_through_the_tier_and_generates_as_plain_vllm(
         tmp_path: Path, model_dir: Path, registry: str) -> None:
     registry_url = registry  # (conftest's: a registry server on the memory store, with its change feed)
-    settled(model_dir)
+    # A copy written just now: the tier's identity holds only against the snapshot vLLM's plugin takes before the
+    # load (without it, the start mark falls back to the process's start, floored to a second: fresh weights
+    # would count as changed after it, and the tier would share nothing).
+    model_dir = Path(shutil.copytree(model_dir, tmp_path / "model"))
     t0 = time.monotonic()
     ps = vh.prompts(41, 2, PROMPT_LEN)
     a = Engine(tmp_path, "a", model_dir, [{"ids": p} for p in ps], registry_url, hold=True, multiprocess=True)
@@ -152,6 +148,7 @@ def test_engine_b_reuses_engine_as_chunks_through_the_tier_and_generates_as_plai
     config = json.loads((model_dir / "config.json").read_text())
     head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     chunk_bytes = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head * CHUNK * 4  # K, V fp32
+    assert out_a[-1]["load_snapshot"] and out_b[-1]["load_snapshot"]  # vLLM's plugin took it for the tier's config
     assert out_b[-1]["tier"]["sharing"], out_b[-1]  # both have an identity, and the same fingerprint
     assert fp_a.compat_key() == out_b[-1]["tier"]["fingerprint"] and fp_a.kv_layout.startswith("tier/"), fp_a
     assert [r["num_cached_tokens"] for r in out_a] == [0, 0]

@@ -16,7 +16,8 @@ engines created without ``EngineArgs``.
 It also records what the model's path names before anything is loaded
 (:class:`~remote_g2.load_snapshot.LoadSnapshot`: the moment, each component
 and symlink of the path, the hub ref and the commit it names) and hands it
-to the engine's processes through their environment: the connector, which
+to the engine's processes through their environment (for the connector, and
+for vLLM's own offloading with remote-g2's tier): the connector, which
 digests the weights only after vLLM loaded them, gives an identity only
 when nothing on that path changed since (:mod:`remote_g2.load_snapshot`).
 The snapshot is taken before vLLM reads ``config.json``.
@@ -31,7 +32,7 @@ import functools
 import logging
 from typing import Any
 
-__all__ = ["register", "uses_remote_g2"]
+__all__ = ["register", "uses_remote_g2", "uses_remote_g2_tier"]
 
 log = logging.getLogger("remote_g2.adapters.vllm")
 
@@ -42,6 +43,15 @@ def uses_remote_g2(kv_transfer_config: Any) -> bool:
     """Whether vLLM's ``kv_transfer_config`` names this package's connector."""
     return (kv_transfer_config is not None and getattr(kv_transfer_config, "kv_connector", None) == "RemoteG2Connector"
             and str(getattr(kv_transfer_config, "kv_connector_module_path", None) or "").startswith("remote_g2"))
+
+
+def uses_remote_g2_tier(kv_transfer_config: Any) -> bool:
+    """Whether vLLM's ``kv_transfer_config`` runs vLLM's offloading with this package's secondary tier
+    (``remote_g2.adapters.vllm_tier``)."""
+    if kv_transfer_config is None or getattr(kv_transfer_config, "kv_connector", None) != "OffloadingConnector":
+        return False
+    tiers = (getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}).get("secondary_tiers") or []
+    return any(isinstance(t, dict) and str(t.get("module_path") or "").startswith("remote_g2") for t in tiers)
 
 
 def _snapshot(engine_args: Any) -> Any:
@@ -70,12 +80,15 @@ def register() -> None:
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         snapshot = _snapshot(self)  # before vLLM reads the model's config: the mark precedes every read
         config = create(self, *args, **kwargs)
-        if uses_remote_g2(getattr(config, "kv_transfer_config", None)):
+        kv_transfer_config = getattr(config, "kv_transfer_config", None)
+        if uses_remote_g2(kv_transfer_config):
             from .connector import check_vllm_config
 
             check_vllm_config(config)
             if snapshot is not None:
                 snapshot.publish()
+        elif uses_remote_g2_tier(kv_transfer_config) and snapshot is not None:
+            snapshot.publish()  # the tier's identity checks against it too (adapters/vllm_tier/identity.py)
         return config
 
     setattr(create_engine_config, _MARK, True)

@@ -35,6 +35,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from remote_g2.errors import ConfigError
 from remote_g2.messages import LayoutFingerprint
 from remote_g2.vllm_hashing import with_hash_unit
 
@@ -109,8 +110,11 @@ def tier_identity(offloading_spec: Any, row_bytes: int, vllm_config: Any, *, mod
         return TierIdentity(None, f"no KV layout to match by ({e})", "unreadable")
     group = cfg.groups[0]
     chunk_tokens = int(group.tokens_per_block) * int(cfg.cache.blocks_per_chunk)
-    scheme = with_hash_unit(block_identity.hash_scheme(str(vllm_config.cache_config.prefix_caching_hash_algo)),
-                            int(cfg.cache.tokens_per_hash), chunk_tokens)
+    try:
+        base_scheme = block_identity.hash_scheme(str(vllm_config.cache_config.prefix_caching_hash_algo))
+    except ConfigError as e:  # hashes random per process (xxhash unseeded), or an algorithm not known here
+        return TierIdentity(None, str(e), "hash_scheme")
+    scheme = with_hash_unit(base_scheme, int(cfg.cache.tokens_per_hash), chunk_tokens)
     if getattr(cfg, "canonical_layout", False):
         rows = "canonical"
     elif getattr(offloading_spec, "replicated_layout", False) or getattr(cfg, "replicated_layout", False):

@@ -135,6 +135,8 @@ def main() -> None:
                         "tier": tier_counters(tier) if tier is not None else None})
     hold = cfg.get("hold_file")
     cpu0, t_hold = tree_cpu_s(), time.monotonic()
+    # whether vLLM's plugin handed this engine the load snapshot its tier's identity checks against
+    results[-1]["load_snapshot"] = bool(os.environ.get("REMOTE_G2_LOAD_SNAPSHOT"))
     write(cfg["out"], results)
     if hold:
         tick = SamplingParams(temperature=0.0, max_tokens=1)
