@@ -102,7 +102,8 @@ def fetch_vs_raw(rounds: int, chunks: int, row_mib: float) -> dict:
            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
            "resolve_ms_median": statistics.median(resolve_ms), "read_ms_median": statistics.median(read_ms)}
     print(f"\nchunk fetch vs raw NIXL READ ({rounds} rounds, {chunks} x {row_mib:g} MiB):")
-    print(f"  fetch (resolve, READ, release) median {out['fetch_ms_median']:.2f} ms ({out['fetch_gbps_median']:.2f} GB/s)")
+    print(f"  fetch (resolve, READ, release) median {out['fetch_ms_median']:.2f} ms "
+          f"({out['fetch_gbps_median']:.2f} GB/s)")
     print(f"    of which resolving {out['resolve_ms_median']:.2f} ms (the holder serves at its next step), "
           f"READing {out['read_ms_median']:.2f} ms")
     print(f"  raw READ                        median {out['raw_ms_median']:.2f} ms ({out['raw_gbps_median']:.2f} GB/s)")

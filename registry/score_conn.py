@@ -74,7 +74,8 @@ _NEW, _IDLE, _HEAD, _BUSY = range(4)  # accepted / answered, waiting / a request
 #: With another aiohttp that lacks any of it, every request takes aiohttp's own path: slower, as correct.
 _FAST_PATH = {"_waiter", "_messages", "_parser", "_paused", "_reading_paused", "_buffer_paused", "_force_close",
               "_close", "_msg_queue_resume_size", "_next_keepalive_close_time", "_keepalive_timeout"} \
-    <= set(getattr(web.RequestHandler, "__slots__", ())) | set(getattr(web.RequestHandler.__mro__[1], "__slots__", ())) \
+    <= set(getattr(web.RequestHandler, "__slots__", ())) \
+    | set(getattr(web.RequestHandler.__mro__[1], "__slots__", ())) \
     and hasattr(web.RequestHandler, "_resume_reading_if_drained") and hasattr(web.RequestHandler, "finish_response")
 
 _date = ("", -1)  # (the Date header's line, for this second)

@@ -352,7 +352,8 @@ class ScoreHttpServer:
     def wants_body(self, method: str, raw_path: str, headers: Any) -> bool:
         """A request on an authenticated connection whose head :meth:`check_head` would let its body be read."""
         return (method == "POST" and raw_path.partition("?")[0] in _ROUTES and "Transfer-Encoding" not in headers
-                and "Content-Encoding" not in headers and int(headers.get("Content-Length") or 0) <= self.limits.max_body)
+                and "Content-Encoding" not in headers
+                and int(headers.get("Content-Length") or 0) <= self.limits.max_body)
 
     def answer_inline(self, conn: ScoreConnection, method: str, raw_path: str, version: Any, headers: Any,
                       body: bytes) -> tuple[int, bytes, bool]:

@@ -201,10 +201,12 @@ def test_requests_on_one_tls_connection_take_the_fast_path(prompt, tmp_path):
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     for args in (["req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=ca"],
                  ["req", *ec, "-keyout", "s.key", "-out", "s.csr", "-subj", "/CN=s"],
-                 ["x509", "-req", "-in", "s.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "s.pem",
+                 ["x509", "-req", "-in", "s.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                  "-out", "s.pem",
                   "-days", "2", "-extfile", "san.ext"],
                  ["req", *ec, "-keyout", "c.key", "-out", "c.csr", "-subj", "/CN=c"],
-                 ["x509", "-req", "-in", "c.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "c.pem",
+                 ["x509", "-req", "-in", "c.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                  "-out", "c.pem",
                   "-days", "2"]):
         subprocess.run(["openssl", *args], cwd=tmp_path, check=True, capture_output=True, timeout=60)
     tls = tls_context(str(tmp_path / "s.pem"), str(tmp_path / "s.key"), str(tmp_path / "ca.pem"))

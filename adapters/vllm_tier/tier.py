@@ -187,7 +187,8 @@ class RemoteG2Tier(SecondaryTierManager):
                  lease_ttl_ms: int = 10_000, fetch_timeout_s: float = 5.0, serve_wait_s: float = 2.0,
                  failed_ttl_s: float = 30.0, identity: TierIdentity | None = None, **unknown: Any) -> None:
         if unknown:
-            raise ValueError(f"RemoteG2Tier: unknown settings {sorted(unknown)} (see remote_g2.adapters.vllm_tier.tier)")
+            raise ValueError(f"RemoteG2Tier: unknown settings {sorted(unknown)} "
+                             "(see remote_g2.adapters.vllm_tier.tier)")
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality.REMOTE
         self.registry = registry or os.environ.get("REMOTE_G2_REGISTRY") or None
