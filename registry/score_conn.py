@@ -79,6 +79,8 @@ _FAST_PATH = {"_waiter", "_messages", "_parser", "_paused", "_reading_paused", "
     and hasattr(web.RequestHandler, "_resume_reading_if_drained") and hasattr(web.RequestHandler, "finish_response")
 
 _date = ("", -1)  # (the Date header's line, for this second)
+_STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n" for s in HTTPStatus}
+_FIXED_HEADERS = "".join(f"{name}: {value}\r\n" for name, value in ANSWER_HEADERS.items())
 
 
 def _head(status: int, length: int, keep: bool) -> bytes:
@@ -87,12 +89,8 @@ def _head(status: int, length: int, keep: bool) -> bytes:
     now = int(time.time())
     if _date[1] != now:
         _date = (f"Date: {formatdate(now, usegmt=True)}\r\n", now)
-    return (f"HTTP/1.1 {status} {_REASONS.get(status) or HTTPStatus(status).phrase}\r\n"
-            f"Content-Type: application/json\r\nServer: remote-g2\r\nContent-Length: {length}\r\n"
-            f"{_date[0]}{'' if keep else 'Connection: close' + chr(13) + chr(10)}\r\n").encode("latin-1")
-
-
-_REASONS = {200: "OK"}
+    return (f"{_STATUS_LINES[status]}{_FIXED_HEADERS}Content-Length: {length}\r\n{_date[0]}"
+            f"{'' if keep else 'Connection: close' + chr(13) + chr(10)}\r\n").encode("latin-1")
 
 
 class RequestLate(Exception):
@@ -213,7 +211,8 @@ class ScoreConnection(web.RequestHandler):
             return False
         site = self.site
         if not payload.is_eof():  # worth waiting for only where the head alone would not be refused
-            return None if site.wants_body(message.method, message.path, message.headers) else False
+            return None if site.wants_body(self, message.method, message.path, message.version,
+                                           message.headers) else False
         site.answered_inline += 1
         body = payload.read_nowait() if payload is not EMPTY_PAYLOAD else b""
         status, answer, keep = site.answer_inline(self, message.method, message.path, message.version,

@@ -349,11 +349,12 @@ class ScoreHttpServer:
                            close=True)
         return path
 
-    def wants_body(self, method: str, raw_path: str, headers: Any) -> bool:
-        """A request on an authenticated connection whose head :meth:`check_head` would let its body be read."""
-        return (method == "POST" and raw_path.partition("?")[0] in _ROUTES and "Transfer-Encoding" not in headers
-                and "Content-Encoding" not in headers
-                and int(headers.get("Content-Length") or 0) <= self.limits.max_body)
+    def wants_body(self, conn: ScoreConnection, method: str, raw_path: str, version: Any, headers: Any) -> bool:
+        """Whether :meth:`check_head` lets this head's body be read (a refused head's body is never waited for)."""
+        try:
+            return self.check_head(conn, method, raw_path, version, headers, True) != "/healthz"
+        except _Refusal:
+            return False
 
     def answer_inline(self, conn: ScoreConnection, method: str, raw_path: str, version: Any, headers: Any,
                       body: bytes) -> tuple[int, bytes, bool]:
