@@ -342,3 +342,31 @@ def test_vllms_plugin_takes_the_load_snapshot_for_the_tier_too() -> None:
     assert uses_remote_g2_tier(ours) and not uses_remote_g2(ours)
     assert not uses_remote_g2_tier(config([{"type": "p2p"}])) and not uses_remote_g2_tier(config([]))
     assert not uses_remote_g2_tier(None)
+
+
+def test_a_chunk_with_no_known_holder_is_reported_failed_never_loaded(registry: str) -> None:
+    """Never a job reported whole when one of its keys was not READ: a key vLLM asks the tier to load whose holder
+    the tier does not know (its lookup answer was dropped) fails, so vLLM frees its row instead of serving
+    whatever bytes the row held."""
+    import numpy as np
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    from remote_g2.adapters.vllm_tier.identity import TierIdentity
+    from remote_g2.adapters.vllm_tier.tier import RemoteG2Tier
+    from remote_g2.messages import LayoutFingerprint
+
+    rows = np.zeros((4, 4096), np.uint8)
+    tier = RemoteG2Tier(_spec(), memoryview(rows), registry=registry, worker_id="lonely",
+                        identity=TierIdentity(LayoutFingerprint(**{**FP, "kv_layout": "tier/tp1/default/r4096"})))
+    try:
+        key = bytes(32) + bytes(4)
+        tier.submit_load(TransferJob(job_id=7, keys=[key], chunk_ids=np.array([0], np.int32), is_promotion=True,
+                                     req_context=ReqContext(req_id="r")))
+        tier.drain_jobs()
+        (result,) = [r for r in tier.get_finished_jobs() if r.job_id == 7]
+        assert (result.success, list(result.successful_keys)) == (False, [])
+        assert key in tier._failed  # and it is not tried again at once (a MISS for failed_ttl_s)
+        assert tier.lookup(key, ReqContext(req_id="r2")).name == "MISS"
+    finally:
+        tier.shutdown()

@@ -176,6 +176,8 @@ class ChunkFetcher:
     def _load_run(self, run: LoadRun, leases: list[tuple[str, int]], phases: list[float]) -> list[bytes]:
         """READ what the holder still holds of ``run``; the keys read (a prefix of ``run.keys``). The lease taken
         is appended to ``leases`` (released by the caller, READ or not); the time spent to ``phases``."""
+        if not run.endpoint:
+            raise RemoteG2Error("no holder known for these chunks (their lookup's answer was dropped)")
         client = self._client(run.endpoint)
         t = self.transfer
         started = time.monotonic()

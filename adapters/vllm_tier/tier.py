@@ -280,7 +280,11 @@ class RemoteG2Tier(SecondaryTierManager):
         reply = replies[0]
         if reply.best is None:
             return LookupResult.MISS
-        self._holders[bytes(key)] = reply.best.endpoint
+        holders = self._holders
+        holders[bytes(key)] = reply.best.endpoint
+        if len(holders) > 4 * self.num_rows:  # HITs vLLM did not promote (its primary was full): the oldest go
+            for k in list(holders)[:len(holders) - 4 * self.num_rows]:
+                del holders[k]
         return LookupResult.HIT
 
     def submit_load(self, job_metadata: TransferJob) -> None:
@@ -297,7 +301,7 @@ class RemoteG2Tier(SecondaryTierManager):
                 runs.append(LoadRun(endpoint, [key], [key[:-4]], [row]))
         assert self.fetcher is not None  # (lookup HITs only with one)
         self._loading[job_metadata.job_id] = keys
-        self.fetcher.submit(job_metadata.job_id, [r for r in runs if r.endpoint])
+        self.fetcher.submit(job_metadata.job_id, runs)  # (a key with no holder known fails: recomputed)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         with self._lock:
