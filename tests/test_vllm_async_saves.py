@@ -46,6 +46,17 @@ def _wait_for(path: Path, inst: vh.Instance, timeout_s: float = 240) -> None:
         time.sleep(0.02)
 
 
+def _first_line(path: Path, inst: vh.Instance, timeout_s: float = 240) -> str:
+    """The first whole line of ``path``: the copy hook opens the file before its line is written."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = path.read_text() if path.exists() else ""
+        if "\n" in text:
+            return text.split("\n", 1)[0]
+        assert inst.proc.poll() is None and time.monotonic() < deadline, inst.tail()
+        time.sleep(0.02)
+
+
 def test_a_slowed_save_is_unknown_until_copied_then_read_byte_for_byte(tmp_path: Path, model_dir: Path,
                                                                        registry: str) -> None:
     prompts = vh.write_prompts(tmp_path, "p", vh.prompts(21, 1))
@@ -54,8 +65,7 @@ def test_a_slowed_save_is_unknown_until_copied_then_read_byte_for_byte(tmp_path:
     a = vh.Instance(tmp_path, "a", model_dir, prompts, registry, "--save-delay-s", str(DELAY_S),
                     "--save-marker", str(marker), "--dump-g2-late", str(tmp_path / "a"), env=vh.IN_PROCESS)
     try:
-        _wait_for(marker, a)
-        job = json.loads(marker.read_text().splitlines()[0])
+        job = json.loads(_first_line(marker, a))
         store_not_before = job["start"] + DELAY_S
         hashes = [bytes.fromhex(h) for h in job["hashes"]]
         assert len(hashes) == 300 // BLOCK

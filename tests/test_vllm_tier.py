@@ -113,13 +113,21 @@ def registry_url():
 
 @pytest.fixture(scope="module")
 def pair(registry_url):
-    """Holder A (stepping only while its tier has work, as an idle engine) and reader B, shared by the tests
-    below (each with keys of its own): starting a process with vLLM costs seconds."""
+    """Holder A (stepping only while its tier has work, as an idle engine; validated leases) and reader B, shared
+    by the tests below (each with keys of its own): starting a process with vLLM costs seconds."""
     a = Side(registry_url, "a", idle=True)
     b = Side(registry_url, "b", tier={"fetch_timeout_s": 2.0})
     yield a, b
     a.stop()
     b.stop()
+
+
+@pytest.fixture(scope="module")
+def pinning(registry_url):
+    """Holder P: idle like A, but its leases pin chunks through vLLM's manager at its next step."""
+    p = Side(registry_url, "p", idle=True, tier={"pin_leases": True})
+    yield p
+    p.stop()
 
 
 def test_a_chunk_stored_by_one_instance_is_read_byte_exact_by_another(pair):
@@ -149,20 +157,56 @@ def test_the_test_sees_other_bytes_negative_control(pair):
     assert got == {k: expected(8, k, b.info["row_bytes"]) for k in ks}
 
 
-def test_an_idle_holder_takes_no_steps_until_a_peer_asks(pair):
-    """The tier says it has work only while a peer's ask waits or a lease is open: an idle engine stays idle."""
+def test_an_idle_holder_serves_a_peer_without_a_step(pair):
+    """Validated leases are answered by the holder's RPC thread: an idle engine is not stepped, not even woken."""
     a, b = pair
     ks = keys(2, "idle")
     a.ask(op="store", keys=ks, seed=9)
     time.sleep(0.3)  # (the store's job result is collected by a step or two)
-    before = a.ask(op="stats")["steps"]
+    before = a.ask(op="stats")
     time.sleep(1.0)
-    assert a.ask(op="stats")["steps"] == before  # nothing asked: not one step in a second
+    assert a.ask(op="stats")["steps"] == before["steps"]  # nothing asked: not one step in a second
     got = load_until(b, ks, hits=2)
     assert got == {k: expected(9, k, b.info["row_bytes"]) for k in ks}
     after = a.ask(op="stats")
+    assert after["open_leases"] == 0 and after["served"] > before["served"]
+    assert after["steps"] == before["steps"]  # served with no step
+
+
+def test_a_pinning_holder_steps_only_while_asked(pinning, pair):
+    """Pinned leases: the tier has work only while an ask waits or a lease is open, and an ask wakes the engine."""
+    p, b = pinning, pair[1]
+    ks = keys(2, "pinned-idle")
+    p.ask(op="store", keys=ks, seed=10)
+    time.sleep(0.3)
+    before = p.ask(op="stats")["steps"]
+    time.sleep(1.0)
+    assert p.ask(op="stats")["steps"] == before
+    got = load_until(b, ks, hits=2)
+    assert got == {k: expected(10, k, b.info["row_bytes"]) for k in ks}
+    after = p.ask(op="stats")
     assert after["open_leases"] == 0
     assert 0 < after["steps"] - before < 200  # it stepped while asked, then went idle again
+
+
+def test_a_validated_lease_fails_once_its_chunk_is_evicted(pair, registry_url):
+    """The holder answers from the rows it stored; an eviction moves the row's generation, and the release of a
+    lease taken before it answers ``released: false`` (the reader discards what it read)."""
+    from remote_g2.registry import RegistryClient
+
+    a, b = pair
+    ks = keys(2, "validated")
+    a.ask(op="store", keys=ks, seed=11)
+    with RegistryClient(registry_url) as reg:
+        (endpoint,) = [w.endpoint for w in reg.list_workers() if w.worker_id == "a"]
+    kept = b.ask(op="resolve_only", endpoint=endpoint, keys=ks, ttl_ms=10_000)
+    assert kept["matched"] == 2
+    assert b.ask(op="release", endpoint=endpoint, lease_id=kept["lease_id"]) == {"released": True}
+    doomed = b.ask(op="resolve_only", endpoint=endpoint, keys=ks, ttl_ms=10_000)
+    assert doomed["matched"] == 2
+    assert a.ask(op="evict", timeout_s=60) == {"evicted": True}  # (nothing pins them: the primary evicts at will)
+    assert b.ask(op="release", endpoint=endpoint, lease_id=doomed["lease_id"]) == {"released": False}
+    assert b.ask(op="resolve_only", endpoint=endpoint, keys=ks, ttl_ms=10_000)["matched"] == 0  # gone: a miss
 
 
 def test_other_fingerprints_never_share(pair, registry_url):
@@ -281,24 +325,30 @@ def test_the_tier_fingerprint_holds_what_must_match(model_dir: Path) -> None:
     assert tier_identity(_spec(), 4096, None).kind == "unreadable"
 
 
-def test_a_lease_never_released_lapses_and_unpins(pair, registry_url):
-    """A reader that resolved and then vanished: its lease lapses after its TTL, and the holder reports the pinning
-    job finished, so vLLM unpins the chunks (they could not be evicted meanwhile)."""
+@pytest.mark.parametrize("holder", ["validated", "pinned"])
+def test_a_lease_never_released_lapses(holder, pair, pinning, registry_url):
+    """A reader that resolved and then vanished: its lease lapses after its TTL. A pinned lease's job is then
+    reported finished, so vLLM unpins the chunks (they could not be evicted meanwhile); a validated one is dropped
+    with no step."""
     from remote_g2.registry import RegistryClient
 
-    a, b = pair
-    ks = keys(2, "lapse")
+    a = pair[0] if holder == "validated" else pinning
+    b = pair[1]
+    ks = keys(2, f"lapse-{holder}")
     a.ask(op="store", keys=ks, seed=4)
+    name = "a" if holder == "validated" else "p"
     with RegistryClient(registry_url) as reg:
-        (endpoint,) = [w.endpoint for w in reg.list_workers() if w.worker_id == "a"]
+        (endpoint,) = [w.endpoint for w in reg.list_workers() if w.worker_id == name]
     lapsed = a.ask(op="stats")["lapsed"]
-    assert b.ask(op="resolve_only", endpoint=endpoint, keys=ks, ttl_ms=300) == {"matched": 2, "expires_in_ms": 300}
+    got = b.ask(op="resolve_only", endpoint=endpoint, keys=ks, ttl_ms=300)
+    assert (got["matched"], got["expires_in_ms"]) == (2, 300)
     assert a.ask(op="stats")["open_leases"] == 1
     deadline = time.monotonic() + 5
     while a.ask(op="stats")["open_leases"] and time.monotonic() < deadline:
         time.sleep(0.1)
     stats = a.ask(op="stats")
     assert stats["open_leases"] == 0 and stats["lapsed"] == lapsed + 1
+    assert b.ask(op="release", endpoint=endpoint, lease_id=got["lease_id"]) == {"released": False}
     assert a.ask(op="evict", timeout_s=60) == {"evicted": True}  # unpinned: the primary could evict them all
 
 
@@ -370,3 +420,44 @@ def test_a_chunk_with_no_known_holder_is_reported_failed_never_loaded(registry: 
         assert tier.lookup(key, ReqContext(req_id="r2")).name == "MISS"
     finally:
         tier.shutdown()
+
+
+@pytest.mark.parametrize("evicted_mid_read", [False, True])
+def test_a_chunk_evicted_during_its_read_is_discarded(evicted_mid_read: bool) -> None:
+    """The fetch thread's own path against a validated holder, in one process: resolve, NIXL READ, release. A
+    chunk the holder lets go of while the READ is in flight (injected: no real part evicts on cue inside a
+    millisecond) fails the run, so vLLM frees the rows rather than keep bytes that may be another chunk's."""
+    import numpy as np
+
+    from remote_g2.adapters.vllm_tier.fetching import ChunkFetcher, LoadRun
+    from remote_g2.adapters.vllm_tier.serving import ChunkServer
+
+    row = 4096
+    src = np.random.default_rng(5).integers(0, 256, (4, row), dtype=np.uint8)
+    dst = np.zeros((4, row), np.uint8)
+    server = ChunkServer("held", src.ctypes.data, row, 4, bind="tcp://127.0.0.1:0", validated=True)
+    fetcher = ChunkFetcher("reader", dst.ctypes.data, row, 4, timeout_s=5.0)
+    try:
+        hashes = [bytes([i]) * 32 for i in range(3)]
+        server.held(hashes, [2, 0, 3])
+        if evicted_mid_read:
+            start_read = fetcher.transfer.start_read
+
+            def evict_then_read(*a: object, **kw: object) -> object:
+                handle = start_read(*a, **kw)
+                server.let_go([hashes[1]])  # the primary evicts one of them while the bytes are on their way
+                return handle
+
+            fetcher.transfer.start_read = evict_then_read
+        keys = [h + bytes(4) for h in hashes]
+        fetcher.submit(1, [LoadRun(server.endpoint, keys, hashes, [0, 1, 2])])
+        assert fetcher.drain(20)
+        (result,) = fetcher.results()
+        if evicted_mid_read:
+            assert (result.success, list(result.successful_keys)) == (False, [])
+        else:
+            assert result.success and np.array_equal(dst[:3], src[[2, 0, 3]])
+        assert server.open_leases() == 0
+    finally:
+        fetcher.close()
+        server.close()

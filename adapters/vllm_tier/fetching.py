@@ -7,16 +7,20 @@ never on the scheduler's:
 
 1. the keys, in order, in runs by holder (the one the tier's lookup chose);
 2. per run, a ``resolve`` RPC to the holder's :class:`~.serving.ChunkServer`:
-   it pins the longest prefix it still holds and names their rows;
+   it leases the longest prefix it still holds and names their rows;
 3. one NIXL READ of those rows into the reserved ones (one descriptor per
    run of rows contiguous on both sides), polled to its end;
-4. the job's result: every key read, or which ones were (partial success);
-   then the ``release`` of its leases, off the job's critical path.
+4. the ``release`` of the lease, whose answer says whether the rows stayed
+   the chunks' own while it was open (a validated lease: no row evicted
+   meanwhile; a pinned one: not lapsed);
+5. the job's result: every key read, or which ones were (partial success).
+   A lease whose READ failed is released after the result, off its path.
 
-A key is reported read only when its READ completed ``done`` while its lease
-was held (the READ must end within half the lease's TTL): a holder that
-died, a lease that lapsed, a chunk evicted before the resolve all fail that
-key, and vLLM recomputes it. Nothing here waits without a deadline.
+A key is reported read only when its READ completed ``done`` within half the
+lease's TTL and its release answered ``released``: a holder that died, a
+lease that lapsed, a chunk evicted before the resolve or during the READ
+all fail that key, and vLLM recomputes it. Nothing here waits without a
+deadline.
 """
 
 from __future__ import annotations
@@ -158,7 +162,7 @@ class ChunkFetcher:
                 self._results.append(result)
                 self._busy -= 1
                 self._idle.notify_all()
-            # The job is done once its bytes landed; its leases are given back after, off its critical path.
+            # Leases whose READ failed are given back after the result, off its critical path.
             for endpoint, lease_id in leases:
                 try:
                     self._client(endpoint).call(Release(lease_id), fail_fast=True)
@@ -175,7 +179,8 @@ class ChunkFetcher:
 
     def _load_run(self, run: LoadRun, leases: list[tuple[str, int]], phases: list[float]) -> list[bytes]:
         """READ what the holder still holds of ``run``; the keys read (a prefix of ``run.keys``). The lease taken
-        is appended to ``leases`` (released by the caller, READ or not); the time spent to ``phases``."""
+        is released here once READ (its answer validates the bytes); until then it is in ``leases``, which the
+        caller releases if this raises. The time spent goes to ``phases``."""
         if not run.endpoint:
             raise RemoteG2Error("no holder known for these chunks (their lookup's answer was dropped)")
         client = self._client(run.endpoint)
@@ -216,6 +221,9 @@ class ChunkFetcher:
             phases[1] += time.monotonic() - resolved
         if state != "done" or time.monotonic() > deadline:
             raise RemoteG2Error(f"READ from {run.endpoint} ended {state!r}")
+        leases.pop()  # (released here: its answer decides whether the bytes stand)
+        if not client.call(Release(reply.lease_id), fail_fast=True).released:
+            raise RemoteG2Error(f"{run.endpoint}: the chunks changed or the lease lapsed during the READ")
         return run.keys[:len(rows)]
 
     def _agent_of(self, endpoint: str) -> str | None:

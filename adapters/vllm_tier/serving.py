@@ -1,4 +1,4 @@
-"""Serving peers: this instance's primary-tier chunks, pinned for a peer's NIXL READ while its lease lasts.
+"""Serving peers: this instance's primary-tier chunks, READ by peers under a lease.
 
 The holder side of the tier (:mod:`.tier`). A peer asks over RPC, with the
 source service's own messages (:class:`~remote_g2.messages.Resolve`,
@@ -6,19 +6,33 @@ source service's own messages (:class:`~remote_g2.messages.Resolve`,
 "block" (:class:`~remote_g2.messages.BlockLayout` of one opaque slab of the
 row's bytes), the region is registered with this process's NIXL agent
 (:class:`~source.rank_agent.RankAgent`), and a reply names the rows holding
-the asked chunks, in order, for the longest prefix held.
+the asked chunks, in order, for the longest prefix held. A lease is kept one
+of two ways.
 
-Pins are vLLM's: only the tiering manager may pin a primary chunk, and only
-on the scheduler thread, through the ``ParentManager`` it hands the tier in
+**Validated (the default, when the tier sees the primary's evictions).**
+Each published chunk's row is known (:meth:`ChunkServer.held`), and each row
+has a generation, bumped on the scheduler thread the moment the primary
+evicts or removes its chunk (:meth:`ChunkServer.let_go`): before vLLM can
+hand the row to another chunk, so before any new byte is written to it. The
+RPC thread answers at once, from that map, with no engine step: the lease
+notes each row's generation. The reader READs, then releases, and the
+release answers ``released: true`` only if no row's generation moved while
+the lease was open; otherwise the reader discards those rows (recompute).
+Nothing is pinned: a chunk evicted mid-READ is a miss, never wrong bytes.
+A lease past its TTL is released ``false``.
+
+**Pinned (the fallback, when the evictions cannot be seen).** Only the
+tiering manager may pin a primary chunk, and only on the scheduler thread,
+through the ``ParentManager`` it hands the tier in
 ``serve_external_requests`` each step. So an RPC thread queues the ask and
-waits (at most ``wait_s``) for the next step to serve it:
-``parent.lookup`` of each key until the first that is not a primary ``HIT``
-(a ``MISS`` there is a chunk evicted since it was published: ``on_unheld``),
-then ``parent.create_store_job`` of those, which pins them and registers a
-job of this tier. The lease ends by a ``release``, or lapses after its TTL;
-the job is then reported finished (:meth:`ChunkServer.finished_jobs`) and
-the manager unpins the chunks. An ask that no step served in time is
-answered ``miss``: the peer recomputes, nothing waits on it.
+waits (at most ``wait_s``) for the next step to serve it: ``parent.lookup``
+of each key until the first that is not a primary ``HIT`` (a ``MISS`` there
+is a chunk evicted since it was published: ``on_unheld``), then
+``parent.create_store_job`` of those, which pins them and registers a job of
+this tier. The lease ends by a ``release``, or lapses after its TTL; the job
+is then reported finished (:meth:`ChunkServer.finished_jobs`) and the
+manager unpins the chunks. An ask that no step served in time is answered
+``miss``: the peer recomputes, nothing waits on it.
 """
 
 from __future__ import annotations
@@ -62,20 +76,28 @@ class _Ask:
 
 @dataclass
 class _Lease:
-    job_id: int
+    """An open lease: the store job pinning its chunks (pinned), or the rows' generations it was answered at
+    (validated: ``job_id`` None)."""
+
+    job_id: int | None
     ends: float
     chunks: int
+    rows: tuple[int, ...] = ()
+    gens: tuple[int, ...] = ()
 
 
 class ChunkServer:
     """Resolve/release RPCs over this instance's primary region (see the module docstring).
 
     ``region_base``/``row_bytes``/``num_rows`` describe the primary region as the tier sees it (its memoryview
-    in this process); ``on_ask`` is called from an RPC thread when an ask is queued (the tier wakes the engine).
+    in this process). ``validated``: leases are validated (the tier calls :meth:`held`, :meth:`let_go` and
+    :meth:`let_go_all` as the primary keeps and evicts chunks); otherwise they are pinned, and ``on_ask`` is
+    called from an RPC thread when an ask is queued (the tier wakes the engine).
     """
 
     def __init__(self, worker_id: str, region_base: int, row_bytes: int, num_rows: int, *, bind: str,
-                 wait_s: float = 2.0, max_ttl_ms: int = 30_000, on_ask: Callable[[], None] = lambda: None,
+                 validated: bool = False, wait_s: float = 2.0, max_ttl_ms: int = 30_000,
+                 on_ask: Callable[[], None] = lambda: None,
                  on_unheld: Callable[[list[bytes]], None] = lambda hashes: None, source_config: Any = None) -> None:
         from remote_g2.rpc_server import RpcServer
         from remote_g2.source import SourceConfig
@@ -93,18 +115,24 @@ class ChunkServer:
         self._leases: dict[int, _Lease] = {}
         self._finished: list[Any] = []  # JobResult of leases ended since the last finished_jobs()
         self._ctx_ids = itertools.count(1)
+        # Validated leases: chunk hash -> (its row, the row's generation when it was stored); each row's generation.
+        # Written on the scheduler thread only, read by RPC threads (a dict get and a list index are atomic).
+        self._held: dict[bytes, tuple[int, int]] | None = {} if validated else None
+        self._gen = [0] * num_rows
         # While a lease is open its reader may need this agent's progress (UCX emulating a READ over TCP, or
         # wiring up): the fast pace then, the idle one otherwise (source/progress_pace.py).
         self.agent = RankAgent(f"remote-g2-tier-{worker_id}-{secrets.token_hex(4)}",
                                [MemoryRegion(region_base, row_bytes * num_rows)], pace=cfg.progress_pace(),
-                               readers=lambda: "new" if self._leases else "none")
+                               readers=self._readers)
         self.agent.start_progress()
         layout = BlockLayout(num_blocks=num_rows, block_bytes=row_bytes, num_layers=1, kv=1, num_kv_heads=1,
                              tokens_per_block=1, head_dim=row_bytes, dtype_bytes=1, order="HND")
         self._info = RankInfo(rank=0, agent_name=self.agent.name, agent_metadata=self.agent.metadata,
                               pool_base=region_base, pool_bytes=row_bytes * num_rows, layout=layout)
+        # A validated ask is answered without waiting: one thread owning the socket answers it with no hand-off.
+        # A pinned one waits for a step, so a pool keeps the others answered meanwhile.
         self._rpc = RpcServer(bind, {"resolve": self._resolve, "release": self._release},
-                              name=f"tier-{worker_id}", workers=4)
+                              name=f"tier-{worker_id}", workers=1 if validated else 4)
         try:
             self.endpoint = self._rpc.start()
         except BaseException:
@@ -116,7 +144,47 @@ class ChunkServer:
     # -- RPC threads -------------------------------------------------------------------------------------
 
     def _resolve(self, req: Resolve, ctx: Any) -> ResolveReply:
-        ask = _Ask(list(req.hashes), min(int(req.ttl_ms), self.max_ttl_ms), req.requester)
+        ttl_ms = min(int(req.ttl_ms), self.max_ttl_ms)
+        if self._held is not None:
+            rows, lease_id = self._lease_validated(req.hashes, ttl_ms)
+        else:
+            rows, lease_id = self._lease_pinned(req, ttl_ms)
+        if not rows:
+            return ResolveReply(reason="miss", lease_id=0, matched=0, epoch=self.epoch, expires_in_ms=0)
+        known = self.agent.name in req.known_agents
+        info = self._info if not known else RankInfo(rank=0, agent_name=self.agent.name, agent_metadata=None,
+                                                     pool_base=self._info.pool_base,
+                                                     pool_bytes=self._info.pool_bytes, layout=self._info.layout)
+        return ResolveReply(reason="ok", lease_id=lease_id, matched=len(rows), epoch=self.epoch,
+                            expires_in_ms=ttl_ms, ranks=[RankBlocks(rank=0, block_ids=rows)], metadata=[info])
+
+    def _lease_validated(self, hashes: list[bytes], ttl_ms: int) -> tuple[list[int], int]:
+        """The rows of the longest held prefix of ``hashes``, leased at their generations now (no step waited)."""
+        held, gen = self._held, self._gen
+        assert held is not None
+        rows: list[int] = []
+        gens: list[int] = []
+        for h in hashes:
+            entry = held.get(h)
+            if entry is None or gen[entry[0]] != entry[1]:  # never stored here, or evicted since
+                break
+            rows.append(entry[0])
+            gens.append(entry[1])
+        with self._lock:
+            if not rows:
+                self.missed += 1
+                return [], 0
+            lease_id = secrets.randbits(62) + 1
+            self._leases[lease_id] = _Lease(None, time.monotonic() + ttl_ms / 1000, len(rows), tuple(rows),
+                                            tuple(gens))
+            self.served += 1
+            self.chunks_served += len(rows)
+        self.agent.wake()  # (its progress pace: a reader is coming)
+        return rows, lease_id
+
+    def _lease_pinned(self, req: Resolve, ttl_ms: int) -> tuple[list[int], int]:
+        """Queue the ask for the next step's :meth:`serve` and wait for it (at most ``wait_s``)."""
+        ask = _Ask(list(req.hashes), ttl_ms, req.requester)
         with self._lock:
             self._asks.append(ask)
         self._on_ask()
@@ -124,18 +192,38 @@ class ChunkServer:
         with self._lock:
             if not served and not ask.done.is_set():  # no step served it: nothing is pinned for it, ever
                 ask.given_up = True
-        if not ask.rows:
-            return ResolveReply(reason="miss", lease_id=0, matched=0, epoch=self.epoch, expires_in_ms=0)
-        known = self.agent.name in req.known_agents
-        info = self._info if not known else RankInfo(rank=0, agent_name=self.agent.name, agent_metadata=None,
-                                                     pool_base=self._info.pool_base,
-                                                     pool_bytes=self._info.pool_bytes, layout=self._info.layout)
-        return ResolveReply(reason="ok", lease_id=ask.lease_id, matched=len(ask.rows), epoch=self.epoch,
-                            expires_in_ms=ask.ttl_ms, ranks=[RankBlocks(rank=0, block_ids=ask.rows)],
-                            metadata=[info])
+        return ask.rows, ask.lease_id
 
     def _release(self, req: Release, ctx: Any) -> ReleaseReply:
         return ReleaseReply(released=self._end(req.lease_id, success=True))
+
+    # -- validated leases: the chunks held, and their rows' generations (scheduler thread) ------------------------
+
+    def held(self, hashes: list[bytes], rows: list[int]) -> None:
+        """These chunks are complete in the primary tier, in these rows (the tier's ``submit_store``)."""
+        if self._held is not None:
+            for h, row in zip(hashes, rows):
+                self._held[h] = (row, self._gen[row])
+
+    def let_go(self, hashes: list[bytes]) -> None:
+        """These chunks left the primary tier (evicted, removed): their rows' open leases fail validation.
+
+        Called before vLLM hands a row to another chunk: the generation moves before any new byte is written."""
+        if self._held is None:
+            return
+        for h in hashes:
+            entry = self._held.get(h)
+            if entry is not None:
+                self._gen[entry[0]] += 1  # (first: an RPC thread that still finds the entry sees it is stale)
+                del self._held[h]
+
+    def let_go_all(self) -> None:
+        """The primary tier was reset: every row changes."""
+        if self._held is None:
+            return
+        for row in range(self.num_rows):
+            self._gen[row] += 1
+        self._held.clear()
 
     # -- the scheduler thread --------------------------------------------------------------------------------
 
@@ -188,35 +276,59 @@ class ChunkServer:
         return out
 
     def has_work(self) -> bool:
-        """Asks wait for a step, or leases are open (they must lapse even if no request ever comes)."""
+        """Asks wait for a step, or pinned leases are open (they must lapse even if no request ever comes).
+        Validated leases need no step."""
         with self._lock:
-            return bool(self._asks or self._leases)
+            return bool(self._asks) or any(lease.job_id is not None for lease in self._leases.values())
 
     def open_leases(self) -> int:
         with self._lock:
+            self._sweep()
             return len(self._leases)
 
     # -- leases ----------------------------------------------------------------------------------------------
 
     def _end(self, lease_id: int, *, success: bool) -> bool:
+        """End a lease; whether what was read under it stands (it was open, and, if validated, intact)."""
         from vllm.v1.kv_offload.tiering.base import JobResult
 
         with self._lock:
             lease = self._leases.pop(lease_id, None)
             if lease is None:
                 return False
-            self._finished.append(JobResult(job_id=lease.job_id, success=success,
-                                            transfer_bytes=lease.chunks * self.row_bytes))
-        return True
+            if lease.job_id is not None:
+                self._finished.append(JobResult(job_id=lease.job_id, success=success,
+                                                transfer_bytes=lease.chunks * self.row_bytes))
+                return True
+        gen = self._gen
+        if time.monotonic() > lease.ends:  # lapsed, not yet swept: past its TTL a lease is not honoured
+            return False
+        return all(gen[row] == g for row, g in zip(lease.rows, lease.gens))
 
     def _lapse(self) -> None:
         now = time.monotonic()
         with self._lock:
+            self._sweep()
             lapsed = [lid for lid, lease in self._leases.items() if lease.ends <= now]
         for lid in lapsed:
             if self._end(lid, success=False):
                 self.lapsed += 1
                 log.info("tier lease %d lapsed unreleased: its chunks are unpinned", lid)
+
+    def _sweep(self) -> None:
+        """Drop validated leases past their TTL (nothing was pinned for them: no step is needed). Under the lock."""
+        now = time.monotonic()
+        for lid in [lid for lid, lease in self._leases.items() if lease.job_id is None and lease.ends <= now]:
+            del self._leases[lid]
+            self.lapsed += 1
+
+    def _readers(self) -> str:
+        """For the agent's progress pace: ``new`` while a lease is open (its reader may need this side's
+        progress), ``none`` otherwise."""
+        with self._lock:
+            if self._leases:
+                self._sweep()
+            return "new" if self._leases else "none"
 
     def close(self) -> None:
         """Stop answering, end every lease (reported by a last :meth:`finished_jobs`), drop the agent."""

@@ -10,7 +10,8 @@ of ``secondary_tiers`` in ``kv_connector_extra_config``)::
     {"type": "RemoteG2Tier", "module_path": "remote_g2.adapters.vllm_tier.tier",
      "registry": "tcp://registry:7450",        # or REMOTE_G2_REGISTRY
      "worker_id": "pod-a",                     # default: host and pid
-     "bind": "tcp://0.0.0.0:0", "advertise": "tcp://10.0.0.5:0"}   # where peers reach this instance
+     "bind": "tcp://0.0.0.0:0", "advertise": "tcp://10.0.0.5:0",   # where peers reach this instance
+     "pin_leases": false}                      # true: pin chunks for peers at the next step (serving.py)
 
 The contract with vLLM's manager (``vllm/v1/kv_offload/tiering/base.py``):
 every call below runs on the scheduler thread and returns at once; the work
@@ -28,8 +29,12 @@ is done by threads of :mod:`.serving` and :mod:`.fetching`.
   published (a :class:`~remote_g2.registry.SourcePublisher` registered under
   the tier's fingerprint and this instance's serving endpoint). The job ends
   at once: the chunk stays where the primary keeps it.
-* **serve_external_requests:** :class:`~.serving.ChunkServer`: peers' asks,
-  pinned through the ``ParentManager``, unpinned when their lease ends.
+* **Serving peers:** :class:`~.serving.ChunkServer`. Where the tier sees the
+  primary's evictions (below), a peer's ask is answered at once from the
+  rows of the chunks stored, and its lease is validated at release by the
+  rows' generations (an eviction mid-READ fails those chunks). Otherwise
+  asks are pinned through the ``ParentManager`` in
+  ``serve_external_requests``, and unpinned when their lease ends.
 * **Eviction:** the manager tells a tier nothing when the primary evicts, so
   the tier wraps the primary's cache policy (:func:`watch_evictions`: its
   ``evict``, ``remove`` and ``clear``) and unpublishes each key as it leaves;
@@ -39,10 +44,11 @@ is done by threads of :mod:`.serving` and :mod:`.fetching`.
   at the primary's row count. Either way a chunk the registry still names
   but the holder no longer has is a failed load, recomputed, never read
   wrong.
-* **An idle engine:** peers are served only while the engine steps. The
-  tier says it has work only while asks wait or leases are open, and a new
-  ask wakes an idle engine (vLLM's own ``WAKEUP`` on the engine core's input
-  queue), so an idle instance costs no steps (docs/benchmarks.md).
+* **An idle engine:** validated leases need no engine step. Pinned ones are
+  served only while the engine steps: the tier says it has work only while
+  asks wait or pinned leases are open, and a new ask wakes an idle engine
+  (vLLM's own ``WAKEUP`` on the engine core's input queue), so an idle
+  instance costs no steps either way (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -130,7 +136,7 @@ def watch_evictions(policy: Any, removed: Callable[[list[bytes] | None], None]) 
 _COUNTERS = {
     "vllm:remote_g2_tier_chunks_read": "Chunks this instance READ from peers through remote-g2's tier",
     "vllm:remote_g2_tier_chunks_failed": "Chunks whose load from a peer failed (recomputed)",
-    "vllm:remote_g2_tier_chunks_served": "Chunks this instance pinned for peers' READs",
+    "vllm:remote_g2_tier_chunks_served": "Chunks this instance leased to peers' READs",
     "vllm:remote_g2_tier_asks_missed": "Peers' asks this instance held none of (evicted, or not served in time)",
     "vllm:remote_g2_tier_leases_lapsed": "Peers' leases that ended unreleased (their TTL passed)",
 }
@@ -185,7 +191,8 @@ class RemoteG2Tier(SecondaryTierManager):
                  backpressure_detector: Any = None, *, registry: str | None = None, worker_id: str | None = None,
                  bind: str = "tcp://127.0.0.1:0", advertise: str | None = None, model_id: str | None = None,
                  lease_ttl_ms: int = 10_000, fetch_timeout_s: float = 5.0, serve_wait_s: float = 2.0,
-                 failed_ttl_s: float = 30.0, identity: TierIdentity | None = None, **unknown: Any) -> None:
+                 failed_ttl_s: float = 30.0, pin_leases: bool = False, identity: TierIdentity | None = None,
+                 **unknown: Any) -> None:
         if unknown:
             raise ValueError(f"RemoteG2Tier: unknown settings {sorted(unknown)} "
                              "(see remote_g2.adapters.vllm_tier.tier)")
@@ -198,6 +205,7 @@ class RemoteG2Tier(SecondaryTierManager):
         self.num_rows = int(primary_kv_view.shape[0])
         self.region_base = ctypes.addressof(ctypes.c_char.from_buffer(primary_kv_view))
         self.failed_ttl_s = failed_ttl_s
+        self.pin_leases = pin_leases
         if identity is None:
             identity = tier_identity(offloading_spec, self.row_bytes, vllm_config_of_caller(), model_id=model_id)
         self.identity = identity
@@ -237,8 +245,11 @@ class RemoteG2Tier(SecondaryTierManager):
         fp = self.fingerprint
         assert fp is not None and self.registry
         self._compat = fp.compat_key()
+        # With the primary's evictions in sight, leases are validated by row generations and served at once; else
+        # they pin through vLLM's manager at the holder's next step (serving.py).
         self.server = ChunkServer(self.worker_id, self.region_base, self.row_bytes, self.num_rows, bind=bind,
-                                  wait_s=serve_wait_s, on_ask=self._wake_engine, on_unheld=self._unpublish)
+                                  validated=self._primary is not None and not self.pin_leases, wait_s=serve_wait_s,
+                                  on_ask=self._wake_engine, on_unheld=self._unpublish)
         self.fetcher = ChunkFetcher(self.worker_id, self.region_base, self.row_bytes, self.num_rows,
                                     timeout_s=fetch_timeout_s, lease_ttl_ms=lease_ttl_ms)
         endpoint = self.server.endpoint
@@ -332,13 +343,19 @@ class RemoteG2Tier(SecondaryTierManager):
         publisher = self._publisher
         if publisher is not None:
             new = []
-            for k in job_metadata.keys:
+            held: list[bytes] = []
+            rows: list[int] = []
+            for k, row in zip(job_metadata.keys, job_metadata.chunk_ids):
                 if int.from_bytes(k[-4:], "big") == TIER_GROUP:
                     h = bytes(k[:-4])
                     if h not in self._published:
                         new.append(h)
                     self._published[h] = None
                     self._published.move_to_end(h)
+                    held.append(h)
+                    rows.append(int(row))
+            if self.server is not None:
+                self.server.held(held, rows)  # (before the registry names them: a peer's ask finds them)
             if new:
                 publisher.stored(new)
             over = len(self._published) - self.num_rows
@@ -350,6 +367,8 @@ class RemoteG2Tier(SecondaryTierManager):
 
     def _unpublish(self, hashes: list[bytes]) -> None:
         """Chunks this instance no longer holds (scheduler thread): the registry forgets them."""
+        if self.server is not None:
+            self.server.let_go(hashes)  # (first: a lease open on one of them fails from now on)
         gone = [h for h in hashes if h in self._published]
         for h in gone:
             self._published.pop(h, None)
@@ -359,6 +378,8 @@ class RemoteG2Tier(SecondaryTierManager):
     def _evicted(self, keys: list[bytes] | None) -> None:
         """Keys the primary tier let go of (its cache policy, on the scheduler thread): unpublished at once."""
         if keys is None:
+            if self.server is not None:
+                self.server.let_go_all()
             gone = list(self._published)
             self._published.clear()
             if gone and self._publisher is not None:

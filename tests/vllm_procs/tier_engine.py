@@ -4,9 +4,11 @@ Run by tests/test_vllm_tier_engines.py in a process of its own::
 
     python tier_engine.py CONFIG_JSON
 
-``CONFIG_JSON``: ``model``, ``prompts`` (a file of entries ``{"ids": [...], "salt": "..."}``, salt optional),
-``out``, ``registry``, ``worker_id``, ``engine_id`` (vLLM's KV-transfer id: it names the primary tier's
-``/dev/shm`` region file), and optionally ``hold_file``, ``multiprocess``, ``no_tier`` (plain vLLM).
+``CONFIG_JSON``: ``model``, ``prompts`` (a file of entries ``{"ids": [...], "salt": "...", "reset_g1": true}``,
+salt optional; ``reset_g1``: vLLM's GPU-side prefix cache is emptied before the entry runs, so its prefix can hit
+only the offloading tiers), ``out``, ``registry``, ``worker_id``, ``engine_id`` (vLLM's KV-transfer id: it names
+the primary tier's ``/dev/shm`` region file), and optionally ``hold_file``, ``multiprocess``, ``no_tier`` (plain
+vLLM), ``max_model_len`` (1024), ``max_tokens`` (8), ``cpu_mib`` (the CPU tier, 32), ``tp`` (1).
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``llm.get_metrics()`` sees the
 connector's and the tiering manager's metrics, and the tier object is readable here. The prompts run one at a
@@ -112,22 +114,26 @@ def main() -> None:
     kv = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": cfg["engine_id"],
           "kv_connector_extra_config": {"spec_name": "RemoteG2OffloadingSpec",
                                         "spec_module_path": "remote_g2.adapters.vllm_tier.spec",
-                                        "cpu_bytes_to_use": 32 << 20, "blocks_per_chunk": 2,
+                                        "cpu_bytes_to_use": int(cfg.get("cpu_mib", 32)) << 20,
+                                        "blocks_per_chunk": 2,
                                         "secondary_tiers": [tier_cfg]}}
     # The settings of tests/vllm_procs/instance.py's plain vLLM (the outputs are compared with its).
     llm = LLM(model=cfg["model"], tokenizer=cfg["model"], dtype="float32", block_size=BLOCK, enforce_eager=True,
-              max_model_len=1024, max_num_seqs=8, seed=0, disable_log_stats=False,
+              max_model_len=int(cfg.get("max_model_len", 1024)), max_num_seqs=8, seed=0, disable_log_stats=False,
+              tensor_parallel_size=int(cfg.get("tp", 1)),
               kv_transfer_config=None if cfg.get("no_tier") else kv)  # (no_tier: plain vLLM, a bench's baseline)
     tier = None if multiprocess or cfg.get("no_tier") else the_tier(llm)
     # Lookups miss until the tier's registry mirror holds its first complete copy; the engine's start-up gives it
     # seconds, but a loaded box must not turn that race into a test failure.
     assert tier is None or tier._mirror is None or tier._mirror.wait_ready(30), \
         "the tier's registry mirror never got a copy"
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=int(cfg.get("max_tokens", 8)), ignore_eos=True)
     entries = json.loads(Path(cfg["prompts"]).read_text())
     results = []
     for e in entries:
         kw = {"cache_salt": e["salt"]} if e.get("salt") else {}
+        if e.get("reset_g1"):
+            assert llm.reset_prefix_cache(), "vLLM did not empty its prefix cache"
         t0 = time.monotonic()
         o = llm.generate([TokensPrompt(prompt_token_ids=e["ids"], **kw)], params, use_tqdm=False)[0]
         results.append({"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens or 0,

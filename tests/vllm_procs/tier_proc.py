@@ -15,10 +15,11 @@ and driven over stdin/stdout, one JSON object a line (answers start with ``@@ ``
 * ``{"op": "evict"}``: stores fresh chunks until every earlier one has left the primary (its LRU);
 * ``{"op": "fetch_times"}``: the tier's last loads, ``(chunks, seconds from resolve to release)`` each;
 * ``{"op": "raw_read", "endpoint": E, "keys": [...]}``: those chunks READ from holder ``E`` by a NIXL agent of
-  this process's own, into a scratch buffer, timed from the post to ``done`` (bench/bench_vllm_tier.py's
-  baseline);
+  this process's own into the primary rows their last load put them in (the same bytes again), timed from the
+  post to ``done`` (bench/bench_vllm_tier.py's baseline);
 * ``{"op": "resolve_only", "endpoint": E, "keys": [...], "ttl_ms": T}``: a lease on those chunks at holder ``E``,
-  never released;
+  not released (answers ``matched``, ``expires_in_ms``, ``lease_id``);
+* ``{"op": "release", "endpoint": E, "lease_id": L}``: its release, answered ``{"released": bool}``;
 * ``{"op": "stats"}``; ``{"op": "stop"}``.
 
 Between commands the manager steps every 2 ms, as an engine's scheduler would (it serves peers then), unless
@@ -58,16 +59,16 @@ def chunk_bytes(seed: int, key: bytes, n: int) -> bytes:
 
 
 class RawReader:
-    """A NIXL agent of its own over a scratch buffer: READs a holder's rows with no tier in the way (a bench's
-    baseline; the resolve and release around it are not timed)."""
+    """A NIXL agent of its own over this process's primary region: READs a holder's rows into given rows with no
+    tier in the way (a bench's baseline; the resolve and release around it are not timed)."""
 
-    def __init__(self, row_bytes: int, rows: int) -> None:
-        self.row_bytes, self.rows = row_bytes, rows
-        self.buf: np.ndarray | None = None
+    def __init__(self, view: np.ndarray) -> None:
+        self.view = view
+        self.rows, self.row_bytes = view.shape
         self.agent = None
         self.clients: dict = {}
 
-    def read(self, endpoint: str, hashes: list[bytes]) -> float:
+    def read(self, endpoint: str, hashes: list[bytes], into: list[int]) -> float:
         from remote_g2.adapters.nixl_transfer import NixlTransfer
         from remote_g2.adapters.vllm_tier.fetching import coalesce
         from remote_g2.messages import Release, Resolve
@@ -75,9 +76,8 @@ class RawReader:
         from remote_g2.secondary_pool import MemoryRegion
 
         if self.agent is None:
-            self.buf = np.zeros(self.row_bytes * self.rows, np.uint8)
             self.agent = NixlTransfer(f"tier-bench-raw-{os.getpid()}")
-            self.agent.register_local([MemoryRegion(self.buf.ctypes.data, self.buf.nbytes)])
+            self.agent.register_local([MemoryRegion(self.view.ctypes.data, self.view.nbytes)])
         client = self.clients.get(endpoint) or self.clients.setdefault(endpoint, RpcClient(endpoint))
         reply = client.call(Resolve(hashes, 10_000, "bench-raw"))
         assert reply.reason == "ok" and reply.matched == len(hashes), reply
@@ -85,8 +85,8 @@ class RawReader:
             info = reply.metadata[0]
             if not self.agent.has_peer(info.agent_name):
                 self.agent.add_peer(info.agent_name, info.agent_metadata)
-            local, remote, nbytes = coalesce(list(range(len(hashes))), list(reply.ranks[0].block_ids),
-                                             self.row_bytes, self.buf.ctypes.data, info.pool_base)
+            local, remote, nbytes = coalesce(into, list(reply.ranks[0].block_ids), self.row_bytes,
+                                             self.view.ctypes.data, info.pool_base)
             t0 = time.perf_counter()
             handle = self.agent.start_read(info.agent_name, local, remote, nbytes)
             while (state := self.agent.poll(handle)) == "pending":
@@ -103,6 +103,7 @@ class RawReader:
             c.close()
         if self.agent is not None:
             self.agent.close()
+        self.view = None
 
 
 def main() -> None:
@@ -115,7 +116,8 @@ def main() -> None:
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
         worker_kv_bytes_per_block=cfg["block_bytes"], enable_kv_cache_events=False,
         extra_config={"cpu_bytes_to_use": cfg["cpu_bytes"], "blocks_per_chunk": 1, "secondary_tiers": [tier]},
-        engine_id=cfg.get("engine_id") or f"remote-g2-test-{uuid.uuid4().hex[:12]}", model=OffloadingModelConfig("tiny", "bfloat16"),
+        engine_id=cfg.get("engine_id") or f"remote-g2-test-{uuid.uuid4().hex[:12]}",
+        model=OffloadingModelConfig("tiny", "bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
                                           data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
@@ -165,7 +167,8 @@ def main() -> None:
                 r = manager.lookup(key, c)
                 if r == LookupResult.HIT:
                     spec_ = manager.prepare_load([key], c)
-                    got[key.hex()] = hashlib.sha256(view[int(spec_.chunk_ids[0])].tobytes()).hexdigest()
+                    landed[key] = int(spec_.chunk_ids[0])
+                    got[key.hex()] = hashlib.sha256(view[landed[key]].tobytes()).hexdigest()
                     manager.complete_load([key], c)
                     pending.remove(key)
                 elif r == LookupResult.MISS:
@@ -178,7 +181,8 @@ def main() -> None:
         manager.on_request_finished(c)
         return got
 
-    raw = RawReader(row_bytes, rows)
+    landed: dict[bytes, int] = {}  # key -> the primary row its last load put it in
+    raw = RawReader(view)
     say({"ready": True, "rows": rows, "row_bytes": row_bytes, "pid": os.getpid(),
          "sharing": ours.server is not None})
     idle = bool(cfg.get("idle"))
@@ -214,9 +218,16 @@ def main() -> None:
 
             with RpcClient(cmd["endpoint"]) as client:
                 reply = client.call(Resolve([bytes.fromhex(k)[:-4] for k in cmd["keys"]], int(cmd["ttl_ms"]), "gone"))
-            say({"matched": reply.matched, "expires_in_ms": reply.expires_in_ms})
+            say({"matched": reply.matched, "expires_in_ms": reply.expires_in_ms, "lease_id": reply.lease_id})
+        elif op == "release":
+            from remote_g2.messages import Release
+            from remote_g2.rpc_client import RpcClient
+
+            with RpcClient(cmd["endpoint"]) as client:
+                say({"released": client.call(Release(int(cmd["lease_id"]))).released})
         elif op == "raw_read":  # the bench's baseline: the same chunks by one raw NIXL READ into a scratch buffer
-            say({"seconds": raw.read(cmd["endpoint"], [bytes.fromhex(k)[:-4] for k in cmd["keys"]])})
+            ks = [bytes.fromhex(k) for k in cmd["keys"]]
+            say({"seconds": raw.read(cmd["endpoint"], [k[:-4] for k in ks], [landed[k] for k in ks])})
         elif op == "stats":
             server, fetcher = ours.server, ours.fetcher
             say({"steps": steps, "served": server.served if server else 0, "missed": server.missed if server else 0,
