@@ -201,6 +201,9 @@ def test_a_validated_lease_fails_once_its_chunk_is_evicted(pair, registry_url):
         (endpoint,) = [w.endpoint for w in reg.list_workers() if w.worker_id == "a"]
     kept = b.ask(op="resolve_only", endpoint=endpoint, keys=ks, ttl_ms=10_000)
     assert kept["matched"] == 2
+    # a lease is its connection's: another one cannot end it (nor learn whether it stands)
+    assert b.ask(op="release", endpoint=endpoint, lease_id=kept["lease_id"], other_connection=True) == \
+        {"released": False}
     assert b.ask(op="release", endpoint=endpoint, lease_id=kept["lease_id"]) == {"released": True}
     doomed = b.ask(op="resolve_only", endpoint=endpoint, keys=ks, ttl_ms=10_000)
     assert doomed["matched"] == 2

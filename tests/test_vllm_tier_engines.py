@@ -13,9 +13,9 @@ tier publishes their chunks. Engine B, started once A's chunks are in the regist
 * prompt 1 under the other salt again: still nothing from the tier.
 
 A stays up meanwhile, idle: its engine core runs in a process of its own (vLLM's ``EngineCoreProc``), which
-blocks on its input queue while it has no work. B's asks reach A's tier on an RPC thread, which queues them and
-wakes the engine core (vLLM's ``WAKEUP``); the step that follows serves them. Over the hold, A's processes must
-not have burnt a core (vLLM's own ``p2p`` tier keeps an idle engine stepping for ever).
+blocks on its input queue while it has no work. B's asks reach A's tier on an RPC thread, which answers them
+from the rows A stored (validated leases: no engine step). Over the hold, A's processes must not have burnt a
+core (vLLM's own ``p2p`` tier keeps an idle engine stepping for ever).
 
 The engines run a copy of the model written just before they start: the tier's identity holds against the
 snapshot vLLM's plugin takes before the load (adapters/vllm/plugin.py), not against the process's start.
@@ -170,7 +170,7 @@ def test_engine_b_reuses_engine_as_chunks_through_the_tier_and_generates_as_plai
         assert out_b[i]["tier"]["chunks_read"] - out_b[i - 1]["tier"]["chunks_read"] == CHUNKS, out_b[i]["tier"]
         assert delta(out_b, i, "vllm:remote_g2_tier_chunks_read") == CHUNKS, out_b[i]["metrics"]  # vLLM's /metrics
     assert out_b[-1]["tier"]["chunks_failed"] == 0
-    # A served those while idle: woken by each ask, not stepping meanwhile (a stepping engine burns a core).
+    # A served those while idle, not stepping meanwhile (a stepping engine burns a core).
     assert final_a["hold_cpu_s"] < 0.5 * final_a["hold_s"], final_a
 
     # (b) B's greedy tokens, loaded prefix or not, are plain vLLM's (A's too).

@@ -42,7 +42,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -54,6 +54,7 @@ __all__ = ["ChunkServer", "offload_key", "TIER_GROUP"]
 log = logging.getLogger("remote_g2.adapters.vllm_tier")
 
 TIER_GROUP = 0  # the KV-cache group whose chunks are shared (identity.py: one group only)
+_SERVED_OWNERS = 4096  # connections remembered as having released a lease (past their wire-up)
 
 
 def offload_key(block_hash: bytes, group: int = TIER_GROUP) -> bytes:
@@ -68,6 +69,7 @@ class _Ask:
     hashes: list[bytes]
     ttl_ms: int
     requester: str | None
+    owner: bytes
     done: threading.Event = field(default_factory=threading.Event)
     given_up: bool = False
     rows: list[int] = field(default_factory=list)
@@ -82,6 +84,7 @@ class _Lease:
     job_id: int | None
     ends: float
     chunks: int
+    owner: bytes  # the identity of the connection that took it: only that one may release it
     rows: tuple[int, ...] = ()
     gens: tuple[int, ...] = ()
 
@@ -119,6 +122,7 @@ class ChunkServer:
         # Written on the scheduler thread only, read by RPC threads (a dict get and a list index are atomic).
         self._held: dict[bytes, tuple[int, int]] | None = {} if validated else None
         self._gen = [0] * num_rows
+        self._served: OrderedDict[bytes, None] = OrderedDict()  # connections that released a lease (_readers)
         # While a lease is open its reader may need this agent's progress (UCX emulating a READ over TCP, or
         # wiring up): the fast pace then, the idle one otherwise (source/progress_pace.py).
         self.agent = RankAgent(f"remote-g2-tier-{worker_id}-{secrets.token_hex(4)}",
@@ -132,7 +136,7 @@ class ChunkServer:
         # A validated ask is answered without waiting: one thread owning the socket answers it with no hand-off.
         # A pinned one waits for a step, so a pool keeps the others answered meanwhile.
         self._rpc = RpcServer(bind, {"resolve": self._resolve, "release": self._release},
-                              name=f"tier-{worker_id}", workers=1 if validated else 4)
+                              name=f"tier-{worker_id}", workers=1 if validated else 4, identify_clients=True)
         try:
             self.endpoint = self._rpc.start()
         except BaseException:
@@ -145,10 +149,11 @@ class ChunkServer:
 
     def _resolve(self, req: Resolve, ctx: Any) -> ResolveReply:
         ttl_ms = min(int(req.ttl_ms), self.max_ttl_ms)
+        owner = ctx.identity or b""
         if self._held is not None:
-            rows, lease_id = self._lease_validated(req.hashes, ttl_ms)
+            rows, lease_id = self._lease_validated(req.hashes, ttl_ms, owner)
         else:
-            rows, lease_id = self._lease_pinned(req, ttl_ms)
+            rows, lease_id = self._lease_pinned(req, ttl_ms, owner)
         if not rows:
             return ResolveReply(reason="miss", lease_id=0, matched=0, epoch=self.epoch, expires_in_ms=0)
         known = self.agent.name in req.known_agents
@@ -158,7 +163,7 @@ class ChunkServer:
         return ResolveReply(reason="ok", lease_id=lease_id, matched=len(rows), epoch=self.epoch,
                             expires_in_ms=ttl_ms, ranks=[RankBlocks(rank=0, block_ids=rows)], metadata=[info])
 
-    def _lease_validated(self, hashes: list[bytes], ttl_ms: int) -> tuple[list[int], int]:
+    def _lease_validated(self, hashes: list[bytes], ttl_ms: int, owner: bytes) -> tuple[list[int], int]:
         """The rows of the longest held prefix of ``hashes``, leased at their generations now (no step waited)."""
         held, gen = self._held, self._gen
         assert held is not None
@@ -175,16 +180,16 @@ class ChunkServer:
                 self.missed += 1
                 return [], 0
             lease_id = secrets.randbits(62) + 1
-            self._leases[lease_id] = _Lease(None, time.monotonic() + ttl_ms / 1000, len(rows), tuple(rows),
+            self._leases[lease_id] = _Lease(None, time.monotonic() + ttl_ms / 1000, len(rows), owner, tuple(rows),
                                             tuple(gens))
             self.served += 1
             self.chunks_served += len(rows)
         self.agent.wake()  # (its progress pace: a reader is coming)
         return rows, lease_id
 
-    def _lease_pinned(self, req: Resolve, ttl_ms: int) -> tuple[list[int], int]:
+    def _lease_pinned(self, req: Resolve, ttl_ms: int, owner: bytes) -> tuple[list[int], int]:
         """Queue the ask for the next step's :meth:`serve` and wait for it (at most ``wait_s``)."""
-        ask = _Ask(list(req.hashes), ttl_ms, req.requester)
+        ask = _Ask(list(req.hashes), ttl_ms, req.requester, owner)
         with self._lock:
             self._asks.append(ask)
         self._on_ask()
@@ -195,7 +200,7 @@ class ChunkServer:
         return ask.rows, ask.lease_id
 
     def _release(self, req: Release, ctx: Any) -> ReleaseReply:
-        return ReleaseReply(released=self._end(req.lease_id, success=True))
+        return ReleaseReply(released=self._end(req.lease_id, success=True, owner=ctx.identity or b""))
 
     # -- validated leases: the chunks held, and their rows' generations (scheduler thread) ------------------------
 
@@ -256,7 +261,7 @@ class ChunkServer:
                         job = parent.create_store_job(held, ctx)  # pins them until the job is reported
                         lease_id = secrets.randbits(62) + 1
                         self._leases[lease_id] = _Lease(job.job_id, time.monotonic() + ask.ttl_ms / 1000,
-                                                        len(held))
+                                                        len(held), ask.owner)
                         ask.rows, ask.lease_id = [int(c) for c in job.chunk_ids], lease_id
                     ask.done.set()
                 if job is not None:
@@ -288,14 +293,21 @@ class ChunkServer:
 
     # -- leases ----------------------------------------------------------------------------------------------
 
-    def _end(self, lease_id: int, *, success: bool) -> bool:
-        """End a lease; whether what was read under it stands (it was open, and, if validated, intact)."""
+    def _end(self, lease_id: int, *, success: bool, owner: bytes | None = None) -> bool:
+        """End a lease; whether what was read under it stands (it was open, and, if validated, intact). With
+        ``owner`` (a release), a lease another connection took is left alone and answered False."""
         from vllm.v1.kv_offload.tiering.base import JobResult
 
         with self._lock:
-            lease = self._leases.pop(lease_id, None)
-            if lease is None:
+            lease = self._leases.get(lease_id)
+            if lease is None or (owner is not None and lease.owner != owner):
                 return False
+            del self._leases[lease_id]
+            if owner is not None:
+                self._served[owner] = None
+                self._served.move_to_end(owner)
+                if len(self._served) > _SERVED_OWNERS:
+                    self._served.popitem(last=False)
             if lease.job_id is not None:
                 self._finished.append(JobResult(job_id=lease.job_id, success=success,
                                                 transfer_bytes=lease.chunks * self.row_bytes))
@@ -323,12 +335,21 @@ class ChunkServer:
             self.lapsed += 1
 
     def _readers(self) -> str:
-        """For the agent's progress pace: ``new`` while a lease is open (its reader may need this side's
-        progress), ``none`` otherwise."""
+        """Who holds the open leases, for the agent's progress pace (source/progress_pace.py, as the source
+        service's lease table says it): ``none``; ``new`` (a connection that has not released a lease here yet:
+        its first READ may still be wiring UCX up, which needs this side's progress); ``local`` (readers on this
+        host only: one-sided ``cma`` READs need none); ``remote``."""
+        from remote_g2.connection_identity import is_local
+
         with self._lock:
             if self._leases:
                 self._sweep()
-            return "new" if self._leases else "none"
+            if not self._leases:
+                return "none"
+            owners = {lease.owner for lease in self._leases.values()}
+            if any(owner not in self._served for owner in owners):
+                return "new"
+        return "local" if all(is_local(owner) for owner in owners) else "remote"
 
     def close(self) -> None:
         """Stop answering, end every lease (reported by a last :meth:`finished_jobs`), drop the agent."""

@@ -11,7 +11,8 @@ of ``secondary_tiers`` in ``kv_connector_extra_config``)::
      "registry": "tcp://registry:7450",        # or REMOTE_G2_REGISTRY
      "worker_id": "pod-a",                     # default: host and pid
      "bind": "tcp://0.0.0.0:0", "advertise": "tcp://10.0.0.5:0",   # where peers reach this instance
-     "pin_leases": false}                      # true: pin chunks for peers at the next step (serving.py)
+     "pin_leases": false,                      # true: pin chunks for peers at the next step (serving.py)
+     "fetch_switch_interval_s": 0.0005}        # the GIL's switch interval while a fetch runs (fetching.py)
 
 The contract with vLLM's manager (``vllm/v1/kv_offload/tiering/base.py``):
 every call below runs on the scheduler thread and returns at once; the work
@@ -191,8 +192,8 @@ class RemoteG2Tier(SecondaryTierManager):
                  backpressure_detector: Any = None, *, registry: str | None = None, worker_id: str | None = None,
                  bind: str = "tcp://127.0.0.1:0", advertise: str | None = None, model_id: str | None = None,
                  lease_ttl_ms: int = 10_000, fetch_timeout_s: float = 5.0, serve_wait_s: float = 2.0,
-                 failed_ttl_s: float = 30.0, pin_leases: bool = False, identity: TierIdentity | None = None,
-                 **unknown: Any) -> None:
+                 failed_ttl_s: float = 30.0, pin_leases: bool = False, fetch_switch_interval_s: float = 0.0005,
+                 identity: TierIdentity | None = None, **unknown: Any) -> None:
         if unknown:
             raise ValueError(f"RemoteG2Tier: unknown settings {sorted(unknown)} "
                              "(see remote_g2.adapters.vllm_tier.tier)")
@@ -233,13 +234,13 @@ class RemoteG2Tier(SecondaryTierManager):
             log.warning("remote-g2 tier %s: not sharing chunks: %s", self.worker_id, why)
             return
         try:
-            self._start(bind, advertise, lease_ttl_ms, fetch_timeout_s, serve_wait_s)
+            self._start(bind, advertise, lease_ttl_ms, fetch_timeout_s, serve_wait_s, fetch_switch_interval_s)
         except BaseException:
             self.shutdown()
             raise
 
     def _start(self, bind: str, advertise: str | None, lease_ttl_ms: int, fetch_timeout_s: float,
-               serve_wait_s: float) -> None:
+               serve_wait_s: float, switch_interval_s: float) -> None:
         from remote_g2.registry import RegistryClient, RegistryMirror, SourcePublisher
 
         fp = self.fingerprint
@@ -251,7 +252,8 @@ class RemoteG2Tier(SecondaryTierManager):
                                   validated=self._primary is not None and not self.pin_leases, wait_s=serve_wait_s,
                                   on_ask=self._wake_engine, on_unheld=self._unpublish)
         self.fetcher = ChunkFetcher(self.worker_id, self.region_base, self.row_bytes, self.num_rows,
-                                    timeout_s=fetch_timeout_s, lease_ttl_ms=lease_ttl_ms)
+                                    timeout_s=fetch_timeout_s, lease_ttl_ms=lease_ttl_ms,
+                                    switch_interval_s=switch_interval_s)
         endpoint = self.server.endpoint
         if advertise:
             host = advertise.rsplit(":", 1)[0]

@@ -15,11 +15,12 @@ and driven over stdin/stdout, one JSON object a line (answers start with ``@@ ``
 * ``{"op": "evict"}``: stores fresh chunks until every earlier one has left the primary (its LRU);
 * ``{"op": "fetch_times"}``: the tier's last loads, ``(chunks, seconds from resolve to release)`` each;
 * ``{"op": "raw_read", "endpoint": E, "keys": [...]}``: those chunks READ from holder ``E`` by a NIXL agent of
-  this process's own into the primary rows their last load put them in (the same bytes again), timed from the
-  post to ``done`` (bench/bench_vllm_tier.py's baseline);
+  this process's own into a scratch region shaped like the primary, timed from the post to ``done``
+  (bench/bench_vllm_tier.py's baseline);
 * ``{"op": "resolve_only", "endpoint": E, "keys": [...], "ttl_ms": T}``: a lease on those chunks at holder ``E``,
   not released (answers ``matched``, ``expires_in_ms``, ``lease_id``);
-* ``{"op": "release", "endpoint": E, "lease_id": L}``: its release, answered ``{"released": bool}``;
+* ``{"op": "release", "endpoint": E, "lease_id": L, "other_connection": bool}``: its release (on the connection
+  that took it, or a fresh one), answered ``{"released": bool}``;
 * ``{"op": "stats"}``; ``{"op": "stop"}``.
 
 Between commands the manager steps every 2 ms, as an engine's scheduler would (it serves peers then), unless
@@ -36,6 +37,7 @@ import select
 import sys
 import time
 import uuid
+from typing import Any
 
 import numpy as np
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
@@ -59,16 +61,16 @@ def chunk_bytes(seed: int, key: bytes, n: int) -> bytes:
 
 
 class RawReader:
-    """A NIXL agent of its own over this process's primary region: READs a holder's rows into given rows with no
-    tier in the way (a bench's baseline; the resolve and release around it are not timed)."""
+    """A NIXL agent of its own over a scratch region shaped like the primary (faulted in): READs a holder's rows
+    with no tier in the way (a bench's baseline; the resolve and release around it are not timed)."""
 
-    def __init__(self, view: np.ndarray) -> None:
-        self.view = view
-        self.rows, self.row_bytes = view.shape
+    def __init__(self, rows: int, row_bytes: int) -> None:
+        self.rows, self.row_bytes = rows, row_bytes
+        self.buf: np.ndarray | None = None
         self.agent = None
         self.clients: dict = {}
 
-    def read(self, endpoint: str, hashes: list[bytes], into: list[int]) -> float:
+    def read(self, endpoint: str, hashes: list[bytes]) -> float:
         from remote_g2.adapters.nixl_transfer import NixlTransfer
         from remote_g2.adapters.vllm_tier.fetching import coalesce
         from remote_g2.messages import Release, Resolve
@@ -76,8 +78,10 @@ class RawReader:
         from remote_g2.secondary_pool import MemoryRegion
 
         if self.agent is None:
+            self.buf = np.ones((self.rows, self.row_bytes), np.uint8)  # (every page touched)
             self.agent = NixlTransfer(f"tier-bench-raw-{os.getpid()}")
-            self.agent.register_local([MemoryRegion(self.view.ctypes.data, self.view.nbytes)])
+            self.agent.register_local([MemoryRegion(self.buf.ctypes.data, self.buf.nbytes)])
+        assert self.buf is not None
         client = self.clients.get(endpoint) or self.clients.setdefault(endpoint, RpcClient(endpoint))
         reply = client.call(Resolve(hashes, 10_000, "bench-raw"))
         assert reply.reason == "ok" and reply.matched == len(hashes), reply
@@ -85,8 +89,8 @@ class RawReader:
             info = reply.metadata[0]
             if not self.agent.has_peer(info.agent_name):
                 self.agent.add_peer(info.agent_name, info.agent_metadata)
-            local, remote, nbytes = coalesce(into, list(reply.ranks[0].block_ids), self.row_bytes,
-                                             self.view.ctypes.data, info.pool_base)
+            local, remote, nbytes = coalesce(list(range(len(hashes))), list(reply.ranks[0].block_ids),
+                                             self.row_bytes, self.buf.ctypes.data, info.pool_base)
             t0 = time.perf_counter()
             handle = self.agent.start_read(info.agent_name, local, remote, nbytes)
             while (state := self.agent.poll(handle)) == "pending":
@@ -103,7 +107,6 @@ class RawReader:
             c.close()
         if self.agent is not None:
             self.agent.close()
-        self.view = None
 
 
 def main() -> None:
@@ -167,8 +170,7 @@ def main() -> None:
                 r = manager.lookup(key, c)
                 if r == LookupResult.HIT:
                     spec_ = manager.prepare_load([key], c)
-                    landed[key] = int(spec_.chunk_ids[0])
-                    got[key.hex()] = hashlib.sha256(view[landed[key]].tobytes()).hexdigest()
+                    got[key.hex()] = hashlib.sha256(view[int(spec_.chunk_ids[0])].tobytes()).hexdigest()
                     manager.complete_load([key], c)
                     pending.remove(key)
                 elif r == LookupResult.MISS:
@@ -181,8 +183,8 @@ def main() -> None:
         manager.on_request_finished(c)
         return got
 
-    landed: dict[bytes, int] = {}  # key -> the primary row its last load put it in
-    raw = RawReader(view)
+    asking: dict[str, Any] = {}  # holder endpoint -> the client resolve_only asks it on
+    raw = RawReader(rows, row_bytes)
     say({"ready": True, "rows": rows, "row_bytes": row_bytes, "pid": os.getpid(),
          "sharing": ours.server is not None})
     idle = bool(cfg.get("idle"))
@@ -216,18 +218,20 @@ def main() -> None:
             from remote_g2.messages import Resolve
             from remote_g2.rpc_client import RpcClient
 
-            with RpcClient(cmd["endpoint"]) as client:
-                reply = client.call(Resolve([bytes.fromhex(k)[:-4] for k in cmd["keys"]], int(cmd["ttl_ms"]), "gone"))
+            client = asking.get(cmd["endpoint"]) or asking.setdefault(cmd["endpoint"], RpcClient(cmd["endpoint"]))
+            reply = client.call(Resolve([bytes.fromhex(k)[:-4] for k in cmd["keys"]], int(cmd["ttl_ms"]), "gone"))
             say({"matched": reply.matched, "expires_in_ms": reply.expires_in_ms, "lease_id": reply.lease_id})
-        elif op == "release":
+        elif op == "release":  # on resolve_only's connection to that holder (a lease is its connection's), or another
             from remote_g2.messages import Release
             from remote_g2.rpc_client import RpcClient
 
-            with RpcClient(cmd["endpoint"]) as client:
-                say({"released": client.call(Release(int(cmd["lease_id"]))).released})
+            if cmd.get("other_connection"):
+                with RpcClient(cmd["endpoint"]) as other:
+                    say({"released": other.call(Release(int(cmd["lease_id"]))).released})
+            else:
+                say({"released": asking[cmd["endpoint"]].call(Release(int(cmd["lease_id"]))).released})
         elif op == "raw_read":  # the bench's baseline: the same chunks by one raw NIXL READ into a scratch buffer
-            ks = [bytes.fromhex(k) for k in cmd["keys"]]
-            say({"seconds": raw.read(cmd["endpoint"], [k[:-4] for k in ks], [landed[k] for k in ks])})
+            say({"seconds": raw.read(cmd["endpoint"], [bytes.fromhex(k)[:-4] for k in cmd["keys"]])})
         elif op == "stats":
             server, fetcher = ours.server, ours.fetcher
             say({"steps": steps, "served": server.served if server else 0, "missed": server.missed if server else 0,
@@ -236,6 +240,8 @@ def main() -> None:
         elif op == "stop":
             break
     raw.close()
+    for client in asking.values():
+        client.close()
     del view  # (a view of the region left alive would keep vLLM from unmapping it)
     manager.shutdown()
     say({"stopped": True})
