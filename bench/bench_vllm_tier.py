@@ -140,7 +140,7 @@ class _Engine:
                   "worker_id": name, "engine_id": self.engine_id, "hold_file": str(tmp / f"{name}.stop"), **cfg}
         env = {**vh.instance_env(name), "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
         self.proc = subprocess.Popen([sys.executable, str(TESTS / "vllm_procs" / "tier_engine.py"),
-                                      json.dumps(config)], stdout=subprocess.DEVNULL, stderr=open(f"/tmp/eng-{name}.log", "w") if os.environ.get("DBG") else subprocess.DEVNULL,
+                                      json.dumps(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env=env, process_group=0)
 
     def results(self, timeout_s: float = 600) -> list[dict]:
@@ -251,8 +251,6 @@ def hit_vs_local_vs_recompute(size: str, tokens: int, prompts: int) -> dict:
         assert got[3 * i + 1]["tokens"] == got[3 * i + 2]["tokens"], "a remote hit and a local one answered apart"
         assert read[i] > 0 and cached[i][0] > 0 and cached[i][1] > 0, (read, cached)
     ratio_local = [r / lo for r, lo in zip(remote, local)]
-    if os.environ.get("DBG"):
-        print(got[-1]["tier"]["fetch_dbg"])
     fetch_ms = [1e3 * sum(got[3 * i + 1]["tier"]["fetch_s"][len(got[3 * i]["tier"]["fetch_s"]):])
                 for i in range(prompts)]  # the tier's own fetch time inside each remote hit
     out = {"model": size, "tokens": tokens, "prompts": prompts, "recompute_ms": recompute, "remote_ms": remote,

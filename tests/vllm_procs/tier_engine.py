@@ -68,7 +68,7 @@ def tier_counters(tier: Any) -> dict[str, Any]:
                            "published": len(tier._published)}
     if tier.fetcher is not None:
         out.update(chunks_read=tier.fetcher.chunks_read, chunks_failed=tier.fetcher.chunks_failed,
-                   fetch_s=[round(f[1], 6) for f in tier.fetcher.recent], fetch_dbg=list(tier.fetcher.recent))
+                   fetch_s=[round(f[1], 6) for f in tier.fetcher.recent])
     if tier.server is not None:
         out.update(served=tier.server.served, missed=tier.server.missed, lapsed=tier.server.lapsed)
     return out
@@ -104,8 +104,6 @@ def tree_cpu_s() -> float:
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
-    if os.environ.get("DBG_SWITCH"):
-        sys.setswitchinterval(float(os.environ["DBG_SWITCH"]))
     multiprocess = bool(cfg.get("multiprocess"))
     if not multiprocess:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # (module docstring)
