@@ -44,7 +44,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from remote_g2.connection_identity import is_local
+from .progress_pace import readers_of
 from remote_g2.secondary_pool import SecondaryPool
 from remote_g2.errors import SourceError
 
@@ -174,12 +174,7 @@ class LeaseTable:
         ``remote``: any reader elsewhere.
         """
         with self._lock:
-            if not self._leases:
-                return "none"
-            owners = {lease.owner for lease in self._leases.values()}
-            if any(owner not in self._served for owner in owners):
-                return "new"
-        return "local" if all(is_local(owner) for owner in owners) else "remote"
+            return readers_of({lease.owner for lease in self._leases.values()}, self._served)
 
     @property
     def pinned_blocks(self) -> int:

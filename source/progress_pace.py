@@ -38,9 +38,13 @@ Two modes:
 
 from __future__ import annotations
 
+from collections.abc import Collection, Container
 from dataclasses import dataclass
 
-__all__ = ["MODES", "READERS", "ProgressPace", "cma_usable", "local_reads_one_sided", "reads_need_source"]
+from remote_g2.connection_identity import is_local
+
+__all__ = ["MODES", "READERS", "ProgressPace", "cma_usable", "local_reads_one_sided", "readers_of",
+           "reads_need_source"]
 
 MODES = ("poll", "event")
 #: who holds the open leases, as :meth:`source.leases.LeaseTable.readers` says
@@ -59,6 +63,17 @@ _ALIASES = {
     "mm": {"posix", "sysv"}, "ib": {"rc", "rc_x", "dc_x", "ud", "ud_x"},
     "ud": {"ud", "ud_v", "ud_x"}, "tcp": {"tcp"},
 }
+
+
+def readers_of(owners: Collection[bytes], served: Container[bytes]) -> str:
+    """Who holds open leases, from their connections' identities (:data:`READERS`): ``none``; ``new`` (a
+    connection not in ``served``, those that have released a lease before: its first READ may still be wiring
+    UCX up); ``local`` (only connections from this host); ``remote``."""
+    if not owners:
+        return "none"
+    if any(owner not in served for owner in owners):
+        return "new"
+    return "local" if all(is_local(owner) for owner in owners) else "remote"
 
 
 def _expand(names: set[str]) -> set[str]:

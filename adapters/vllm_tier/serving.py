@@ -339,17 +339,12 @@ class ChunkServer:
         service's lease table says it): ``none``; ``new`` (a connection that has not released a lease here yet:
         its first READ may still be wiring UCX up, which needs this side's progress); ``local`` (readers on this
         host only: one-sided ``cma`` READs need none); ``remote``."""
-        from remote_g2.connection_identity import is_local
+        from remote_g2.source.progress_pace import readers_of
 
         with self._lock:
             if self._leases:
                 self._sweep()
-            if not self._leases:
-                return "none"
-            owners = {lease.owner for lease in self._leases.values()}
-            if any(owner not in self._served for owner in owners):
-                return "new"
-        return "local" if all(is_local(owner) for owner in owners) else "remote"
+            return readers_of({lease.owner for lease in self._leases.values()}, self._served)
 
     def close(self) -> None:
         """Stop answering, end every lease (reported by a last :meth:`finished_jobs`), drop the agent."""
