@@ -93,13 +93,14 @@ class ChunkServer:
     """Resolve/release RPCs over this instance's primary region (see the module docstring).
 
     ``region_base``/``row_bytes``/``num_rows`` describe the primary region as the tier sees it (its memoryview
-    in this process). ``validated``: leases are validated (the tier calls :meth:`held`, :meth:`let_go` and
+    in this process); at most ``max_leases`` leases are open at once (an ask past them is a miss). ``validated``:
+    leases are validated (the tier calls :meth:`held`, :meth:`let_go` and
     :meth:`let_go_all` as the primary keeps and evicts chunks); otherwise they are pinned, and ``on_ask`` is
     called from an RPC thread when an ask is queued (the tier wakes the engine).
     """
 
     def __init__(self, worker_id: str, region_base: int, row_bytes: int, num_rows: int, *, bind: str,
-                 validated: bool = False, wait_s: float = 2.0, max_ttl_ms: int = 30_000,
+                 validated: bool = False, wait_s: float = 2.0, max_ttl_ms: int = 30_000, max_leases: int = 4096,
                  on_ask: Callable[[], None] = lambda: None,
                  on_unheld: Callable[[list[bytes]], None] = lambda hashes: None, source_config: Any = None) -> None:
         from remote_g2.rpc_server import RpcServer
@@ -110,7 +111,7 @@ class ChunkServer:
         self.worker_id = worker_id
         self.row_bytes, self.num_rows, self.region_base = row_bytes, num_rows, region_base
         self.epoch = time.time_ns()
-        self.wait_s, self.max_ttl_ms = wait_s, max_ttl_ms
+        self.wait_s, self.max_ttl_ms, self.max_leases = wait_s, max_ttl_ms, max_leases
         self._on_ask = on_ask
         self._on_unheld = on_unheld
         self._lock = threading.Lock()
@@ -150,7 +151,14 @@ class ChunkServer:
     def _resolve(self, req: Resolve, ctx: Any) -> ResolveReply:
         ttl_ms = min(int(req.ttl_ms), self.max_ttl_ms)
         owner = ctx.identity or b""
-        if self._held is not None:
+        with self._lock:
+            self._sweep()
+            full = len(self._leases) + len(self._asks) >= self.max_leases
+            if full:
+                self.missed += 1
+        if full:  # (readers that never release: the holder's memory and pins stay bounded)
+            rows, lease_id = [], 0
+        elif self._held is not None:
             rows, lease_id = self._lease_validated(req.hashes, ttl_ms, owner)
         else:
             rows, lease_id = self._lease_pinned(req, ttl_ms, owner)
@@ -296,8 +304,6 @@ class ChunkServer:
     def _end(self, lease_id: int, *, success: bool, owner: bytes | None = None) -> bool:
         """End a lease; whether what was read under it stands (it was open, and, if validated, intact). With
         ``owner`` (a release), a lease another connection took is left alone and answered False."""
-        from vllm.v1.kv_offload.tiering.base import JobResult
-
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None or (owner is not None and lease.owner != owner):
@@ -309,6 +315,8 @@ class ChunkServer:
                 if len(self._served) > _SERVED_OWNERS:
                     self._served.popitem(last=False)
             if lease.job_id is not None:
+                from vllm.v1.kv_offload.tiering.base import JobResult  # (pinned leases only: vLLM's manager)
+
                 self._finished.append(JobResult(job_id=lease.job_id, success=success,
                                                 transfer_bytes=lease.chunks * self.row_bytes))
                 return True
