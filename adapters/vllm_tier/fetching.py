@@ -16,7 +16,7 @@ never on the scheduler's:
 5. the job's result: every key read, or which ones were (partial success).
    A lease whose READ failed is released after the result, off its path.
 
-While a job runs, the interpreter's switch interval is lowered
+While a job is queued or runs, the interpreter's switch interval is lowered
 (:class:`QuickHandoff`): the engine core's loop keeps stepping, in Python,
 while a request waits for its KV, and each time this thread blocks (an RPC's
 reply, a READ) it waits that long for the GIL back once the reply is in.
@@ -138,9 +138,11 @@ class ChunkFetcher:
         self.unreported: deque[float] = deque(maxlen=4096)  # fetch seconds not yet in the tier's stats
 
     def submit(self, job_id: int, runs: list[LoadRun]) -> None:
-        """Queue a job (from the scheduler thread: returns at once)."""
+        """Queue a job (from the scheduler thread: returns at once). The switch interval is lowered from here, so
+        that the fetch thread, woken by the queue, gets the GIL soon too."""
         with self._lock:
             self._busy += 1
+        self._handoff.__enter__()  # (left by the fetch thread once the job is done)
         self._jobs.put((job_id, runs))
 
     def results(self) -> list[Any]:
@@ -174,8 +176,10 @@ class ChunkFetcher:
 
     def _run(self) -> None:
         while (item := self._jobs.get()) is not None:
-            with self._handoff:
+            try:
                 self._job(*item)
+            finally:
+                self._handoff.__exit__(None, None, None)  # (entered by submit)
 
     def _job(self, job_id: int, runs: list[LoadRun]) -> None:
         from vllm.v1.kv_offload.tiering.base import JobResult
