@@ -464,3 +464,16 @@ def test_a_chunk_evicted_during_its_read_is_discarded(evicted_mid_read: bool) ->
     finally:
         fetcher.close()
         server.close()
+
+
+def test_a_request_aborted_while_its_chunks_load_leaves_them_whole(pair):
+    """vLLM ends a request while the tier's READ for it runs: the job still ends (reported, its rows released by
+    vLLM's manager), and the chunks it brought are the holder's bytes, never half-written ones."""
+    a, b = pair
+    ks = keys(4, "abort")
+    a.ask(op="store", keys=ks, seed=12)
+    load_until(b, ks[:1], hits=1)  # (B's mirror has A's chunks)
+    out = b.ask(op="load_abort", keys=ks[1:])
+    assert out["first"] == ["HIT_PENDING"] * 3 and out["settled"], out
+    assert out["got"] == {k: expected(12, k, b.info["row_bytes"]) for k in ks[1:]}
+    assert a.ask(op="stats")["open_leases"] == 0

@@ -12,6 +12,9 @@ and driven over stdin/stdout, one JSON object a line (answers start with ``@@ ``
   cascades it to the tier (published);
 * ``{"op": "load", "keys": [...], "timeout_s": T}``: looks each key up, steps until each is in the primary tier
   or missed, and answers ``{"got": {key: sha256 of its row, or null}}``;
+* ``{"op": "load_abort", "keys": [...]}``: a request looks the keys up (a promotion through the tier starts)
+  and ends at once, its load in flight; once the tier has no pending work, ``load`` of the same keys (answered
+  with ``first``, the first lookups' results, and ``settled``);
 * ``{"op": "evict"}``: stores fresh chunks until every earlier one has left the primary (its LRU);
 * ``{"op": "fetch_times"}``: the tier's last loads, ``(chunks, seconds from resolve to release)`` each;
 * ``{"op": "raw_read", "endpoint": E, "keys": [...]}``: those chunks READ from holder ``E`` by a NIXL agent of
@@ -204,6 +207,19 @@ def main() -> None:
             say({"stored": len(cmd["keys"])})
         elif op == "load":
             say({"got": load([bytes.fromhex(k) for k in cmd["keys"]], float(cmd.get("timeout_s", 10)))})
+        elif op == "load_abort":  # a request aborted while its chunks are on their way from the holder
+            c = ctx()
+            ks = [bytes.fromhex(k) for k in cmd["keys"]]
+            first = [manager.lookup(k, c).name for k in ks]  # HIT_PENDING: a promotion through the tier began
+            step()  # (the manager submits the tier's load job at the end of the step)
+            manager.on_request_finished(c)  # aborted now, its load still in flight
+            deadline = time.monotonic() + 10
+            while ours.has_pending_work() and time.monotonic() < deadline:
+                step()
+                time.sleep(0.002)
+            step()
+            say({"first": first, "settled": not ours.has_pending_work(),
+                 "got": load(ks, float(cmd.get("timeout_s", 5)))})
         elif op == "evict":
             fresh = [os.urandom(32) + bytes(4) for _ in range(rows)]
             for i in range(0, len(fresh), 8):
