@@ -44,7 +44,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .progress_pace import readers_of
+from .progress_pace import ServedOwners, readers_of
 from remote_g2.secondary_pool import SecondaryPool
 from remote_g2.errors import SourceError
 
@@ -56,7 +56,6 @@ log = logging.getLogger("remote_g2.source.leases")
 MAX_TOMBSTONES = 65_536
 
 #: Connections remembered as served (an owner forgotten is only polled fast again for its next lease)
-_SERVED_OWNERS = 4096
 
 
 class PinBudget:
@@ -155,7 +154,7 @@ class LeaseTable:
         self._tombstone_ttl = tombstone_ttl_s
         self._pinned = 0
         self._lock = threading.Lock()
-        self._served: OrderedDict[bytes, None] = OrderedDict()  # owners that released a lease (see readers())
+        self._served = ServedOwners()  # owners that released a lease (see readers())
         self._on_change = on_change
         self._on_end = on_end
 
@@ -307,10 +306,7 @@ class LeaseTable:
             if lease is None:
                 return None
             self._pinned -= len(lease.block_ids)
-            self._served[lease.owner] = None
-            self._served.move_to_end(lease.owner)
-            if len(self._served) > _SERVED_OWNERS:
-                self._served.popitem(last=False)
+            self._served.add(lease.owner)
         self._unpin(lease.block_ids, lease_id)
         self._changed()
         self._ended(lease_id)

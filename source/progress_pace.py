@@ -38,12 +38,13 @@ Two modes:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Collection, Container
 from dataclasses import dataclass
 
 from remote_g2.connection_identity import is_local
 
-__all__ = ["MODES", "READERS", "ProgressPace", "cma_usable", "local_reads_one_sided", "readers_of",
+__all__ = ["MODES", "READERS", "ProgressPace", "ServedOwners", "cma_usable", "local_reads_one_sided", "readers_of",
            "reads_need_source"]
 
 MODES = ("poll", "event")
@@ -63,6 +64,24 @@ _ALIASES = {
     "mm": {"posix", "sysv"}, "ib": {"rc", "rc_x", "dc_x", "ud", "ud_x"},
     "ud": {"ud", "ud_v", "ud_x"}, "tcp": {"tcp"},
 }
+
+
+class ServedOwners:
+    """The connections that have released a lease here (their READs are past UCX's wire-up), the most recent
+    ``limit`` of them: what :func:`readers_of` calls ``served``. Not thread-safe: its owner's lock guards it."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._owners: OrderedDict[bytes, None] = OrderedDict()
+
+    def add(self, owner: bytes) -> None:
+        self._owners[owner] = None
+        self._owners.move_to_end(owner)
+        if len(self._owners) > self.limit:
+            self._owners.popitem(last=False)
+
+    def __contains__(self, owner: object) -> bool:
+        return owner in self._owners
 
 
 def readers_of(owners: Collection[bytes], served: Container[bytes]) -> str:

@@ -56,9 +56,9 @@ _SPIN_S = 0.002  # a READ is polled without a pause this long (most end within i
 
 
 class QuickHandoff:
-    """A context in which the interpreter's switch interval is at most ``interval_s``: the first thread in lowers
-    it, the last one out restores what it was (unless someone else changed it meanwhile). ``interval_s`` 0: no
-    change."""
+    """A span in which the interpreter's switch interval is at most ``interval_s``: the first :meth:`enter` lowers
+    it, the last :meth:`leave` restores what it was (unless someone else changed it meanwhile); the two may come
+    from different threads. Also a context manager. ``interval_s`` 0: no change."""
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
@@ -66,20 +66,26 @@ class QuickHandoff:
         self._inside = 0
         self._saved: float | None = None
 
-    def __enter__(self) -> None:
+    def enter(self) -> None:
         with self._lock:
             self._inside += 1
             if self._inside == 1 and self.interval_s > 0 and sys.getswitchinterval() > self.interval_s:
                 self._saved = sys.getswitchinterval()
                 sys.setswitchinterval(self.interval_s)
 
-    def __exit__(self, *exc: object) -> None:
+    def leave(self) -> None:
         with self._lock:
             self._inside -= 1
             if self._inside == 0 and self._saved is not None:
                 if abs(sys.getswitchinterval() - self.interval_s) < 1e-9:  # (set by us, not since by another)
                     sys.setswitchinterval(self._saved)
                 self._saved = None
+
+    def __enter__(self) -> None:
+        self.enter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.leave()
 
 
 @dataclass(frozen=True)
@@ -142,7 +148,7 @@ class ChunkFetcher:
         that the fetch thread, woken by the queue, gets the GIL soon too."""
         with self._lock:
             self._busy += 1
-        self._handoff.__enter__()  # (left by the fetch thread once the job is done)
+        self._handoff.enter()  # (left by the fetch thread once the job is done)
         self._jobs.put((job_id, runs))
 
     def results(self) -> list[Any]:
@@ -179,7 +185,7 @@ class ChunkFetcher:
             try:
                 self._job(*item)
             finally:
-                self._handoff.__exit__(None, None, None)  # (entered by submit)
+                self._handoff.leave()  # (entered by submit)
 
     def _job(self, job_id: int, runs: list[LoadRun]) -> None:
         from vllm.v1.kv_offload.tiering.base import JobResult

@@ -42,19 +42,19 @@ import logging
 import secrets
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from remote_g2.messages import BlockLayout, RankBlocks, RankInfo, Release, ReleaseReply, Resolve, ResolveReply
 from remote_g2.secondary_pool import MemoryRegion
+from remote_g2.source.progress_pace import ServedOwners, readers_of
 
 __all__ = ["ChunkServer", "offload_key", "TIER_GROUP"]
 
 log = logging.getLogger("remote_g2.adapters.vllm_tier")
 
 TIER_GROUP = 0  # the KV-cache group whose chunks are shared (identity.py: one group only)
-_SERVED_OWNERS = 4096  # connections remembered as having released a lease (past their wire-up)
 
 
 def offload_key(block_hash: bytes, group: int = TIER_GROUP) -> bytes:
@@ -123,7 +123,7 @@ class ChunkServer:
         # Written on the scheduler thread only, read by RPC threads (a dict get and a list index are atomic).
         self._held: dict[bytes, tuple[int, int]] | None = {} if validated else None
         self._gen = [0] * num_rows
-        self._served: OrderedDict[bytes, None] = OrderedDict()  # connections that released a lease (_readers)
+        self._served = ServedOwners()  # connections that released a lease (_readers)
         # While a lease is open its reader may need this agent's progress (UCX emulating a READ over TCP, or
         # wiring up): the fast pace then, the idle one otherwise (source/progress_pace.py).
         self.agent = RankAgent(f"remote-g2-tier-{worker_id}-{secrets.token_hex(4)}",
@@ -152,8 +152,10 @@ class ChunkServer:
         ttl_ms = min(int(req.ttl_ms), self.max_ttl_ms)
         owner = ctx.identity or b""
         with self._lock:
-            self._sweep()
             full = len(self._leases) + len(self._asks) >= self.max_leases
+            if full:  # (leases past their TTL count until swept: sweep only here, not on every ask)
+                self._sweep()
+                full = len(self._leases) + len(self._asks) >= self.max_leases
             if full:
                 self.missed += 1
         if full:  # (readers that never release: the holder's memory and pins stay bounded)
@@ -310,10 +312,7 @@ class ChunkServer:
                 return False
             del self._leases[lease_id]
             if owner is not None:
-                self._served[owner] = None
-                self._served.move_to_end(owner)
-                if len(self._served) > _SERVED_OWNERS:
-                    self._served.popitem(last=False)
+                self._served.add(owner)
             if lease.job_id is not None:
                 from vllm.v1.kv_offload.tiering.base import JobResult  # (pinned leases only: vLLM's manager)
 
@@ -347,11 +346,8 @@ class ChunkServer:
         service's lease table says it): ``none``; ``new`` (a connection that has not released a lease here yet:
         its first READ may still be wiring UCX up, which needs this side's progress); ``local`` (readers on this
         host only: one-sided ``cma`` READs need none); ``remote``."""
-        from remote_g2.source.progress_pace import readers_of
-
         with self._lock:
-            if self._leases:
-                self._sweep()
+            self._sweep()
             return readers_of({lease.owner for lease in self._leases.values()}, self._served)
 
     def close(self) -> None:
