@@ -74,7 +74,7 @@ def fetch_vs_raw(rounds: int, chunks: int, row_mib: float) -> dict:
         read_ms: list[float] = []  # the fetch's READ
         for r in range(rounds + 1):  # round 0 warms up (agents' wire-up, first touch)
             # Two sets written together, each READ once: the first READ of bytes just written costs more than a
-            # second one (measured: about 1.5x), so the baseline READs chunks as fresh as the fetch's.
+            # second one (docs/benchmarks.md), so the baseline READs chunks as fresh as the fetch's.
             ks = [(hashlib.sha256(f"bench-{r}-{i}".encode()).digest() + bytes(4)).hex() for i in range(chunks)]
             raw_ks = [(hashlib.sha256(f"bench-raw-{r}-{i}".encode()).digest() + bytes(4)).hex() for i in range(chunks)]
             a.ask(op="store", keys=raw_ks + ks if r % 2 else ks + raw_ks, seed=r)  # (which is written last alternates)

@@ -19,9 +19,9 @@ never on the scheduler's:
 While a job is queued or runs, the interpreter's switch interval is lowered
 (:class:`QuickHandoff`): the engine core's loop keeps stepping, in Python,
 while a request waits for its KV, and each time this thread blocks (an RPC's
-reply, a READ) it waits that long for the GIL back once the reply is in.
-At Python's default 5 ms, a fetch of 1 MiB took 29 ms instead of 5 ms
-(docs/benchmarks.md).
+reply, a READ) it waits that long for the GIL back once the reply is in
+(Python's default, 5 ms, made a fetch several times slower:
+docs/benchmarks.md, "remote-g2 as a vLLM tier").
 
 A key is reported read only when its READ completed ``done`` within half the
 lease's TTL and its release answered ``released``: a holder that died, a
