@@ -95,10 +95,11 @@ def _child(a: argparse.Namespace) -> None:
 
     n_prompts = 2 + a.requests + a.batch * a.batches
     kv = None
+    engine_id = f"bench-overhead-{os.getpid()}"  # names vLLM's CPU-tier region file (removed before the exit below)
     if a.mode in ("cputier", "tier"):
         tiers = [{"type": "RemoteG2Tier", "module_path": "remote_g2.adapters.vllm_tier.tier", "registry": a.registry,
                   "worker_id": f"bench-{os.getpid()}"}] if a.mode == "tier" else []
-        kv = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+        kv = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", engine_id=engine_id,
                               kv_connector_extra_config={
                                   "spec_name": "RemoteG2OffloadingSpec",
                                   "spec_module_path": "remote_g2.adapters.vllm_tier.spec",
@@ -147,6 +148,8 @@ def _child(a: argparse.Namespace) -> None:
         if blocks:
             timings["copy_us_per_block"].append(copy_s / blocks * 1e6)
     Path(a.out).write_text(json.dumps({"request_ms": request_ms, **timings}))
+    # vLLM removes its region file only on an orderly shutdown (the tier removes its name at start-up).
+    Path(f"/dev/shm/vllm_offload_{engine_id}.mmap").unlink(missing_ok=True)
     os._exit(0)  # NIXL and vLLM threads: skip interpreter teardown
 
 

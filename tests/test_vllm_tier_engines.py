@@ -15,7 +15,8 @@ tier publishes their chunks. Engine B, started once A's chunks are in the regist
 A stays up meanwhile, idle: its engine core runs in a process of its own (vLLM's ``EngineCoreProc``), which
 blocks on its input queue while it has no work. B's asks reach A's tier on an RPC thread, which answers them
 from the rows A stored (validated leases: no engine step). Over the hold, A's processes must not have burnt a
-core (vLLM's own ``p2p`` tier keeps an idle engine stepping for ever).
+core (vLLM's own ``p2p`` tier keeps an idle engine stepping for ever). A's primary region has no name in
+``/dev/shm`` while A serves (so a killed A leaves none behind).
 
 The engines run a copy of the model written just before they start: the tier's identity holds against the
 snapshot vLLM's plugin takes before the load (adapters/vllm/plugin.py), not against the process's start.
@@ -124,6 +125,9 @@ def test_engine_b_reuses_engine_as_chunks_through_the_tier_and_generates_as_plai
     try:
         out_a = a.result()
         vh.wait_published(registry_url, "a", 2 * CHUNKS, a)  # (an Instance-like: tail())
+        # A's primary region has no name left in /dev/shm (its tier unlinked it once every process mapped it), so
+        # no exit of A's, SIGKILL included, can leave it behind; B's reads below come from that unnamed region.
+        assert not list(Path("/dev/shm").glob(f"vllm_offload_{a.engine_id}*")), a.tail()
         b_prompts = [{"ids": ps[0], "salt": SALT}, {"ids": ps[0]}, {"ids": ps[1]}, {"ids": ps[1], "salt": SALT}]
         from remote_g2.registry import RegistryClient
 

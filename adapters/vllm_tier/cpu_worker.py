@@ -34,6 +34,7 @@ its last call; ``wait`` has nothing to wait for.
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 from collections.abc import Sequence
 
@@ -210,6 +211,9 @@ class CPUCopyOffloadingWorker(OffloadingWorker):
         for direction in (self._store, self._load):
             direction.src_tensors.clear()
             direction.dst_tensors.clear()
-        if self._mmap_region is not None:
-            self._mmap_region.cleanup()
+        region = self._mmap_region
+        if region is not None:
+            if getattr(region, "_creator", False) and not os.path.exists(region.mmap_path):
+                region._creator = False  # the tier unlinked the name already (tier.forget_region_name): no warning
+            region.cleanup()
             self._mmap_region = None

@@ -50,6 +50,9 @@ is done by threads of :mod:`.serving` and :mod:`.fetching`.
   asks wait or pinned leases are open, and a new ask wakes an idle engine
   (vLLM's own ``WAKEUP`` on the engine core's input queue), so an idle
   instance costs no steps either way (docs/benchmarks.md).
+* **A killed instance leaves no region behind:** once every process of the
+  engine has mapped the primary's ``/dev/shm`` file, the tier unlinks its
+  name (:func:`forget_region_name`); the memory goes with the last mapping.
 """
 
 from __future__ import annotations
@@ -133,6 +136,29 @@ def watch_evictions(policy: Any, removed: Callable[[list[bytes] | None], None]) 
     policy.evict, policy.remove, policy.clear = evict_and_tell, remove_and_tell, clear_and_tell
 
 
+def forget_region_name(spec: Any) -> str | None:
+    """Unlink the primary tier's ``/dev/shm`` file name once every process of the instance has it mapped; the
+    path unlinked, or None where that is not known to be so.
+
+    vLLM's tiering spec removes ``/dev/shm/vllm_offload_{engine_id}.mmap`` only on an orderly shutdown, so a
+    killed instance leaves its whole primary tier in RAM for good. The mappings outlive the name, and the kernel
+    frees the memory when the last of them goes, however the processes end. The name may go only once nobody
+    will open it again, or a late opener would create a second, separate region (a worker writing where the
+    scheduler and this tier never read). The engine core builds its workers' KV caches (each worker opens the
+    region then) before its scheduler, whose manager opens it last and builds this tier: so the scheduler's
+    region not being the file's creator is the sign that the workers came first. A manager built outside an
+    engine creates the file itself, and its name is left to its owner."""
+    region = getattr(spec, "_scheduler_mmap", None)
+    path = getattr(region, "mmap_path", None)
+    if not path or getattr(region, "_creator", True):
+        return None
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return None
+    return str(path)
+
+
 #: The tier's metrics, through vLLM's offloading stats (its ``/metrics``, beside the tiering manager's own).
 _COUNTERS = {
     "vllm:remote_g2_tier_chunks_read": "Chunks this instance READ from peers through remote-g2's tier",
@@ -211,6 +237,10 @@ class RemoteG2Tier(SecondaryTierManager):
             identity = tier_identity(offloading_spec, self.row_bytes, vllm_config_of_caller(), model_id=model_id)
         self.identity = identity
         self.fingerprint = identity.fingerprint
+        gone = forget_region_name(offloading_spec)
+        if gone:
+            log.info("remote-g2 tier: %s unlinked (mapped by every process of the instance; freed as they end)",
+                     gone)
         self._wake_ref = _engine_input_queue()
         self._primary = _primary_of_caller()
         self._watching = False  # the primary's evictions reach _evicted
