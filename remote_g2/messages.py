@@ -646,6 +646,33 @@ class Release:
 
 
 @dataclass(frozen=True, slots=True)
+class ChunkTableReply:
+    """Where the vLLM tier holder's chunk table is (adapters/vllm_tier/chunk_table.py), for one-sided lookups.
+
+    ``granted`` is False (``reason`` says why, the other fields 0) where this connection's READs may need the
+    holder's progress (emulated, or not yet past UCX's wire-up: a lease released here first). The table is
+    ``buckets`` buckets of ``ways`` slots of ``slot_bytes`` from ``base``, registered by NIXL agent
+    ``agent_name``; ``epoch`` is the holder's (the resolve replies')."""
+
+    granted: bool
+    reason: _Short = ""
+    agent_name: _AgentName | None = None
+    epoch: _Epoch = 0
+    base: _Addr = 0
+    buckets: Annotated[int, Limits(ge=0, le=1 << 32)] = 0
+    ways: Annotated[int, Limits(ge=0, le=64)] = 0
+    slot_bytes: Annotated[int, Limits(ge=0, le=4096)] = 0
+
+
+@message("chunk_table", reply=ChunkTableReply)
+@dataclass(frozen=True, slots=True)
+class ChunkTable:
+    """Ask a vLLM tier holder where its chunk table is (:class:`ChunkTableReply`)."""
+
+    requester: _WorkerId | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class PeerResolveReply:
     """This rank's share of a lease: ``block_ids[i]`` holds ``hashes[i]``, for the first ``matched`` hashes.
 

@@ -163,14 +163,30 @@ def test_an_idle_holder_serves_a_peer_without_a_step(pair):
     ks = keys(2, "idle")
     a.ask(op="store", keys=ks, seed=9)
     time.sleep(0.3)  # (the store's job result is collected by a step or two)
-    before = a.ask(op="stats")
+    before, read_before = a.ask(op="stats"), b.ask(op="stats")["read"]
     time.sleep(1.0)
     assert a.ask(op="stats")["steps"] == before["steps"]  # nothing asked: not one step in a second
     got = load_until(b, ks, hits=2)
     assert got == {k: expected(9, k, b.info["row_bytes"]) for k in ks}
     after = a.ask(op="stats")
-    assert after["open_leases"] == 0 and after["served"] > before["served"]
+    assert b.ask(op="stats")["read"] == read_before + 2 and after["open_leases"] == 0
     assert after["steps"] == before["steps"]  # served with no step
+
+
+def test_a_reader_past_its_first_lease_finds_rows_in_the_holders_chunk_table(pair):
+    """Once B has released a lease at A (its READs past UCX's wire-up; on one host they are cma, one-sided), A
+    grants B its chunk table: B finds the rows with one-sided READs, and A answers no RPC for them."""
+    a, b = pair
+    first = keys(1, "table-first")
+    a.ask(op="store", keys=first, seed=12)
+    load_until(b, first, hits=1)  # (a lease released here, if none was before: the table is asked for then)
+    ks = keys(4, "table")
+    a.ask(op="store", keys=ks, seed=13)
+    served, one_sided = a.ask(op="stats")["served"], b.ask(op="stats")["read_one_sided"]
+    got = load_until(b, ks, hits=4)
+    assert got == {k: expected(13, k, b.info["row_bytes"]) for k in ks}
+    assert b.ask(op="stats")["read_one_sided"] == one_sided + 4
+    assert a.ask(op="stats")["served"] == served  # no resolve reached A for them
 
 
 def test_a_pinning_holder_steps_only_while_asked(pinning, pair):
@@ -221,7 +237,7 @@ def test_other_fingerprints_never_share(pair, registry_url):
         a.ask(op="store", keys=ks, seed=1)
         time.sleep(1.0)  # A's chunks are in the registry by now (a same-fingerprint reader sees them: above)
         assert other.ask(op="load", keys=ks, timeout_s=5)["got"] == {k: None for k in ks}
-        assert a.ask(op="stats")["served"] == served
+        assert a.ask(op="stats")["served"] == served and other.ask(op="stats")["read"] == 0
     finally:
         other.stop()
     chunked = {**FP, "tokens_per_block": 32}
@@ -425,42 +441,62 @@ def test_a_chunk_with_no_known_holder_is_reported_failed_never_loaded(registry: 
         tier.shutdown()
 
 
+@pytest.mark.parametrize("path", ["leased", "one_sided"])
 @pytest.mark.parametrize("evicted_mid_read", [False, True])
-def test_a_chunk_evicted_during_its_read_is_discarded(evicted_mid_read: bool) -> None:
-    """The fetch thread's own path against a validated holder, in one process: resolve, NIXL READ, release. A
-    chunk the holder lets go of while the READ is in flight (injected: no real part evicts on cue inside a
-    millisecond) fails the run, so vLLM frees the rows rather than keep bytes that may be another chunk's."""
+def test_a_chunk_evicted_during_its_read_is_discarded(evicted_mid_read: bool, path: str) -> None:
+    """The fetch thread's own paths against a validated holder, in one process: resolve, NIXL READ, release
+    (``leased``: the reader's first fetch from a holder); or, once the holder granted its chunk table, bucket
+    READ, row READ, slot READ (``one_sided``). A chunk the holder lets go of while its row's READ is in flight
+    (injected: no real part evicts on cue inside a millisecond) is never reported read, so vLLM frees its row
+    rather than keep bytes that may be another chunk's: the leased path fails the whole run (one release
+    answers for it), the one-sided one keeps the chunks before it (each slot answers for its own)."""
     import numpy as np
 
     from remote_g2.adapters.vllm_tier.fetching import ChunkFetcher, LoadRun
     from remote_g2.adapters.vllm_tier.serving import ChunkServer
 
     row = 4096
-    src = np.random.default_rng(5).integers(0, 256, (4, row), dtype=np.uint8)
-    dst = np.zeros((4, row), np.uint8)
-    server = ChunkServer("held", src.ctypes.data, row, 4, bind="tcp://127.0.0.1:0", validated=True)
-    fetcher = ChunkFetcher("reader", dst.ctypes.data, row, 4, timeout_s=5.0)
+    src = np.random.default_rng(5).integers(0, 256, (8, row), dtype=np.uint8)
+    dst = np.zeros((8, row), np.uint8)
+    server = ChunkServer("held", src.ctypes.data, row, 8, bind="tcp://127.0.0.1:0", validated=True)
+    fetcher = ChunkFetcher("reader", dst.ctypes.data, row, 8, timeout_s=5.0)
     try:
+        if path == "one_sided":  # a first fetch, over RPC: the table is granted after it
+            server.held([b"w" * 32], [7])
+            fetcher.submit(0, [LoadRun(server.endpoint, [b"w" * 36], [b"w" * 32], [7])])
+            assert fetcher.drain(20) and fetcher.results()[0].success
+            deadline = time.monotonic() + 10
+            while not fetcher._tables and time.monotonic() < deadline:  # (asked for after the job's result)
+                time.sleep(0.01)
+            assert fetcher._tables, "the holder granted no chunk table"
         hashes = [bytes([i]) * 32 for i in range(3)]
         server.held(hashes, [2, 0, 3])
+        served = server.served
         if evicted_mid_read:
             start_read = fetcher.transfer.start_read
 
-            def evict_then_read(*a: object, **kw: object) -> object:
-                handle = start_read(*a, **kw)
-                server.let_go([hashes[1]])  # the primary evicts one of them while the bytes are on their way
+            def evict_then_read(agent: str, local: object, remote: object, nbytes: "np.ndarray",
+                                **kw: object) -> object:
+                handle = start_read(agent, local, remote, nbytes, **kw)
+                if int(nbytes.sum()) >= row:  # the rows' READ (not a table bucket's or slot's)
+                    server.let_go([hashes[1]])  # the primary evicts one of them while the bytes are on their way
                 return handle
 
-            fetcher.transfer.start_read = evict_then_read
+            fetcher.transfer.start_read = evict_then_read  # type: ignore[method-assign]
         keys = [h + bytes(4) for h in hashes]
         fetcher.submit(1, [LoadRun(server.endpoint, keys, hashes, [0, 1, 2])])
         assert fetcher.drain(20)
         (result,) = fetcher.results()
-        if evicted_mid_read:
+        if not evicted_mid_read:
+            assert result.success and np.array_equal(dst[:3], src[[2, 0, 3]])
+        elif path == "leased":
             assert (result.success, list(result.successful_keys)) == (False, [])
         else:
-            assert result.success and np.array_equal(dst[:3], src[[2, 0, 3]])
+            assert (result.success, list(result.successful_keys)) == (False, keys[:1])
+            assert np.array_equal(dst[0], src[2])
         assert server.open_leases() == 0
+        assert (server.served == served) == (path == "one_sided")  # the one-sided path asks the holder nothing
+        assert fetcher.chunks_read_one_sided == (0 if path == "leased" else 1 if evicted_mid_read else 3)
     finally:
         fetcher.close()
         server.close()

@@ -9,7 +9,8 @@ tier publishes their chunks. Engine B, started once A's chunks are in the regist
   read from A), though A's chunks for the same tokens are in the registry;
 * prompts 0 and 1, each for the first time in B: their whole reusable prefix is cached (``num_cached_tokens``),
   vLLM counts it as ``p2p`` hits (the tier's ``CacheHitSource``), its tiering manager as bytes read through the
-  tier, and the tier as chunks READ from A; the greedy tokens equal plain vLLM's (no connector);
+  tier, and the tier as chunks READ from A (prompt 0's over RPC, prompt 1's found in A's chunk table with
+  one-sided READs); the greedy tokens equal plain vLLM's (no connector);
 * prompt 1 under the other salt again: still nothing from the tier.
 
 A stays up meanwhile, idle: its engine core runs in a process of its own (vLLM's ``EngineCoreProc``), which
@@ -174,6 +175,10 @@ def test_engine_b_reuses_engine_as_chunks_through_the_tier_and_generates_as_plai
         assert out_b[i]["tier"]["chunks_read"] - out_b[i - 1]["tier"]["chunks_read"] == CHUNKS, out_b[i]["tier"]
         assert delta(out_b, i, "vllm:remote_g2_tier_chunks_read") == CHUNKS, out_b[i]["metrics"]  # vLLM's /metrics
     assert out_b[-1]["tier"]["chunks_failed"] == 0
+    # Prompt 0's chunks came over RPC (B's first fetch from A); after that A granted B its chunk table (one host:
+    # cma READs, one-sided), so prompt 1's rows were found there, with no RPC.
+    assert delta(out_b, 1, "vllm:remote_g2_tier_chunks_read_one_sided") == 0, out_b[1]["metrics"]
+    assert delta(out_b, 2, "vllm:remote_g2_tier_chunks_read_one_sided") == CHUNKS, out_b[2]["metrics"]
     # A served those while idle, not stepping meanwhile (a stepping engine burns a core).
     assert final_a["hold_cpu_s"] < 0.5 * final_a["hold_s"], final_a
 

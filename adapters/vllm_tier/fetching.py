@@ -16,6 +16,15 @@ never on the scheduler's:
 5. the job's result: every key read, or which ones were (partial success).
    A lease whose READ failed is released after the result, off its path.
 
+Steps 2 to 4 take two RPCs, each a few thread wake-ups on both sides. After
+a first release at a holder, this thread asks it for its chunk table
+(:mod:`.chunk_table`), off any job's path; where the holder grants it (this
+reader's READs need none of its progress), later runs find their rows with
+one-sided READs instead: the chunks' buckets, the rows, the rows' slots
+again (a chunk counts only if its slot did not change meanwhile). Chunks the
+table does not have go on over RPC; a failed one-sided READ drops the table
+until the next RPC fetch asks for it again.
+
 While a job is queued or runs, the interpreter's switch interval is lowered
 (:class:`QuickHandoff`): the engine core's loop keeps stepping, in Python,
 while a request waits for its KV, and each time this thread blocks (an RPC's
@@ -24,10 +33,10 @@ reply, a READ) it waits that long for the GIL back once the reply is in
 docs/benchmarks.md, "remote-g2 as a vLLM tier").
 
 A key is reported read only when its READ completed ``done`` within half the
-lease's TTL and its release answered ``released``: a holder that died, a
-lease that lapsed, a chunk evicted before the resolve or during the READ
-all fail that key, and vLLM recomputes it. Nothing here waits without a
-deadline.
+lease's TTL and its release answered ``released`` (or, one-sided, within
+``timeout_s`` and its slot unchanged): a holder that died, a lease that
+lapsed, a chunk evicted before the resolve or during the READ all fail that
+key, and vLLM recomputes it. Nothing here waits without a deadline.
 """
 
 from __future__ import annotations
@@ -45,14 +54,31 @@ from typing import Any
 import numpy as np
 
 from remote_g2.errors import RemoteG2Error
-from remote_g2.messages import Release, Resolve
+from remote_g2.messages import ChunkTable, Release, Resolve
 from remote_g2.secondary_pool import MemoryRegion
+
+from .chunk_table import SLOT_BYTES, bucket_of, digest_of, find_in_buckets, slot_dtype
 
 __all__ = ["ChunkFetcher", "LoadRun", "QuickHandoff"]
 
 log = logging.getLogger("remote_g2.adapters.vllm_tier")
 
 _SPIN_S = 0.002  # a READ is polled without a pause this long (most end within it), then every 0.2 ms
+_TABLE_CHUNKS = 512  # chunks a one-sided lookup takes at once (the rest of a run: the next lookup, or RPC)
+_TABLE_BUCKET_MAX = 1024  # the largest bucket (ways x slot bytes) a reader takes from a holder
+
+
+@dataclass(frozen=True)
+class _Table:
+    """A holder's chunk table, as its ``chunk_table`` reply and its last resolve reply said."""
+
+    agent: str
+    epoch: int
+    base: int
+    buckets: int
+    ways: int
+    pool_base: int
+    num_rows: int
 
 
 class QuickHandoff:
@@ -126,7 +152,10 @@ class ChunkFetcher:
         self.region_base, self.row_bytes, self.num_rows = region_base, row_bytes, num_rows
         self.timeout_s, self.lease_ttl_ms, self.rpc_timeout_ms = timeout_s, lease_ttl_ms, rpc_timeout_ms
         self.transfer = NixlTransfer(f"remote-g2-tier-reader-{worker_id}-{secrets.token_hex(4)}")
-        self.transfer.register_local([MemoryRegion(region_base, row_bytes * num_rows)])
+        # Where one-sided lookups land: the buckets of a run's chunks, then their slots again.
+        self._scratch = np.zeros(_TABLE_CHUNKS * (_TABLE_BUCKET_MAX + SLOT_BYTES), np.uint8)
+        self.transfer.register_local([MemoryRegion(region_base, row_bytes * num_rows),
+                                      MemoryRegion(self._scratch.ctypes.data, self._scratch.nbytes)])
         self._jobs: queue.Queue[tuple[int, list[LoadRun]] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._results: list[Any] = []
@@ -134,12 +163,16 @@ class ChunkFetcher:
         self._idle = threading.Condition(self._lock)
         self._clients: dict[str, Any] = {}
         self._agents: dict[str, str] = {}  # holder endpoint -> its NIXL agent, once loaded
+        self._last_info: dict[str, Any] = {}  # holder endpoint -> the RankInfo of its last resolve reply
+        self._tables: dict[str, _Table] = {}  # holder endpoint -> its chunk table, where it granted one
+        self._table_asked: set[str] = set()  # endpoints asked (or to ask, after the job) for their table
         self._closed = False
         self._handoff = QuickHandoff(switch_interval_s)
         self._thread = threading.Thread(target=self._run, name=f"remote-g2-tier-fetch-{worker_id}", daemon=True)
         self._thread.start()
         # Counters, for logs, metrics and tests; the last jobs' (chunks read, seconds in all, resolving, READing).
         self.chunks_read = self.chunks_failed = 0
+        self.chunks_read_one_sided = 0  # of chunks_read, found through a holder's chunk table (no RPC)
         self.recent: deque[tuple[int, float, float, float]] = deque(maxlen=1024)
         self.unreported: deque[float] = deque(maxlen=4096)  # fetch seconds not yet in the tier's stats
 
@@ -218,6 +251,10 @@ class ChunkFetcher:
                 self._client(endpoint).call(Release(lease_id), fail_fast=True)
             except Exception as e:  # the lease lapses at the holder on its own
                 log.debug("tier release at %s failed: %s", endpoint, e)
+        for run in runs:  # holders whose lease this connection released for the first time: where is their table?
+            if run.endpoint in self._last_info and run.endpoint not in self._table_asked:
+                self._table_asked.add(run.endpoint)
+                self._ask_table(run.endpoint)
 
     def _client(self, endpoint: str) -> Any:
         from remote_g2.rpc_client import RpcClient
@@ -228,11 +265,121 @@ class ChunkFetcher:
         return client
 
     def _load_run(self, run: LoadRun, leases: list[tuple[str, int]], phases: list[float]) -> list[bytes]:
-        """READ what the holder still holds of ``run``; the keys read (a prefix of ``run.keys``). The lease taken
-        is released here once READ (its answer validates the bytes); until then it is in ``leases``, which the
-        caller releases if this raises. The time spent goes to ``phases``."""
+        """READ what the holder still holds of ``run``; the keys read (a prefix of ``run.keys``): through the
+        holder's chunk table where it granted one (:meth:`_load_one_sided`), the rest over RPC
+        (:meth:`_load_leased`). The time spent goes to ``phases``."""
         if not run.endpoint:
             raise RemoteG2Error("no holder known for these chunks (their lookup's answer was dropped)")
+        table = self._tables.get(run.endpoint)
+        if table is None:
+            return self._load_leased(run, leases, phases)
+        try:
+            got = self._load_one_sided(run, table, phases)
+        except Exception:
+            self._forget_holder(run.endpoint)  # (a holder restarted or gone: ask it anew, over RPC)
+            raise
+        self.chunks_read_one_sided += len(got)
+        if len(got) == len(run.keys):
+            return got
+        n = len(got)  # the rest: not in the table (evicted, its bucket full, past one lookup): ask over RPC
+        rest = LoadRun(run.endpoint, run.keys[n:], run.hashes[n:], run.rows[n:])
+        return got + self._load_leased(rest, leases, phases)
+
+    def _load_one_sided(self, run: LoadRun, table: _Table, phases: list[float]) -> list[bytes]:
+        """Find the rows of ``run``'s chunks in the holder's chunk table, READ them, and READ their slots again:
+        the keys whose slots did not change meanwhile (a prefix; chunk_table.py's seqlock). No RPC."""
+        started = time.monotonic()
+        deadline = started + self.timeout_s
+        n = min(len(run.hashes), _TABLE_CHUNKS)
+        digests = [digest_of(h) for h in run.hashes[:n]]
+        bucket_bytes = table.ways * SLOT_BYTES
+        first = [bucket_of(d, table.buckets) * table.ways for d in digests]  # each bucket's first slot
+        scratch = self._scratch.ctypes.data
+        self._read(table.agent, np.arange(n, dtype=np.uint64) * bucket_bytes + scratch,
+                   np.asarray([table.base + f * SLOT_BYTES for f in first], np.uint64),
+                   np.full(n, bucket_bytes, np.uint64), deadline, run.endpoint)
+        seen = self._scratch[:n * bucket_bytes].view(slot_dtype).reshape(n, table.ways)
+        found: list[tuple[int, int, int]] = []  # (slot index, version, row) of the chunks found, in order
+        for i, hit in enumerate(find_in_buckets(seen, digests)):
+            if hit is None or not 0 <= hit[2] < table.num_rows:
+                break
+            found.append((first[i] + hit[0], hit[1], hit[2]))
+        looked = time.monotonic()
+        phases[0] += looked - started
+        if not found:
+            return []
+        rows = [row for _, _, row in found]
+        local, remote, nbytes = coalesce(run.rows[:len(rows)], rows, self.row_bytes, self.region_base,
+                                         table.pool_base)
+        self._read(table.agent, local, remote, nbytes, deadline, run.endpoint)
+        again_at = n * bucket_bytes
+        self._read(table.agent, np.arange(len(found), dtype=np.uint64) * SLOT_BYTES + (scratch + again_at),
+                   np.asarray([table.base + index * SLOT_BYTES for index, _, _ in found], np.uint64),
+                   np.full(len(found), SLOT_BYTES, np.uint64), deadline, run.endpoint)
+        phases[1] += time.monotonic() - looked
+        again = self._scratch[again_at:again_at + len(found) * SLOT_BYTES].view(slot_dtype)
+        good = 0
+        for (_, version, row), slot in zip(found, again):
+            if int(slot["version"]) != version or int(slot["row"]) != row:
+                break  # evicted (or moved) since it was found: this chunk and the rest are recomputed
+            good += 1
+        return run.keys[:good]
+
+    def _read(self, agent: str, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray, deadline: float,
+              endpoint: str) -> None:
+        """One READ, polled to its end; raises unless it ended ``done`` before ``deadline``."""
+        t = self.transfer
+        handle = t.start_read(agent, local, remote, nbytes, not_after=deadline)
+        try:
+            spin_until = time.monotonic() + _SPIN_S
+            while (state := t.poll(handle)) == "pending":
+                now = time.monotonic()
+                if now > deadline:
+                    raise RemoteG2Error(f"READ from {endpoint} not done within its deadline")
+                if now > spin_until:  # a READ this long is not one more poll away: stop spinning a core on it
+                    time.sleep(0.0002)
+        finally:
+            t.release(handle)
+        if state != "done" or time.monotonic() > deadline:
+            raise RemoteG2Error(f"READ from {endpoint} ended {state!r}")
+
+    def _ask_table(self, endpoint: str) -> None:
+        """Ask a holder where its chunk table is (after a job's result: off its path); kept where granted."""
+        info = self._last_info.get(endpoint)
+        try:
+            reply = self._client(endpoint).call(ChunkTable(self.worker_id), fail_fast=True)
+        except Exception as e:  # a holder without one (an older version answers ERR): RPC it stays
+            log.debug("tier: %s has no chunk table for us: %s", endpoint, e)
+            return
+        if not reply.granted or info is None or reply.agent_name != info.agent_name:
+            log.debug("tier: %s gives no chunk table: %s", endpoint, reply.reason or "another agent")
+            return
+        if reply.slot_bytes != SLOT_BYTES or not 1 <= reply.ways * SLOT_BYTES <= _TABLE_BUCKET_MAX \
+                or reply.buckets < 1 or reply.buckets & (reply.buckets - 1):
+            log.info("tier: %s's chunk table has a layout this reader does not take (%d ways of %d bytes, %d "
+                     "buckets): resolving over RPC", endpoint, reply.ways, reply.slot_bytes, reply.buckets)
+            return
+        table = _Table(reply.agent_name, reply.epoch, reply.base, reply.buckets, reply.ways, info.pool_base,
+                       info.layout.num_blocks)
+        try:  # the first small READ wires up (while the holder makes progress for it): here, not in a job
+            self._read(table.agent, np.asarray([self._scratch.ctypes.data], np.uint64),
+                       np.asarray([table.base], np.uint64), np.asarray([SLOT_BYTES], np.uint64),
+                       time.monotonic() + self.timeout_s, endpoint)
+        except Exception as e:
+            log.info("tier: %s's chunk table cannot be READ (%s): resolving over RPC", endpoint, e)
+            return
+        self._tables[endpoint] = table
+
+    def _forget_holder(self, endpoint: str) -> None:
+        self._tables.pop(endpoint, None)
+        self._table_asked.discard(endpoint)
+        self._last_info.pop(endpoint, None)
+        self._agents.pop(endpoint, None)
+
+    def _load_leased(self, run: LoadRun, leases: list[tuple[str, int]], phases: list[float]) -> list[bytes]:
+        """Resolve ``run`` at its holder, READ the rows it names, release: the keys read (a prefix). The lease
+        taken is released here once READ (its answer validates the bytes); until then it is in ``leases``, which
+        the caller releases if this raises."""
         client = self._client(run.endpoint)
         t = self.transfer
         started = time.monotonic()
@@ -249,7 +396,7 @@ class ChunkFetcher:
             if info.agent_metadata is None:
                 raise RemoteG2Error(f"{run.endpoint} sent no metadata for agent {info.agent_name}")
             t.add_peer(info.agent_name, info.agent_metadata)
-            self._agents[run.endpoint] = info.agent_name
+        self._agents[run.endpoint] = info.agent_name
         rows = list(reply.ranks[0].block_ids[:reply.matched])
         if info.layout.block_bytes != self.row_bytes or any(not 0 <= r < info.layout.num_blocks for r in rows):
             raise RemoteG2Error(f"{run.endpoint} answered rows outside its region or of another size "
@@ -257,23 +404,18 @@ class ChunkFetcher:
         deadline = started + min(self.timeout_s, reply.expires_in_ms / 2000)
         local, remote, nbytes = coalesce(run.rows[:len(rows)], rows, self.row_bytes, self.region_base,
                                          info.pool_base)
-        handle = t.start_read(info.agent_name, local, remote, nbytes, not_after=deadline)
         try:
-            spin_until = time.monotonic() + _SPIN_S
-            while (state := t.poll(handle)) == "pending":
-                now = time.monotonic()
-                if now > deadline:
-                    raise RemoteG2Error(f"READ from {run.endpoint} not done within its deadline")
-                if now > spin_until:  # a READ this long is not one more poll away: stop spinning a core on it
-                    time.sleep(0.0002)
+            self._read(info.agent_name, local, remote, nbytes, deadline, run.endpoint)
         finally:
-            t.release(handle)
             phases[1] += time.monotonic() - resolved
-        if state != "done" or time.monotonic() > deadline:
-            raise RemoteG2Error(f"READ from {run.endpoint} ended {state!r}")
         leases.pop()  # (released here: its answer decides whether the bytes stand)
         if not client.call(Release(reply.lease_id), fail_fast=True).released:
             raise RemoteG2Error(f"{run.endpoint}: the chunks changed or the lease lapsed during the READ")
+        self._last_info[run.endpoint] = info  # (its region and agent: what a table of its points into)
+        table = self._tables.get(run.endpoint)
+        if table is not None and table.agent != info.agent_name:  # (restarted: its table is asked for anew)
+            del self._tables[run.endpoint]
+            self._table_asked.discard(run.endpoint)
         return run.keys[:len(rows)]
 
     def _agent_of(self, endpoint: str) -> str | None:

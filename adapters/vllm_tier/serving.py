@@ -19,7 +19,11 @@ notes each row's generation. The reader READs, then releases, and the
 release answers ``released: true`` only if no row's generation moved while
 the lease was open; otherwise the reader discards those rows (recompute).
 Nothing is pinned: a chunk evicted mid-READ is a miss, never wrong bytes.
-A lease past its TTL is released ``false``.
+A lease past its TTL is released ``false``. The same rows are kept in a
+:class:`~.chunk_table.ChunkTable` registered beside the region: a reader
+whose READs need no progress from this side (a ``cma`` READ on this host,
+RDMA across hosts) is granted it after its first release (``chunk_table``)
+and finds rows there with one-sided READs, asking nothing.
 
 **Pinned (the fallback, when the evictions cannot be seen).** Only the
 tiering manager may pin a primary chunk, and only on the scheduler thread,
@@ -46,13 +50,19 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from remote_g2.messages import BlockLayout, RankBlocks, RankInfo, Release, ReleaseReply, Resolve, ResolveReply
+from remote_g2.connection_identity import is_local
+from remote_g2.messages import (BlockLayout, ChunkTable as ChunkTableAsk, ChunkTableReply, RankBlocks, RankInfo,
+                                Release, ReleaseReply, Resolve, ResolveReply)
 from remote_g2.secondary_pool import MemoryRegion
-from remote_g2.source.progress_pace import ServedOwners, readers_of
+from remote_g2.source.progress_pace import ServedOwners, local_reads_one_sided, readers_of
+
+from .chunk_table import SLOT_BYTES, WAYS, ChunkTable
 
 __all__ = ["ChunkServer", "offload_key", "TIER_GROUP"]
 
 log = logging.getLogger("remote_g2.adapters.vllm_tier")
+
+_TABLE_WIRE_UP_S = 2.0  # the fast progress pace after a chunk table is granted (its reader's first READ)
 
 TIER_GROUP = 0  # the KV-cache group whose chunks are shared (identity.py: one group only)
 
@@ -123,11 +133,17 @@ class ChunkServer:
         # Written on the scheduler thread only, read by RPC threads (a dict get and a list index are atomic).
         self._held: dict[bytes, tuple[int, int]] | None = {} if validated else None
         self._gen = [0] * num_rows
+        # ... and the same, READable one-sided by readers whose READs need none of this side's progress.
+        self.table = ChunkTable(num_rows) if validated else None
         self._served = ServedOwners()  # connections that released a lease (_readers)
+        self._wiring_until = 0.0  # a chunk table was just granted: a reader's first READ of it is wiring up
         # While a lease is open its reader may need this agent's progress (UCX emulating a READ over TCP, or
         # wiring up): the fast pace then, the idle one otherwise (source/progress_pace.py).
-        self.agent = RankAgent(f"remote-g2-tier-{worker_id}-{secrets.token_hex(4)}",
-                               [MemoryRegion(region_base, row_bytes * num_rows)], pace=cfg.progress_pace(),
+        self._pace = cfg.progress_pace()
+        regions = [MemoryRegion(region_base, row_bytes * num_rows)]
+        if self.table is not None:
+            regions.append(MemoryRegion(self.table.base, self.table.nbytes))
+        self.agent = RankAgent(f"remote-g2-tier-{worker_id}-{secrets.token_hex(4)}", regions, pace=self._pace,
                                readers=self._readers)
         self.agent.start_progress()
         layout = BlockLayout(num_blocks=num_rows, block_bytes=row_bytes, num_layers=1, kv=1, num_kv_heads=1,
@@ -136,7 +152,8 @@ class ChunkServer:
                               pool_base=region_base, pool_bytes=row_bytes * num_rows, layout=layout)
         # A validated ask is answered without waiting: one thread owning the socket answers it with no hand-off.
         # A pinned one waits for a step, so a pool keeps the others answered meanwhile.
-        self._rpc = RpcServer(bind, {"resolve": self._resolve, "release": self._release},
+        self._rpc = RpcServer(bind, {"resolve": self._resolve, "release": self._release,
+                                     "chunk_table": self._chunk_table},
                               name=f"tier-{worker_id}", workers=1 if validated else 4, identify_clients=True)
         try:
             self.endpoint = self._rpc.start()
@@ -212,33 +229,58 @@ class ChunkServer:
     def _release(self, req: Release, ctx: Any) -> ReleaseReply:
         return ReleaseReply(released=self._end(req.lease_id, success=True, owner=ctx.identity or b""))
 
+    def _chunk_table(self, req: ChunkTableAsk, ctx: Any) -> ChunkTableReply:
+        """Where the chunk table is, for a connection whose READs need none of this side's progress: past its
+        wire-up (it released a lease here), and one-sided (``cma`` on this host; RDMA-only ``UCX_TLS`` across)."""
+        owner = ctx.identity or b""
+        if self.table is None:
+            return ChunkTableReply(granted=False, reason="pinned leases only")
+        with self._lock:
+            served = owner in self._served
+        if not served:
+            return ChunkTableReply(granted=False, reason="no lease released yet")
+        one_sided = local_reads_one_sided(self._pace.ucx_tls, self._pace.cma_ok) if is_local(owner) \
+            else not self._pace.reads_need_source
+        if not one_sided:
+            return ChunkTableReply(granted=False, reason="reads need the holder's progress")
+        # A reader's first small READ of the table wires up another UCX protocol than its READs of whole rows did,
+        # and that needs this side's progress once: the fast pace for a moment, in which the reader READs a slot.
+        with self._lock:
+            self._wiring_until = time.monotonic() + _TABLE_WIRE_UP_S
+        self.agent.wake()
+        return ChunkTableReply(granted=True, agent_name=self.agent.name, epoch=self.epoch, base=self.table.base,
+                               buckets=self.table.buckets, ways=WAYS, slot_bytes=SLOT_BYTES)
+
     # -- validated leases: the chunks held, and their rows' generations (scheduler thread) ------------------------
 
     def held(self, hashes: list[bytes], rows: list[int]) -> None:
         """These chunks are complete in the primary tier, in these rows (the tier's ``submit_store``)."""
-        if self._held is not None:
+        if self._held is not None and self.table is not None:
             for h, row in zip(hashes, rows):
                 self._held[h] = (row, self._gen[row])
+                self.table.put(h, row)
 
     def let_go(self, hashes: list[bytes]) -> None:
         """These chunks left the primary tier (evicted, removed): their rows' open leases fail validation.
 
         Called before vLLM hands a row to another chunk: the generation moves before any new byte is written."""
-        if self._held is None:
+        if self._held is None or self.table is None:
             return
         for h in hashes:
             entry = self._held.get(h)
             if entry is not None:
                 self._gen[entry[0]] += 1  # (first: an RPC thread that still finds the entry sees it is stale)
                 del self._held[h]
+            self.table.drop(h)  # (one-sided readers: the slot's version moves)
 
     def let_go_all(self) -> None:
         """The primary tier was reset: every row changes."""
-        if self._held is None:
+        if self._held is None or self.table is None:
             return
         for row in range(self.num_rows):
             self._gen[row] += 1
         self._held.clear()
+        self.table.clear()
 
     # -- the scheduler thread --------------------------------------------------------------------------------
 
@@ -348,6 +390,8 @@ class ChunkServer:
         host only: one-sided ``cma`` READs need none); ``remote``."""
         with self._lock:
             self._sweep()
+            if time.monotonic() < self._wiring_until:
+                return "new"
             return readers_of({lease.owner for lease in self._leases.values()}, self._served)
 
     def close(self) -> None:

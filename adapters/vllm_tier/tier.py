@@ -24,8 +24,9 @@ is done by threads of :mod:`.serving` and :mod:`.fetching`.
   otherwise, and while the mirror has no complete copy yet. A chunk whose
   load failed is a ``MISS`` for ``failed_ttl_s``, so it is not tried every step.
 * **submit_load:** :class:`~.fetching.ChunkFetcher`: resolve and lease at the
-  holder, one NIXL READ into the rows the manager reserved, release; partial
-  success reported by key.
+  holder, one NIXL READ into the rows the manager reserved, release; or,
+  once the holder granted its chunk table, the rows found there with
+  one-sided READs and no RPC; partial success reported by key.
 * **submit_store:** the chunk is complete in the primary tier: it is
   published (a :class:`~remote_g2.registry.SourcePublisher` registered under
   the tier's fingerprint and this instance's serving endpoint). The job ends
@@ -162,6 +163,8 @@ def forget_region_name(spec: Any) -> str | None:
 #: The tier's metrics, through vLLM's offloading stats (its ``/metrics``, beside the tiering manager's own).
 _COUNTERS = {
     "vllm:remote_g2_tier_chunks_read": "Chunks this instance READ from peers through remote-g2's tier",
+    "vllm:remote_g2_tier_chunks_read_one_sided": "Of the chunks READ from peers, those found in the peer's chunk "
+                                                 "table (no RPC)",
     "vllm:remote_g2_tier_chunks_failed": "Chunks whose load from a peer failed (recomputed)",
     "vllm:remote_g2_tier_chunks_served": "Chunks this instance leased to peers' READs",
     "vllm:remote_g2_tier_asks_missed": "Peers' asks this instance held none of (evicted, or not served in time)",
@@ -199,6 +202,7 @@ class RemoteG2Tier(SecondaryTierManager):
         if server is None or fetcher is None:
             return None
         now = {"vllm:remote_g2_tier_chunks_read": fetcher.chunks_read,
+               "vllm:remote_g2_tier_chunks_read_one_sided": fetcher.chunks_read_one_sided,
                "vllm:remote_g2_tier_chunks_failed": fetcher.chunks_failed,
                "vllm:remote_g2_tier_chunks_served": server.chunks_served,
                "vllm:remote_g2_tier_asks_missed": server.missed,

@@ -68,6 +68,7 @@ def tier_counters(tier: Any) -> dict[str, Any]:
                            "published": len(tier._published)}
     if tier.fetcher is not None:
         out.update(chunks_read=tier.fetcher.chunks_read, chunks_failed=tier.fetcher.chunks_failed,
+                   chunks_read_one_sided=tier.fetcher.chunks_read_one_sided,
                    fetch_s=[round(f[1], 6) for f in tier.fetcher.recent])
     if tier.server is not None:
         out.update(served=tier.server.served, missed=tier.server.missed, lapsed=tier.server.lapsed)

@@ -252,7 +252,8 @@ def main() -> None:
             server, fetcher = ours.server, ours.fetcher
             say({"steps": steps, "served": server.served if server else 0, "missed": server.missed if server else 0,
                  "lapsed": server.lapsed if server else 0, "open_leases": server.open_leases() if server else 0,
-                 "read": fetcher.chunks_read if fetcher else 0, "failed": fetcher.chunks_failed if fetcher else 0})
+                 "read": fetcher.chunks_read if fetcher else 0, "failed": fetcher.chunks_failed if fetcher else 0,
+                 "read_one_sided": fetcher.chunks_read_one_sided if fetcher else 0})
         elif op == "stop":
             break
     raw.close()
