@@ -39,7 +39,7 @@ from remote_g2.errors import TransferError
 from remote_g2.secondary_pool import MemoryRegion
 from remote_g2.transfer import TransferState
 
-__all__ = ["NixlTransfer"]
+__all__ = ["NixlTransfer", "Prepared"]
 
 log = logging.getLogger("remote_g2.adapters.nixl")
 
@@ -61,6 +61,18 @@ class _Read:
         return f"<NIXL READ from {self.peer}: {self.count} descriptor(s), {self.state}>"
 
 
+class Prepared:
+    """A descriptor list NIXL prepared once (:meth:`NixlTransfer.prepare`): READs pick its entries by index."""
+
+    __slots__ = ("dlist", "peer", "count")
+
+    def __init__(self, dlist: Any, peer: str | None, count: int) -> None:
+        self.dlist, self.peer, self.count = dlist, peer, count
+
+    def __repr__(self) -> str:
+        return f"<NIXL prepared list of {self.count} extent(s), {self.peer or 'local'}>"
+
+
 class NixlTransfer:
     """:class:`~remote_g2.transfer.TransferAdapter` over one NIXL agent called ``agent_name``."""
 
@@ -74,6 +86,7 @@ class NixlTransfer:
         self._local_kind: tuple[str, int] | None = None  # (mem_type, device_id) of every local region
         self._peers: set[str] = set()
         self._live: set[_Read] = set()  # started, not yet released
+        self._prepared: set[Prepared] = set()  # not yet released
         self._last_progress = 0.0
         self._agent: Any = nixl_agent(agent_name, nixl_agent_config(
             enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"]))
@@ -124,6 +137,8 @@ class NixlTransfer:
             return
         for read in [r for r in self._live if r.peer == agent_name]:
             self.release(read)  # a handle must not outlive the remote metadata it points into
+        for prepared in [p for p in self._prepared if p.peer == agent_name]:
+            self.unprepare(prepared)
         self._peers.discard(agent_name)
         self._forget(agent_name)
 
@@ -151,7 +166,10 @@ class NixlTransfer:
                                          agent.get_xfer_descs(remote, "DRAM"), agent_name, b"")
         except Exception as e:
             raise TransferError(f"{what} could not be prepared: {e}") from e
-        read = _Read(xfer, agent_name, n)
+        return self._post(_Read(xfer, agent_name, n), what, not_after)
+
+    def _post(self, read: _Read, what: str, not_after: float | None) -> _Read:
+        """Start a READ whose request is made (released here if it cannot start)."""
         self._live.add(read)
         if not_after is not None and time.monotonic() > not_after:
             # Checked after the (possibly slow) preparation, right before bytes start to move: the
@@ -160,7 +178,7 @@ class NixlTransfer:
             raise TransferError(f"{what} not posted: its deadline passed "
                                 f"{(time.monotonic() - not_after) * 1e3:.1f} ms ago")
         try:
-            state, why = agent.transfer(xfer), "NIXL answered ERR"
+            state, why = self._live_agent().transfer(read.xfer), "NIXL answered ERR"
         except Exception as e:
             state, why = "ERR", str(e)
         if state == "ERR":
@@ -169,6 +187,59 @@ class NixlTransfer:
         if state == "DONE":
             read.state = "done"
         return read
+
+    def prepare(self, agent_name: str | None, addr: np.ndarray, nbytes: np.ndarray) -> Prepared:
+        """Prepare extents once, for :meth:`start_read_prepared`: a peer's (``agent_name``) or this agent's own
+        (None). A READ then skips building descriptor lists and a request from scratch, which is most of a
+        small READ's cost, and most of all on a core that was idle (docs/benchmarks.md, "remote-g2 as a vLLM
+        tier"). :class:`TransferError` if the peer is unknown or NIXL refuses the extents."""
+        agent = self._live_agent()
+        if agent_name is not None and agent_name not in self._peers:
+            raise TransferError(f"no metadata loaded for agent {agent_name!r}")
+        n = len(nbytes)
+        mem_type, dev = (self._local_kind or ("DRAM", 0)) if agent_name is None else ("DRAM", 0)
+        descs = np.empty((n, 3), dtype=np.uint64)
+        descs[:, 0], descs[:, 1], descs[:, 2] = addr, nbytes, dev
+        try:
+            dlist = agent.prep_xfer_dlist(agent_name or "NIXL_INIT_AGENT", descs, mem_type)
+        except Exception as e:
+            raise TransferError(f"NIXL agent {self.name}: cannot prepare {n} extent(s) of "
+                                f"{agent_name or 'its own memory'}: {e}") from e
+        prepared = Prepared(dlist, agent_name, n)
+        self._prepared.add(prepared)
+        return prepared
+
+    def unprepare(self, prepared: Prepared) -> None:
+        """Release a prepared list (idempotent)."""
+        if prepared not in self._prepared:
+            return
+        self._prepared.discard(prepared)
+        try:
+            self._live_agent().release_dlist_handle(prepared.dlist)
+        except Exception as e:
+            log.warning("NIXL agent %s: releasing %r failed: %s", self.name, prepared, e)
+
+    def start_read_prepared(self, local: Prepared, local_idx: np.ndarray, remote: Prepared, remote_idx: np.ndarray,
+                            *, not_after: float | None = None) -> _Read:
+        """Post one READ of ``remote``'s extents ``remote_idx`` into ``local``'s ``local_idx`` (pairwise); as
+        :meth:`start_read` otherwise."""
+        agent = self._live_agent()
+        peer = remote.peer
+        if peer is None or local.peer is not None or peer not in self._peers or \
+                local not in self._prepared or remote not in self._prepared:
+            raise TransferError(f"READ from {peer}: not a live pair of prepared lists ({local!r}, {remote!r})")
+        n = len(remote_idx)
+        if len(local_idx) != n:
+            raise TransferError(f"READ from {peer}: index arrays differ in length ({len(local_idx)}, {n})")
+        if n == 0:
+            return _Read(None, peer, 0, "done")
+        what = f"READ of {n} prepared extent(s) from NIXL agent {peer}"
+        try:
+            xfer = agent.make_prepped_xfer("READ", local.dlist, np.asarray(local_idx, np.int32), remote.dlist,
+                                           np.asarray(remote_idx, np.int32))
+        except Exception as e:
+            raise TransferError(f"{what} could not be prepared: {e}") from e
+        return self._post(_Read(xfer, peer, n), what, not_after)
 
     def poll(self, handle: _Read) -> TransferState:
         """``"pending"``, ``"done"`` or ``"error"``; drives NIXL's progress (at most every ~1 ms), never blocks."""
@@ -221,6 +292,8 @@ class NixlTransfer:
             return
         for read in list(self._live):
             self.release(read)
+        for prepared in list(self._prepared):
+            self.unprepare(prepared)
         for reg in self._regs:
             try:
                 self._agent.deregister_memory(reg)

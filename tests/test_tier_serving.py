@@ -113,8 +113,8 @@ def test_the_chunk_table_finds_held_chunks_and_moves_a_slot_version_on_every_cha
 
 
 def test_a_full_bucket_leaves_a_chunk_out_of_the_table_and_odd_hashes_get_a_digest() -> None:
-    table = ChunkTable(1)  # one bucket of WAYS slots
-    hashes = [bytes([i + 1]) * 32 for i in range(WAYS + 2)]
+    table = ChunkTable(0)  # two buckets of WAYS slots
+    hashes = [bytes([2 * i + 2]) * 32 for i in range(WAYS + 2)]  # (all in bucket 0: the first byte is even)
     assert [table.put(h, i) for i, h in enumerate(hashes)] == [True] * WAYS + [False, False]
     assert table.overflowed == 2 and len(table) == WAYS
     assert digest_of(b"short") != digest_of(b"short!") and len(digest_of(b"short")) == 32

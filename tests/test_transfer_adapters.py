@@ -206,6 +206,39 @@ def test_nixl_reads_every_extent_byte_exact(nixl_peer, nixl_reader) -> None:
 
 
 @pytest.mark.nixl
+def test_nixl_reads_prepared_lists_by_index_byte_exact(nixl_peer, nixl_reader) -> None:
+    """Extents prepared once on both sides, READ by index (any subset, any pairing); a removed peer's lists go."""
+    t, dst = nixl_reader
+    peer = nixl_peer()
+    src = pattern_bytes(5, PEER_BYTES)
+    with pytest.raises(TransferError, match="no metadata loaded"):
+        t.prepare(peer.name, np.asarray([peer.info["base"]], np.uint64), np.asarray([BLOCK], np.uint64))
+    t.add_peer(peer.name, peer.metadata)
+    remote = t.prepare(peer.name, peer.info["base"] + np.arange(8, dtype=np.uint64) * BLOCK,
+                       np.full(8, BLOCK, np.uint64))
+    local = t.prepare(None, dst.ctypes.data + np.arange(8, dtype=np.uint64) * BLOCK, np.full(8, BLOCK, np.uint64))
+    for local_idx, remote_idx in (([0, 1, 2], [5, 0, 7]), ([3], [3])):
+        dst[:] = 0
+        h = t.start_read_prepared(local, np.asarray(local_idx), remote, np.asarray(remote_idx))
+        try:
+            assert _wait(t, h, 10.0) == "done"
+        finally:
+            t.release(h)
+        for li, ri in zip(local_idx, remote_idx):
+            np.testing.assert_array_equal(dst[li * BLOCK:(li + 1) * BLOCK], src[ri * BLOCK:(ri + 1) * BLOCK])
+        assert not dst[max(local_idx) * BLOCK + BLOCK:].any()  # nothing else written
+    with pytest.raises(TransferError, match="not a live pair"):
+        t.start_read_prepared(remote, np.asarray([0]), local, np.asarray([0]))  # (sides swapped)
+    with pytest.raises(TransferError, match="differ in length"):
+        t.start_read_prepared(local, np.asarray([0, 1]), remote, np.asarray([0]))
+    t.remove_peer(peer.name)  # its prepared list goes with it
+    with pytest.raises(TransferError, match="not a live pair"):
+        t.start_read_prepared(local, np.asarray([0]), remote, np.asarray([0]))
+    t.unprepare(local)
+    t.unprepare(local)  # idempotent
+
+
+@pytest.mark.nixl
 def test_nixl_rejects_what_it_cannot_start(nixl_peer, nixl_reader) -> None:
     t, dst = nixl_reader
     peer = nixl_peer()

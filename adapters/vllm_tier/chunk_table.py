@@ -82,13 +82,14 @@ def find_in_buckets(buckets: np.ndarray, digests: list[bytes]) -> list[tuple[int
 
 
 class ChunkTable:
-    """The writer's side: a page-aligned table of ``buckets`` buckets (a power of two, at least twice the rows
-    over :data:`WAYS`), written from one thread (the scheduler's). :attr:`base`/:attr:`nbytes` is the memory to
-    register with the agent."""
+    """The writer's side: a page-aligned table of ``buckets`` buckets (a power of two, at least twice the rows:
+    a bucket then holds half a chunk on average, and one of ``WAYS`` slots overflows rarely), written from one
+    thread (the scheduler's). :attr:`base`/:attr:`nbytes` is the memory to register with the agent (512 bytes
+    a row: nothing beside a row's KV bytes)."""
 
     def __init__(self, num_rows: int) -> None:
         buckets = 1
-        while buckets * WAYS < 2 * max(1, num_rows):
+        while buckets < 2 * max(1, num_rows):
             buckets *= 2
         self.buckets = buckets
         self.nbytes = buckets * WAYS * SLOT_BYTES

@@ -68,9 +68,14 @@ _TABLE_CHUNKS = 512  # chunks a one-sided lookup takes at once (the rest of a ru
 _TABLE_BUCKET_MAX = 1024  # the largest bucket (ways x slot bytes) a reader takes from a holder
 
 
+_TABLE_BUCKETS_MAX = 1 << 18  # the most buckets of a holder's table this reader prepares (a holder of 128k rows)
+
+
 @dataclass(frozen=True)
 class _Table:
-    """A holder's chunk table, as its ``chunk_table`` reply and its last resolve reply said."""
+    """A holder's chunk table, as its ``chunk_table`` reply and its last resolve reply said, with the NIXL lists
+    prepared for it: every bucket of the table (``buckets``), and two sets of ``_TABLE_CHUNKS`` bucket-sized
+    places in the scratch region (``landing``: the lookup's, then the validation's)."""
 
     agent: str
     epoch: int
@@ -79,6 +84,8 @@ class _Table:
     ways: int
     pool_base: int
     num_rows: int
+    remote: Any  # adapters.nixl_transfer.Prepared
+    landing: Any
 
 
 class QuickHandoff:
@@ -153,7 +160,7 @@ class ChunkFetcher:
         self.timeout_s, self.lease_ttl_ms, self.rpc_timeout_ms = timeout_s, lease_ttl_ms, rpc_timeout_ms
         self.transfer = NixlTransfer(f"remote-g2-tier-reader-{worker_id}-{secrets.token_hex(4)}")
         # Where one-sided lookups land: the buckets of a run's chunks, then their slots again.
-        self._scratch = np.zeros(_TABLE_CHUNKS * (_TABLE_BUCKET_MAX + SLOT_BYTES), np.uint8)
+        self._scratch = np.zeros(2 * _TABLE_CHUNKS * _TABLE_BUCKET_MAX, np.uint8)
         self.transfer.register_local([MemoryRegion(region_base, row_bytes * num_rows),
                                       MemoryRegion(self._scratch.ctypes.data, self._scratch.nbytes)])
         self._jobs: queue.Queue[tuple[int, list[LoadRun]] | None] = queue.Queue()
@@ -286,50 +293,46 @@ class ChunkFetcher:
         return got + self._load_leased(rest, leases, phases)
 
     def _load_one_sided(self, run: LoadRun, table: _Table, phases: list[float]) -> list[bytes]:
-        """Find the rows of ``run``'s chunks in the holder's chunk table, READ them, and READ their slots again:
+        """Find the rows of ``run``'s chunks in the holder's chunk table, READ them, and READ their buckets again:
         the keys whose slots did not change meanwhile (a prefix; chunk_table.py's seqlock). No RPC."""
         started = time.monotonic()
         deadline = started + self.timeout_s
         n = min(len(run.hashes), _TABLE_CHUNKS)
         digests = [digest_of(h) for h in run.hashes[:n]]
+        buckets = np.asarray([bucket_of(d, table.buckets) for d in digests], np.int64)
+        t = self.transfer
+        self._finish(t.start_read_prepared(table.landing, np.arange(n), table.remote, buckets, not_after=deadline),
+                     deadline, run.endpoint)
         bucket_bytes = table.ways * SLOT_BYTES
-        first = [bucket_of(d, table.buckets) * table.ways for d in digests]  # each bucket's first slot
-        scratch = self._scratch.ctypes.data
-        self._read(table.agent, np.arange(n, dtype=np.uint64) * bucket_bytes + scratch,
-                   np.asarray([table.base + f * SLOT_BYTES for f in first], np.uint64),
-                   np.full(n, bucket_bytes, np.uint64), deadline, run.endpoint)
         seen = self._scratch[:n * bucket_bytes].view(slot_dtype).reshape(n, table.ways)
-        found: list[tuple[int, int, int]] = []  # (slot index, version, row) of the chunks found, in order
-        for i, hit in enumerate(find_in_buckets(seen, digests)):
+        found: list[tuple[int, int, int]] = []  # (way, version, row) of the chunks found, in order
+        for hit in find_in_buckets(seen, digests):
             if hit is None or not 0 <= hit[2] < table.num_rows:
                 break
-            found.append((first[i] + hit[0], hit[1], hit[2]))
+            found.append(hit)
         looked = time.monotonic()
         phases[0] += looked - started
         if not found:
             return []
-        rows = [row for _, _, row in found]
-        local, remote, nbytes = coalesce(run.rows[:len(rows)], rows, self.row_bytes, self.region_base,
-                                         table.pool_base)
-        self._read(table.agent, local, remote, nbytes, deadline, run.endpoint)
-        again_at = n * bucket_bytes
-        self._read(table.agent, np.arange(len(found), dtype=np.uint64) * SLOT_BYTES + (scratch + again_at),
-                   np.asarray([table.base + index * SLOT_BYTES for index, _, _ in found], np.uint64),
-                   np.full(len(found), SLOT_BYTES, np.uint64), deadline, run.endpoint)
+        k = len(found)
+        local, remote, nbytes = coalesce(run.rows[:k], [row for _, _, row in found], self.row_bytes,
+                                         self.region_base, table.pool_base)
+        self._finish(t.start_read(table.agent, local, remote, nbytes, not_after=deadline), deadline, run.endpoint)
+        self._finish(t.start_read_prepared(table.landing, np.arange(_TABLE_CHUNKS, _TABLE_CHUNKS + k), table.remote,
+                                           buckets[:k], not_after=deadline), deadline, run.endpoint)
         phases[1] += time.monotonic() - looked
-        again = self._scratch[again_at:again_at + len(found) * SLOT_BYTES].view(slot_dtype)
+        again_at = _TABLE_CHUNKS * bucket_bytes
+        again = self._scratch[again_at:again_at + k * bucket_bytes].view(slot_dtype).reshape(k, table.ways)
         good = 0
-        for (_, version, row), slot in zip(found, again):
-            if int(slot["version"]) != version or int(slot["row"]) != row:
+        for i, (way, version, row) in enumerate(found):
+            if int(again[i, way]["version"]) != version or int(again[i, way]["row"]) != row:
                 break  # evicted (or moved) since it was found: this chunk and the rest are recomputed
             good += 1
         return run.keys[:good]
 
-    def _read(self, agent: str, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray, deadline: float,
-              endpoint: str) -> None:
-        """One READ, polled to its end; raises unless it ended ``done`` before ``deadline``."""
+    def _finish(self, handle: Any, deadline: float, endpoint: str) -> None:
+        """Poll a READ to its end and release it; raises unless it ended ``done`` before ``deadline``."""
         t = self.transfer
-        handle = t.start_read(agent, local, remote, nbytes, not_after=deadline)
         try:
             spin_until = time.monotonic() + _SPIN_S
             while (state := t.poll(handle)) == "pending":
@@ -359,20 +362,43 @@ class ChunkFetcher:
             log.info("tier: %s's chunk table has a layout this reader does not take (%d ways of %d bytes, %d "
                      "buckets): resolving over RPC", endpoint, reply.ways, reply.slot_bytes, reply.buckets)
             return
-        table = _Table(reply.agent_name, reply.epoch, reply.base, reply.buckets, reply.ways, info.pool_base,
-                       info.layout.num_blocks)
-        try:  # the first small READ wires up (while the holder makes progress for it): here, not in a job
-            self._read(table.agent, np.asarray([self._scratch.ctypes.data], np.uint64),
-                       np.asarray([table.base], np.uint64), np.asarray([SLOT_BYTES], np.uint64),
-                       time.monotonic() + self.timeout_s, endpoint)
+        if reply.buckets > _TABLE_BUCKETS_MAX:
+            log.info("tier: %s's chunk table has %d buckets, more than this reader prepares: resolving over RPC",
+                     endpoint, reply.buckets)
+            return
+        t = self.transfer
+        bucket_bytes = reply.ways * SLOT_BYTES
+        remote = landing = None
+        try:
+            # Prepared once: a small READ that builds its descriptor lists and request from scratch costs several
+            # times more, on a core that was idle (the fetch thread's, as a job starts).
+            every = np.arange(reply.buckets, dtype=np.uint64)
+            remote = t.prepare(reply.agent_name, reply.base + every * bucket_bytes,
+                               np.full(reply.buckets, bucket_bytes, np.uint64))
+            landing = t.prepare(None, self._scratch.ctypes.data + np.arange(2 * _TABLE_CHUNKS, dtype=np.uint64)
+                                * bucket_bytes, np.full(2 * _TABLE_CHUNKS, bucket_bytes, np.uint64))
+            # The first small READ wires up (while the holder makes progress for it): here, not in a job.
+            deadline = time.monotonic() + self.timeout_s
+            self._finish(t.start_read_prepared(landing, np.zeros(1), remote, np.zeros(1), not_after=deadline),
+                         deadline, endpoint)
         except Exception as e:
+            for prepared in (remote, landing):
+                if prepared is not None:
+                    t.unprepare(prepared)
             log.info("tier: %s's chunk table cannot be READ (%s): resolving over RPC", endpoint, e)
             return
-        self._tables[endpoint] = table
+        self._tables[endpoint] = _Table(reply.agent_name, reply.epoch, reply.base, reply.buckets, reply.ways,
+                                        info.pool_base, info.layout.num_blocks, remote, landing)
+
+    def _drop_table(self, endpoint: str) -> None:
+        table = self._tables.pop(endpoint, None)
+        self._table_asked.discard(endpoint)
+        if table is not None:
+            self.transfer.unprepare(table.remote)
+            self.transfer.unprepare(table.landing)
 
     def _forget_holder(self, endpoint: str) -> None:
-        self._tables.pop(endpoint, None)
-        self._table_asked.discard(endpoint)
+        self._drop_table(endpoint)
         self._last_info.pop(endpoint, None)
         self._agents.pop(endpoint, None)
 
@@ -405,7 +431,8 @@ class ChunkFetcher:
         local, remote, nbytes = coalesce(run.rows[:len(rows)], rows, self.row_bytes, self.region_base,
                                          info.pool_base)
         try:
-            self._read(info.agent_name, local, remote, nbytes, deadline, run.endpoint)
+            self._finish(t.start_read(info.agent_name, local, remote, nbytes, not_after=deadline), deadline,
+                         run.endpoint)
         finally:
             phases[1] += time.monotonic() - resolved
         leases.pop()  # (released here: its answer decides whether the bytes stand)
@@ -414,8 +441,7 @@ class ChunkFetcher:
         self._last_info[run.endpoint] = info  # (its region and agent: what a table of its points into)
         table = self._tables.get(run.endpoint)
         if table is not None and table.agent != info.agent_name:  # (restarted: its table is asked for anew)
-            del self._tables[run.endpoint]
-            self._table_asked.discard(run.endpoint)
+            self._drop_table(run.endpoint)
         return run.keys[:len(rows)]
 
     def _agent_of(self, endpoint: str) -> str | None:
