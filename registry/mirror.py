@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -162,6 +163,8 @@ class RegistryMirror:
         self._index: MirrorIndex | None = None
         self._ready = threading.Event()
         self._stop = threading.Event()
+        self._waker = os.pipe()  # close() writes to it: the follower's poll returns at once, with no tick to wait
+        os.set_blocking(self._waker[1], False)
         self._thread: threading.Thread | None = None
         self._rr = itertools.count()
         self._applied = self._malformed = self._snapshots = 0
@@ -193,8 +196,19 @@ class RegistryMirror:
 
     def close(self) -> None:
         self._stop.set()
+        if self._waker is None:
+            return
+        try:
+            os.write(self._waker[1], b"x")
+        except OSError:  # (full: a wake is pending anyway)
+            pass
         if self._thread is not None:
             self._thread.join(10)
+            if self._thread.is_alive():
+                return  # (its poll still holds the pipe: leave it open)
+        for fd in self._waker:
+            os.close(fd)
+        self._waker = None
 
     def __enter__(self) -> RegistryMirror:
         return self.start()
@@ -433,8 +447,14 @@ class RegistryMirror:
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(watch.socket, zmq.POLLIN)
+        assert self._waker is not None
+        poller.register(self._waker[0], zmq.POLLIN)
         while not self._stop.is_set():
-            ready = dict(poller.poll(100))
+            # Asleep until a frame, close(), or the next thing due (a sweep, a feed gone silent, a probe): not on
+            # a fixed tick, whose every wake would take a core from an engine busy on all of them.
+            due = min(next_sweep, min(heard.values(), default=next_sweep) + self._stale_after_s,
+                      next_up_probe if self._missing else next_sweep)
+            ready = dict(poller.poll(max(0, int((due - time.monotonic()) * 1000) + 1)))
             if watch.socket in ready:
                 for endpoint, state in watch.drain():
                     # A feed followed, or one libzmq names in a form this copy never dialled (not one it left).

@@ -5,8 +5,9 @@ The engine (or the source service) calls :meth:`SourcePublisher.stored`,
 thread; they only append to a queue. One background thread:
 
 * registers the worker (epoch = wall-clock ns, so a restart always wins);
-* sends queued events in batches (every ``flush_interval_s`` or when
-  ``max_batch_hashes`` are waiting) with consecutive sequence numbers;
+* sends queued events in batches (``flush_interval_s`` after the first of
+  a batch, or once ``max_batch_hashes`` are waiting) with consecutive
+  sequence numbers, and sleeps while nothing is queued;
 * heartbeats every ``lease_ttl / 3`` with the current ``load()``;
 * on ``resync_needed`` (an event batch's answer, or a heartbeat's when the
   store changed hands) sends a full snapshot from ``snapshot()``; on
@@ -114,6 +115,7 @@ class SourcePublisher:
 
     def _enqueue(self, event: BlockEvent) -> None:
         with self._lock:
+            first = not self._queue
             self._queue.append(event)
             self._queued_hashes += len(event.hashes)
             if self._queued_hashes > self._max_backlog:
@@ -122,7 +124,7 @@ class SourcePublisher:
                 self._queued_hashes = 0
                 self._need_resync = True
             full = self._queued_hashes >= self._max_batch
-        if full:
+        if full or first:  # (the first wakes an idle thread; it then waits the flush interval for more)
             self._wake.set()
 
     @property
@@ -190,9 +192,19 @@ class SourcePublisher:
                 backoff = min(backoff * 2, 2.0)
                 continue
             with self._lock:
-                if not self._queue and not self._need_resync:
+                idle = not self._queue and not self._need_resync
+                if idle:
                     self._idle.notify_all()
-            self._wake.wait(self._flush_interval)
+            if idle:
+                # Nothing to send: asleep until the next heartbeat or the first event, not every flush interval
+                # (each wake takes a core from an engine whose forward keeps every core busy).
+                self._wake.wait(max(0.0, next_hb - time.monotonic()))
+                self._wake.clear()
+                with self._lock:
+                    batching = bool(self._queue) and self._queued_hashes < self._max_batch
+                if not batching or self._stop.is_set():
+                    continue
+            self._wake.wait(self._flush_interval)  # (the batch window: events arriving meanwhile go together)
             self._wake.clear()
 
     def _heartbeat_interval(self) -> float:

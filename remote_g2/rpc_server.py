@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -211,6 +212,9 @@ class RpcServer:
         self._ids = itertools.count(1)
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
+        # close() writes a byte here: every handler thread's poll returns at once (they sleep with no tick, whose
+        # every wake would take a core from an engine busy on all of them).
+        self._waker: tuple[int, int] | None = None
         self._control: zmq.Socket | None = None
         self._closed = False
         self._driven: zmq.Socket | None = None
@@ -280,6 +284,8 @@ class RpcServer:
             self._driven = front
             log.info("%s serving on %s (driven by its owner's loop)", self.name, self._bound)
             return self._bound
+        self._waker = os.pipe()
+        os.set_blocking(self._waker[1], False)
         if direct:
             self._spawn(self._serve_requests, f"{self.name}-rpc", front)
         else:
@@ -336,11 +342,20 @@ class RpcServer:
             return
         self._closed = True
         self._stopping.set()
+        if self._waker is not None:
+            try:
+                os.write(self._waker[1], b"x")
+            except OSError:  # (full: a wake is pending anyway)
+                pass
         if self._control is not None:
             self._control.send(b"TERMINATE")
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        if self._waker is not None and not any(t.is_alive() for t in self._threads):
+            for fd in self._waker:
+                os.close(fd)
+            self._waker = None
         if self._control is not None:
             self._control.close(0)
         if self._driven is not None:  # the owner's loop has stopped using it (see serve_ready)
@@ -433,11 +448,12 @@ class RpcServer:
             sock = own
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        assert self._waker is not None
+        poller.register(self._waker[0], zmq.POLLIN)  # (close() writes to it; nobody reads it)
         waiting: dict[int, tuple[Deferred, MessageSpec, list[tuple[Any, CallContext]]]] = {}
         try:
             while not self._stopping.is_set():
-                # The timeout only bounds how long close() waits for this thread.
-                ready = dict(poller.poll(100))
+                ready = dict(poller.poll(1000))  # (the waker ends it at close(); the timeout is a guard)
                 if sock in ready:
                     # Everything already queued, in one go.
                     batch = self._read_front(sock, block=True) if own is not None else self._read_backend(sock)
