@@ -40,6 +40,7 @@ class Side:
         self.engine_id = f"remote-g2-test-{os.urandom(6).hex()}"
         cfg = {"registry": registry, "worker_id": worker_id, "fingerprint": fp or FP, "block_bytes": block_bytes,
                "cpu_bytes": rows * block_bytes, "idle": idle, "tier": tier or {}, "engine_id": self.engine_id}
+        self._buffer = b""
         self.proc = subprocess.Popen([sys.executable, str(PROC), json.dumps(cfg)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env={**os.environ, "UCX_LOG_LEVEL": "error"},
                                      stderr=subprocess.DEVNULL if quiet else None)
@@ -47,16 +48,22 @@ class Side:
         assert self.info.get("ready"), self.info
 
     def read(self, timeout_s: float) -> dict:
+        """The next ``@@ `` answer line. Raw reads into our own buffer: a buffered ``readline`` after ``select``
+        could take the answer into the file's buffer along with a log line, where ``select`` no longer sees it."""
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
-            if ready:
-                line = self.proc.stdout.readline()
-                assert line, f"the tier process exited ({self.proc.poll()})"
+        while True:
+            while b"\n" in self._buffer:
+                line, self._buffer = self._buffer.split(b"\n", 1)
                 if line.startswith(b"@@ "):
                     return json.loads(line[3:])
-        raise AssertionError(f"no answer from the tier process within {timeout_s} s")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no answer from the tier process within {timeout_s} s")
+            if select.select([self.proc.stdout], [], [], min(left, 0.1))[0]:
+                chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+                assert chunk, f"the tier process exited ({self.proc.poll()})"
+                self._buffer += chunk
 
     def ask(self, timeout_s: float = 30, **cmd: object) -> dict:
         assert self.proc.stdin is not None

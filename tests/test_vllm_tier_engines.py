@@ -56,7 +56,7 @@ class Engine:
     """One tier_engine.py process (the engine core in it), on the core(s) ``vh.cores(name)`` gives it."""
 
     def __init__(self, tmp: Path, name: str, model: Path, prompts: list[dict], registry: str, *,
-                 hold: bool = False, multiprocess: bool = False) -> None:
+                 hold: bool = False, multiprocess: bool = False, **extra: object) -> None:
         self.name = name
         self.out, self.hold, self.log = tmp / f"{name}.json", tmp / f"{name}.stop", tmp / f"{name}.log"
         self.engine_id = f"rg2-tier-engines-{name}-{os.getpid()}-{os.urandom(4).hex()}"
@@ -66,7 +66,8 @@ class Engine:
             cfg["hold_file"] = str(self.hold)
         if multiprocess:
             cfg["multiprocess"] = True
-        env = {**vh.instance_env(name), "PYTHONPATH": os.pathsep.join([str(vh.HERE), os.environ.get("PYTHONPATH", "")])}
+        cfg.update(extra)  # (tier_engine.py's other settings: tp, canonical, blocks_per_chunk)
+        env = {**vh.instance_env(name, int(extra.get("tp", 1))), "PYTHONPATH": os.pathsep.join([str(vh.HERE), os.environ.get("PYTHONPATH", "")])}
         self._log = open(self.log, "wb")
         self.proc = subprocess.Popen([sys.executable, str(ENGINE), json.dumps(cfg)], stdout=self._log,
                                      stderr=subprocess.STDOUT, env=env, process_group=0)
@@ -186,3 +187,41 @@ def test_engine_b_reuses_engine_as_chunks_through_the_tier_and_generates_as_plai
     want = [r["tokens"] for r in plain]
     assert [r["tokens"] for r in out_b] == [want[0], want[0], want[1], want[1]]
     assert [r["tokens"] for r in out_a] == want
+
+
+def test_chunks_go_across_tp_sizes_under_the_canonical_layout_and_never_across_chunk_sizes(
+        tmp_path: Path, model_dir: Path, registry: str) -> None:
+    """Holder A runs at TP 2 with vLLM's ``canonical_layout`` (a chunk's row holds the same bytes at every TP size).
+    B at TP 2 and C at TP 1, both canonical, load A's whole reusable prefix through the tier, and generate A's
+    tokens. D, at TP 1 with chunks of four blocks instead of two, shares A's model and tokens but not its chunks:
+    it gets nothing from A (another chunk size: another fingerprint, and other chunk keys)."""
+    model_dir = Path(shutil.copytree(model_dir, tmp_path / "model"))
+    ids = vh.prompts(43, 1, PROMPT_LEN)[0]
+    t0 = time.monotonic()
+    a = Engine(tmp_path, "a-tp2", model_dir, [{"ids": ids}], registry, hold=True, tp=2, canonical=True)
+    readers: dict[str, list[dict]] = {}
+    try:
+        out_a = a.result(240)
+        vh.wait_published(registry, "a-tp2", CHUNKS, a)
+        for name, extra in (("b-tp2", {"tp": 2}), ("c-tp1", {"tp": 1}), ("d-chunk4", {"tp": 1, "blocks_per_chunk": 4})):
+            r = Engine(tmp_path, name, model_dir, [{"ids": ids}], registry, canonical=True, **extra)
+            try:
+                readers[name] = r.result(240)
+            finally:
+                r.stop()
+    finally:
+        a.stop()
+    print(f"four engines in {time.monotonic() - t0:.1f} s; A: {out_a[0]['tier']}")
+    for name, out in readers.items():
+        print(f"{name}: cached {out[0]['num_cached_tokens']}, tier {out[0]['tier']}, p2p +{delta(out, 0, P2P):.0f}")
+    assert out_a[0]["num_cached_tokens"] == 0 and out_a[0]["tier"]["sharing"]
+    for name in ("b-tp2", "c-tp1"):
+        (r,) = readers[name]
+        assert r["tier"]["fingerprint"] == out_a[0]["tier"]["fingerprint"], (name, r["tier"])  # (TP is not in it)
+        assert r["num_cached_tokens"] == CHUNKS * CHUNK and delta(readers[name], 0, P2P) == CHUNKS * CHUNK, r
+        assert r["tier"]["chunks_read"] == CHUNKS and r["tier"]["chunks_failed"] == 0, r["tier"]
+        assert r["tokens"] == out_a[0]["tokens"], name
+    (d,) = readers["d-chunk4"]
+    assert d["tier"]["sharing"] and d["tier"]["fingerprint"] != out_a[0]["tier"]["fingerprint"]
+    assert d["num_cached_tokens"] == 0 and d["tier"].get("chunks_read", 0) == 0, d
+    assert d["tokens"] == out_a[0]["tokens"]

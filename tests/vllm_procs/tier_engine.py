@@ -8,7 +8,8 @@ Run by tests/test_vllm_tier_engines.py in a process of its own::
 salt optional; ``reset_g1``: vLLM's GPU-side prefix cache is emptied before the entry runs, so its prefix can hit
 only the offloading tiers), ``out``, ``registry``, ``worker_id``, ``engine_id`` (vLLM's KV-transfer id: it names
 the primary tier's ``/dev/shm`` region file), and optionally ``hold_file``, ``multiprocess``, ``no_tier`` (plain
-vLLM), ``max_model_len`` (1024), ``max_tokens`` (8), ``cpu_mib`` (the CPU tier, 32), ``tp`` (1).
+vLLM), ``max_model_len`` (1024), ``max_tokens`` (8), ``cpu_mib`` (the CPU tier, 32), ``tp`` (1),
+``blocks_per_chunk`` (2), ``canonical`` (vLLM's ``canonical_layout``: rows independent of TP).
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``llm.get_metrics()`` sees the
 connector's and the tiering manager's metrics, and the tier object is readable here. The prompts run one at a
@@ -117,7 +118,8 @@ def main() -> None:
           "kv_connector_extra_config": {"spec_name": "RemoteG2OffloadingSpec",
                                         "spec_module_path": "remote_g2.adapters.vllm_tier.spec",
                                         "cpu_bytes_to_use": int(cfg.get("cpu_mib", 32)) << 20,
-                                        "blocks_per_chunk": 2,
+                                        "blocks_per_chunk": int(cfg.get("blocks_per_chunk", 2)),
+                                        "canonical_layout": bool(cfg.get("canonical")),
                                         "secondary_tiers": [tier_cfg]}}
     # The settings of tests/vllm_procs/instance.py's plain vLLM (the outputs are compared with its).
     llm = LLM(model=cfg["model"], tokenizer=cfg["model"], dtype="float32", block_size=BLOCK, enforce_eager=True,
