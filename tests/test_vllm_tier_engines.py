@@ -67,7 +67,8 @@ class Engine:
         if multiprocess:
             cfg["multiprocess"] = True
         cfg.update(extra)  # (tier_engine.py's other settings: tp, canonical, blocks_per_chunk)
-        env = {**vh.instance_env(name, int(extra.get("tp", 1))), "PYTHONPATH": os.pathsep.join([str(vh.HERE), os.environ.get("PYTHONPATH", "")])}
+        env = {**vh.instance_env(name, int(extra.get("tp", 1))),
+               "PYTHONPATH": os.pathsep.join([str(vh.HERE), os.environ.get("PYTHONPATH", "")])}
         self._log = open(self.log, "wb")
         self.proc = subprocess.Popen([sys.executable, str(ENGINE), json.dumps(cfg)], stdout=self._log,
                                      stderr=subprocess.STDOUT, env=env, process_group=0)
