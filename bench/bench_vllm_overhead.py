@@ -30,7 +30,9 @@ In the connector's run the child wraps two of its methods with timers:
   to save are counted apart;
 
 and reads the saver's own counters: the time its thread spent copying, per
-job and per block (off the engine's thread).
+job and per block (off the engine's thread). In the tier's run it times the
+scheduler thread's calls into ``RemoteG2Tier`` (lookups, stores, job
+results, ...), per request.
 
 The ratios mode / plain (and tier / cputier) at p50 and p99 of a request,
 and of a batch's time, each round's runs set side by side, are the numbers
@@ -64,7 +66,23 @@ MODES = ("plain", "connector", "cputier", "tier")
 def _child(a: argparse.Namespace) -> None:
     """One vLLM run; writes per-request latencies and, with the connector, its hook timings."""
     timings: dict[str, list[float]] = {"lookup_ms": [], "save_ms": [], "save_idle_ms": [], "batch_ms": [],
-                                       "copy_ms_per_job": [], "copy_us_per_block": []}
+                                       "copy_ms_per_job": [], "copy_us_per_block": [], "tier_ms": []}
+    in_tier = [0.0]  # seconds the scheduler thread spent inside RemoteG2Tier's methods (tier mode)
+    if a.mode == "tier":
+        from remote_g2.adapters.vllm_tier.tier import RemoteG2Tier
+
+        def timed(method: Any) -> Any:
+            def run(*args: Any, **kw: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return method(*args, **kw)
+                finally:
+                    in_tier[0] += time.perf_counter() - t0
+            return run
+
+        for name in ("lookup", "submit_store", "submit_load", "get_finished_jobs", "has_pending_work", "get_stats",
+                     "serve_external_requests", "on_new_request"):
+            setattr(RemoteG2Tier, name, timed(getattr(RemoteG2Tier, name)))
     if a.mode == "connector":
         from remote_g2.adapters.vllm.connector import RemoteG2Connector
 
@@ -129,9 +147,11 @@ def _child(a: argparse.Namespace) -> None:
     copy0 = (saver.copy_s, saver.jobs_done, saver.blocks_saved) if saver is not None else None
     request_ms = []
     for ids in prompts[2:2 + a.requests]:
-        t0 = time.perf_counter()
+        t0, tier0 = time.perf_counter(), in_tier[0]
         llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
         request_ms.append((time.perf_counter() - t0) * 1e3)
+        if a.mode == "tier":
+            timings["tier_ms"].append((in_tier[0] - tier0) * 1e3)
     rest = prompts[2 + a.requests:]
     for k in range(a.batches):
         batch = rest[k * a.batch:(k + 1) * a.batch]
@@ -254,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
             ("  connector, saver thread: copy / job (mean per run)", c.get("copy_ms_per_job", [])),
             ("  connector, saver thread: copy / block, us (mean per run)", c.get("copy_us_per_block", [])),
         ]
+    if "tier" in runs:
+        rows.append(("  tier, scheduler thread: in RemoteG2Tier's methods / request", runs["tier"]["tier_ms"]))
     print(f"\nvLLM {vllm_version()} on {os.cpu_count()} CPUs, {a.size} model, {a.tokens}-token prompts, "
           f"{a.max_tokens} new tokens, {a.rounds} rounds x ({a.requests} requests + {a.batches} batches of "
           f"{a.batch}) per mode")

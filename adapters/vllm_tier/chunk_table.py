@@ -94,11 +94,19 @@ class ChunkTable:
         self.buckets = buckets
         self.nbytes = buckets * WAYS * SLOT_BYTES
         raw = np.zeros(self.nbytes + 4096, np.uint8)
+        raw.fill(0)  # (faults its pages in now, not one by one on the scheduler thread's first stores)
         offset = (-raw.ctypes.data) % 4096
         self._raw = raw  # (keeps the allocation alive: the slots are a view into it)
-        self.slots = raw[offset:offset + self.nbytes].view(slot_dtype)
+        flat = raw[offset:offset + self.nbytes]
+        self.slots = flat.view(slot_dtype)
         self.base = int(self.slots.ctypes.data)
+        # The writer's views of the same bytes (a structured field store costs several times more): each slot's
+        # version word, its row word, and the bytes its digest goes to.
+        self._versions = flat.view(np.uint64)[::SLOT_BYTES // 8]
+        self._rows = flat.view(np.uint32)[10::SLOT_BYTES // 4]
+        self._bytes = memoryview(flat)
         self._where: dict[bytes, int] = {}  # digest -> its slot index
+        self._taken = bytearray(buckets)  # per bucket, a bit per way in use (no READ of the slots to find one)
         self._fence = threading.Lock()
         self.overflowed = 0  # chunks whose bucket was full (served over RPC only)
 
@@ -109,15 +117,17 @@ class ChunkTable:
         """``chunk_hash`` is held in ``row`` now; False if its bucket is full (it is then not in the table)."""
         d = digest_of(chunk_hash)
         index = self._where.get(d)
-        if index is not None and int(self.slots[index]["row"]) == row:
+        if index is not None and int(self._rows[index]) == row:
             return True  # (stored again where it was: readers in flight stay good)
         if index is None:
-            first = bucket_of(d, self.buckets) * WAYS
-            free = [i for i in range(first, first + WAYS) if bytes(self.slots[i]["digest"]) == _FREE]
-            if not free:
+            bucket = bucket_of(d, self.buckets)
+            taken = self._taken[bucket]
+            way = next((w for w in range(WAYS) if not taken >> w & 1), None)
+            if way is None:
                 self.overflowed += 1
                 return False
-            index = free[0]
+            self._taken[bucket] = taken | 1 << way
+            index = bucket * WAYS + way
         self._write(index, d, row)
         self._where[d] = index
         return True
@@ -127,24 +137,28 @@ class ChunkTable:
         index = self._where.pop(digest_of(chunk_hash), None)
         if index is not None:
             self._write(index, _FREE, 0)
+            bucket, way = divmod(index, WAYS)
+            self._taken[bucket] &= ~(1 << way) & 0xFF
 
     def clear(self) -> None:
         """Every chunk left (the primary was reset)."""
         for index in list(self._where.values()):
             self._write(index, _FREE, 0)
         self._where.clear()
+        self._taken = bytearray(self.buckets)
 
     def __len__(self) -> int:
         return len(self._where)
 
     def _write(self, index: int, digest: bytes, row: int) -> None:
-        slot = self.slots[index:index + 1]
-        version = int(slot["version"][0])
-        slot["version"] = version + 1  # odd: a reader that sees this, or a later version, drops what it read
+        versions = self._versions
+        version = int(versions[index])
+        versions[index] = version + 1  # odd: a reader that sees this, or a later version, drops what it read
         with self._fence:
             pass
-        slot["digest"] = np.void(digest)
-        slot["row"] = row
+        at = index * SLOT_BYTES + 8
+        self._bytes[at:at + 32] = digest
+        self._rows[index] = row
         with self._fence:
             pass
-        slot["version"] = version + 2
+        versions[index] = version + 2
