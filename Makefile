@@ -1,7 +1,7 @@
 # remote-g2 — every target does its own set-up on a fresh machine.
 #   make test   both venvs + package + test extras + redis-server, then the core and the vLLM suites (what CI runs)
 #   make demo   remote-g2 demo: registry + source and target reference engines, remote KV reuse checked bit for bit
-#   make bench  benchmarks (tables on stdout, JSON under bench/results/); make bench-vllm: the connector's cost in vLLM and TTFT at TP > 1;
+#   make bench  benchmarks (tables on stdout, JSON under bench/results/); make bench-vllm: the connector's cost in vLLM, TTFT at TP > 1, the vLLM tier;
 #               make bench-diagnostics: the measurements behind past design questions (bench/diagnostics/);
 #               make bench-compare BASE=<rev>: that commit against this checkout, built and measured now, interleaved
 
@@ -102,11 +102,14 @@ bench-diagnostics: venv
 
 # What the vLLM connector adds to vLLM (lookup per request, G2 save per step) against plain vLLM, time to
 # first token at TP 2 -> 2 and 1 -> 2 with a remote hit vs a local hit vs recompute (matplotlib for --plot),
-# and what the model identity adds to a vLLM start (first start, restart with the digest cache).
+# what the model identity adds to a vLLM start (first start, restart with the digest cache), and remote-g2
+# as a tier of vLLM's offloading (its fetch against a raw READ and vLLM's own p2p tier, a remote hit, idle CPU).
 bench-vllm: venv-vllm redis
 	@mkdir -p bench/results
 	$(VLLM_PY) -m pip install -q matplotlib
 	$(VLLM_PY) bench/bench_vllm_overhead.py --json bench/results/vllm_overhead.json
+	$(VLLM_PY) bench/bench_vllm_tier.py --json bench/results/vllm_tier.json
+	$(VLLM_PY) bench/bench_vllm_p2p.py --json bench/results/vllm_p2p.json
 	$(VLLM_PY) bench/bench_vllm_tp_ttft.py --json bench/results/vllm_tp_ttft.json --plot bench/results/vllm_tp_ttft.png
 	$(VLLM_PY) bench/bench_vllm_identity_startup.py --json bench/results/vllm_identity_startup.json
 	$(VLLM_PY) bench/bench_routing.py --json bench/results/vllm_routing.json

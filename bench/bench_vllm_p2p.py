@@ -1,5 +1,5 @@
 """vLLM's own ``p2p`` secondary tier doing the chunk fetch of bench/bench_vllm_tier.py part 1, for a side-by-side
-comparison with remote-g2's tier. No engine, no GPU: two processes of bench/p2p_procs/p2p_proc.py, each vLLM's
+comparison with remote-g2's tier. No engine, no GPU: two processes of tests/vllm_procs/p2p_proc.py, each vLLM's
 real ``TieringOffloadingManager`` (CPU primary tier over a shared ``/dev/shm`` region) with
 ``P2PSecondaryTierManager`` (``{"type": "p2p", "host": "127.0.0.1", "port": P}``; ZMQ control socket, NIXL/UCX
 data plane), stepped every ``--step-ms`` as an engine's scheduler would.
@@ -41,10 +41,14 @@ import uuid
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PROC = HERE / "p2p_procs" / "p2p_proc.py"
+PROC = HERE.parent / "tests" / "vllm_procs" / "p2p_proc.py"
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests" / "vllm_procs"))
 
 from vllm_bench_common import write_result  # noqa: E402
+from tiering_manager import chunk_bytes  # noqa: E402
+from vllm_harness import AnswerLines  # noqa: E402
 
 
 class Proc:
@@ -59,29 +63,23 @@ class Proc:
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      env={**os.environ, "UCX_LOG_LEVEL": "error"})
         self.stderr_tail = b""
-        self.out_buf = b""
+        self.answers = AnswerLines(self.proc.stdout)
         self.info = self.read(120)
         assert self.info.get("ready"), self.info
 
     def read(self, timeout_s: float) -> dict:
-        """Its next ``@@ `` answer (raw reads into our own buffer: a buffered readline could hold the answer back
-        from select behind a log line read with it)."""
-        assert self.proc.stdout is not None and self.proc.stderr is not None
+        """Its next answer (:class:`vllm_harness.AnswerLines`); its stderr's tail is kept for the errors."""
+        assert self.proc.stderr is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            while b"\n" in self.out_buf:
-                line, self.out_buf = self.out_buf.split(b"\n", 1)
-                if line.startswith(b"@@ "):
-                    return json.loads(line[3:])
-            ready, _, _ = select.select([self.proc.stdout, self.proc.stderr], [], [], 0.1)
+            if (answer := self.answers.pop()) is not None:
+                return answer
+            ready, _, _ = select.select([self.answers, self.proc.stderr], [], [], 0.1)
             if self.proc.stderr in ready:
                 self.stderr_tail = (self.stderr_tail + os.read(self.proc.stderr.fileno(), 65536))[-8000:]
-            if self.proc.stdout in ready:
-                chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
-                if not chunk:
-                    raise RuntimeError(f"{self.name} exited ({self.proc.wait(10)}); its stderr ends:\n"
-                                       f"{self.stderr_tail.decode(errors='replace')}")
-                self.out_buf += chunk
+            if self.answers in ready and not self.answers.feed():
+                raise RuntimeError(f"{self.name} exited ({self.proc.wait(10)}); its stderr ends:\n"
+                                   f"{self.stderr_tail.decode(errors='replace')}")
         if self.proc.poll() is None:  # its Python stack, to say where it is stuck
             os.kill(self.proc.pid, signal.SIGUSR1)
             end = time.monotonic() + 2
@@ -113,12 +111,8 @@ class Proc:
 
 
 def expected_sha(seed: int, key_hex: str, row_bytes: int) -> str:
-    out = bytearray()
-    block = hashlib.sha256(seed.to_bytes(8, "big") + bytes.fromhex(key_hex)).digest()
-    while len(out) < row_bytes:
-        out += block
-        block = hashlib.sha256(block).digest()
-    return hashlib.sha256(bytes(out[:row_bytes])).hexdigest()
+    """The SHA-256 of the row the producer wrote for this key (the rule of tests/vllm_procs/tiering_manager.py)."""
+    return hashlib.sha256(chunk_bytes(seed, bytes.fromhex(key_hex), row_bytes)).hexdigest()
 
 
 def run_mode(a: Proc, b: Proc, mode: str, rounds: int, chunks: int, row_bytes: int) -> dict:

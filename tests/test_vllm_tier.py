@@ -25,6 +25,8 @@ pytestmark = pytest.mark.vllm
 
 pytest.importorskip("vllm")
 
+from vllm_harness import AnswerLines  # noqa: E402
+
 PROC = Path(__file__).parent / "vllm_procs" / "tier_proc.py"
 BLOCK_BYTES = 8192  # one block's KV on one worker: a row of 8 KiB
 FP = {"model_id": "tiny#w-" + "a" * 32, "dtype": "bfloat16", "tokens_per_block": 16, "num_layers": 2,
@@ -40,30 +42,23 @@ class Side:
         self.engine_id = f"remote-g2-test-{os.urandom(6).hex()}"
         cfg = {"registry": registry, "worker_id": worker_id, "fingerprint": fp or FP, "block_bytes": block_bytes,
                "cpu_bytes": rows * block_bytes, "idle": idle, "tier": tier or {}, "engine_id": self.engine_id}
-        self._buffer = b""
         self.proc = subprocess.Popen([sys.executable, str(PROC), json.dumps(cfg)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env={**os.environ, "UCX_LOG_LEVEL": "error"},
                                      stderr=subprocess.DEVNULL if quiet else None)
+        self._answers = AnswerLines(self.proc.stdout)
         self.info = self.read(60)
         assert self.info.get("ready"), self.info
 
     def read(self, timeout_s: float) -> dict:
-        """The next ``@@ `` answer line. Raw reads into our own buffer: a buffered ``readline`` after ``select``
-        could take the answer into the file's buffer along with a log line, where ``select`` no longer sees it."""
-        assert self.proc.stdout is not None
+        """The next answer line (:class:`vllm_harness.AnswerLines`)."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            while b"\n" in self._buffer:
-                line, self._buffer = self._buffer.split(b"\n", 1)
-                if line.startswith(b"@@ "):
-                    return json.loads(line[3:])
+        while (answer := self._answers.pop()) is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise AssertionError(f"no answer from the tier process within {timeout_s} s")
-            if select.select([self.proc.stdout], [], [], min(left, 0.1))[0]:
-                chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
-                assert chunk, f"the tier process exited ({self.proc.poll()})"
-                self._buffer += chunk
+            if select.select([self._answers], [], [], min(left, 0.1))[0]:
+                assert self._answers.feed(), f"the tier process exited ({self.proc.poll()})"
+        return answer
 
     def ask(self, timeout_s: float = 30, **cmd: object) -> dict:
         assert self.proc.stdin is not None

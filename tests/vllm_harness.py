@@ -209,3 +209,30 @@ def plain_outputs(tmp: Path, model: Path, prompts: Path, *args: str, tp: int = 1
         name = "c-" + hashlib.sha256(repr(key).encode()).hexdigest()[:8]  # one per key: two in one test differ
         _PLAIN[key] = Instance(tmp, name, model, prompts, None, *args, tp=tp, env=IN_PROCESS).run()
     return copy.deepcopy(_PLAIN[key])
+
+
+class AnswerLines:
+    """The ``@@ {json}`` answer lines a driven child process prints among its logs, read raw from its stdout
+    into a buffer of our own (a buffered ``readline`` after ``select`` could take an answer into the file's
+    buffer along with a log line, where ``select`` no longer sees it)."""
+
+    def __init__(self, stream: object) -> None:
+        self.fd = stream.fileno()  # type: ignore[attr-defined]
+        self.buffer = b""
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def pop(self) -> dict | None:
+        """The next whole answer already read, or None (log lines before it are dropped)."""
+        while b"\n" in self.buffer:
+            line, self.buffer = self.buffer.split(b"\n", 1)
+            if line.startswith(b"@@ "):
+                return json.loads(line[3:])
+        return None
+
+    def feed(self) -> bool:
+        """Read what the pipe has (call when ``select`` says it is readable); False at end of file."""
+        chunk = os.read(self.fd, 1 << 20)
+        self.buffer += chunk
+        return bool(chunk)

@@ -39,28 +39,18 @@ import os
 import select
 import sys
 import time
-import uuid
 from typing import Any
 
 import numpy as np
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
-from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
-                                       OffloadingModelConfig, OffloadingParallelConfig)
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from tiering_manager import build_manager, chunk_bytes  # (this file's folder: on sys.path when run as a script)
 
 from remote_g2.adapters.vllm_tier.identity import TierIdentity
 from remote_g2.messages import LayoutFingerprint
 
 STEP = ScheduleEndContext((), ())
 
-
-def chunk_bytes(seed: int, key: bytes, n: int) -> bytes:
-    out = bytearray()
-    block = hashlib.sha256(seed.to_bytes(8, "big") + key).digest()
-    while len(out) < n:
-        out += block
-        block = hashlib.sha256(block).digest()
-    return bytes(out[:n])
 
 
 class RawReader:
@@ -118,20 +108,8 @@ def main() -> None:
     fp = LayoutFingerprint(**cfg["fingerprint"])
     tier = {"type": "RemoteG2Tier", "module_path": "remote_g2.adapters.vllm_tier.tier", "registry": cfg["registry"],
             "worker_id": cfg["worker_id"], "identity": TierIdentity(fp), **cfg.get("tier", {})}
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
-        worker_kv_bytes_per_block=cfg["block_bytes"], enable_kv_cache_events=False,
-        extra_config={"cpu_bytes_to_use": cfg["cpu_bytes"], "blocks_per_chunk": 1, "secondary_tiers": [tier]},
-        engine_id=cfg.get("engine_id") or f"remote-g2-test-{uuid.uuid4().hex[:12]}",
-        model=OffloadingModelConfig("tiny", "bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                                          data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-                                          is_parallelism_agnostic=True))
-    spec = TieringOffloadingSpec(config)
-    manager = spec.get_manager()
-    primary = manager.primary_tier
-    view = np.asarray(primary.get_kv_memoryview())  # (rows, row bytes) of uint8, vLLM's shared region
+    spec, manager, view = build_manager(cfg["block_bytes"], cfg["cpu_bytes"], tier, cfg.get("engine_id"),
+                                        "remote-g2-test")
     rows, row_bytes = view.shape
     ours = manager.secondary_tiers[0]
     n_ctx = 0
