@@ -84,7 +84,7 @@ def test_the_router_follows_the_cache_and_sends_a_busy_instances_prefix_to_be_pu
                                                 "g2_blocks": 64, "landing_blocks": 32}}
             start(name, [str(Path(sys.executable).with_name("vllm")), "serve", str(model_dir), "--host",
                          "127.0.0.1", "--port", str(ports[name]), "--dtype", "float32", "--block-size", str(BLOCK),
-                         "--enforce-eager", "--max-model-len", "1024", "--seed", "0",
+                         "--enforce-eager", "--max-model-len", "2048", "--seed", "0",
                          "--kv-transfer-config", json.dumps(kv), "--api-key", KEY, "--served-model-name", "tiny"],
                   vh.instance_env(name))
         for i, name in enumerate(("a", "b")):
@@ -120,11 +120,12 @@ def test_the_router_follows_the_cache_and_sends_a_busy_instances_prefix_to_be_pu
 
         # 3. A busy with a long generation: the same prompt goes to B, which pulls A's prefix over remote-g2
         # (on a loaded machine the long generation may end before the poll sees it in flight, or between the poll
-        # and routing, which then sends the prompt back to A for its cache: that try is made again, at most twice)
+        # and routing, which then sends the prompt back to A for its cache: that try is made again, at most twice;
+        # 1200 new tokens keep A busy for a second or more, and A's G2 of 64 blocks still holds the prefix)
         for _attempt in range(3):
             busy: dict = {}
             long = threading.Thread(target=lambda: busy.update(
-                zip(("answer", "head"), post_json(url + "/v1/completions", {**ask, "max_tokens": 700}, 300, AUTH))))
+                zip(("answer", "head"), post_json(url + "/v1/completions", {**ask, "max_tokens": 1200}, 300, AUTH))))
             long.start()
             deadline = time.monotonic() + 30
             while long.is_alive() and json.loads(urllib.request.urlopen(url + "/router/status", timeout=5).read()

@@ -102,7 +102,13 @@ class Engine:
             os.killpg(self.proc.pid, 9)
         except ProcessLookupError:
             pass
-        self.proc.wait(10)
+        try:
+            self.proc.wait(60)  # (a killed engine's exit can take a while on a loaded box: its memory is torn down)
+        except subprocess.TimeoutExpired:
+            state = Path(f"/proc/{self.proc.pid}/status").read_text(errors="replace").splitlines()[:3]
+            stack = Path(f"/proc/{self.proc.pid}/stack")
+            raise AssertionError(f"engine {self.name} outlived SIGKILL by 60 s: {state}; kernel stack:\n"
+                                 f"{stack.read_text(errors='replace') if stack.exists() else '?'}") from None
         self._log.close()
         for path in Path("/dev/shm").glob(f"vllm_offload_{self.engine_id}*.mmap"):
             path.unlink()
@@ -199,11 +205,18 @@ def test_chunks_go_across_tp_sizes_under_the_canonical_layout_and_never_across_c
     model_dir = Path(shutil.copytree(model_dir, tmp_path / "model"))
     ids = vh.prompts(43, 1, PROMPT_LEN)[0]
     t0 = time.monotonic()
-    a = Engine(tmp_path, "a-tp2", model_dir, [{"ids": ids}], registry, hold=True, tp=2, canonical=True)
+    # (A's engine core in a process of its own: idle while it holds, it leaves the cores to the readers; an
+    # in-process one would step every 50 ms, and its TP workers spin both cores each time)
+    a = Engine(tmp_path, "a-tp2", model_dir, [{"ids": ids}], registry, hold=True, multiprocess=True, tp=2,
+               canonical=True)
     readers: dict[str, list[dict]] = {}
     try:
         out_a = a.result(240)
         vh.wait_published(registry, "a-tp2", CHUNKS, a)
+        from remote_g2.registry import RegistryClient
+
+        with RegistryClient(registry) as reg:
+            (fp_a,) = [w.fingerprint.compat_key() for w in reg.list_workers() if w.worker_id == "a-tp2"]
         for name, extra in (("b-tp2", {"tp": 2}), ("c-tp1", {"tp": 1}), ("d-chunk4", {"tp": 1, "blocks_per_chunk": 4})):
             r = Engine(tmp_path, name, model_dir, [{"ids": ids}], registry, canonical=True, **extra)
             try:
@@ -212,17 +225,17 @@ def test_chunks_go_across_tp_sizes_under_the_canonical_layout_and_never_across_c
                 r.stop()
     finally:
         a.stop()
-    print(f"four engines in {time.monotonic() - t0:.1f} s; A: {out_a[0]['tier']}")
+    print(f"four engines in {time.monotonic() - t0:.1f} s; A's fingerprint {fp_a}")
     for name, out in readers.items():
         print(f"{name}: cached {out[0]['num_cached_tokens']}, tier {out[0]['tier']}, p2p +{delta(out, 0, P2P):.0f}")
-    assert out_a[0]["num_cached_tokens"] == 0 and out_a[0]["tier"]["sharing"]
+    assert out_a[0]["num_cached_tokens"] == 0
     for name in ("b-tp2", "c-tp1"):
         (r,) = readers[name]
-        assert r["tier"]["fingerprint"] == out_a[0]["tier"]["fingerprint"], (name, r["tier"])  # (TP is not in it)
+        assert r["tier"]["fingerprint"] == fp_a, (name, r["tier"])  # (TP is not in it)
         assert r["num_cached_tokens"] == CHUNKS * CHUNK and delta(readers[name], 0, P2P) == CHUNKS * CHUNK, r
         assert r["tier"]["chunks_read"] == CHUNKS and r["tier"]["chunks_failed"] == 0, r["tier"]
         assert r["tokens"] == out_a[0]["tokens"], name
     (d,) = readers["d-chunk4"]
-    assert d["tier"]["sharing"] and d["tier"]["fingerprint"] != out_a[0]["tier"]["fingerprint"]
+    assert d["tier"]["sharing"] and d["tier"]["fingerprint"] != fp_a
     assert d["num_cached_tokens"] == 0 and d["tier"].get("chunks_read", 0) == 0, d
     assert d["tokens"] == out_a[0]["tokens"]
