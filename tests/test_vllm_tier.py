@@ -504,6 +504,35 @@ def test_a_chunk_evicted_during_its_read_is_discarded(evicted_mid_read: bool, pa
         server.close()
 
 
+def test_a_reader_whose_own_transports_are_not_one_sided_asks_for_no_chunk_table(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The holder grants its table by its own ``UCX_TLS``; a reader restricted to TCP (its READs emulated: they
+    need the holder's progress, which only a lease drives) does not ask, and keeps reading over RPC leases."""
+    import numpy as np
+
+    from remote_g2.adapters.vllm_tier.fetching import ChunkFetcher, LoadRun
+    from remote_g2.adapters.vllm_tier.serving import ChunkServer
+
+    row = 4096
+    src = np.random.default_rng(6).integers(0, 256, (4, row), dtype=np.uint8)
+    dst = np.zeros((4, row), np.uint8)
+    server = ChunkServer("held-tcp", src.ctypes.data, row, 4, bind="tcp://127.0.0.1:0", validated=True)
+    monkeypatch.setenv("UCX_TLS", "tcp")  # (the reader's agent and its judgement; the holder was made before)
+    fetcher = ChunkFetcher("reader-tcp", dst.ctypes.data, row, 4, timeout_s=10.0)
+    try:
+        hashes = [bytes([i + 1]) * 32 for i in range(2)]
+        server.held(hashes, [3, 1])
+        for job in (1, 2):
+            fetcher.submit(job, [LoadRun(server.endpoint, [h + bytes(4) for h in hashes], hashes, [0, 2])])
+            assert fetcher.drain(30) and fetcher.results()[0].success
+            time.sleep(0.3)  # (a table would be asked for after the job's result)
+        assert np.array_equal(dst[[0, 2]], src[[3, 1]])
+        assert not fetcher._tables and fetcher.chunks_read_one_sided == 0 and server.served == 2
+    finally:
+        fetcher.close()
+        server.close()
+
+
 def test_a_request_aborted_while_its_chunks_load_leaves_them_whole(pair):
     """vLLM ends a request while the tier's READ for it runs: the job still ends (reported, its rows released by
     vLLM's manager), and the chunks it brought are the holder's bytes, never half-written ones."""

@@ -42,6 +42,7 @@ key, and vLLM recomputes it. Nothing here waits without a deadline.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import secrets
 import sys
@@ -56,6 +57,7 @@ import numpy as np
 from remote_g2.errors import RemoteG2Error
 from remote_g2.messages import ChunkTable, Release, Resolve
 from remote_g2.secondary_pool import MemoryRegion
+from remote_g2.source.progress_pace import cma_usable, local_reads_one_sided, reads_need_source
 
 from .chunk_table import SLOT_BYTES, bucket_of, digest_of, find_in_buckets, slot_dtype
 
@@ -173,6 +175,8 @@ class ChunkFetcher:
         self._last_info: dict[str, Any] = {}  # holder endpoint -> the RankInfo of its last resolve reply
         self._tables: dict[str, _Table] = {}  # holder endpoint -> its chunk table, where it granted one
         self._table_asked: set[str] = set()  # endpoints asked (or to ask, after the job) for their table
+        tls = os.environ.get("UCX_TLS")
+        self._one_sided_ok = not reads_need_source(tls) or local_reads_one_sided(tls, cma_usable())
         self._closed = False
         self._handoff = QuickHandoff(switch_interval_s)
         self._thread = threading.Thread(target=self._run, name=f"remote-g2-tier-fetch-{worker_id}", daemon=True)
@@ -347,7 +351,10 @@ class ChunkFetcher:
             raise RemoteG2Error(f"READ from {endpoint} ended {state!r}")
 
     def _ask_table(self, endpoint: str) -> None:
-        """Ask a holder where its chunk table is (after a job's result: off its path); kept where granted."""
+        """Ask a holder where its chunk table is (after a job's result: off its path); kept where granted. Not
+        asked where this process's own ``UCX_TLS`` leaves it no one-sided READ (the holder judges by its own)."""
+        if not self._one_sided_ok:
+            return
         info = self._last_info.get(endpoint)
         try:
             reply = self._client(endpoint).call(ChunkTable(self.worker_id), fail_fast=True)
