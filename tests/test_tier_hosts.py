@@ -84,7 +84,7 @@ def _port_of(proc: subprocess.Popen[bytes], timeout_s: float) -> str:
     out = b""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for line in out.splitlines():
+        for line in out.split(b"\n")[:-1]:  # (whole lines only: a read may end inside one)
             if line.startswith(b"PORT "):
                 return line.split()[1].decode()
         if select.select([proc.stdout], [], [], 0.1)[0]:
