@@ -178,15 +178,18 @@ class ProgressPace:
     def reads_need_source(self) -> bool:
         return reads_need_source(self.ucx_tls)
 
+    def one_sided(self, local: bool) -> bool:
+        """Whether a reader's READs of this agent need none of its progress once wired up: on this host
+        (``local``), ``cma`` allowed by ``UCX_TLS`` and the kernel; elsewhere, no emulating transport allowed."""
+        return local_reads_one_sided(self.ucx_tls, self.cma_ok) if local else not self.reads_need_source
+
     def poll_interval_s(self, readers: str) -> float:
         """Poll mode: how long to sleep between two progress calls while the leases' readers are ``readers``."""
         if readers == "none":
             return self.idle_s
         if readers == "new":  # a reader's first READ: UCX's wire-up waits on us
             return self.emulated_s
-        if readers == "local":
-            return self.one_sided_s if local_reads_one_sided(self.ucx_tls, self.cma_ok) else self.emulated_s
-        return self.emulated_s if self.reads_need_source else self.one_sided_s
+        return self.one_sided_s if self.one_sided(readers == "local") else self.emulated_s
 
     def describe(self, mode: str) -> str:
         """One line for the start-up log: the mode in effect and its paces."""

@@ -110,9 +110,6 @@ class ChunkTable:
         self._fence = threading.Lock()
         self.overflowed = 0  # chunks whose bucket was full (served over RPC only)
 
-    def slot_addr(self, index: int) -> int:
-        return self.base + index * SLOT_BYTES
-
     def put(self, chunk_hash: bytes, row: int) -> bool:
         """``chunk_hash`` is held in ``row`` now; False if its bucket is full (it is then not in the table)."""
         d = digest_of(chunk_hash)

@@ -80,7 +80,6 @@ class _Table:
     places in the scratch region (``landing``: the lookup's, then the validation's)."""
 
     agent: str
-    epoch: int
     base: int
     buckets: int
     ways: int
@@ -394,8 +393,8 @@ class ChunkFetcher:
                     t.unprepare(prepared)
             log.info("tier: %s's chunk table cannot be READ (%s): resolving over RPC", endpoint, e)
             return
-        self._tables[endpoint] = _Table(reply.agent_name, reply.epoch, reply.base, reply.buckets, reply.ways,
-                                        info.pool_base, info.layout.num_blocks, remote, landing)
+        self._tables[endpoint] = _Table(reply.agent_name, reply.base, reply.buckets, reply.ways, info.pool_base,
+                                        info.layout.num_blocks, remote, landing)
 
     def _drop_table(self, endpoint: str) -> None:
         table = self._tables.pop(endpoint, None)

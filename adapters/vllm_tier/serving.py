@@ -54,7 +54,7 @@ from remote_g2.connection_identity import is_local
 from remote_g2.messages import (BlockLayout, ChunkTable as ChunkTableAsk, ChunkTableReply, RankBlocks, RankInfo,
                                 Release, ReleaseReply, Resolve, ResolveReply)
 from remote_g2.secondary_pool import MemoryRegion
-from remote_g2.source.progress_pace import ServedOwners, local_reads_one_sided, readers_of
+from remote_g2.source.progress_pace import ServedOwners, readers_of
 
 from .chunk_table import SLOT_BYTES, WAYS, ChunkTable
 
@@ -239,9 +239,7 @@ class ChunkServer:
             served = owner in self._served
         if not served:
             return ChunkTableReply(granted=False, reason="no lease released yet")
-        one_sided = local_reads_one_sided(self._pace.ucx_tls, self._pace.cma_ok) if is_local(owner) \
-            else not self._pace.reads_need_source
-        if not one_sided:
+        if not self._pace.one_sided(is_local(owner)):
             return ChunkTableReply(granted=False, reason="reads need the holder's progress")
         # A reader's first small READ of the table wires up another UCX protocol than its READs of whole rows did,
         # and that needs this side's progress once: the fast pace for a moment, in which the reader READs a slot.
