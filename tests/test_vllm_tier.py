@@ -418,7 +418,7 @@ def test_vllms_plugin_takes_the_load_snapshot_for_the_tier_too() -> None:
 def test_a_chunk_with_no_known_holder_is_reported_failed_never_loaded(registry: str) -> None:
     """Never a job reported whole when one of its keys was not READ: a key vLLM asks the tier to load whose holder
     the tier does not know (its lookup answer was dropped) fails, so vLLM frees its row instead of serving
-    whatever bytes the row held."""
+    whatever bytes the row held. The tier's stats carry what changed, and nothing on a step where nothing did."""
     import numpy as np
     from vllm.v1.kv_offload.base import ReqContext
     from vllm.v1.kv_offload.tiering.base import TransferJob
@@ -431,6 +431,9 @@ def test_a_chunk_with_no_known_holder_is_reported_failed_never_loaded(registry: 
     tier = RemoteG2Tier(_spec(), memoryview(rows), registry=registry, worker_id="lonely",
                         identity=TierIdentity(LayoutFingerprint(**{**FP, "kv_layout": "tier/tp1/default/r4096"})))
     try:
+        assert tier.get_stats().reduce() == {"vllm:remote_g2_tier_open_leases": 0,
+                                             "vllm:remote_g2_tier_published_chunks": 0}  # (the gauges, once)
+        assert tier.get_stats() is None  # nothing changed: vLLM's step passes nothing on
         key = bytes(32) + bytes(4)
         tier.submit_load(TransferJob(job_id=7, keys=[key], chunk_ids=np.array([0], np.int32), is_promotion=True,
                                      req_context=ReqContext(req_id="r")))
@@ -439,6 +442,10 @@ def test_a_chunk_with_no_known_holder_is_reported_failed_never_loaded(registry: 
         assert (result.success, list(result.successful_keys)) == (False, [])
         assert key in tier._failed  # and it is not tried again at once (a MISS for failed_ttl_s)
         assert tier.lookup(key, ReqContext(req_id="r2")).name == "MISS"
+        stats = tier.get_stats().reduce()  # the failure, and the job's time; the gauges did not move
+        assert stats["vllm:remote_g2_tier_chunks_failed"] == 1 and "vllm:remote_g2_tier_open_leases" not in stats
+        assert stats["vllm:remote_g2_tier_fetch_seconds_count"] == 1, stats
+        assert tier.get_stats() is None
     finally:
         tier.shutdown()
 

@@ -239,3 +239,42 @@ def test_chunks_go_across_tp_sizes_under_the_canonical_layout_and_never_across_c
     assert d["tier"]["sharing"] and d["tier"]["fingerprint"] != fp_a
     assert d["num_cached_tokens"] == 0 and d["tier"].get("chunks_read", 0) == 0, d
     assert d["tokens"] == out_a[0]["tokens"]
+
+
+def test_without_the_canonical_layout_chunks_go_between_equal_tp_sizes_only(
+        tmp_path: Path, model_dir: Path, registry: str) -> None:
+    """Holder A runs at TP 2 with vLLM's default row layout: a chunk's row holds each TP rank's pages in turn, so its
+    bytes depend on the TP size. B at TP 2 loads A's whole reusable prefix through the tier and generates A's tokens;
+    C at TP 1 shares A's model and tokens but not its rows (another ``kv_layout``, so another fingerprint), and gets
+    nothing from A: a TP 1 reader of a TP 2 row would take two ranks' heads for one."""
+    model_dir = Path(shutil.copytree(model_dir, tmp_path / "model"))
+    ids = vh.prompts(47, 1, PROMPT_LEN)[0]
+    t0 = time.monotonic()
+    a = Engine(tmp_path, "a-tp2-rows", model_dir, [{"ids": ids}], registry, hold=True, multiprocess=True, tp=2)
+    readers: dict[str, list[dict]] = {}
+    try:
+        out_a = a.result(240)
+        vh.wait_published(registry, "a-tp2-rows", CHUNKS, a)
+        from remote_g2.registry import RegistryClient
+
+        with RegistryClient(registry) as reg:
+            (fp_a,) = [w.fingerprint for w in reg.list_workers() if w.worker_id == "a-tp2-rows"]
+        for name, tp in (("b-tp2-rows", 2), ("c-tp1-rows", 1)):
+            r = Engine(tmp_path, name, model_dir, [{"ids": ids}], registry, tp=tp)
+            try:
+                readers[name] = r.result(240)
+            finally:
+                r.stop()
+    finally:
+        a.stop()
+    print(f"three engines in {time.monotonic() - t0:.1f} s; A's layout {fp_a.kv_layout}")
+    for name, out in readers.items():
+        print(f"{name}: cached {out[0]['num_cached_tokens']}, tier {out[0]['tier']}, p2p +{delta(out, 0, P2P):.0f}")
+    assert out_a[0]["num_cached_tokens"] == 0 and fp_a.kv_layout.startswith("tier/tp2/"), fp_a
+    ((b,), (c,)) = readers["b-tp2-rows"], readers["c-tp1-rows"]
+    assert b["tier"]["fingerprint"] == fp_a.compat_key(), b["tier"]
+    assert b["num_cached_tokens"] == CHUNKS * CHUNK and delta(readers["b-tp2-rows"], 0, P2P) == CHUNKS * CHUNK, b
+    assert b["tier"]["chunks_read"] == CHUNKS and b["tier"]["chunks_failed"] == 0, b["tier"]
+    assert c["tier"]["sharing"] and c["tier"]["fingerprint"] != fp_a.compat_key(), c["tier"]
+    assert c["num_cached_tokens"] == 0 and c["tier"].get("chunks_read", 0) == 0, c
+    assert b["tokens"] == c["tokens"] == out_a[0]["tokens"]

@@ -170,9 +170,11 @@ _COUNTERS = {
     "vllm:remote_g2_tier_asks_missed": "Peers' asks this instance held none of (evicted, or not served in time)",
     "vllm:remote_g2_tier_leases_lapsed": "Peers' leases that ended unreleased (their TTL passed)",
 }
+_OPEN_LEASES = "vllm:remote_g2_tier_open_leases"
+_PUBLISHED = "vllm:remote_g2_tier_published_chunks"
 _GAUGES = {
-    "vllm:remote_g2_tier_open_leases": "Peers' leases open on this instance's chunks",
-    "vllm:remote_g2_tier_published_chunks": "Chunks this instance has published to the registry",
+    _OPEN_LEASES: "Peers' leases open on this instance's chunks",
+    _PUBLISHED: "Chunks this instance has published to the registry",
 }
 _FETCH_SECONDS = "vllm:remote_g2_tier_fetch_seconds"
 
@@ -195,9 +197,9 @@ class RemoteG2Tier(SecondaryTierManager):
         return out
 
     def get_stats(self) -> Any:
-        """What changed since the last call (counters), the gauges now, and the fetches' times."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
-
+        """What changed since the last call: the counters' increases, the gauges that moved, the fetches' times;
+        None when nothing did. (vLLM's manager asks every step and passes on any non-empty stats; a gauge keeps
+        its last value until set again.)"""
         server, fetcher = self.server, self.fetcher
         if server is None or fetcher is None:
             return None
@@ -206,14 +208,22 @@ class RemoteG2Tier(SecondaryTierManager):
                "vllm:remote_g2_tier_chunks_failed": fetcher.chunks_failed,
                "vllm:remote_g2_tier_chunks_served": server.chunks_served,
                "vllm:remote_g2_tier_asks_missed": server.missed,
-               "vllm:remote_g2_tier_leases_lapsed": server.lapsed}
+               "vllm:remote_g2_tier_leases_lapsed": server.lapsed,
+               _OPEN_LEASES: server.open_leases(),
+               _PUBLISHED: len(self._published)}
+        reported = self._reported
+        if now == reported and not fetcher.unreported:
+            return None
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
         stats = OffloadingConnectorStats()
         for name, value in now.items():
-            if value != self._reported.get(name, 0):
-                stats.increase_counter(name, value - self._reported.get(name, 0))
-                self._reported[name] = value
-        stats.set_gauge("vllm:remote_g2_tier_open_leases", server.open_leases())
-        stats.set_gauge("vllm:remote_g2_tier_published_chunks", len(self._published))
+            if name in _GAUGES:
+                if name not in reported or value != reported[name]:
+                    stats.set_gauge(name, value)
+            elif value != reported.get(name, 0):
+                stats.increase_counter(name, value - reported.get(name, 0))
+        self._reported = now
         while fetcher.unreported:
             stats.observe_histogram(_FETCH_SECONDS, fetcher.unreported.popleft())
         return stats
@@ -254,7 +264,7 @@ class RemoteG2Tier(SecondaryTierManager):
         self._loading: dict[int, list[bytes]] = {}  # load job -> its keys, until its result
         self._failed: dict[bytes, float] = {}  # key -> until when it is a MISS
         self._published: OrderedDict[bytes, None] = OrderedDict()
-        self._reported: dict[str, int] = {}  # each counter's value at the last get_stats
+        self._reported: dict[str, int] = {}  # each counter's and gauge's value at the last get_stats
         self.server: ChunkServer | None = None
         self.fetcher: ChunkFetcher | None = None
         self._mirror: Any = None
