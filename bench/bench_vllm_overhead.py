@@ -11,6 +11,9 @@ and serves the same prompts. The modes:
 * ``connector``: ``RemoteG2Connector`` (source and target on, default settings);
 * ``cputier``: vLLM's ``OffloadingConnector`` with its CPU primary tier alone
   (``RemoteG2OffloadingSpec``, the CPU platform's copy worker; no secondary tier);
+* ``nulltier``: the same with a secondary tier that does nothing
+  (``bench/vllm_null_tier.py``): what vLLM's tiering manager spends on having
+  a secondary tier at all;
 * ``tier``: the same with remote-g2's ``RemoteG2Tier`` behind it.
 
 Each run serves:
@@ -32,9 +35,12 @@ In the connector's run the child wraps two of its methods with timers:
 and reads the saver's own counters: the time its thread spent copying, per
 job and per block (off the engine's thread). In the tier's run it times the
 scheduler thread's calls into ``RemoteG2Tier`` (lookups, stores, job
-results, ...), per request.
+results, ...), per request. Every run records each thread's CPU over the
+timed part (the engine's, vLLM's OpenMP team's, the tier's, ZMQ's) and this
+process's (the registry server's), per request.
 
-The ratios mode / plain (and tier / cputier) at p50 and p99 of a request,
+The ratios mode / plain (and nulltier / cputier, tier / cputier, tier /
+nulltier where both ran) at p50 and p99 of a request,
 and of a batch's time, each round's runs set side by side, are the numbers
 to compare on a noisy machine.
 
@@ -60,7 +66,7 @@ from vllm_bench_common import pct, vllm_version, write_result
 
 HERE = Path(__file__).resolve().parent
 BLOCK = 32
-MODES = ("plain", "connector", "cputier", "tier")
+MODES = ("plain", "connector", "cputier", "nulltier", "tier")
 
 
 def _child(a: argparse.Namespace) -> None:
@@ -114,9 +120,11 @@ def _child(a: argparse.Namespace) -> None:
     n_prompts = 2 + a.requests + a.batch * a.batches
     kv = None
     engine_id = f"bench-overhead-{os.getpid()}"  # names vLLM's CPU-tier region file (removed before the exit below)
-    if a.mode in ("cputier", "tier"):
-        tiers = [{"type": "RemoteG2Tier", "module_path": "remote_g2.adapters.vllm_tier.tier", "registry": a.registry,
-                  "worker_id": f"bench-{os.getpid()}"}] if a.mode == "tier" else []
+    if a.mode in ("cputier", "nulltier", "tier"):
+        tiers = {"tier": [{"type": "RemoteG2Tier", "module_path": "remote_g2.adapters.vllm_tier.tier",
+                           "registry": a.registry, "worker_id": f"bench-{os.getpid()}"}],
+                 "nulltier": [{"type": "NullTier", "module_path": "vllm_null_tier"}],  # (bench/vllm_null_tier.py)
+                 "cputier": []}[a.mode]
         kv = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", engine_id=engine_id,
                               kv_connector_extra_config={
                                   "spec_name": "RemoteG2OffloadingSpec",
@@ -146,6 +154,7 @@ def _child(a: argparse.Namespace) -> None:
     saver = _worker_part("saver")
     copy0 = (saver.copy_s, saver.jobs_done, saver.blocks_saved) if saver is not None else None
     request_ms = []
+    cpu0 = _thread_cpu_s()
     for ids in prompts[2:2 + a.requests]:
         t0, tier0 = time.perf_counter(), in_tier[0]
         llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
@@ -158,6 +167,7 @@ def _child(a: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch], params, use_tqdm=False)
         timings["batch_ms"].append((time.perf_counter() - t0) * 1e3)
+    thread_cpu_ms = _thread_cpu_delta(cpu0, _thread_cpu_s())  # (over the timed requests and batches)
     if saver is not None and copy0 is not None:
         deadline = time.monotonic() + 60
         while not saver.idle() and time.monotonic() < deadline:
@@ -167,10 +177,49 @@ def _child(a: argparse.Namespace) -> None:
             timings["copy_ms_per_job"].append(copy_s / jobs * 1e3)
         if blocks:
             timings["copy_us_per_block"].append(copy_s / blocks * 1e6)
-    Path(a.out).write_text(json.dumps({"request_ms": request_ms, **timings}))
+    Path(a.out).write_text(json.dumps({"request_ms": request_ms, **timings, "thread_cpu_ms": thread_cpu_ms}))
     # vLLM removes its region file only on an orderly shutdown (the tier removes its name at start-up).
     Path(f"/dev/shm/vllm_offload_{engine_id}.mmap").unlink(missing_ok=True)
     os._exit(0)  # NIXL and vLLM threads: skip interpreter teardown
+
+
+def _thread_cpu_s() -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of this process so far, by name: a Python thread's own name,
+    else the kernel's (``ZMQbg/IO/0``, OpenMP's and UCX's threads), with a ``#tid`` to keep threads apart."""
+    import threading
+
+    named = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            comm, fields = (task / "stat").read_text().split(" (", 1)[1].rsplit(") ", 1)
+        except (OSError, ValueError):
+            continue  # (a thread that ended meanwhile)
+        f = fields.split()
+        tid = int(task.name)
+        out[f"{named.get(tid, comm)}#{tid}"] = (int(f[11]) + int(f[12])) / tick
+    return out
+
+
+def _thread_cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Each thread's CPU between two :func:`_thread_cpu_s`, in ms, summed by name (the ``#tid`` dropped), largest
+    first; threads under 1 ms left out."""
+    by_name: dict[str, float] = {}
+    for key, cpu in after.items():
+        name = key.rsplit("#", 1)[0]
+        by_name[name] = by_name.get(name, 0.0) + (cpu - before.get(key, 0.0)) * 1e3
+    return dict(sorted(((k, round(v, 1)) for k, v in by_name.items() if v >= 1.0), key=lambda kv: -kv[1]))
+
+
+def _thread_table(threads: dict[str, list[dict[str, float]]], requests: int) -> dict[str, dict[str, float]]:
+    """Thread name -> mode -> median CPU ms per request over the runs (a run without the thread counts 0); the
+    threads with at least 0.01 ms a request in some mode, largest first."""
+    names = {name for runs in threads.values() for run in runs for name in run}
+    table = {name: {m: round(statistics.median([run.get(name, 0.0) for run in runs]) / requests, 3)
+                    for m, runs in threads.items() if runs} for name in names}
+    return dict(sorted(((k, v) for k, v in table.items() if max(v.values(), default=0) >= 0.01),
+                       key=lambda kv: -max(kv[1].values())))
 
 
 def _worker_part(name: str) -> Any:
@@ -211,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, default=3, help="batches per run (default 3)")
     p.add_argument("--rounds", type=int, default=2, help="one run per mode a round, the order rotated (default 2)")
     p.add_argument("--modes", default="plain,connector",
-                   help="comma-separated, plain first: plain, connector, cputier, tier (default plain,connector)")
-    p.add_argument("--cpu-mib", type=int, default=512, help="vLLM's CPU tier in the cputier and tier modes")
+                   help="comma-separated, plain first: plain, connector, cputier, nulltier, tier "
+                   "(default plain,connector)")
+    p.add_argument("--cpu-mib", type=int, default=512, help="vLLM's CPU tier in the cputier, nulltier and tier modes")
     p.add_argument("--extra", default="{}", help="JSON: more kv_connector_extra_config for the connector's runs "
                                                   "(e.g. '{\"save_threshold\": 2}')")
     p.add_argument("--seed", type=int, default=1)
@@ -237,8 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--modes: distinct modes of {', '.join(MODES)}, plain first")
     runs: dict[str, dict[str, list[float]]] = {m: {} for m in modes}
     # mode / baseline, per round: every mode against plain, and the tier against vLLM's CPU tier alone
-    pairs = [(m, "plain") for m in modes[1:]] + ([("tier", "cputier")] if {"tier", "cputier"} <= set(modes) else [])
+    pairs = [(m, "plain") for m in modes[1:]] + [(m, b) for m, b in (("nulltier", "cputier"), ("tier", "cputier"),
+                                                                     ("tier", "nulltier")) if {m, b} <= set(modes)]
     paired: dict[str, list[float]] = {}
+    threads: dict[str, list[dict[str, float]]] = {m: [] for m in modes}  # per run: each thread's CPU, ms
     with tempfile.TemporaryDirectory(prefix="rg2-vllm-bench-") as tmp_s:
         tmp = Path(tmp_s)
         model = make_model(tmp / "model", max_positions=a.tokens + a.max_tokens + 128,
@@ -250,7 +302,11 @@ def main(argv: list[str] | None = None) -> int:
             for n in range(a.rounds):
                 this: dict[str, dict[str, list[float]]] = {}
                 for mode in modes[n % len(modes):] + modes[:n % len(modes)]:
+                    cpu0 = time.process_time()  # (this process: the registry server and its feed)
                     this[mode] = _run(a, mode, model, registry, tmp, n)
+                    threads[mode].append({**this[mode].pop("thread_cpu_ms", {}),
+                                          "(the registry server, another process)":
+                                          round((time.process_time() - cpu0) * 1e3, 1)})
                     for key, xs in this[mode].items():
                         runs[mode].setdefault(key, []).extend(xs)
                 # this round's ratios: every run saw the same prompts, back to back
@@ -282,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'what':60s} {'n':>5s} {'p50 ms':>10s} {'p99 ms':>10s}")
     for name, xs in rows:
         print(f"{name:60s} {len(xs):5d} {pct(xs, 50):10.3f} {pct(xs, 99):10.3f}")
+    thread_table = _thread_table(threads, a.requests + a.batch * a.batches)
+    print("CPU per request (ms; median over runs; over the timed requests and batches), by thread:")
+    for name, per_mode in thread_table.items():
+        print(f"  {name[:58]:58s} " + "  ".join(f"{m} {v:6.3f}" for m, v in per_mode.items()))
     print("per round (median, min-max):")
     for k, v in paired.items():
         print(f"  {k:40s} {statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})")
@@ -301,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                      modes=modes,
                      summary={name: {"n": len(xs), "p50_ms": pct(xs, 50), "p99_ms": pct(xs, 99),
                                      "mean_ms": statistics.fmean(xs) if xs else None} for name, xs in rows},
-                     pooled=pooled,
+                     pooled=pooled, thread_cpu_ms_per_request=thread_table,
                      paired={k: {"median": statistics.median(v), "min": min(v), "max": max(v), "rounds": v}
                              for k, v in paired.items()}, raw=runs)
     return 0

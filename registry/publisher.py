@@ -7,7 +7,11 @@ thread; they only append to a queue. One background thread:
 * registers the worker (epoch = wall-clock ns, so a restart always wins);
 * sends queued events in batches (``flush_interval_s`` after the first of
   a batch, or once ``max_batch_hashes`` are waiting) with consecutive
-  sequence numbers, and sleeps while nothing is queued;
+  sequence numbers, and sleeps while nothing is queued; with
+  ``min_batch_interval_s``, batches go at most that often: under a steady
+  stream of events each batch gathers for that long, while the first event
+  after a quiet spell still goes ``flush_interval_s`` after it (each batch
+  wakes this thread, the registry server and every mirror of the feed);
 * heartbeats every ``lease_ttl / 3`` with the current ``load()``;
 * on ``resync_needed`` (an event batch's answer, or a heartbeat's when the
   store changed hands) sends a full snapshot from ``snapshot()``; on
@@ -62,6 +66,7 @@ class SourcePublisher:
         snapshot: Callable[[], Iterable[bytes]],
         load: Callable[[], int] | None = None,
         flush_interval_s: float = 0.05,
+        min_batch_interval_s: float = 0.0,
         max_batch_hashes: int = 8192,
         max_backlog_hashes: int = 1_000_000,
         heartbeat_interval_s: float | None = None,
@@ -73,6 +78,8 @@ class SourcePublisher:
         self._snapshot = snapshot
         self._load = load or (lambda: 0)
         self._flush_interval = flush_interval_s
+        self._min_batch_interval = min_batch_interval_s
+        self._last_batch = -float("inf")  # (monotonic) when the last batch was sent
         self._max_batch = max_batch_hashes
         self._max_backlog = max_backlog_hashes
         self._hb_interval = heartbeat_interval_s
@@ -204,7 +211,12 @@ class SourcePublisher:
                     batching = bool(self._queue) and self._queued_hashes < self._max_batch
                 if not batching or self._stop.is_set():
                     continue
-            self._wake.wait(self._flush_interval)  # (the batch window: events arriving meanwhile go together)
+            with self._lock:
+                full = self._queued_hashes >= self._max_batch
+            if not full:
+                # The batch window: events arriving meanwhile go together (a full batch or flush() ends it early).
+                self._wake.wait(max(self._flush_interval,
+                                    self._last_batch + self._min_batch_interval - time.monotonic()))
             self._wake.clear()
 
     def _heartbeat_interval(self) -> float:
@@ -273,6 +285,7 @@ class SourcePublisher:
                 n += len(ev.hashes)
             self._queued_hashes -= n
             self._in_flight = True
+            self._last_batch = time.monotonic()
         try:
             reply = self.client.events(self.worker_id, self.epoch, self.next_seq, batch)
         except BaseException:

@@ -117,6 +117,26 @@ def test_registry_e2e_and_score_metrics_come_from_their_json() -> None:
         "score.scores_per_server_cpu_s": 2500.0, "score.p50_ms": 0.5, "score.p99_ms": 0.6, "score.hash_ms_p50": 0.15}
 
 
+def test_vllm_metrics_pair_one_commits_connector_with_anothers_tier() -> None:
+    """bench_vllm_overhead's JSON: a run with the tier reports tier / plain; one with the connector only (or from
+    before the bench had modes) connector / plain, under the same metric, so the two pair."""
+    def ratio(median: float) -> dict:
+        return {"median": median, "min": median, "max": median, "rounds": [median]}
+
+    plain = {"summary": {"request, plain": {"n": 20, "p50_ms": 19.0, "p99_ms": 22.0}}}
+    tier = {**plain, "paired": {"tier/plain request p50": ratio(1.13), "tier/plain request p99": ratio(1.2),
+                                "tier/plain batch p50": ratio(1.1), "cputier/plain request p50": ratio(1.08)}}
+    both = {**plain, "paired": {"connector/plain request p50": ratio(1.3), **tier["paired"]}}
+    legacy = {**plain, "paired": {"request p50": ratio(1.1), "request p99": ratio(1.05), "batch p50": ratio(1.06)}}
+    assert compare.extract_metrics("vllm", tier) == {
+        "vllm.sharing_over_plain_request_p50": 1.13, "vllm.sharing_over_plain_request_p99": 1.2,
+        "vllm.sharing_over_plain_batch": 1.1, "vllm.plain_request_p50_ms": 19.0}
+    assert compare.extract_metrics("vllm", both)["vllm.sharing_over_plain_request_p50"] == 1.13
+    assert compare.extract_metrics("vllm", legacy)["vllm.sharing_over_plain_batch"] == 1.06
+    assert compare.extract_metrics("vllm", {"paired": {"cputier/plain request p50": ratio(1.0)}}) == {}
+    assert compare.direction_of("vllm.sharing_over_plain_batch") is LOWER
+
+
 def test_a_key_the_json_lacks_is_a_missing_metric_not_an_error() -> None:
     doc = {k: v for k, v in REGISTRY.items() if k not in ("latency_server", "throughput_ratio")}
     found = compare.extract_metrics("registry", doc)
@@ -151,6 +171,12 @@ def test_options_for_both_sides_one_side_and_one_bench() -> None:
                             "--bench-args", "registry=--clients 1 --rounds 1"])
     assert a.benches == ["registry", "e2e"] and a.env == [("A", "1")] and a.head_env == [("B", "x=y")]
     assert a.bench_args == {"registry": ["--clients", "1", "--rounds", "1"]}
+    assert a.side_bench_args == {"base": {}, "head": {}}
+    a = compare.parse_args(["1330aac", "--benches", "vllm", "--head-bench-args", "vllm=--modes plain,tier"])
+    assert a.benches == ["vllm"] and a.side_bench_args == {"base": {}, "head": {"vllm": ["--modes", "plain,tier"]}}
+    assert compare.parse_args(["HEAD~1"]).benches == ["fetch", "registry", "e2e", "score"]  # (vllm only if named)
+    with pytest.raises(SystemExit):
+        compare.parse_args(["HEAD~1", "--base-bench-args", "nope=--x"])
     with pytest.raises(SystemExit):
         compare.parse_args(["HEAD~1", "--benches", "nope"])
     with pytest.raises(SystemExit):

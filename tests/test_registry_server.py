@@ -143,6 +143,36 @@ def test_publisher_batches_heartbeats_and_resyncs(registry):
         pub.client.close()
 
 
+def test_publisher_spaces_batches_under_a_stream_but_not_after_a_quiet_spell(registry):
+    """With ``min_batch_interval_s``, a steady stream of events goes in batches at most that often; a lone event after
+    a quiet spell goes ``flush_interval_s`` after it; ``flush()`` sends at once."""
+    server, c = registry
+    pool: set[bytes] = set()
+    pub = SourcePublisher(RegistryClient(server.endpoint), worker_id="spaced", endpoint="tcp://127.0.0.1:9101",
+                          fingerprint=FP, snapshot=snapshot_of(pool), flush_interval_s=0.01,
+                          min_batch_interval_s=1.0).start()
+    try:
+        assert pub.flush(5)  # registered (its empty pool resynced)
+        t0 = time.monotonic()
+        pool.add(CHAIN[0])
+        pub.stored([CHAIN[0]])
+        while c.lookup(CHAIN[:1]).matched != 1:
+            assert time.monotonic() - t0 < 0.5, "a lone event waited for the batch interval"
+            time.sleep(0.005)
+        sent, t_stream = pub.batches_sent, time.monotonic()
+        for h in CHAIN[1:61]:  # 60 events over >= 1.2 s
+            pool.add(h)
+            pub.stored([h])
+            time.sleep(0.02)
+        in_stream = pub.batches_sent - sent
+        # (one batch a second at most: a slow machine only makes fewer; without the interval, one every ~10 ms)
+        assert in_stream <= 1 + int(time.monotonic() - t_stream), (in_stream, time.monotonic() - t_stream)
+        assert pub.flush(5) and c.lookup(CHAIN[:61]).matched == 61
+    finally:
+        pub.close()
+        pub.client.close()
+
+
 def test_publisher_waits_out_a_registry_that_is_down():
     store = MemoryStore(lease_ttl_ms=5000)
     probe = RegistryServer(store, bind="tcp://127.0.0.1:0")

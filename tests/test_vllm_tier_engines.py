@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -196,6 +197,55 @@ def test_engine_b_reuses_engine_as_chunks_through_the_tier_and_generates_as_plai
     assert [r["tokens"] for r in out_a] == want
 
 
+def hold_and_read(tmp: Path, model_dir: Path, registry: str, ids: list[int], holder: tuple[str, dict],
+                  readers: dict[str, dict]) -> tuple[list[dict], Any, dict[str, list[dict]]]:
+    """Holder ``holder = (name, settings)`` runs ``ids`` and holds, its engine core in a process of its own (idle
+    while it holds, it leaves the cores to the readers; an in-process one would step every 50 ms, and its TP
+    workers spin both cores each time); once its chunks are published, each reader runs ``ids`` in turn.
+    Returns the holder's results, its fingerprint as the registry has it, and each reader's results."""
+    from remote_g2.registry import RegistryClient
+
+    t0 = time.monotonic()
+    name_a, settings_a = holder
+    a = Engine(tmp, name_a, model_dir, [{"ids": ids}], registry, hold=True, multiprocess=True, **settings_a)
+    out: dict[str, list[dict]] = {}
+    try:
+        out_a = a.result(240)
+        vh.wait_published(registry, name_a, CHUNKS, a)
+        with RegistryClient(registry) as reg:
+            (fp_a,) = [w.fingerprint for w in reg.list_workers() if w.worker_id == name_a]
+        for name, settings in readers.items():
+            r = Engine(tmp, name, model_dir, [{"ids": ids}], registry, **settings)
+            try:
+                out[name] = r.result(240)
+            finally:
+                r.stop()
+    finally:
+        a.stop()
+    print(f"{1 + len(readers)} engines in {time.monotonic() - t0:.1f} s; A's layout {fp_a.kv_layout}, "
+          f"fingerprint {fp_a.compat_key()}")
+    for name, results in out.items():
+        print(f"{name}: cached {results[0]['num_cached_tokens']}, tier {results[0]['tier']}, "
+              f"p2p +{delta(results, 0, P2P):.0f}")
+    assert out_a[0]["num_cached_tokens"] == 0
+    return out_a, fp_a, out
+
+
+def assert_whole_prefix_read(name: str, results: list[dict], fp_a: Any, tokens: list[int]) -> None:
+    (r,) = results
+    assert r["tier"]["fingerprint"] == fp_a.compat_key(), (name, r["tier"])
+    assert r["num_cached_tokens"] == CHUNKS * CHUNK and delta(results, 0, P2P) == CHUNKS * CHUNK, (name, r)
+    assert r["tier"]["chunks_read"] == CHUNKS and r["tier"]["chunks_failed"] == 0, (name, r["tier"])
+    assert r["tokens"] == tokens, name
+
+
+def assert_nothing_read(name: str, results: list[dict], fp_a: Any, tokens: list[int]) -> None:
+    (r,) = results
+    assert r["tier"]["sharing"] and r["tier"]["fingerprint"] != fp_a.compat_key(), (name, r["tier"])
+    assert r["num_cached_tokens"] == 0 and r["tier"].get("chunks_read", 0) == 0, (name, r)
+    assert r["tokens"] == tokens, name
+
+
 def test_chunks_go_across_tp_sizes_under_the_canonical_layout_and_never_across_chunk_sizes(
         tmp_path: Path, model_dir: Path, registry: str) -> None:
     """Holder A runs at TP 2 with vLLM's ``canonical_layout`` (a chunk's row holds the same bytes at every TP size).
@@ -204,41 +254,14 @@ def test_chunks_go_across_tp_sizes_under_the_canonical_layout_and_never_across_c
     it gets nothing from A (another chunk size: another fingerprint, and other chunk keys)."""
     model_dir = Path(shutil.copytree(model_dir, tmp_path / "model"))
     ids = vh.prompts(43, 1, PROMPT_LEN)[0]
-    t0 = time.monotonic()
-    # (A's engine core in a process of its own: idle while it holds, it leaves the cores to the readers; an
-    # in-process one would step every 50 ms, and its TP workers spin both cores each time)
-    a = Engine(tmp_path, "a-tp2", model_dir, [{"ids": ids}], registry, hold=True, multiprocess=True, tp=2,
-               canonical=True)
-    readers: dict[str, list[dict]] = {}
-    try:
-        out_a = a.result(240)
-        vh.wait_published(registry, "a-tp2", CHUNKS, a)
-        from remote_g2.registry import RegistryClient
-
-        with RegistryClient(registry) as reg:
-            (fp_a,) = [w.fingerprint.compat_key() for w in reg.list_workers() if w.worker_id == "a-tp2"]
-        for name, extra in (("b-tp2", {"tp": 2}), ("c-tp1", {"tp": 1}), ("d-chunk4", {"tp": 1, "blocks_per_chunk": 4})):
-            r = Engine(tmp_path, name, model_dir, [{"ids": ids}], registry, canonical=True, **extra)
-            try:
-                readers[name] = r.result(240)
-            finally:
-                r.stop()
-    finally:
-        a.stop()
-    print(f"four engines in {time.monotonic() - t0:.1f} s; A's fingerprint {fp_a}")
-    for name, out in readers.items():
-        print(f"{name}: cached {out[0]['num_cached_tokens']}, tier {out[0]['tier']}, p2p +{delta(out, 0, P2P):.0f}")
-    assert out_a[0]["num_cached_tokens"] == 0
+    out_a, fp_a, out = hold_and_read(
+        tmp_path, model_dir, registry, ids, ("a-tp2", {"tp": 2, "canonical": True}),
+        {"b-tp2": {"tp": 2, "canonical": True}, "c-tp1": {"tp": 1, "canonical": True},
+         "d-chunk4": {"tp": 1, "canonical": True, "blocks_per_chunk": 4}})
+    assert fp_a.kv_layout.startswith("tier/canonical/"), fp_a  # (TP is not in it)
     for name in ("b-tp2", "c-tp1"):
-        (r,) = readers[name]
-        assert r["tier"]["fingerprint"] == fp_a, (name, r["tier"])  # (TP is not in it)
-        assert r["num_cached_tokens"] == CHUNKS * CHUNK and delta(readers[name], 0, P2P) == CHUNKS * CHUNK, r
-        assert r["tier"]["chunks_read"] == CHUNKS and r["tier"]["chunks_failed"] == 0, r["tier"]
-        assert r["tokens"] == out_a[0]["tokens"], name
-    (d,) = readers["d-chunk4"]
-    assert d["tier"]["sharing"] and d["tier"]["fingerprint"] != fp_a
-    assert d["num_cached_tokens"] == 0 and d["tier"].get("chunks_read", 0) == 0, d
-    assert d["tokens"] == out_a[0]["tokens"]
+        assert_whole_prefix_read(name, out[name], fp_a, out_a[0]["tokens"])
+    assert_nothing_read("d-chunk4", out["d-chunk4"], fp_a, out_a[0]["tokens"])
 
 
 def test_without_the_canonical_layout_chunks_go_between_equal_tp_sizes_only(
@@ -249,32 +272,8 @@ def test_without_the_canonical_layout_chunks_go_between_equal_tp_sizes_only(
     nothing from A: a TP 1 reader of a TP 2 row would take two ranks' heads for one."""
     model_dir = Path(shutil.copytree(model_dir, tmp_path / "model"))
     ids = vh.prompts(47, 1, PROMPT_LEN)[0]
-    t0 = time.monotonic()
-    a = Engine(tmp_path, "a-tp2-rows", model_dir, [{"ids": ids}], registry, hold=True, multiprocess=True, tp=2)
-    readers: dict[str, list[dict]] = {}
-    try:
-        out_a = a.result(240)
-        vh.wait_published(registry, "a-tp2-rows", CHUNKS, a)
-        from remote_g2.registry import RegistryClient
-
-        with RegistryClient(registry) as reg:
-            (fp_a,) = [w.fingerprint for w in reg.list_workers() if w.worker_id == "a-tp2-rows"]
-        for name, tp in (("b-tp2-rows", 2), ("c-tp1-rows", 1)):
-            r = Engine(tmp_path, name, model_dir, [{"ids": ids}], registry, tp=tp)
-            try:
-                readers[name] = r.result(240)
-            finally:
-                r.stop()
-    finally:
-        a.stop()
-    print(f"three engines in {time.monotonic() - t0:.1f} s; A's layout {fp_a.kv_layout}")
-    for name, out in readers.items():
-        print(f"{name}: cached {out[0]['num_cached_tokens']}, tier {out[0]['tier']}, p2p +{delta(out, 0, P2P):.0f}")
-    assert out_a[0]["num_cached_tokens"] == 0 and fp_a.kv_layout.startswith("tier/tp2/"), fp_a
-    ((b,), (c,)) = readers["b-tp2-rows"], readers["c-tp1-rows"]
-    assert b["tier"]["fingerprint"] == fp_a.compat_key(), b["tier"]
-    assert b["num_cached_tokens"] == CHUNKS * CHUNK and delta(readers["b-tp2-rows"], 0, P2P) == CHUNKS * CHUNK, b
-    assert b["tier"]["chunks_read"] == CHUNKS and b["tier"]["chunks_failed"] == 0, b["tier"]
-    assert c["tier"]["sharing"] and c["tier"]["fingerprint"] != fp_a.compat_key(), c["tier"]
-    assert c["num_cached_tokens"] == 0 and c["tier"].get("chunks_read", 0) == 0, c
-    assert b["tokens"] == c["tokens"] == out_a[0]["tokens"]
+    out_a, fp_a, out = hold_and_read(tmp_path, model_dir, registry, ids, ("a-tp2-rows", {"tp": 2}),
+                                     {"b-tp2-rows": {"tp": 2}, "c-tp1-rows": {"tp": 1}})
+    assert fp_a.kv_layout.startswith("tier/tp2/"), fp_a
+    assert_whole_prefix_read("b-tp2-rows", out["b-tp2-rows"], fp_a, out_a[0]["tokens"])
+    assert_nothing_read("c-tp1-rows", out["c-tp1-rows"], fp_a, out_a[0]["tokens"])

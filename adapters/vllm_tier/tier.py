@@ -12,6 +12,7 @@ of ``secondary_tiers`` in ``kv_connector_extra_config``)::
      "worker_id": "pod-a",                     # default: host and pid
      "bind": "tcp://0.0.0.0:0", "advertise": "tcp://10.0.0.5:0",   # where peers reach this instance
      "pin_leases": false,                      # true: pin chunks for peers at the next step (serving.py)
+     "publish_interval_s": 0.25,               # batches to the registry at most this often (below)
      "fetch_switch_interval_s": 0.0005}        # the GIL's switch interval while a fetch runs (fetching.py)
 
 The contract with vLLM's manager (``vllm/v1/kv_offload/tiering/base.py``):
@@ -39,8 +40,12 @@ is done by threads of :mod:`.serving` and :mod:`.fetching`.
   ``serve_external_requests``, and unpinned when their lease ends.
 * **Eviction:** the manager tells a tier nothing when the primary evicts, so
   the tier wraps the primary's cache policy (:func:`watch_evictions`: its
-  ``evict``, ``remove`` and ``clear``) and unpublishes each key as it leaves;
-  the registry lags by the publisher's flush (50 ms) and the feed. Where the
+  ``evict``, ``remove`` and ``clear``) and unpublishes each key as it leaves.
+  The registry lags by the publisher's batching and the feed: a store or an
+  eviction after a quiet spell goes 50 ms after it, while under a steady
+  stream batches go every ``publish_interval_s`` (0.25 s): each batch wakes
+  the publisher, the registry server and every mirror, and on vLLM's CPU
+  backend each wake stalls the forward's OpenMP team. Where the
   primary is not found, a published chunk a peer asks for and that is gone
   is answered ``miss`` and unpublished then, and the published set is capped
   at the primary's row count. Either way a chunk the registry still names
@@ -233,6 +238,7 @@ class RemoteG2Tier(SecondaryTierManager):
                  bind: str = "tcp://127.0.0.1:0", advertise: str | None = None, model_id: str | None = None,
                  lease_ttl_ms: int = 10_000, fetch_timeout_s: float = 5.0, serve_wait_s: float = 2.0,
                  failed_ttl_s: float = 30.0, pin_leases: bool = False, fetch_switch_interval_s: float = 0.0005,
+                 publish_interval_s: float = 0.25,
                  identity: TierIdentity | None = None, **unknown: Any) -> None:
         if unknown:
             raise ValueError(f"RemoteG2Tier: unknown settings {sorted(unknown)} "
@@ -247,6 +253,7 @@ class RemoteG2Tier(SecondaryTierManager):
         self.region_base = ctypes.addressof(ctypes.c_char.from_buffer(primary_kv_view))
         self.failed_ttl_s = failed_ttl_s
         self.pin_leases = pin_leases
+        self.publish_interval_s = publish_interval_s
         if identity is None:
             identity = tier_identity(offloading_spec, self.row_bytes, vllm_config_of_caller(), model_id=model_id)
         self.identity = identity
@@ -304,7 +311,8 @@ class RemoteG2Tier(SecondaryTierManager):
             endpoint = f"{host}:{endpoint.rsplit(':', 1)[1]}"
         self._client = RegistryClient(self.registry, timeout_s=5.0)
         self._publisher = SourcePublisher(self._client, worker_id=self.worker_id, endpoint=endpoint, fingerprint=fp,
-                                          snapshot=self._snapshot, load=self.server.open_leases).start()
+                                          snapshot=self._snapshot, load=self.server.open_leases,
+                                          min_batch_interval_s=self.publish_interval_s).start()
         self._mirror = RegistryMirror(self.registry, timeout_s=2.0).start()
         if self._primary is not None:
             watch_evictions(self._primary._policy, self._evicted)
