@@ -74,21 +74,27 @@ def _child(a: argparse.Namespace) -> None:
     timings: dict[str, list[float]] = {"lookup_ms": [], "save_ms": [], "save_idle_ms": [], "batch_ms": [],
                                        "copy_ms_per_job": [], "copy_us_per_block": [], "tier_ms": []}
     in_tier = [0.0]  # seconds the scheduler thread spent inside RemoteG2Tier's methods (tier mode)
+    by_method: dict[str, list[float]] = {}  # method -> [calls, seconds] over the timed requests
     if a.mode == "tier":
         from remote_g2.adapters.vllm_tier.tier import RemoteG2Tier
 
-        def timed(method: Any) -> Any:
+        def timed(method: Any, name: str) -> Any:
+            tally = by_method.setdefault(name, [0, 0.0])
+
             def run(*args: Any, **kw: Any) -> Any:
                 t0 = time.perf_counter()
                 try:
                     return method(*args, **kw)
                 finally:
-                    in_tier[0] += time.perf_counter() - t0
+                    dt = time.perf_counter() - t0
+                    in_tier[0] += dt
+                    tally[0] += 1
+                    tally[1] += dt
             return run
 
         for name in ("lookup", "submit_store", "submit_load", "get_finished_jobs", "has_pending_work", "get_stats",
                      "serve_external_requests", "on_new_request"):
-            setattr(RemoteG2Tier, name, timed(getattr(RemoteG2Tier, name)))
+            setattr(RemoteG2Tier, name, timed(getattr(RemoteG2Tier, name), name))
     if a.mode == "connector":
         from remote_g2.adapters.vllm.connector import RemoteG2Connector
 
@@ -155,6 +161,8 @@ def _child(a: argparse.Namespace) -> None:
     copy0 = (saver.copy_s, saver.jobs_done, saver.blocks_saved) if saver is not None else None
     request_ms = []
     cpu0 = _thread_cpu_s()
+    for tally in by_method.values():
+        tally[:] = [0, 0.0]
     for ids in prompts[2:2 + a.requests]:
         t0, tier0 = time.perf_counter(), in_tier[0]
         llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
@@ -168,6 +176,9 @@ def _child(a: argparse.Namespace) -> None:
         llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch], params, use_tqdm=False)
         timings["batch_ms"].append((time.perf_counter() - t0) * 1e3)
     thread_cpu_ms = _thread_cpu_delta(cpu0, _thread_cpu_s())  # (over the timed requests and batches)
+    n_timed = a.requests + a.batch * a.batches
+    # per request: each method's calls and microseconds (over the timed requests and batches)
+    tier_us = {name: [calls / n_timed, s * 1e6 / n_timed] for name, (calls, s) in by_method.items() if calls}
     if saver is not None and copy0 is not None:
         deadline = time.monotonic() + 60
         while not saver.idle() and time.monotonic() < deadline:
@@ -177,7 +188,8 @@ def _child(a: argparse.Namespace) -> None:
             timings["copy_ms_per_job"].append(copy_s / jobs * 1e3)
         if blocks:
             timings["copy_us_per_block"].append(copy_s / blocks * 1e6)
-    Path(a.out).write_text(json.dumps({"request_ms": request_ms, **timings, "thread_cpu_ms": thread_cpu_ms}))
+    Path(a.out).write_text(json.dumps({"request_ms": request_ms, **timings, "thread_cpu_ms": thread_cpu_ms,
+                                       "tier_us_by_method": tier_us}))
     # vLLM removes its region file only on an orderly shutdown (the tier removes its name at start-up).
     Path(f"/dev/shm/vllm_offload_{engine_id}.mmap").unlink(missing_ok=True)
     os._exit(0)  # NIXL and vLLM threads: skip interpreter teardown
@@ -291,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                      ("tier", "nulltier")) if {m, b} <= set(modes)]
     paired: dict[str, list[float]] = {}
     threads: dict[str, list[dict[str, float]]] = {m: [] for m in modes}  # per run: each thread's CPU, ms
+    methods: dict[str, list[dict[str, list[float]]]] = {m: [] for m in modes}  # per run: the tier's methods
     with tempfile.TemporaryDirectory(prefix="rg2-vllm-bench-") as tmp_s:
         tmp = Path(tmp_s)
         model = make_model(tmp / "model", max_positions=a.tokens + a.max_tokens + 128,
@@ -304,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in modes[n % len(modes):] + modes[:n % len(modes)]:
                     cpu0 = time.process_time()  # (this process: the registry server and its feed)
                     this[mode] = _run(a, mode, model, registry, tmp, n)
+                    methods[mode].append(this[mode].pop("tier_us_by_method", {}))
                     threads[mode].append({**this[mode].pop("thread_cpu_ms", {}),
                                           "(the registry server, another process)":
                                           round((time.process_time() - cpu0) * 1e3, 1)})
@@ -342,6 +356,13 @@ def main(argv: list[str] | None = None) -> int:
     print("CPU per request (ms; median over runs; over the timed requests and batches), by thread:")
     for name, per_mode in thread_table.items():
         print(f"  {name[:58]:58s} " + "  ".join(f"{m} {v:6.3f}" for m, v in per_mode.items()))
+    tier_methods = {name: [round(statistics.median(run[name][i] for run in methods["tier"] if name in run), 2)
+                           for i in (0, 1)]
+                    for name in sorted({n for run in methods.get("tier", []) for n in run})}
+    if tier_methods:
+        print("the tier's methods on the scheduler thread, per request (median over runs): calls, us")
+        for name, (calls, us) in sorted(tier_methods.items(), key=lambda kv: -kv[1][1]):
+            print(f"  {name:30s} {calls:7.2f} {us:8.1f}")
     print("per round (median, min-max):")
     for k, v in paired.items():
         print(f"  {k:40s} {statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})")
@@ -361,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                      modes=modes,
                      summary={name: {"n": len(xs), "p50_ms": pct(xs, 50), "p99_ms": pct(xs, 99),
                                      "mean_ms": statistics.fmean(xs) if xs else None} for name, xs in rows},
-                     pooled=pooled, thread_cpu_ms_per_request=thread_table,
+                     pooled=pooled, thread_cpu_ms_per_request=thread_table, tier_methods_per_request=tier_methods,
                      paired={k: {"median": statistics.median(v), "min": min(v), "max": max(v), "rounds": v}
                              for k, v in paired.items()}, raw=runs)
     return 0

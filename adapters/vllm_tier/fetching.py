@@ -196,6 +196,8 @@ class ChunkFetcher:
 
     def results(self) -> list[Any]:
         """``JobResult`` of the jobs ended since the last call."""
+        if not self._results:  # (every step; see the tier's get_finished_jobs)
+            return []
         with self._lock:
             out, self._results = self._results, []
         return out

@@ -284,6 +284,8 @@ class ChunkServer:
 
     def serve(self, parent: Any) -> None:
         """Serve the queued asks through ``parent`` (vLLM's ``ParentManager``, valid for this call only)."""
+        if not self._asks and not self._leases:  # (every step: nothing to do is the common case; an ask queued
+            return                               # just after this look is served at the next step)
         from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
         self._lapse()
@@ -325,6 +327,8 @@ class ChunkServer:
 
     def finished_jobs(self) -> list[Any]:
         """The store jobs of leases ended (released, lapsed) since the last call: the manager unpins them."""
+        if not self._leases and not self._finished:  # (every step; see serve)
+            return []
         self._lapse()
         with self._lock:
             out, self._finished = self._finished, []
@@ -337,6 +341,8 @@ class ChunkServer:
             return bool(self._asks) or any(lease.job_id is not None for lease in self._leases.values())
 
     def open_leases(self) -> int:
+        if not self._leases:  # (the tier's stats ask every step)
+            return 0
         with self._lock:
             self._sweep()
             return len(self._leases)

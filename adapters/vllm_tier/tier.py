@@ -335,7 +335,10 @@ class RemoteG2Tier(SecondaryTierManager):
             if until > time.monotonic():
                 return LookupResult.MISS
             del self._failed[key]
-        replies = mirror.lookup_many([Lookup([bytes(key[:-4])], self.worker_id, self._compat, False)])
+        chunk_hash = bytes(key[:-4])
+        if mirror.holds_any(chunk_hash) is False:  # (held by nobody at all, the common miss: no full lookup)
+            return LookupResult.MISS
+        replies = mirror.lookup_many([Lookup([chunk_hash], self.worker_id, self._compat, False)])
         if replies is None:  # no complete copy yet (start-up, or the feed was lost): nothing to go by
             if not self._mirror_missing_logged:
                 self._mirror_missing_logged = True
@@ -369,8 +372,10 @@ class RemoteG2Tier(SecondaryTierManager):
         self.fetcher.submit(job_metadata.job_id, runs)  # (a key with no holder known fails: recomputed)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        with self._lock:
-            out, self._done = self._done, []
+        out: list[JobResult] = []
+        if self._done:  # (every step: most have nothing; a job queued just after this look goes at the next)
+            with self._lock:
+                out, self._done = self._done, []
         if self.server is not None:
             out += self.server.finished_jobs()
         if self.fetcher is not None:
