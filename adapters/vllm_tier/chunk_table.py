@@ -46,6 +46,9 @@ SLOT_BYTES = 64
 WAYS = 4
 _FREE = bytes(32)
 
+#: For each bitmask of a bucket's ways in use, its first free way (-1: none).
+_FIRST_FREE = [next((w for w in range(WAYS) if not taken >> w & 1), -1) for taken in range(1 << WAYS)]
+
 #: One slot (see the module docstring).
 slot_dtype = np.dtype([("version", "<u8"), ("digest", "V32"), ("row", "<u4"), ("pad", "V20")])
 assert slot_dtype.itemsize == SLOT_BYTES
@@ -100,11 +103,12 @@ class ChunkTable:
         flat = raw[offset:offset + self.nbytes]
         self.slots = flat.view(slot_dtype)
         self.base = int(self.slots.ctypes.data)
-        # The writer's views of the same bytes (a structured field store costs several times more): each slot's
-        # version word, its row word, and the bytes its digest goes to.
-        self._versions = flat.view(np.uint64)[::SLOT_BYTES // 8]
-        self._rows = flat.view(np.uint32)[10::SLOT_BYTES // 4]
+        # The writer's views of the same bytes (a numpy scalar store costs several times more than a memoryview
+        # item's): the words (a slot's version is word 8 * index), the 32-bit words (its row is 16 * index + 10),
+        # and the bytes its digest goes to.
         self._bytes = memoryview(flat)
+        self._words = self._bytes.cast("Q")
+        self._words32 = self._bytes.cast("I")
         self._where: dict[bytes, int] = {}  # digest -> its slot index
         self._taken = bytearray(buckets)  # per bucket, a bit per way in use (no READ of the slots to find one)
         self._fence = threading.Lock()
@@ -114,13 +118,13 @@ class ChunkTable:
         """``chunk_hash`` is held in ``row`` now; False if its bucket is full (it is then not in the table)."""
         d = digest_of(chunk_hash)
         index = self._where.get(d)
-        if index is not None and int(self._rows[index]) == row:
+        if index is not None and self._words32[index * (SLOT_BYTES // 4) + 10] == row:
             return True  # (stored again where it was: readers in flight stay good)
         if index is None:
             bucket = bucket_of(d, self.buckets)
             taken = self._taken[bucket]
-            way = next((w for w in range(WAYS) if not taken >> w & 1), None)
-            if way is None:
+            way = _FIRST_FREE[taken]
+            if way < 0:
                 self.overflowed += 1
                 return False
             self._taken[bucket] = taken | 1 << way
@@ -148,14 +152,13 @@ class ChunkTable:
         return len(self._where)
 
     def _write(self, index: int, digest: bytes, row: int) -> None:
-        versions = self._versions
-        version = int(versions[index])
-        versions[index] = version + 1  # odd: a reader that sees this, or a later version, drops what it read
+        words, at = self._words, index * (SLOT_BYTES // 8)
+        version = words[at]
+        words[at] = version + 1  # odd: a reader that sees this, or a later version, drops what it read
         with self._fence:
             pass
-        at = index * SLOT_BYTES + 8
-        self._bytes[at:at + 32] = digest
-        self._rows[index] = row
+        self._bytes[at * 8 + 8:at * 8 + 40] = digest
+        self._words32[index * (SLOT_BYTES // 4) + 10] = row
         with self._fence:
             pass
-        versions[index] = version + 2
+        words[at] = version + 2

@@ -90,6 +90,8 @@ __all__ = ["RemoteG2Tier"]
 
 log = logging.getLogger("remote_g2.adapters.vllm_tier")
 
+_TIER_SUFFIX = TIER_GROUP.to_bytes(4, "big")  # the end of the OffloadKey of a chunk of the shared group
+
 
 def _engine_input_queue(max_depth: int = 48) -> Any:
     """A weak reference to the engine core whose construction built this tier (its ``input_queue`` is read at
@@ -328,7 +330,7 @@ class RemoteG2Tier(SecondaryTierManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         mirror = self._mirror
-        if mirror is None or int.from_bytes(key[-4:], "big") != TIER_GROUP:
+        if mirror is None or key[-4:] != _TIER_SUFFIX:
             return LookupResult.MISS
         until = self._failed.get(key)
         if until is not None:
@@ -404,22 +406,25 @@ class RemoteG2Tier(SecondaryTierManager):
             new = []
             held: list[bytes] = []
             rows: list[int] = []
-            for k, row in zip(job_metadata.keys, job_metadata.chunk_ids):
-                if int.from_bytes(k[-4:], "big") == TIER_GROUP:
+            published = self._published
+            chunk_ids = job_metadata.chunk_ids
+            for k, row in zip(job_metadata.keys, chunk_ids.tolist() if hasattr(chunk_ids, "tolist") else chunk_ids):
+                if k[-4:] == _TIER_SUFFIX:
                     h = bytes(k[:-4])
-                    if h not in self._published:
+                    if h in published:
+                        published.move_to_end(h)
+                    else:
+                        published[h] = None
                         new.append(h)
-                    self._published[h] = None
-                    self._published.move_to_end(h)
                     held.append(h)
                     rows.append(int(row))
             if self.server is not None:
                 self.server.held(held, rows)  # (before the registry names them: a peer's ask finds them)
             if new:
                 publisher.stored(new)
-            over = len(self._published) - self.num_rows
+            over = len(published) - self.num_rows
             if over > 0 and not self._watching:  # more than the primary holds: the oldest are gone, or soon
-                old = [self._published.popitem(last=False)[0] for _ in range(over)]
+                old = [published.popitem(last=False)[0] for _ in range(over)]
                 publisher.removed(old)
         with self._lock:
             self._done.append(JobResult(job_id=job_metadata.job_id, success=True))
@@ -444,7 +449,7 @@ class RemoteG2Tier(SecondaryTierManager):
             if gone and self._publisher is not None:
                 self._publisher.removed(gone)
             return
-        self._unpublish([k[:-4] for k in keys if int.from_bytes(k[-4:], "big") == TIER_GROUP])
+        self._unpublish([k[:-4] for k in keys if k[-4:] == _TIER_SUFFIX])
 
     def _snapshot(self) -> list[bytes]:
         return list(self._published)
