@@ -15,7 +15,10 @@ every command) and where its python imported the project from.
   ``mpich`` wheel outside site-packages linked in, and the commit installed
   editable into it, its C++ extensions built from its own sources. Every
   build command is logged to ``<work_dir>/<sha>/build.log``. A worktree at
-  that sha whose venv holds the stamp file (``STAMP``) is reused as it is.
+  that sha whose venv holds the stamp file (``STAMP``, naming the sha and the
+  shared venv) is reused as it is. Each shared venv gets a side venv of its
+  own (``venv`` for ``.venv``, ``venv-vllm`` for ``.venv-vllm``:
+  ``SharedVenv.side_venv_name``).
 * ``current_side`` is this checkout as it is, uncommitted changes included
   (and listed), run by this script's python.
 * Either way, ``check_imports`` imports every module of ``remote_g2``,
@@ -137,6 +140,12 @@ class SharedVenv:
         dirs = dict.fromkeys(Path(sysconfig.get_path(k)) for k in ("purelib", "platlib"))
         return cls(Path(sys.prefix), tuple(d for d in dirs if d.is_dir()))
 
+    def side_venv_name(self) -> str:
+        """The name of a built side's venv beside its worktree, by the venv it shares: ``venv`` for ``.venv``,
+        ``venv-vllm`` for ``.venv-vllm`` (the vLLM suite's), so each shared venv has a side venv of its own."""
+        tail = self.prefix.name.lstrip(".").removeprefix("venv").lstrip("-")
+        return f"venv-{tail}" if tail else "venv"
+
 
 @dataclass
 class Side:
@@ -230,11 +239,12 @@ def build_side(role: str, rev: str, work_dir: Path, shared: SharedVenv, env: dic
     """Check out ``rev`` at ``work_dir/<sha>/src`` with its own venv ``<sha>/venv`` and install it, or reuse both."""
     sha = resolve_sha(rev)
     root = work_dir / sha
-    tree, venv = root / "src", root / "venv"
+    tree, venv = root / "src", root / shared.side_venv_name()
     stamp = venv / STAMP
+    stamp_text = f"{sha}\n{shared.prefix}\n"
     commands: list[list[str]] = []
     t0 = time.monotonic()
-    reused = worktree_at(tree, sha) and stamp.exists()
+    reused = worktree_at(tree, sha) and stamp.exists() and stamp.read_text() == stamp_text
     if reused:
         log(f"reusing {role.upper()} {sha[:7]} in {root}")
     else:
@@ -248,7 +258,7 @@ def build_side(role: str, rev: str, work_dir: Path, shared: SharedVenv, env: dic
         make_venv(venv, shared, log_path, commands, timeout_s)
         _run_logged([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                      "-e", str(tree)], log_path, commands, timeout_s)
-        stamp.write_text(f"{sha}\n")
+        stamp.write_text(stamp_text)
         log(f"built {role.upper()} {sha[:7]} in {time.monotonic() - t0:.1f} s")
     python = venv / "bin" / "python"
     imports = check_imports(python, (tree, venv), root)

@@ -137,6 +137,13 @@ def test_vllm_metrics_pair_one_commits_connector_with_anothers_tier() -> None:
     assert compare.direction_of("vllm.sharing_over_plain_batch") is LOWER
 
 
+def test_each_shared_venv_gets_a_side_venv_of_its_own() -> None:
+    from compare_sides import SharedVenv
+
+    names = [SharedVenv(Path(p), ()).side_venv_name() for p in ("/r/.venv", "/r/.venv-vllm", "/opt/py311", "/r/venv")]
+    assert names == ["venv", "venv-vllm", "venv-py311", "venv"]
+
+
 def test_a_key_the_json_lacks_is_a_missing_metric_not_an_error() -> None:
     doc = {k: v for k, v in REGISTRY.items() if k not in ("latency_server", "throughput_ratio")}
     found = compare.extract_metrics("registry", doc)
