@@ -133,6 +133,8 @@ def test_vllm_metrics_pair_one_commits_connector_with_anothers_tier() -> None:
         "vllm.sharing_over_plain_batch": 1.1, "vllm.plain_request_p50_ms": 19.0}
     assert compare.extract_metrics("vllm", both)["vllm.sharing_over_plain_request_p50"] == 1.13
     assert compare.extract_metrics("vllm", legacy)["vllm.sharing_over_plain_batch"] == 1.06
+    older = {"summary": {"request, plain vLLM": {"p50_ms": 24.6}}}  # (the plain run's row, as 1330aac named it)
+    assert compare.extract_metrics("vllm", older) == {"vllm.plain_request_p50_ms": 24.6}
     assert compare.extract_metrics("vllm", {"paired": {"cputier/plain request p50": ratio(1.0)}}) == {}
     assert compare.direction_of("vllm.sharing_over_plain_batch") is LOWER
 
