@@ -108,6 +108,8 @@ bench-vllm: venv-vllm redis
 	@mkdir -p bench/results
 	$(VLLM_PY) -m pip install -q matplotlib
 	$(VLLM_PY) bench/bench_vllm_overhead.py --json bench/results/vllm_overhead.json
+	$(VLLM_PY) bench/bench_vllm_overhead.py --modes plain,cputier,nulltier,tier --rounds 12 --requests 20 --batch 16 \
+		--batches 1 --json bench/results/vllm_overhead_tier.json
 	$(VLLM_PY) bench/bench_vllm_tier.py --json bench/results/vllm_tier.json
 	$(VLLM_PY) bench/bench_vllm_p2p.py --json bench/results/vllm_p2p.json
 	$(VLLM_PY) bench/bench_vllm_tp_ttft.py --json bench/results/vllm_tp_ttft.json --plot bench/results/vllm_tp_ttft.png
