@@ -197,6 +197,40 @@ def test_engine_b_reuses_engine_as_chunks_through_the_tier_and_generates_as_plai
     assert [r["tokens"] for r in out_a] == want
 
 
+def test_a_request_aborted_while_the_tier_reads_its_chunks_leaves_the_engine_whole(
+        tmp_path: Path, model_dir: Path, registry: str) -> None:
+    """B's request for A's prompt 0 is aborted while the tier's fetch of its chunks is in flight (A's processes
+    stopped meanwhile, so the fetch hangs on A until its timeout): the fetch ends failed, nothing is generated for
+    the aborted request, and B goes on. A, resumed, then serves B its prompt 1 whole through the tier, and B
+    generates plain vLLM's tokens for it."""
+    model_dir = Path(shutil.copytree(model_dir, tmp_path / "model"))
+    ps = vh.prompts(53, 2, PROMPT_LEN)
+    a = Engine(tmp_path, "a-abort", model_dir, [{"ids": p} for p in ps], registry, hold=True, multiprocess=True)
+    b = None
+    try:
+        out_a = a.result()
+        vh.wait_published(registry, "a-abort", 2 * CHUNKS, a)
+        # (A runs in a process group of its own: B stops and resumes it around the abort)
+        b = Engine(tmp_path, "b-abort", model_dir, [{"ids": ps[0], "abort_while_loading": a.proc.pid},
+                                                    {"ids": ps[1]}], registry)
+        out_b = b.result(240)
+    finally:
+        if b is not None:
+            b.stop()
+        a.stop()
+    aborted, loaded = out_b
+    print(f"aborted: {aborted['s']} s, tier {aborted['tier']}; then: cached {loaded['num_cached_tokens']}, "
+          f"tier {loaded['tier']}")
+    assert aborted["aborted"] and aborted["tokens"] == [], aborted
+    assert aborted["tier"]["chunks_read"] == 0 and aborted["tier"]["chunks_failed"] >= 1, aborted["tier"]
+    assert delta(out_b, 0, P2P) == 0 and delta(out_b, 0, LOADED) == 0, aborted["metrics"]
+    assert loaded["num_cached_tokens"] == CHUNKS * CHUNK and delta(out_b, 1, P2P) == CHUNKS * CHUNK, loaded
+    assert loaded["tier"]["chunks_read"] == CHUNKS, loaded["tier"]
+    assert loaded["tokens"] == out_a[1]["tokens"]
+    assert [r["tokens"] for r in vh.plain_outputs(tmp_path, model_dir, vh.write_prompts(tmp_path, "plain", ps[1:]))] \
+        == [loaded["tokens"]]
+
+
 def hold_and_read(tmp: Path, model_dir: Path, registry: str, ids: list[int], holder: tuple[str, dict],
                   readers: dict[str, dict]) -> tuple[list[dict], Any, dict[str, list[dict]]]:
     """Holder ``holder = (name, settings)`` runs ``ids`` and holds, its engine core in a process of its own (idle

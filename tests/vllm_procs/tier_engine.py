@@ -6,7 +6,7 @@ Run by tests/test_vllm_tier_engines.py in a process of its own::
 
 ``CONFIG_JSON``: ``model``, ``prompts`` (a file of entries ``{"ids": [...], "salt": "...", "reset_g1": true}``,
 salt optional; ``reset_g1``: vLLM's GPU-side prefix cache is emptied before the entry runs, so its prefix can hit
-only the offloading tiers), ``out``, ``registry``, ``worker_id``, ``engine_id`` (vLLM's KV-transfer id: it names
+only the offloading tiers; ``abort_while_loading``: see :func:`abort_while_loading`), ``out``, ``registry``, ``worker_id``, ``engine_id`` (vLLM's KV-transfer id: it names
 the primary tier's ``/dev/shm`` region file), and optionally ``hold_file``, ``multiprocess``, ``no_tier`` (plain
 vLLM), ``max_model_len`` (1024), ``max_tokens`` (8), ``cpu_mib`` (the CPU tier, 32), ``tp`` (1),
 ``blocks_per_chunk`` (2), ``canonical`` (vLLM's ``canonical_layout``: rows independent of TP).
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -104,6 +105,36 @@ def tree_cpu_s() -> float:
     return sum(cpu.get(pid, 0.0) for pid in mine)
 
 
+def abort_while_loading(llm: Any, tier: Any, e: dict, params: Any, prompt: Any) -> dict[str, Any]:
+    """Entry ``e`` with ``abort_while_loading: PGID``: the holder's process group is stopped (SIGSTOP), so the
+    tier's READ of the prompt's chunks hangs on it; the request is aborted the moment that fetch is in flight. The
+    engine steps until the fetch has ended (its RPC times out: failed, so vLLM recomputes nothing and frees the
+    rows), then the holder is resumed. What the result records: the request never finished, and the counters."""
+    engine = llm.llm_engine
+    pgid = int(e["abort_while_loading"])
+    t0 = time.monotonic()
+    os.killpg(pgid, signal.SIGSTOP)
+    try:
+        engine.add_request("abort-while-loading", prompt, params)
+        deadline = time.monotonic() + 60
+        while not tier.fetcher.busy():  # (the lookup HIT, then the promotion's submit_load)
+            assert time.monotonic() < deadline, "the tier never started a fetch for the prompt"
+            engine.step()
+        engine.abort_request(["abort-while-loading"])
+        finished = []
+        while tier.fetcher.busy() or engine.has_unfinished_requests():
+            assert time.monotonic() < deadline, "the aborted request's fetch never ended"
+            finished += [o for o in engine.step() if o.finished]
+            time.sleep(0.01)
+        for _ in range(3):  # (vLLM's manager takes the job's result at a step)
+            finished += [o for o in engine.step() if o.finished]
+    finally:
+        os.killpg(pgid, signal.SIGCONT)
+    return {"tokens": [t for o in finished for t in o.outputs[0].token_ids], "num_cached_tokens": 0,
+            "aborted": True, "s": round(time.monotonic() - t0, 3), "metrics": metrics(llm),
+            "tier": tier_counters(tier)}
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     multiprocess = bool(cfg.get("multiprocess"))
@@ -138,6 +169,9 @@ def main() -> None:
         kw = {"cache_salt": e["salt"]} if e.get("salt") else {}
         if e.get("reset_g1"):
             assert llm.reset_prefix_cache(), "vLLM did not empty its prefix cache"
+        if e.get("abort_while_loading"):
+            results.append(abort_while_loading(llm, tier, e, params, TokensPrompt(prompt_token_ids=e["ids"], **kw)))
+            continue
         t0 = time.monotonic()
         o = llm.generate([TokensPrompt(prompt_token_ids=e["ids"], **kw)], params, use_tqdm=False)[0]
         results.append({"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens or 0,
