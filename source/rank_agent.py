@@ -29,6 +29,7 @@ from typing import Any
 
 from remote_g2.secondary_pool import MemoryRegion
 from remote_g2.errors import SourceError
+from remote_g2.ucx_modules import keep_one_verbs_stack
 
 from .progress_pace import ProgressPace
 
@@ -65,6 +66,7 @@ class RankAgent:
         self._closed = False
         self._regs: list[Any] = []
         self._agent: Any = None
+        keep_one_verbs_stack()  # (before UCX loads its modules: see remote_g2.ucx_modules)
         if self.pace.mode == "event":
             try:
                 self._agent = _event_driven_agent(name, self.pace.event_timeout_s)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -286,3 +288,34 @@ def test_nixl_read_from_a_killed_peer_never_reports_done(nixl_peer, nixl_reader,
         releaser.join(10)
         assert not releaser.is_alive(), "release() of a READ from a dead peer hung"
     assert t.poll(h) == "error" and t.failure(h).startswith(f"NIXL READ from {peer.name} failed: ")
+
+
+_EXIT_CHECK = ("from remote_g2.adapters.nixl_transfer import NixlTransfer\n"
+               "t = NixlTransfer('exit-check')\n"
+               "t.close()\n"
+               "print('closed', flush=True)\n")
+
+
+def _run_exit_check(**env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    return subprocess.run([sys.executable, "-c", _EXIT_CHECK], capture_output=True, text=True, timeout=120,
+                          env={**base, **env})
+
+
+def test_a_process_that_made_a_nixl_agent_exits_cleanly() -> None:
+    """A process that made and closed a UCX agent exits 0 and nothing else, on a host with rdma-core as on one
+    without (``make test`` installs it): the agent keeps UCX's module that loads the host's verbs stack out
+    (remote_g2.ucx_modules), whose second copy of libnl crashed every such process at exit."""
+    proc = _run_exit_check()
+    assert (proc.returncode, proc.stdout.splitlines()[-1:]) == (0, ["closed"]), proc.stderr[-3000:]  # (NIXL logs
+    # to stdout too)
+
+
+@pytest.mark.skipif(not Path("/usr/lib/x86_64-linux-gnu/libefa.so.1").exists(),
+                    reason="the host has no rdma-core (libefa): the crash this guards against cannot happen here")
+def test_with_every_ucx_module_the_host_verbs_stack_crashes_the_exit_negative_control() -> None:
+    """What remote_g2.ucx_modules keeps out: with every UCX module loaded (``UCX_MODULES=all``, UCX's own default)
+    on a host with rdma-core, the same process does its work and then dies at exit (SIGSEGV)."""
+    proc = _run_exit_check(UCX_MODULES="all")
+    assert proc.stdout.splitlines()[-1:] == ["closed"] and proc.returncode == -11, (proc.returncode,
+                                                                                    proc.stderr[-3000:])

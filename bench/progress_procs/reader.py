@@ -66,10 +66,13 @@ class Reader:
     def __init__(self, sources: list[dict[str, Any]], block_kib: int, timeout_s: float) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
+        from remote_g2.ucx_modules import keep_one_verbs_stack
+
         self.timeout_s = timeout_s
         self.sources = sources
         self.offsets = [sum(s["nbytes"] for s in sources[:i]) for i in range(len(sources))]
         self.dst = np.zeros(sum(s["nbytes"] for s in sources), dtype=np.uint8)
+        keep_one_verbs_stack()  # (remote_g2.ucx_modules: a host's rdma-core would crash this process at exit)
         self.agent = nixl_agent(f"bench-progress-reader-{os.getpid()}",
                                 nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
                                                   backends=["UCX"]))

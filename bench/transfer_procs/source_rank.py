@@ -76,6 +76,9 @@ class RawAgent:
     def __init__(self, name: str, regions: list[MemoryRegion], d: Path, rank: int, fast_interval_s: float) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
+        from remote_g2.ucx_modules import keep_one_verbs_stack
+
+        keep_one_verbs_stack()
         self.name, self._d, self._rank, self._fast = name, d, rank, fast_interval_s
         self._agent: Any = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
                                                               backends=["UCX"]))

@@ -36,6 +36,9 @@ class Reader:
     def __init__(self, max_blocks: int) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
+        from remote_g2.ucx_modules import keep_one_verbs_stack
+
+        keep_one_verbs_stack()
         self.agent = nixl_agent(f"test-reader-{os.getpid()}", nixl_agent_config(
             enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"]))
         self.max_blocks = max_blocks

@@ -108,6 +108,9 @@ def main() -> int:
 
     from nixl._api import nixl_agent, nixl_agent_config
 
+    from remote_g2.ucx_modules import keep_one_verbs_stack
+
+    keep_one_verbs_stack()
     buf = pattern_bytes(args.seed, args.nbytes)
     agent = nixl_agent(args.name, nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
                                                     backends=["UCX"]))

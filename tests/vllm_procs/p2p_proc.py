@@ -66,6 +66,9 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR1)  # (the bench asks for a stack when an answer is late)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     cfg = json.loads(sys.argv[1])
+    from remote_g2.ucx_modules import keep_one_verbs_stack
+
+    keep_one_verbs_stack()  # (vLLM's p2p tier makes its own NIXL agent: see remote_g2.ucx_modules)
     port = int(cfg.get("port") or 0) or free_port()
     step_s = float(cfg.get("step_s", 0.002))
     tier = {"type": "p2p", "host": HOST, "port": port, **cfg.get("tier", {})}
