@@ -162,16 +162,8 @@ def sharing_over_plain(stat: str) -> Extractor:
     vLLM, unqualified, so that one commit's connector pairs with another's tier: the tier where a run had it (HEAD
     with ``--modes plain,tier``), else the connector (both at once: the tier); a JSON from before the bench had
     modes holds only connector / plain, keyed by ``stat`` alone."""
-
-    def extract(doc: dict[str, Any]) -> dict[str, float]:
-        paired = doc.get("paired") or {}
-        for key in (f"tier/plain {stat}", f"connector/plain {stat}", stat):
-            entry = paired.get(key)
-            if isinstance(entry, dict) and isinstance(entry.get("median"), (int, float)):
-                return {"": float(entry["median"])}
-        return {}
-
-    return extract
+    return first_of(*(field_at("paired", key, "median")
+                      for key in (f"tier/plain {stat}", f"connector/plain {stat}", stat)))
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,11 @@ _FREE = bytes(32)
 #: For each bitmask of a bucket's ways in use, its first free way (-1: none).
 _FIRST_FREE = [next((w for w in range(WAYS) if not taken >> w & 1), -1) for taken in range(1 << WAYS)]
 
+def _row_word(index: int) -> int:
+    """Where slot ``index``'s row is among the table's 32-bit words (after its version and digest: word 10)."""
+    return index * (SLOT_BYTES // 4) + 10
+
+
 #: One slot (see the module docstring).
 slot_dtype = np.dtype([("version", "<u8"), ("digest", "V32"), ("row", "<u4"), ("pad", "V20")])
 assert slot_dtype.itemsize == SLOT_BYTES
@@ -118,7 +123,7 @@ class ChunkTable:
         """``chunk_hash`` is held in ``row`` now; False if its bucket is full (it is then not in the table)."""
         d = digest_of(chunk_hash)
         index = self._where.get(d)
-        if index is not None and self._words32[index * (SLOT_BYTES // 4) + 10] == row:
+        if index is not None and self._words32[_row_word(index)] == row:
             return True  # (stored again where it was: readers in flight stay good)
         if index is None:
             bucket = bucket_of(d, self.buckets)
@@ -158,7 +163,7 @@ class ChunkTable:
         with self._fence:
             pass
         self._bytes[at * 8 + 8:at * 8 + 40] = digest
-        self._words32[index * (SLOT_BYTES // 4) + 10] = row
+        self._words32[_row_word(index)] = row
         with self._fence:
             pass
         words[at] = version + 2

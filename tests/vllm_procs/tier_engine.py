@@ -8,9 +8,9 @@ Run by tests/test_vllm_tier_engines.py in a process of its own::
 salt optional; ``reset_g1``: vLLM's GPU-side prefix cache is emptied before the entry runs, so its prefix can hit
 only the offloading tiers; ``abort_while_loading``: see :func:`abort_while_loading`), ``out``, ``registry``,
 ``worker_id``, ``engine_id`` (vLLM's KV-transfer id: it names the primary tier's ``/dev/shm`` region file), and
-optionally ``hold_file``, ``multiprocess``, ``no_tier`` (plain
-vLLM), ``max_model_len`` (1024), ``max_tokens`` (8), ``cpu_mib`` (the CPU tier, 32), ``tp`` (1),
-``blocks_per_chunk`` (2), ``canonical`` (vLLM's ``canonical_layout``: rows independent of TP).
+optionally ``hold_file``, ``multiprocess``, ``no_tier`` (plain vLLM), ``max_model_len`` (1024), ``max_tokens`` (8),
+``cpu_mib`` (the CPU tier, 32), ``tp`` (1), ``blocks_per_chunk`` (2), ``canonical`` (vLLM's ``canonical_layout``:
+rows independent of TP).
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``llm.get_metrics()`` sees the
 connector's and the tiering manager's metrics, and the tier object is readable here. The prompts run one at a
