@@ -2,7 +2,7 @@
 
 * engines: :mod:`.reference` (our reference engine and its demo), :mod:`.vllm`, :mod:`.trtllm`;
 * transfers (:class:`~remote_g2.transfer.TransferAdapter`): :mod:`.nixl_transfer`, :mod:`.memcpy_transfer`;
-* pools (:class:`~remote_g2.secondary_pool.SecondaryPool`): :mod:`.host_pool` — ``HostPool``, a
+* pools (:class:`~remote_g2.memory.secondary_pool.SecondaryPool`): :mod:`.host_pool` — ``HostPool``, a
   ``PoolIndex`` over one host buffer.
 
 Adapters depend on the parts they wire together (``source``, ``target``,

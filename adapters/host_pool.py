@@ -2,7 +2,7 @@
 
 Block ``b`` is bytes ``[b * block_bytes, (b + 1) * block_bytes)`` of one
 ``uint8`` tensor, page-locked when CUDA is available so NIXL and the GPU can
-DMA from it. A :class:`~remote_g2.pool_index.PoolIndex` maps block hashes to
+DMA from it. A :class:`~remote_g2.memory.pool_index.PoolIndex` maps block hashes to
 blocks and carries the pins.
 
 Who changes what:
@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 from remote_g2.errors import PoolIndexError
-from remote_g2.pool_index import PoolIndex
+from remote_g2.memory.pool_index import PoolIndex
 
-from remote_g2.host_memory import huge_page_buffer, populate, thp_mode
-from remote_g2.secondary_pool import BlockLayout, MemoryRegion, PoolEventKind, PoolListener
+from remote_g2.memory.host_memory import huge_page_buffer, populate, thp_mode
+from remote_g2.memory.secondary_pool import BlockLayout, MemoryRegion, PoolEventKind, PoolListener
 
 __all__ = ["HostPool"]
 
@@ -64,16 +64,16 @@ def _say_once_if_thp_is_off() -> None:
 
 
 class HostPool:
-    """A :class:`~remote_g2.secondary_pool.SecondaryPool` over one host buffer.
+    """A :class:`~remote_g2.memory.secondary_pool.SecondaryPool` over one host buffer.
 
     ``HostPool(layout)`` allocates ``layout.num_blocks * layout.block_bytes``
     bytes (uninitialised). The buffer is page-locked when CUDA is available and
     ``pin_memory`` is not False, plain host memory otherwise (``pin_memory=True``
     without CUDA logs a warning and falls back). Plain host memory is mapped
     in 2 MiB transparent huge pages unless ``huge_pages`` is False (see
-    :mod:`~remote_g2.host_memory`: NIXL reads it faster). ``ValueError`` if
+    :mod:`~remote_g2.memory.host_memory`: NIXL reads it faster). ``ValueError`` if
     ``layout.block_bytes`` cannot hold ``num_layers * kv`` slabs, or if
-    ``num_blocks`` exceeds :data:`~remote_g2.pool_index.MAX_BLOCKS`.
+    ``num_blocks`` exceeds :data:`~remote_g2.memory.pool_index.MAX_BLOCKS`.
 
     ``reserved_blocks`` keeps the last that many blocks out of the cache
     altogether: they are never stored into, evicted or found, but they lie in
@@ -151,7 +151,7 @@ class HostPool:
         Plain host memory is taken on first touch, and a first touch costs a
         page fault and the kernel's zeroing, paid inside whatever writes the
         block first: a remote READ landing in a reserved block, a save
-        storing into a fresh one (see :mod:`remote_g2.host_memory`). This
+        storing into a fresh one (see :mod:`remote_g2.memory.host_memory`). This
         moves that cost to start-up: the reserved blocks first, then the
         cache from block 0 up (the free list's order). Nothing is written, so
         it may run while the pool is in use. ``background`` runs it in a daemon
@@ -243,7 +243,7 @@ class HostPool:
         not (cached ones stay cached), and no block is left half-written.
 
         Validation comes first and changes nothing: ``TypeError``/``ValueError``
-        for a bad hash (see :class:`~remote_g2.pool_index.PoolIndex`), ``ValueError``
+        for a bad hash (see :class:`~remote_g2.memory.pool_index.PoolIndex`), ``ValueError``
         if ``data`` does not have one item of exactly ``block_bytes`` per hash.
         Listeners get ``("removed", evicted)`` then ``("stored", new_hashes)``.
         """
@@ -337,7 +337,7 @@ class HostPool:
         return len(self._index)
 
     def stats(self) -> dict[str, int]:
-        """The index's gauges and counters (see :meth:`~remote_g2.pool_index.PoolIndex.stats`)."""
+        """The index's gauges and counters (see :meth:`~remote_g2.memory.pool_index.PoolIndex.stats`)."""
         return self._index.stats()
 
     def add_listener(self, listener: PoolListener) -> None:

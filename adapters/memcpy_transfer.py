@@ -25,7 +25,7 @@ import numpy as np
 
 from remote_g2.errors import TransferError
 
-from remote_g2.secondary_pool import MemoryRegion
+from remote_g2.memory.secondary_pool import MemoryRegion
 from remote_g2.transfer import TransferState
 
 __all__ = ["MemcpyTransfer"]

@@ -32,7 +32,7 @@ from typing import Any
 from remote_g2.adapters.reference.launch import EngineProcess
 from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer
 
-from remote_g2.hashing import chain_block_hashes
+from remote_g2.identity.hashing import chain_block_hashes
 
 TPB = 16
 

@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_servers  # noqa: E402
 
-from remote_g2.connection_watch import DEFAULT_HEARTBEAT_S  # noqa: E402
+from remote_g2.rpc.connection_watch import DEFAULT_HEARTBEAT_S  # noqa: E402
 from remote_g2.errors import MirrorNotReady  # noqa: E402
-from remote_g2.messages import LayoutFingerprint  # noqa: E402
+from remote_g2.protocol.messages import LayoutFingerprint  # noqa: E402
 from remote_g2.registry import RegistryClient, RegistryMirror, SourcePublisher  # noqa: E402
 
 FP = LayoutFingerprint(model_id="bench-failover", dtype="bf16", tokens_per_block=16, kv_layout="HND",

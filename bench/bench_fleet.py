@@ -126,7 +126,7 @@ import bench_servers  # noqa: E402
 from bench_registry import percentiles  # noqa: E402
 from conftest import cluster_masters, start_redis_cluster  # noqa: E402  (the test suite's cluster builder)
 
-from remote_g2.messages import BlockEvent, LayoutFingerprint  # noqa: E402
+from remote_g2.protocol.messages import BlockEvent, LayoutFingerprint  # noqa: E402
 
 MIN_CHAIN, MAX_CHAIN = 16, 128
 LOOKUP_TAIL = 4  # a request's own new blocks after the cached prefix: never stored anywhere
@@ -249,7 +249,7 @@ class SimWorker:
         return queued
 
     def resync(self, hb_interval: float) -> int:
-        from remote_g2.registry.publisher import resync_chunks
+        from remote_g2.registry.client.publisher import resync_chunks
 
         sent = 0
         for _ in range(3):
@@ -493,7 +493,7 @@ def follower_proc(feeds: list[str], n: int, ph: dict[str, Any], out: Any) -> Non
     """``n`` raw SUB sockets on every feed: frames and bytes per steady phase, and gaps, per follower."""
     import zmq
 
-    from remote_g2.wire import decode_frame
+    from remote_g2.protocol.wire import decode_frame
 
     ctx = zmq.Context()
     socks = []

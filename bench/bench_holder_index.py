@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from remote_g2.holder_index import HolderIndex
+from remote_g2.registry.stores.holder_index import HolderIndex
 
 
 Chains = list[tuple[list[bytes], list[int]]]

@@ -1,6 +1,6 @@
 """Round trip between two processes of one worker: ZMQ IPC (as the RPC layer uses it) vs a local link.
 
-Why the target's ranks talk over ``remote_g2.local_link`` instead of ZMQ IPC.
+Why the target's ranks talk over ``remote_g2.rpc.local_link`` instead of ZMQ IPC.
 An echo process answers every message; the parent sends one ``target_done``
 frame, waits for the echo, sleeps ``idle`` (so the other side's thread goes
 back to sleep, as between loads), and repeats. Both sides encode and decode
@@ -9,7 +9,7 @@ with the project's codec, so the rows differ only in the transport:
 * ``zmq``: a DEALER to a ROUTER over ``ipc://`` (what ``RpcMux`` and
   ``RpcServer`` do): each hop goes through the sender's and the receiver's
   ZMQ I/O threads;
-* ``link``: a :class:`~remote_g2.local_link.MessageLink` on a Unix stream
+* ``link``: a :class:`~remote_g2.rpc.local_link.MessageLink` on a Unix stream
   socket, read by the receiving thread after ``poll``.
 
 Rounds alternate the two transports so machine noise hits both.
@@ -34,9 +34,9 @@ from typing import Any
 
 import zmq
 
-from remote_g2.local_link import LinkListener, connect_link
-from remote_g2.messages import TargetDone
-from remote_g2.wire import decode_frame, decode_request_body, encode_request
+from remote_g2.rpc.local_link import LinkListener, connect_link
+from remote_g2.protocol.messages import TargetDone
+from remote_g2.protocol.wire import decode_frame, decode_request_body, encode_request
 
 MESSAGE = TargetDone(1, 1, True, "", 1 << 20, 16)
 

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from bench_registry import FP, percentiles  # the registry benches' layout and latency summary
-from remote_g2.messages import Lookup, WorkerRecord
-from remote_g2.registry.mirror import MirrorIndex
+from remote_g2.protocol.messages import Lookup, WorkerRecord
+from remote_g2.registry.client.mirror import MirrorIndex
 
 HASH_LEN = 32
 

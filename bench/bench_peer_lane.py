@@ -4,8 +4,8 @@ What a target rank pays, before its READ can start, to have its peer source
 rank pin its share (docs/target.md, "Peer resolve"). Two server processes
 serve the real ``peer_handlers`` (``source/peer.py``) over a real
 :class:`~remote_g2.adapters.host_pool.HostPool` holding ``--hashes`` blocks:
-one a :class:`~remote_g2.rpc_stream.StreamRpcServer` (``tcp+stream://``, the
-source's default), one a direct ZMQ :class:`~remote_g2.rpc_server.RpcServer`
+one a :class:`~remote_g2.rpc.stream.StreamRpcServer` (``tcp+stream://``, the
+source's default), one a direct ZMQ :class:`~remote_g2.rpc.server.RpcServer`
 (``--peer-transport zmq``). This process calls ``peer_resolve`` then
 ``release`` on each, alternating, and times the resolve. Three conditions,
 as a load meets them:
@@ -58,9 +58,9 @@ def _serve(transport: str, hashes: int, cpu: int | None, ready: Any, stop: Any) 
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
     from remote_g2.adapters.host_pool import HostPool
-    from remote_g2.messages import BlockLayout
-    from remote_g2.rpc_server import RpcServer
-    from remote_g2.rpc_stream import StreamRpcServer
+    from remote_g2.protocol.messages import BlockLayout
+    from remote_g2.rpc.server import RpcServer
+    from remote_g2.rpc.stream import StreamRpcServer
     from remote_g2.source.leases import LeaseTable, PinBudget
     from remote_g2.source.peer import peer_handlers
 
@@ -109,8 +109,8 @@ def main() -> int:
     if not 1 <= args.rounds <= 5000 or not 1 <= args.hashes <= 4096 or not 0 < args.copy_mib <= 1024:
         p.error("need 1 <= --rounds <= 5000, 1 <= --hashes <= 4096, 0 < --copy-mib <= 1024")
 
-    from remote_g2.messages import PeerResolve, Release
-    from remote_g2.rpc_client import RpcClient
+    from remote_g2.protocol.messages import PeerResolve, Release
+    from remote_g2.rpc.client import RpcClient
 
     os.sched_setaffinity(0, {args.client_cpu})
     ctx = mp.get_context("spawn")

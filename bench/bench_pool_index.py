@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import numpy as np  # noqa: E402
 from pool_index_reference import ReferencePoolIndex  # noqa: E402  (the test suite's model of the index)
 
-from remote_g2.pool_index import PoolIndex  # noqa: E402
+from remote_g2.memory.pool_index import PoolIndex  # noqa: E402
 
 NUM_REQUESTS = 512  # distinct prefixes cycled through, so caches do not flatter
 

@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from remote_g2.adapters.host_pool import HostPool  # noqa: E402
-from remote_g2.messages import BlockLayout  # noqa: E402
+from remote_g2.protocol.messages import BlockLayout  # noqa: E402
 
 MODES = ("lazy", "prefaulted")
 

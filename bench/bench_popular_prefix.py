@@ -38,9 +38,9 @@ sys.path.insert(0, str(HERE))
 import bench_servers  # noqa: E402
 from bench_registry import FP, percentiles  # noqa: E402  (the registry benches' layout and latency summary)
 
-from remote_g2.messages import BlockEvent, Events, RegisterWorker  # noqa: E402
+from remote_g2.protocol.messages import BlockEvent, Events, RegisterWorker  # noqa: E402
 from remote_g2.registry import RegistryClient  # noqa: E402
-from remote_g2.registry.store_memory import MemoryStore  # noqa: E402
+from remote_g2.registry.stores.memory import MemoryStore  # noqa: E402
 
 OTHER = dataclasses.replace(FP, dtype="fp8")
 

@@ -44,9 +44,9 @@ from typing import Any
 import bench_servers
 import redis
 from remote_g2.registry import RegistryClient
-from remote_g2.registry.store_redis import RedisStore
+from remote_g2.registry.stores.redis_store import RedisStore
 
-from remote_g2.messages import BlockEvent, LayoutFingerprint
+from remote_g2.protocol.messages import BlockEvent, LayoutFingerprint
 
 FP = LayoutFingerprint(model_id="bench", dtype="bf16", tokens_per_block=16, kv_layout="HND",
                        num_layers=32, num_kv_heads=8, head_dim=128, tp_size=1)

@@ -46,7 +46,7 @@ from typing import Any
 
 from bench_servers import start_redis, start_registry, stop
 from remote_g2.errors import RemoteG2Error
-from remote_g2.messages import LayoutFingerprint
+from remote_g2.protocol.messages import LayoutFingerprint
 
 FP = LayoutFingerprint(model_id="soak", dtype="bf16", tokens_per_block=16, kv_layout="HND",
                        num_layers=4, num_kv_heads=2, head_dim=64, tp_size=1)

@@ -2,7 +2,7 @@
 
 A child process holds a registry (the embedded store) of ``--workers``
 workers and ``--hashes`` (hash, worker) entries in all, and serves
-``POST /v1/score`` on loopback (:class:`~remote_g2.registry.score_http.ScoreHttpServer`,
+``POST /v1/score`` on loopback (:class:`~remote_g2.registry.scoring.http_server.ScoreHttpServer`,
 as ``serve --score-bind`` runs it). The entries are chains of vLLM block
 hashes (sha256, 16-token blocks) of random prompts, each worker holding its
 own prompts; the scored prompts are ``--tokens`` long, and about a third of
@@ -50,11 +50,11 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 def _serve(workers: int, hashes: int, tokens: int, prompts: int, seed: int, long_tokens: int, conn: Any) -> None:
     """The child: build the registry, serve, report the URL and the scored prompts, then wait to be stopped."""
-    from remote_g2.messages import BlockEvent, Events, LayoutFingerprint, RegisterWorker
+    from remote_g2.protocol.messages import BlockEvent, Events, LayoutFingerprint, RegisterWorker
     from remote_g2.registry import MemoryStore
-    from remote_g2.registry.score_http import ScoreHttpServer
-    from remote_g2.registry.scoring import Scorer
-    from remote_g2.vllm_hashing import DEFAULT_SEED, VllmBlockHasher, scheme_name
+    from remote_g2.registry.scoring.http_server import ScoreHttpServer
+    from remote_g2.registry.scoring.scorer import Scorer
+    from remote_g2.identity.vllm_hashing import DEFAULT_SEED, VllmBlockHasher, scheme_name
 
     rng = random.Random(seed)
     hasher = VllmBlockHasher("sha256", DEFAULT_SEED, BLOCK)
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
 
-    from remote_g2.vllm_hashing import DEFAULT_SEED, VllmBlockHasher
+    from remote_g2.identity.vllm_hashing import DEFAULT_SEED, VllmBlockHasher
 
     t0 = time.perf_counter()
     parent, child = mp.Pipe()

@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from source_procs.harness import SourceWorker, have_mpiexec  # noqa: E402
 from source_procs.pattern import hash_of  # noqa: E402
 
-from remote_g2.messages import Release, Resolve  # noqa: E402
-from remote_g2.rpc_client import RpcClient  # noqa: E402
+from remote_g2.protocol.messages import Release, Resolve  # noqa: E402
+from remote_g2.rpc.client import RpcClient  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float:

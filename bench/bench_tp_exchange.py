@@ -39,7 +39,7 @@ def _rank(rank: int, size: int, port: int, a: argparse.Namespace, ipc_dir: str, 
 
     from remote_g2.adapters.vllm.tp_links import connect_step_links
     from remote_g2.adapters.vllm.tp_sync import FetchOutcome, TpSync
-    from remote_g2.torch_group import TorchGroupComm
+    from remote_g2.tp.torch_group import TorchGroupComm
 
     cpus = sorted(os.sched_getaffinity(0))
     if a.bind:

@@ -58,7 +58,7 @@ for 64 MiB and for 1 block (2 vCPUs, 2026-11-26, ms full / 1-block: 0
 ranks spinning take the CPUs the target ranks and the kernel's TCP need.
 
 ``--netns``: the same across three network namespaces on one box
-(``remote_g2.netns``: registry, source host, target host, on a private
+(``remote_g2.adapters.reference.netns``: registry, source host, target host, on a private
 subnet; needs root): this process makes them, then runs the bench again
 inside the registry's namespace, which starts each worker with
 ``ip netns exec <host> mpiexec ...``. ``UCX_TLS`` is ``tcp`` on both sides
@@ -109,7 +109,7 @@ LATE_START_MS = 1.0  # a rank whose READ starts this long after the resolve: it 
 
 sys.path.insert(0, str(HERE))
 
-from remote_g2.host_memory import thp_mode  # noqa: E402
+from remote_g2.memory.host_memory import thp_mode  # noqa: E402
 from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer  # noqa: E402
 
 
@@ -185,7 +185,7 @@ def worker_env(hosts: dict[str, Any] | None, name: str) -> dict[str, str]:
     if hosts is None:
         return {}
     # Else UCX copies through shared memory between namespaces of one kernel. Nothing else: the source, left at
-    # its default bind, binds and advertises the address it reaches the registry from (remote_g2/net_address.py).
+    # its default bind, binds and advertises the address it reaches the registry from (remote_g2/rpc/net_address.py).
     return {"UCX_TLS": os.environ.get("UCX_TLS") or "tcp"}
 
 
@@ -586,7 +586,7 @@ def main() -> int:
                         "its peer source rank (docs/target.md, \"Peer resolve\"); off: rank 0 resolves every share")
     p.add_argument("--peer-transport", choices=("stream", "zmq"), default="stream",
                    help="what the source's peer endpoints speak: stream (the default; plain TCP, "
-                        "remote_g2/rpc_stream.py) or zmq (ZMQ TCP; rank 0's share through its worker endpoint)")
+                        "remote_g2/rpc/stream.py) or zmq (ZMQ TCP; rank 0's share through its worker endpoint)")
     p.add_argument("--stream-requests", type=int, default=8, help="requests per sustained-rate round (0: skip)")
     p.add_argument("--stream-depth", type=int, default=2, help="requests in flight at most in a sustained round")
     p.add_argument("--stream-rounds", type=int, default=3, help="sustained rounds (each: e2e and raw, alternating)")
@@ -628,7 +628,7 @@ def main() -> int:
 
     hosts: dict[str, Any] | None = None
     if args.netns_inner is not None:
-        from remote_g2.netns import Host
+        from remote_g2.adapters.reference.netns import Host
 
         hosts = {name: Host(**h) for name, h in json.loads(args.netns_inner).items()}
     bind = args.registry_bind or (f"tcp://{hosts['registry'].address}:0" if hosts else "tcp://127.0.0.1:0")
@@ -693,7 +693,7 @@ def _commit() -> str | None:
 
 def run_across_hosts(args: argparse.Namespace, sizes: int) -> int:
     """``--netns``: make the hosts, run this bench inside the registry's namespace, remove everything after."""
-    from remote_g2.netns import Hosts, netns_unavailable_reason
+    from remote_g2.adapters.reference.netns import Hosts, netns_unavailable_reason
 
     if (why := netns_unavailable_reason()) is not None:
         print(f"bench_transfer: --netns unavailable: {why}", file=sys.stderr)
@@ -701,7 +701,7 @@ def run_across_hosts(args: argparse.Namespace, sizes: int) -> int:
     # per size: the source's start (90 s), the target (--timeout-s), stopping (20 s); and some slack
     budget_s = sizes * (90 + args.timeout_s + 40) + 60
     # Closing them kills whatever still runs inside (by PID) and deletes them: on return, on an exception, on
-    # Ctrl-C or SIGTERM (both raise KeyboardInterrupt here); only SIGKILL leaves them (remote_g2.netns.remove_stale)
+    # Ctrl-C or SIGTERM (both raise KeyboardInterrupt here); only SIGKILL leaves them (remote_g2.adapters.reference.netns.remove_stale)
     with Hosts(list(HOST_NAMES)) as hosts:
         spec = {h.name: {"name": h.name, "netns": h.netns, "address": h.address, "interface": h.interface}
                 for h in hosts}

@@ -2,8 +2,8 @@
 """Benchmark: digesting a model checkpoint (every byte) for its identity: BLAKE3 vs SHA-256 vs xxh3, cold and warm.
 
 A worker's model identity is a digest of every byte of the checkpoint it
-loaded (``remote_g2.model_identity.weights_digest``, through
-``remote_g2.file_digest``), so the first start on a node reads the whole
+loaded (``remote_g2.identity.model_identity.weights_digest``, through
+``remote_g2.identity.file_digest``), so the first start on a node reads the whole
 checkpoint once. This bench measures what that costs and why the hash is
 BLAKE3:
 
@@ -56,10 +56,10 @@ from typing import Any
 
 import numpy as np
 
-from remote_g2 import file_digest
+from remote_g2.identity import file_digest
 from remote_g2.errors import ConfigError
-from remote_g2.file_digest import DigestCache, hasher_for
-from remote_g2.model_identity import checkpoint_files, weights_digest
+from remote_g2.identity.file_digest import DigestCache, hasher_for
+from remote_g2.identity.model_identity import checkpoint_files, weights_digest
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1 << 30

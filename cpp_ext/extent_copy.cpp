@@ -76,7 +76,7 @@ uint64_t pack_chunks(U64In dst, U64In src, U64In nbytes, uint64_t per_block, uin
 }  // namespace
 
 NB_MODULE(_extent_copy, m) {
-  m.doc() = "Private: copy (dst, src, nbytes) extents with the GIL released (remote_g2/extent_copy.py wraps it).";
+  m.doc() = "Private: copy (dst, src, nbytes) extents with the GIL released (remote_g2/memory/extent_copy.py wraps it).";
   m.def("copy_extents", &copy_extents, nb::arg("dst"), nb::arg("src"), nb::arg("nbytes"));
   m.def("pack_chunks", &pack_chunks, nb::arg("dst"), nb::arg("src"), nb::arg("nbytes"), nb::arg("per_block"),
         nb::arg("blocks"), nb::arg("chunk_blocks"), nb::arg("counter_addr"), nb::arg("stop_addr"));

@@ -1,4 +1,4 @@
-// _holder_index: the private core of remote_g2.holder_index.HolderIndex.
+// _holder_index: the private core of remote_g2.registry.stores.holder_index.HolderIndex.
 //
 // A block hash -> set of holder ids (uint32, 1..2**32-1) table for the
 // registry's prefix lookups. The contracts live in the Python facade's
@@ -464,7 +464,7 @@ class HolderIndex {
 }  // namespace
 
 NB_MODULE(_holder_index, m) {
-  m.doc() = "Private core of remote_g2.holder_index; use HolderIndex from there.";
+  m.doc() = "Private core of remote_g2.registry.stores.holder_index; use HolderIndex from there.";
 
   m.attr("MAX_HASH_LEN") = int(kMaxHashLen);
   m.attr("MAX_HOLDER") = kMaxHolder;

@@ -1,4 +1,4 @@
-// _pool_index: the private core of remote_g2.pool_index.PoolIndex.
+// _pool_index: the private core of remote_g2.memory.pool_index.PoolIndex.
 //
 // A block hash -> block id index over a fixed pool of `num_blocks` slots, with
 // pin counts and LRU eviction of unpinned blocks. The contracts live in the
@@ -601,7 +601,7 @@ class PoolIndex {
 }  // namespace
 
 NB_MODULE(_pool_index, m) {
-  m.doc() = "Private core of remote_g2.pool_index; use PoolIndex from there.";
+  m.doc() = "Private core of remote_g2.memory.pool_index; use PoolIndex from there.";
 
   // BlockPinned -> remote_g2.errors.BlockPinnedError (a ValueError), so the
   // facade raises the project's class without a try/except on every call.

@@ -1,4 +1,4 @@
-// _vllm_hash: vLLM's chain of block hashes over token ids, in one call (remote_g2/vllm_hashing.py).
+// _vllm_hash: vLLM's chain of block hashes over token ids, in one call (remote_g2/identity/vllm_hashing.py).
 //
 // vLLM hashes block i as SHA-256 of the encoding of (h_{i-1}, tuple(tokens of block i), extra_i): a pickle
 // (protocol 5) for "sha256", canonical CBOR for "sha256_cbor". For these objects — 32 bytes, a tuple of
@@ -6,7 +6,7 @@
 // written here byte for byte without building a Python object per block: the Python path pickles or
 // CBOR-encodes ~512 tuples for an 8,192-token prompt and takes about a millisecond; this takes a tenth.
 //
-// Contract (the caller, remote_g2/vllm_hashing.py, keeps it):
+// Contract (the caller, remote_g2/identity/vllm_hashing.py, keeps it):
 //   * `extra0` / `extra` are the already-encoded extra keys of block 0 and of every later block: in the
 //     pickle case the opcodes pickle writes for them inside the outer tuple (b"N" for None), in the CBOR
 //     case their CBOR item (0xf6 for None). A pickle's back-references (BINGET n) in them count the outer
@@ -453,7 +453,7 @@ nb::list chain(nb::bytes parent, nb::handle tokens, size_t block_size, size_t ma
 }  // namespace
 
 NB_MODULE(_vllm_hash, m) {
-  m.doc() = "vLLM's chain of block hashes over token ids (remote_g2/vllm_hashing.py)";
+  m.doc() = "vLLM's chain of block hashes over token ids (remote_g2/identity/vllm_hashing.py)";
   m.def("accelerated", [] { return g_shani; }, "whether SHA-256 runs on the CPU's SHA extensions");
   m.def("set_portable", [](bool portable) { g_shani = !portable && cpu_has_sha(); },
         "tests: force the portable SHA-256 (True), or the CPU's extensions where present (False)");

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from remote_g2.errors import ConfigError
-from remote_g2.messages import LayoutFingerprint
+from remote_g2.protocol.messages import LayoutFingerprint
 
 __all__ = ["ClientSettings", "env_str", "env_int", "env_flag", "env_float", "env_fingerprint", "DEFAULT_REGISTRY_ENDPOINT"]
 
@@ -83,7 +83,7 @@ def env_float(name: str, default: float, env: Mapping[str, str] | None = None) -
 
 
 def env_fingerprint(name: str, env: Mapping[str, str] | None = None) -> LayoutFingerprint | None:
-    """A :class:`~remote_g2.messages.LayoutFingerprint` given as a JSON object, or None when unset or blank."""
+    """A :class:`~remote_g2.protocol.messages.LayoutFingerprint` given as a JSON object, or None when unset or blank."""
     raw = _environ(env).get(name, "").strip()
     if not raw:
         return None

@@ -113,7 +113,7 @@ class RpcClosed(TransportError):
 
 
 class LinkClosed(TransportError):
-    """A local link's peer (:mod:`remote_g2.local_link`) went away (EOF, reset) or stopped reading.
+    """A local link's peer (:mod:`remote_g2.rpc.local_link`) went away (EOF, reset) or stopped reading.
 
     Nothing more can be sent or received on that link.
     """

@@ -2,7 +2,7 @@
 
 Three kinds of plug-in exist:
 
-* ``"pool"`` — a rank's secondary (G2) pool, a :class:`~remote_g2.secondary_pool.SecondaryPool`;
+* ``"pool"`` — a rank's secondary (G2) pool, a :class:`~remote_g2.memory.secondary_pool.SecondaryPool`;
 * ``"engine"`` — glue to an inference engine (reference engine, TensorRT-LLM, vLLM);
 * ``"transfer"`` — the data plane (NIXL; a host-memory copy for tests on one box).
 

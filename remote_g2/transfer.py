@@ -31,7 +31,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-from .secondary_pool import MemoryRegion
+from .memory.secondary_pool import MemoryRegion
 
 __all__ = ["TransferAdapter", "TransferState", "TransferHandle"]
 

@@ -11,7 +11,7 @@ variable                                field                                   
 ``REMOTE_G2_REGISTRY``                  ``registry_endpoint`` (unset: no publishing)  unset
 ``REMOTE_G2_SOURCE_BIND``               ``bind`` (rank 0's TCP endpoint)             see ``bind`` below
 ``REMOTE_G2_SOURCE_ADVERTISE``          ``advertise`` (the endpoint others dial)     the bound one
-``REMOTE_G2_SOURCE_IPC_DIR``            ``ipc_dir`` (private, mode 0700)             see :func:`~remote_g2.ipc_paths.default_ipc_dir`
+``REMOTE_G2_SOURCE_IPC_DIR``            ``ipc_dir`` (private, mode 0700)             see :func:`~remote_g2.rpc.ipc_paths.default_ipc_dir`
 ``REMOTE_G2_SOURCE_DEFAULT_TTL_MS``     ``default_lease_ttl_ms``                     10000
 ``REMOTE_G2_SOURCE_MAX_TTL_MS``         ``max_lease_ttl_ms``                         60000
 ``REMOTE_G2_SOURCE_MIN_TTL_MS``         ``min_lease_ttl_ms``                         100
@@ -44,9 +44,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from remote_g2.config import env_fingerprint, env_flag, env_float, env_int, env_str
-from remote_g2.curve import CurveClientConfig, CurveServerConfig
+from remote_g2.rpc.curve import CurveClientConfig, CurveServerConfig
 from remote_g2.errors import ConfigError
-from remote_g2.messages import LayoutFingerprint
+from remote_g2.protocol.messages import LayoutFingerprint
 from .progress_pace import MODES, ProgressPace, cma_usable
 
 __all__ = ["SourceConfig", "ENABLE_ENV"]
@@ -72,7 +72,7 @@ class SourceConfig:
       without setting it. A loopback bind with a registry elsewhere is
       refused at start-up (targets there could not dial it); a wildcard
       (``0.0.0.0``) advertises the address that reaches the registry
-      (:mod:`remote_g2.net_address` states the rule).
+      (:mod:`remote_g2.rpc.net_address` states the rule).
     * ``advertise`` — the endpoint to tell the registry when it differs from
       the bound one (a NAT, a chosen interface); its host is also the host
       of the ranks' peer lanes; port 0 means the bound port. Never a
@@ -99,7 +99,7 @@ class SourceConfig:
       source ranks it reads directly (``source/peer.py``); advertised in
       the metadata. False: only rank 0 is reachable, targets use ``resolve``.
     * ``peer_transport`` — what those peer endpoints speak. ``stream``: the
-      plain-TCP RPC lane (:mod:`remote_g2.rpc_stream`), on every rank, rank 0
+      plain-TCP RPC lane (:mod:`remote_g2.rpc.stream`), on every rank, rank 0
       included (a lane beside its worker endpoint for the calls of a peer
       load: ``peer_resolve``, ``renew``, ``release``); it saves the ZMQ I/O
       threads' wake-ups on each load's critical path. ``zmq``: ZMQ TCP on

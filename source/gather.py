@@ -10,11 +10,11 @@ bounce buffer, on the host side).
 
 What a source rank does when a resolve (``resolve``, ``sibling_resolve``,
 ``sibling_pin`` or ``peer_resolve``) carries a
-:class:`~remote_g2.messages.GatherWish`, right after it pinned its share:
+:class:`~remote_g2.protocol.messages.GatherWish`, right after it pinned its share:
 for every target rank that reads from it
-(:func:`remote_g2.head_slices.head_slices`; only the wish's
+(:func:`remote_g2.tp.head_slices.head_slices`; only the wish's
 ``target_rank`` when it names one: a target rank's own ``peer_resolve``), the pieces that rank reads of
-each pinned block (:func:`~remote_g2.head_slices.slice_pieces`). A target
+each pinned block (:func:`~remote_g2.tp.head_slices.slice_pieces`). A target
 rank's part is staged when
 
 * its direct READ would take at least ``min_descriptors`` descriptors
@@ -28,7 +28,7 @@ rank's part is staged when
 Pipelined: the resolve takes a range of the rank's
 :class:`~remote_g2.source.staging.StagingArena` for the part (owned by the
 lease), zeroes its staged-blocks counter and answers at once with a
-:class:`~remote_g2.messages.GatherSlot`; this rank's gather thread then
+:class:`~remote_g2.protocol.messages.GatherSlot`; this rank's gather thread then
 packs the part chunk by chunk (``chunk_bytes``), block by block, each
 block's pieces back to back, and after each chunk stores how many leading
 blocks are staged (after a release fence: a reader that sees the count sees
@@ -52,9 +52,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from remote_g2.extent_copy import pack_chunks
-from remote_g2.head_slices import head_slices, slice_pieces
-from remote_g2.messages import BlockLayout, GatherSlot, GatherWish
+from remote_g2.memory.extent_copy import pack_chunks
+from remote_g2.tp.head_slices import head_slices, slice_pieces
+from remote_g2.protocol.messages import BlockLayout, GatherSlot, GatherWish
 
 from .staging import StagingArena
 

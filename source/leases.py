@@ -24,7 +24,7 @@ it, so refusing there would cut leases rank 0 has room for. Either way the
 table gives the pins back as leases shrink or end.
 
 Every share belongs to an owner: the identity of the connection that
-resolved it (remote_g2/connection_identity.py), drawn by the server and
+resolved it (remote_g2/rpc/connection_identity.py), drawn by the server and
 never chosen by a client; rank 0 hands it to its siblings with each pin.
 Only that owner can renew or release it; anyone else is answered as for an
 unknown lease. There is no "anyone may end it" owner.
@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .progress_pace import ServedOwners, readers_of
-from remote_g2.secondary_pool import SecondaryPool
+from remote_g2.memory.secondary_pool import SecondaryPool
 from remote_g2.errors import SourceError
 
 __all__ = ["Lease", "LeaseTable", "PinBudget"]

@@ -92,5 +92,5 @@ class SourceMetrics(PrivateMetrics):
         self.blocks_pinned.set(pinned)
 
     def observe_call(self, type_: str, seconds: float, outcome: str) -> None:
-        """RPC observer hook (see :class:`remote_g2.rpc_server.RpcServer`)."""
+        """RPC observer hook (see :class:`remote_g2.rpc.server.RpcServer`)."""
         self._request_children(type_, outcome).inc()

@@ -8,12 +8,12 @@ to each, under the lease id the target chose plus its own rank, and the
 shares resolve in parallel — no hop through either rank 0.
 
 What each rank does (rank 0 on its worker endpoint, rank r > 0 on its own
-``peer_endpoint``, advertised in :class:`~remote_g2.messages.RankInfo`):
+``peer_endpoint``, advertised in :class:`~remote_g2.protocol.messages.RankInfo`):
 find-and-pin, within this rank's pin budget, the longest prefix this rank
 holds under the caller's lease id (a lease id already open or released here
 is refused), and answer the block ids and the worker's epoch. Ending such a lease: ``release``
 or expiry on each rank. Each share belongs to the connection that pinned it
-(its server-drawn identity, remote_g2/connection_identity.py): only
+(its server-drawn identity, remote_g2/rpc/connection_identity.py): only
 ``release`` / ``renew`` from that connection end or extend it, on whichever
 rank it lives — rank 0's fan-out to its siblings carries rank 0's caller, so
 it never reaches a share another connection pinned.
@@ -27,8 +27,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from remote_g2.messages import PeerResolve, PeerResolveReply, Release, ReleaseReply, Renew, RenewReply
-from remote_g2.rpc_server import CallContext, Handler
+from remote_g2.protocol.messages import PeerResolve, PeerResolveReply, Release, ReleaseReply, Renew, RenewReply
+from remote_g2.rpc.server import CallContext, Handler
 
 from .gather import Gatherer
 from .leases import LeaseTable

@@ -22,7 +22,7 @@ Two modes:
 ``poll`` (the default)
     Our own thread calls into the agent at :meth:`ProgressPace.poll_interval_s`
     for where the open leases' readers are (their connections say:
-    :func:`remote_g2.connection_identity.is_local`): ``emulated_s`` while a
+    :func:`remote_g2.rpc.connection_identity.is_local`): ``emulated_s`` while a
     reader whose READs may be emulated holds a lease, or one this rank has
     not served before (its wire-up), ``one_sided_s`` while every reader's
     READs are one-sided, ``idle_s`` while no lease is open (no reader is
@@ -42,7 +42,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Container
 from dataclasses import dataclass
 
-from remote_g2.connection_identity import is_local
+from remote_g2.rpc.connection_identity import is_local
 
 __all__ = ["MODES", "READERS", "ProgressPace", "ServedOwners", "cma_usable", "local_reads_one_sided", "readers_of",
            "reads_need_source"]

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from remote_g2.errors import SourceError, TransportError
-from remote_g2.messages import (
+from remote_g2.protocol.messages import (
     MAX_FORWARDED_RESOLVE_BYTES,
     GetMetadata,
     RankBlocks,
@@ -53,7 +53,7 @@ from remote_g2.messages import (
     SiblingTrim,
     SourceMetadataReply,
 )
-from remote_g2.rpc_server import CallContext
+from remote_g2.rpc.server import CallContext
 
 from .peer import owner_of
 from .siblings import PendingCalls

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from remote_g2.secondary_pool import MemoryRegion
+from remote_g2.memory.secondary_pool import MemoryRegion
 from remote_g2.errors import SourceError
 from remote_g2.ucx_modules import keep_one_verbs_stack
 

@@ -30,10 +30,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from remote_g2.secondary_pool import MemoryRegion, SecondaryPool
+from remote_g2.memory.secondary_pool import MemoryRegion, SecondaryPool
 from remote_g2.config import env_flag
 from remote_g2.errors import ConfigError, ProtocolError, SourceError
-from remote_g2.ipc_paths import (
+from remote_g2.rpc.ipc_paths import (
     claim_ipc_path,
     default_ipc_dir,
     ipc_endpoint,
@@ -41,14 +41,14 @@ from remote_g2.ipc_paths import (
     release_ipc_path,
 )
 from remote_g2.log import RateLimitedLog, cpu_set_text
-from remote_g2.net_address import (
+from remote_g2.rpc.net_address import (
     advertised_endpoint, apply_advertise, default_bind_host, split_tcp, toward_registry, with_host,
 )
-from remote_g2.messages import RankInfo
-from remote_g2.rpc_server import Handler, RpcServer, free_port_on_host_of
-from remote_g2.rpc_stream import StreamRpcServer, stream_endpoint_on_host_of
+from remote_g2.protocol.messages import RankInfo
+from remote_g2.rpc.server import Handler, RpcServer, free_port_on_host_of
+from remote_g2.rpc.stream import StreamRpcServer, stream_endpoint_on_host_of
 from remote_g2.stall_watchdog import maybe_start_stall_watchdog
-from remote_g2.tp_group import RankRecord, TpGroup, exchange, resolve_tp_group
+from remote_g2.tp.group import RankRecord, TpGroup, exchange, resolve_tp_group
 
 from .config import ENABLE_ENV, SourceConfig
 from .gather import GATHER_OUTCOMES, Gatherer
@@ -192,7 +192,7 @@ class SourceService(Rank0Rpc):
                  self.endpoint, cpu_set_text())
 
     def _routable_addresses(self) -> None:
-        """``bind`` chosen when unset and ``advertise`` filled in, by :mod:`remote_g2.net_address`'s rule.
+        """``bind`` chosen when unset and ``advertise`` filled in, by :mod:`remote_g2.rpc.net_address`'s rule.
 
         Every rank computes the same (same settings, same host); a bind or an
         advertise address that targets elsewhere could not dial is a

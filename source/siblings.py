@@ -37,13 +37,13 @@ from typing import Any
 import zmq
 
 from remote_g2.errors import ProtocolError, RpcTimeout, SiblingUnavailable, SourceError, TransportError
-from remote_g2.messages import (
+from remote_g2.protocol.messages import (
     ErrorReply, GatherWish, Resolve, SiblingAck, SiblingPin, SiblingPinReply, SiblingRelease, SiblingRenew,
     SiblingResolve, SiblingTrim, spec_for_request,
 )
-from remote_g2.rpc_client import error_from_reply
-from remote_g2.rpc_server import CallContext, Handler
-from remote_g2.wire import ERR, decode_frame, decode_reply_body, decode_request, encode_request
+from remote_g2.rpc.client import error_from_reply
+from remote_g2.rpc.server import CallContext, Handler
+from remote_g2.protocol.wire import ERR, decode_frame, decode_reply_body, decode_request, encode_request
 
 from .gather import Gatherer
 from .leases import LeaseTable

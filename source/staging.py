@@ -1,7 +1,7 @@
 """A source rank's staging region: registered memory a gather packs a lease's pieces into, freed with the lease.
 
 One region per rank, allocated and registered with the rank's NIXL agent at
-start-up (its address travels in :class:`~remote_g2.messages.RankInfo`), so
+start-up (its address travels in :class:`~remote_g2.protocol.messages.RankInfo`), so
 a reader READs a staged run like any pool block. :class:`StagingArena`
 hands out byte ranges of it to leases:
 
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from remote_g2.first_fit import FirstFit
-from remote_g2.host_memory import huge_page_buffer
+from remote_g2.memory.first_fit import FirstFit
+from remote_g2.memory.host_memory import huge_page_buffer
 
 __all__ = ["StagingArena", "ALIGN"]
 

@@ -9,7 +9,7 @@ copying its bytes twice. Then the rank READs those rows into a range of its
 bounce region instead (adjacent on both sides, they coalesce: one
 descriptor per staged chunk, or per source block) and, once that READ is
 done, copies every piece to its destination itself
-(:func:`~remote_g2.extent_copy.copy_extents`, the GIL released).
+(:func:`~remote_g2.memory.extent_copy.copy_extents`, the GIL released).
 
 The rule (:func:`bounce_plan`), per :class:`~.read_plan.SourceReads` of a
 load: at least ``BOUNCE_MIN_DESCRIPTORS`` descriptors, of at most
@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remote_g2.extent_copy import copy_extents
-from remote_g2.first_fit import FirstFit
-from remote_g2.host_memory import huge_page_buffer
-from remote_g2.secondary_pool import MemoryRegion
+from remote_g2.memory.extent_copy import copy_extents
+from remote_g2.memory.first_fit import FirstFit
+from remote_g2.memory.host_memory import huge_page_buffer
+from remote_g2.memory.secondary_pool import MemoryRegion
 
 from .read_plan import SourceReads, frozen
 

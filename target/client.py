@@ -22,7 +22,7 @@ The parts behind it:
 * :mod:`.rank_loop` — the loop of each rank > 0, and the leader's own share
   thread: they drive the rank's :class:`~.rank_worker.RankWorker`, which
   plans and posts the READs;
-* the ranks talk over :mod:`~remote_g2.local_link` links (a Unix stream socket per rank to the leader,
+* the ranks talk over :mod:`~remote_g2.rpc.local_link` links (a Unix stream socket per rank to the leader,
   set up here): one thread to wake per hop; a rank that is gone closes its end, failing its loads at once.
 
 Outcomes: a request is *done* when every rank read every byte of the prefix
@@ -51,15 +51,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from remote_g2.errors import ConfigError, RemoteG2Error, TransferError
-from remote_g2.ipc_paths import ipc_endpoint, prepare_ipc_dir
-from remote_g2.local_link import LinkListener, MessageLink, boot_id, connect_link
+from remote_g2.rpc.ipc_paths import ipc_endpoint, prepare_ipc_dir
+from remote_g2.rpc.local_link import LinkListener, MessageLink, boot_id, connect_link
 from remote_g2.log import cpu_set_text
-from remote_g2.messages import Lookup, LookupReply, TargetDone, TargetLoad
+from remote_g2.protocol.messages import Lookup, LookupReply, TargetDone, TargetLoad
 from remote_g2.plugins import load_adapter
-from remote_g2.rpc_mux import RpcMux
-from remote_g2.secondary_pool import SecondaryPool
+from remote_g2.rpc.mux import RpcMux
+from remote_g2.memory.secondary_pool import SecondaryPool
 from remote_g2.stall_watchdog import maybe_start_stall_watchdog
-from remote_g2.tp_group import TpGroup, resolve_tp_group
+from remote_g2.tp.group import TpGroup, resolve_tp_group
 
 from .config import TargetConfig
 from .coordinator import LOOKUP_CACHE, Coordinator

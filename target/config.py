@@ -29,10 +29,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from remote_g2.config import env_fingerprint, env_flag, env_int, env_str
-from remote_g2.curve import CurveClientConfig
+from remote_g2.rpc.curve import CurveClientConfig
 from remote_g2.errors import ConfigError
-from remote_g2.ipc_paths import default_ipc_dir
-from remote_g2.messages import LayoutFingerprint
+from remote_g2.rpc.ipc_paths import default_ipc_dir
+from remote_g2.protocol.messages import LayoutFingerprint
 
 __all__ = ["TargetConfig", "ENABLE_ENV"]
 
@@ -62,7 +62,7 @@ class TargetConfig:
       id the leader picks plus its rank (docs/target.md, "Peer resolve");
       False: the leader always resolves every share.
     * ``gather`` — every resolve says what this worker's ranks read
-      (:class:`~remote_g2.messages.GatherWish`), so that a source rank packs
+      (:class:`~remote_g2.protocol.messages.GatherWish`), so that a source rank packs
       a rank's many small pieces (another TP size's head slices, small
       scattered blocks) into one staged run first (docs/source.md,
       "Gathered reads"); False: always read every piece in place.

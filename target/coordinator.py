@@ -2,7 +2,7 @@
 
 Everything that happens to a load arrives here as an event on this thread —
 the engine's ``start_load`` (posted), an RPC answer (a callback of the
-:class:`~remote_g2.rpc_mux.RpcMux`), a rank's ``target_done`` (its link, or
+:class:`~remote_g2.rpc.mux.RpcMux`), a rank's ``target_done`` (its link, or
 the leader's share thread, posted), a clock (renew, a rank that never
 answered) — and the coordinator moves the load through its states
 (:mod:`.load`). No step of one load blocks another, so many loads to many
@@ -34,11 +34,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from remote_g2.endpoint_list import EndpointRotation
+from remote_g2.rpc.endpoint_list import EndpointRotation
 from remote_g2.errors import ProtocolError, TransportError
-from remote_g2.local_link import LinkClosed, MessageLink
-from remote_g2.messages import GatherWish, Lookup, LookupReply, Release, Renew, TargetDone, TargetLoad
-from remote_g2.rpc_mux import RpcMux
+from remote_g2.rpc.local_link import LinkClosed, MessageLink
+from remote_g2.protocol.messages import GatherWish, Lookup, LookupReply, Release, Renew, TargetDone, TargetLoad
+from remote_g2.rpc.mux import RpcMux
 
 from .config import TargetConfig
 from .load import LeaseClock, Load, LoadState

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from remote_g2.messages import BlockLayout, LayoutFingerprint
+from remote_g2.protocol.messages import BlockLayout, LayoutFingerprint
 
 __all__ = ["LayoutShape", "layout_shape", "check_tp", "check_layout", "check_fingerprints", "check_holder_tp",
            "check_compatible"]

@@ -3,7 +3,7 @@
 The leader sends every rank > 0 a ``target_load`` whose ``peer`` field is
 the ``peer_resolve`` request it sends for its own share, before it sends
 that one (docs/target.md, "Peer resolve"). A rank's peers are the source
-ranks it reads from (:func:`~remote_g2.head_slices.source_ranks_for`: its
+ranks it reads from (:func:`~remote_g2.tp.head_slices.source_ranks_for`: its
 namesake at the same TP size; at a larger one, or for MLA, the one rank
 holding what it reads, which other target ranks read too; at a smaller
 one, several). A rank > 0 then, on its serving loop's thread
@@ -11,7 +11,7 @@ one, several). A rank > 0 then, on its serving loop's thread
 
 1. asks each of its peers (``RankInfo.peer_endpoint``, from the metadata
    it already holds for that source epoch) for ``peer_resolve`` at once,
-   through the loop's :class:`~remote_g2.rpc_mux.RpcMux` — the loop keeps
+   through the loop's :class:`~remote_g2.rpc.mux.RpcMux` — the loop keeps
    serving meanwhile — under the lease id ``L + rank``
    (:func:`share_request`: a lease id opens once per source rank, and
    several target ranks may ask one) and staging only its own part;
@@ -43,10 +43,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from remote_g2.head_slices import source_ranks_for
-from remote_g2.messages import PeerResolve as PeerResolveRequest
-from remote_g2.messages import RankBlocks, RankInfo, Release, Renew, TargetDone, TargetLoad
-from remote_g2.rpc_mux import RpcMux
+from remote_g2.tp.head_slices import source_ranks_for
+from remote_g2.protocol.messages import PeerResolve as PeerResolveRequest
+from remote_g2.protocol.messages import RankBlocks, RankInfo, Release, Renew, TargetDone, TargetLoad
+from remote_g2.rpc.mux import RpcMux
 
 from .load import LeaseClock
 from .rank_worker import RankWorker

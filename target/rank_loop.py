@@ -13,7 +13,7 @@ large READ would hold up everything else it does for that long; NIXL lets go
 of the GIL while it copies, so the coordinator keeps resolving and
 dispatching meanwhile.
 
-A rank > 0 runs an event loop (:class:`~remote_g2.rpc_mux.RpcMux`) on its
+A rank > 0 runs an event loop (:class:`~remote_g2.rpc.mux.RpcMux`) on its
 link, so that a share it resolves with its peer source rank
 (:class:`~.peer_share.PeerShares`) waits for its answer — and is renewed —
 without holding up anything else.
@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable
 
 from remote_g2.errors import ProtocolError
-from remote_g2.local_link import LinkClosed, MessageLink
-from remote_g2.messages import TargetDone, TargetLoad
-from remote_g2.rpc_mux import RpcMux
+from remote_g2.rpc.local_link import LinkClosed, MessageLink
+from remote_g2.protocol.messages import TargetDone, TargetLoad
+from remote_g2.rpc.mux import RpcMux
 
 from .config import TargetConfig
 from .coordinator import RELEASE_AFTER_MS

@@ -28,7 +28,7 @@ share thread. A failed load's READs are released (aborted) *before* it is
 reported, so no byte moves once the engine hears of the failure.
 
 A part its source rank stages while this rank reads it (a
-:class:`~remote_g2.messages.GatherSlot`, ``source/gather.py``) is read as
+:class:`~remote_g2.protocol.messages.GatherSlot`, ``source/gather.py``) is read as
 it is staged: the worker READs the part's staged-blocks counter into a
 word of its scratch region, posts a READ of every descriptor the count
 covers, and reads the counter again until every descriptor is posted (one
@@ -65,8 +65,8 @@ import numpy as np
 from remote_g2.errors import TransferError
 from remote_g2.transfer import TransferAdapter
 
-from remote_g2.messages import BlockLayout, RankInfo, TargetDone, TargetLoad
-from remote_g2.secondary_pool import MemoryRegion
+from remote_g2.protocol.messages import BlockLayout, RankInfo, TargetDone, TargetLoad
+from remote_g2.memory.secondary_pool import MemoryRegion
 
 from .config import TargetConfig
 from .bounce import Bounce, BounceRegion

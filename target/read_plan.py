@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import numpy as np
 
-from remote_g2.head_slices import PlanMode
+from remote_g2.tp.head_slices import PlanMode
 
 __all__ = ["PlanMode", "ReadExtent", "SourceReads", "ReadPlan", "frozen"]
 

@@ -6,7 +6,7 @@
   pair of TP sizes and for MLA.
 * :class:`PeerResolve` — every target rank already holds the source's
   metadata (an earlier load brought it): each target rank asks the source
-  ranks it reads from (:func:`~remote_g2.head_slices.source_ranks_for`: one
+  ranks it reads from (:func:`~remote_g2.tp.head_slices.source_ranks_for`: one
   at the same TP size, at a larger one and for MLA; several at a smaller
   one) for its share (``peer_resolve``, under the lease id the leader chose
   plus its rank), so the shares resolve in parallel with no hop through
@@ -28,8 +28,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from remote_g2.errors import RpcClosed, RpcTimeout, TransportError
-from remote_g2.messages import GetMetadata, RankInfo, Resolve, ResolveReply, TargetDone, TargetLoad
-from remote_g2.messages import PeerResolve as PeerResolveRequest
+from remote_g2.protocol.messages import GetMetadata, RankInfo, Resolve, ResolveReply, TargetDone, TargetLoad
+from remote_g2.protocol.messages import PeerResolve as PeerResolveRequest
 
 from .load import LeaseClock, Load, LoadState
 from .peer_share import ask_peers, combine, peer_endpoints, share_request

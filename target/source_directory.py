@@ -1,7 +1,7 @@
 """What the leader knows of each source worker it has loaded from: epoch, ranks, and what its ranks were sent.
 
 Per source worker, for its current epoch (a new epoch is a restart and
-starts from nothing): every source rank's :class:`~remote_g2.messages.RankInfo`,
+starts from nothing): every source rank's :class:`~remote_g2.protocol.messages.RankInfo`,
 the agents whose metadata every target rank already holds (sent once with a
 ``target_load``; the ranks keep it per epoch), the endpoint that metadata came
 from, and whether peer resolve failed against that epoch. Used by the
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from remote_g2.messages import RankInfo
+from remote_g2.protocol.messages import RankInfo
 
 from .peer_share import peer_endpoints
 
@@ -76,7 +76,7 @@ class SourceDirectory:
         """Whether every target rank can resolve its own share of a load from ``worker`` (docs/target.md).
 
         Needs a peer endpoint on every source rank a target rank reads from
-        (:func:`~remote_g2.head_slices.source_ranks_for`; ``mla_offset(source_tp)``
+        (:func:`~remote_g2.tp.head_slices.source_ranks_for`; ``mla_offset(source_tp)``
         as the reads are planned) — for source rank 0 only when a target
         rank > 0 reads it, since the leader may ask rank 0 at the worker's
         endpoint — and the source's current metadata on every target rank

@@ -1,7 +1,7 @@
 """Which bytes each target rank reads, from which source rank, to where.
 
 Pure computation, no I/O: given what a source's ``resolve`` returned (per-rank
-block ids) and its per-rank :class:`~remote_g2.messages.RankInfo`, and the
+block ids) and its per-rank :class:`~remote_g2.protocol.messages.RankInfo`, and the
 target's own layout, pool address and destination block ids, :func:`plan_reads`
 returns one target rank's :class:`ReadPlan`: for every source rank it reads
 from, the exact ``(remote address, local address, nbytes)`` extents, coalesced.
@@ -10,7 +10,7 @@ rank).
 
 How target rank ``r`` maps onto the source (``h_s`` / ``h_t`` are kv heads per
 rank on the source / target; the block layout is documented on
-:class:`~remote_g2.messages.BlockLayout`)::
+:class:`~remote_g2.protocol.messages.BlockLayout`)::
 
     same TP               source rank r, whole blocks
     target TP > source    k = tgt/src; source rank r // k, its heads
@@ -44,8 +44,8 @@ from typing import NamedTuple
 import numpy as np
 
 from remote_g2 import _read_plan
-from remote_g2.head_slices import HeadSlice, head_slices, plan_mode, slice_pieces, source_ranks_for
-from remote_g2.messages import BlockLayout, GatherSlot, RankBlocks, RankInfo
+from remote_g2.tp.head_slices import HeadSlice, head_slices, plan_mode, slice_pieces, source_ranks_for
+from remote_g2.protocol.messages import BlockLayout, GatherSlot, RankBlocks, RankInfo
 
 from .layout_compat import check_compatible, check_layout, check_tp, layout_shape
 from .read_plan import ReadPlan, SourceReads, frozen
@@ -70,7 +70,7 @@ COMPILED_WHOLE_BLOCK_PLANS = True
 # --------------------------------------------------------------------------
 
 
-# HeadSlice, plan_mode, head_slices and source_ranks_for live in remote_g2/head_slices.py: the source's
+# HeadSlice, plan_mode, head_slices and source_ranks_for live in remote_g2/tp/head_slices.py: the source's
 # gather (source/gather.py) stages exactly the pieces a slice names, so both sides share one mapping.
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from remote_g2.registry.store import RegistryStore
+    from remote_g2.registry.stores.contract import RegistryStore
 
 
 def _need_redis_binaries(*names: str) -> None:
@@ -243,7 +243,7 @@ def make_store(request: pytest.FixtureRequest) -> Iterator[Callable[..., Registr
     ``options`` go to the Redis stores (e.g. ``sweep_grace_ms=0``) and are
     ignored for memory.
     """
-    from remote_g2.registry.store_factory import open_store
+    from remote_g2.registry.stores.factory import open_store
 
     where: dict[str, str] = {}
     if request.param == "redis":

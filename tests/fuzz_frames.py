@@ -16,7 +16,7 @@ from typing import Any
 
 import msgpack
 
-from remote_g2.wire import PROTOCOL_VERSION, encode_request
+from remote_g2.protocol.wire import PROTOCOL_VERSION, encode_request
 
 CATEGORIES = ("random_bytes", "truncated", "wrong_types", "huge_lengths", "nested_bomb", "unknown_type",
               "bad_hashes", "out_of_range", "foreign_lease")

@@ -1,6 +1,6 @@
-"""Pure-Python reference for :class:`remote_g2.pool_index.PoolIndex` (a test oracle, not part of the package).
+"""Pure-Python reference for :class:`remote_g2.memory.pool_index.PoolIndex` (a test oracle, not part of the package).
 
-Same API and same contracts (see :mod:`remote_g2.pool_index`), built the
+Same API and same contracts (see :mod:`remote_g2.memory.pool_index`), built the
 straightforward way: a dict from hash to block, per-block lists, an
 ``OrderedDict`` as the LRU list of unpinned cached blocks, and one
 ``threading.Lock``. It serves two purposes:
@@ -85,7 +85,7 @@ def _unpacked_ids(arr: object, n: int) -> list[int]:
 
 
 class ReferencePoolIndex:
-    """Pure-Python twin of :class:`remote_g2.pool_index.PoolIndex`."""
+    """Pure-Python twin of :class:`remote_g2.memory.pool_index.PoolIndex`."""
 
     def __init__(self, num_blocks: int) -> None:
         n = operator.index(num_blocks)

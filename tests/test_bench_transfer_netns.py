@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from remote_g2.netns import list_netns, netns_unavailable_reason
+from remote_g2.adapters.reference.netns import list_netns, netns_unavailable_reason
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench" / "bench_transfer.py"

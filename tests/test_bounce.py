@@ -20,8 +20,8 @@ import pytest
 from source_procs.pattern import make_layout
 
 from remote_g2.adapters.memcpy_transfer import MemcpyTransfer
-from remote_g2.messages import GatherSlot, GatherWish, RankBlocks, RankInfo, TargetDone, TargetLoad
-from remote_g2.secondary_pool import MemoryRegion
+from remote_g2.protocol.messages import GatherSlot, GatherWish, RankBlocks, RankInfo, TargetDone, TargetLoad
+from remote_g2.memory.secondary_pool import MemoryRegion
 from remote_g2.source.gather import Gatherer
 from remote_g2.source.staging import StagingArena
 from remote_g2.target import bounce as bounce_module

@@ -11,9 +11,9 @@ import pytest
 
 import remote_g2
 from remote_g2.cli import main
-from remote_g2.messages import BlockEvent, LayoutFingerprint
+from remote_g2.protocol.messages import BlockEvent, LayoutFingerprint
 from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer
-from remote_g2.rpc_server import RpcServer
+from remote_g2.rpc.server import RpcServer
 
 
 @pytest.fixture
@@ -168,7 +168,7 @@ def test_admin_models_json_shape_and_dead_workers(registry, capsys):
 def test_admin_models_lists_an_instance_without_an_identity_and_why(registry, capsys):
     """An instance whose weights changed after its start registers under an identity of its own (it shares nothing):
     its own row, its reason, and no label split (it is not other weights under the name)."""
-    from remote_g2.model_identity import identity_of, unshared_kind, unshared_model_id
+    from remote_g2.identity.model_identity import identity_of, unshared_kind, unshared_model_id
 
     ep, c, _ = registry
     a, b = unshared_model_id("/models/llama", "changed"), unshared_model_id("/models/llama", "changed")

@@ -1,4 +1,4 @@
-"""Connection identities (remote_g2/connection_identity.py) on a real ROUTER: drawn by the server, per connection.
+"""Connection identities (remote_g2/rpc/connection_identity.py) on a real ROUTER: drawn by the server, per connection.
 
 What leases are bound to (docs/security.md, "Who owns a lease"): the same
 connection keeps its identity, another connection never shares it — not even
@@ -18,11 +18,11 @@ import pytest
 import zmq
 from zmq_clients import call_with_routing_id
 
-from remote_g2.connection_identity import is_local, new_identity, peer_is_local
-from remote_g2.curve import CurveClientConfig, CurveServerConfig, generate_keypair
-from remote_g2.messages import Release, ReleaseReply
-from remote_g2.rpc_client import RpcClient
-from remote_g2.rpc_server import CallContext, RpcServer
+from remote_g2.rpc.connection_identity import is_local, new_identity, peer_is_local
+from remote_g2.rpc.curve import CurveClientConfig, CurveServerConfig, generate_keypair
+from remote_g2.protocol.messages import Release, ReleaseReply
+from remote_g2.rpc.client import RpcClient
+from remote_g2.rpc.server import CallContext, RpcServer
 
 
 class Recorder:
@@ -156,7 +156,7 @@ def test_an_identity_records_whether_its_peer_is_on_this_host() -> None:
 
 
 def test_the_stream_lane_marks_a_loopback_reader_local() -> None:
-    from remote_g2.rpc_stream import StreamRpcServer
+    from remote_g2.rpc.stream import StreamRpcServer
 
     rec = Recorder()
     server = StreamRpcServer("tcp+stream://127.0.0.1:0", {"release": rec})

@@ -9,7 +9,7 @@ import pytest
 
 from remote_g2 import errors
 from remote_g2.config import ClientSettings, env_fingerprint, env_flag, env_float, env_int, env_str
-from remote_g2.hashing import (
+from remote_g2.identity.hashing import (
     chain_block_hashes,
     check_block_hash,
     hash_from_hex,
@@ -137,7 +137,7 @@ def test_target_registry_mirror_setting_from_the_environment():
 
 
 def test_an_endpoint_setting_names_one_server_or_a_failover_list_and_moves_past_the_failed_one() -> None:
-    from remote_g2.endpoint_list import EndpointRotation, endpoint_list
+    from remote_g2.rpc.endpoint_list import EndpointRotation, endpoint_list
 
     assert endpoint_list("tcp://a:1") == ["tcp://a:1"]
     assert endpoint_list(" tcp://a:1, tcp://b:2,,tcp://a:1 ") == ["tcp://a:1", "tcp://b:2"]  # blanks, repeats

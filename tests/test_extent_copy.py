@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from remote_g2.extent_copy import copy_extents, pack_chunks
+from remote_g2.memory.extent_copy import copy_extents, pack_chunks
 
 
 def test_scattered_pieces_are_packed_and_unpacked_byte_for_byte():

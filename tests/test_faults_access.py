@@ -14,9 +14,9 @@ from remote_g2.adapters.host_pool import HostPool
 from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer
 from remote_g2.source import SourceConfig, start_source_service
 
-from remote_g2.curve import CurveClientConfig
-from remote_g2.messages import BlockLayout, Release, Renew, Resolve
-from remote_g2.rpc_client import RpcClient
+from remote_g2.rpc.curve import CurveClientConfig
+from remote_g2.protocol.messages import BlockLayout, Release, Renew, Resolve
+from remote_g2.rpc.client import RpcClient
 
 pytestmark = [pytest.mark.nixl]
 
@@ -92,7 +92,7 @@ def test_with_curve_keys_only_clients_holding_them_get_anything(tmp_path) -> Non
     import zmq
     from remote_g2.adapters.reference.launch import EngineProcess
 
-    from remote_g2.curve import CurveServerConfig, generate_keypair
+    from remote_g2.rpc.curve import CurveServerConfig, generate_keypair
 
     if not zmq.has("curve"):
         pytest.skip("libzmq without CURVE")

@@ -17,7 +17,7 @@ from conftest import engine_prompt
 from remote_g2.adapters.reference.launch import EngineProcess, mpiexec_path
 from remote_g2.registry import RegistryClient
 
-from remote_g2.hashing import chain_block_hashes
+from remote_g2.identity.hashing import chain_block_hashes
 
 pytestmark = [pytest.mark.mpi, pytest.mark.nixl, pytest.mark.slow, pytest.mark.registry_lease_ms(3000),
               pytest.mark.skipif(mpiexec_path() == "mpiexec", reason="mpiexec is not in the venv (pip install mpich)")]

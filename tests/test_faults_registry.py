@@ -35,9 +35,9 @@ from source_procs.pattern import block_bytes_for, hash_of, make_layout
 
 from remote_g2.adapters.host_pool import HostPool
 from remote_g2.errors import RpcTimeout, StoreUnavailable
-from remote_g2.messages import BlockEvent, Events, LayoutFingerprint, RegisterWorker, Renew, Resolve
+from remote_g2.protocol.messages import BlockEvent, Events, LayoutFingerprint, RegisterWorker, Renew, Resolve
 from remote_g2.registry import MemoryStore, RegistryClient, SourcePublisher
-from remote_g2.rpc_client import RpcClient
+from remote_g2.rpc.client import RpcClient
 from remote_g2.source import SourceConfig, start_source_service
 from remote_g2.source import service as service_mod
 from remote_g2.source.leases import LeaseTable
@@ -369,7 +369,7 @@ def test_a_master_failing_over_under_load_gives_no_wrong_answer_and_every_worker
     by_port = {int(str(p.args[2])): p for p in cluster}  # redis-server --port PORT ...
     srcs, client = _serve_with_sources(processes, sources, tmp_path, "--redis-cluster-url", url)
     try:
-        from remote_g2.registry.store_redis import RedisClusterStore
+        from remote_g2.registry.stores.redis_store import RedisClusterStore
         probe = RedisClusterStore(url)
         meta_port = int(probe._nodes.node(b"rg2:{m}:lease")[0].rsplit(":", 1)[1])
         probe.close()

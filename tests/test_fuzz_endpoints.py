@@ -25,7 +25,7 @@ from fuzz_frames import frames
 from source_procs.harness import SourceWorker, have_mpiexec
 from source_procs.pattern import hash_of
 
-from remote_g2.messages import (
+from remote_g2.protocol.messages import (
     BlockEvent,
     Events,
     GetMetadata,
@@ -39,8 +39,8 @@ from remote_g2.messages import (
     SiblingRenew,
     SiblingTrim,
 )
-from remote_g2.rpc_client import RpcClient
-from remote_g2.wire import decode_frame
+from remote_g2.rpc.client import RpcClient
+from remote_g2.protocol.wire import decode_frame
 
 FRAMES_PER_ENDPOINT = int(os.environ.get("REMOTE_G2_FUZZ_FRAMES", "3000"))
 TIME_LIMIT_S = 60.0
@@ -85,7 +85,7 @@ def _hammer(endpoint: str, valid: list, seed: int, record_property) -> Counter: 
 
 
 def test_registry_server_survives_hostile_frames(registry: str, record_property) -> None:  # type: ignore[no-untyped-def]
-    from remote_g2.messages import LayoutFingerprint, RegisterWorker
+    from remote_g2.protocol.messages import LayoutFingerprint, RegisterWorker
 
     fp = LayoutFingerprint("m", "bf16", 16, "HND", 2, 2, 8, 1)
     valid = [Lookup([b"\x01" * 8, b"\x02" * 8]), Heartbeat("w", 1), RegisterWorker("w", "tcp://127.0.0.1:1", fp, 1),

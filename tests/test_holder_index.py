@@ -1,4 +1,4 @@
-"""Tests of remote_g2.holder_index.HolderIndex: unit tests of each method and
+"""Tests of remote_g2.registry.stores.holder_index.HolderIndex: unit tests of each method and
 error, then property tests against ``DictHolderIndex``, a plain
 ``dict[bytes, set[int]]`` with the same contracts.
 
@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from remote_g2.holder_index import MAX_HASH_LEN, MAX_HOLDER, HolderIndex
+from remote_g2.registry.stores.holder_index import MAX_HASH_LEN, MAX_HOLDER, HolderIndex
 
 
 def _checked_hash(h: object) -> bytes:

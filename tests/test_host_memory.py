@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from remote_g2.host_memory import HUGE_PAGE_BYTES, huge_page_buffer, populate
+from remote_g2.memory.host_memory import HUGE_PAGE_BYTES, huge_page_buffer, populate
 
 MIB = 1 << 20
 

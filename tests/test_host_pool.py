@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from remote_g2.adapters.host_pool import HostPool
-from remote_g2.secondary_pool import SecondaryPool
+from remote_g2.memory.secondary_pool import SecondaryPool
 from remote_g2.errors import PoolIndexError
-from remote_g2.messages import BlockLayout
-from remote_g2.pool_index import MAX_BLOCKS
+from remote_g2.protocol.messages import BlockLayout
+from remote_g2.memory.pool_index import MAX_BLOCKS
 
 
 def make_layout(num_blocks: int = 8, *, layers: int = 2, kv: int = 2, heads: int = 4, tokens: int = 4,
@@ -140,7 +140,7 @@ def _vma_flags(addr: int, nbytes: int) -> list[dict[str, str]]:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the pool is page-locked torch memory")
 def test_pool_memory_is_advised_huge_pages_unless_asked_not_to():
-    from remote_g2.host_memory import HUGE_PAGE_BYTES, thp_mode
+    from remote_g2.memory.host_memory import HUGE_PAGE_BYTES, thp_mode
 
     layout = make_layout(3, pad=(5 << 20) + 123)  # ~15 MiB, not a whole number of huge pages
     pool = HostPool(layout)

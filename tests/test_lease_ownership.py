@@ -24,8 +24,8 @@ from source_procs.harness import SourceWorker, have_mpiexec
 from source_procs.pattern import hash_of
 from zmq_clients import call_with_routing_id
 
-from remote_g2.curve import CurveClientConfig, generate_keypair
-from remote_g2.messages import (
+from remote_g2.rpc.curve import CurveClientConfig, generate_keypair
+from remote_g2.protocol.messages import (
     GetMetadata,
     PeerResolve,
     Release,
@@ -35,7 +35,7 @@ from remote_g2.messages import (
     Resolve,
     ResolveReply,
 )
-from remote_g2.rpc_client import RpcClient
+from remote_g2.rpc.client import RpcClient
 
 pytestmark = [
     pytest.mark.mpi,

@@ -34,11 +34,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from remote_g2 import file_digest as fd
-from remote_g2 import load_snapshot as ls
-from remote_g2 import mounts
+from remote_g2.identity import file_digest as fd
+from remote_g2.identity import load_snapshot as ls
+from remote_g2.identity import mounts
 from remote_g2.adapters.vllm import block_identity as bi
-from remote_g2.model_identity import identity_of
+from remote_g2.identity.model_identity import identity_of
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -235,7 +235,7 @@ def test_a_snapshot_is_taken_only_by_the_process_that_made_it_and_its_descendant
     d = _weights(tmp_path / "m")
     snap = ls.LoadSnapshot.take(str(d))
     code = textwrap.dedent(f"""
-        from remote_g2.load_snapshot import LoadSnapshot
+        from remote_g2.identity.load_snapshot import LoadSnapshot
         got = LoadSnapshot.inherited({str(d)!r}, None)
         print(got.taken_ns if got else None)
     """)
@@ -372,7 +372,7 @@ def test_a_lock_holder_that_progresses_is_waited_on_past_the_stall_bound(tmp_pat
 
 _DIGEST = textwrap.dedent("""
     import json, sys, time
-    from remote_g2 import file_digest as fd
+    from remote_g2.identity import file_digest as fd
     fd.NODE_CACHE_BASES = (sys.argv[2],)
     real = fd._read_digest
     def slow(*a):
@@ -408,6 +408,6 @@ def test_with_the_cache_directory_unusable_the_node_reads_each_file_once(tmp_pat
 
 def test_a_long_digest_logs_its_progress(caplog: pytest.LogCaptureFixture) -> None:
     p = fd.Progress("2 checkpoint files in /m", 3_000_000_000, every_s=0.0)
-    with caplog.at_level(logging.INFO, logger="remote_g2.file_digest"):
+    with caplog.at_level(logging.INFO, logger="remote_g2.identity.file_digest"):
         p.add(1_500_000_000)
     assert "digesting 2 checkpoint files in /m: 1.50 of 3.00 GB read" in caplog.text and "MB/s" in caplog.text

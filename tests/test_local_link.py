@@ -1,4 +1,4 @@
-"""Local links (remote_g2.local_link): real Unix sockets between a leader and its ranks, in one process."""
+"""Local links (remote_g2.rpc.local_link): real Unix sockets between a leader and its ranks, in one process."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from remote_g2.errors import ConfigError, LinkClosed, ProtocolError, TransportError
-from remote_g2.local_link import LinkListener, MessageLink, connect_link
-from remote_g2.messages import LinkHello, Ping, RankBlocks, TargetDone, TargetLoad
-from remote_g2.rpc_client import RpcClient
-from remote_g2.rpc_server import RpcServer
-from remote_g2.wire import encode_request
+from remote_g2.rpc.local_link import LinkListener, MessageLink, connect_link
+from remote_g2.protocol.messages import LinkHello, Ping, RankBlocks, TargetDone, TargetLoad
+from remote_g2.rpc.client import RpcClient
+from remote_g2.rpc.server import RpcServer
+from remote_g2.protocol.wire import encode_request
 
 
 def _wait_readable(link: MessageLink, timeout_s: float = 5.0) -> list:
@@ -203,8 +203,8 @@ def test_a_send_to_a_vanished_peer_raises_even_with_sigpipe_at_its_default(tmp_p
 import signal, sys, threading, time
 signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 from remote_g2.errors import LinkClosed
-from remote_g2.local_link import LinkListener, connect_link
-from remote_g2.messages import TargetDone
+from remote_g2.rpc.local_link import LinkListener, connect_link
+from remote_g2.protocol.messages import TargetDone
 path = {str(tmp_path / "pipe.sock")!r}
 listener = LinkListener(path)
 theirs = {{}}

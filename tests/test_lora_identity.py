@@ -176,7 +176,7 @@ def test_an_adapter_on_an_untrusted_filesystem_says_so(tmp_path: Path, monkeypat
     d = _adapter(tmp_path / "bucket" / "l1")
     assert _key(d).caveat == ""  # this test's temp dir: a local filesystem
     info = f"36 35 0:50 / {tmp_path / 'bucket'} rw,relatime - fuse.gcsfuse my-bucket rw\n"
-    from remote_g2 import mounts
+    from remote_g2.identity import mounts
 
     real = mounts.untrusted_reason
     monkeypatch.setattr(li, "untrusted_reason", lambda p: real(p, info))  # the mount table of a gcsfuse node

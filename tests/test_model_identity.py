@@ -1,6 +1,6 @@
 """Model identity from the bytes of the weights: file digests, their on-disk cache, checkpoint files, model ids.
 
-The cache rule under test (``remote_g2/file_digest.py``): an entry is
+The cache rule under test (``remote_g2/identity/file_digest.py``): an entry is
 trusted only for the same path, device, inode, size, mtime and ctime, and
 only when it passes its own check; files changed within the racy window are
 not cached at all.
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from remote_g2 import file_digest as fd
-from remote_g2 import model_identity as mi
+from remote_g2.identity import file_digest as fd
+from remote_g2.identity import model_identity as mi
 from remote_g2.errors import ConfigError
-from remote_g2.messages import LayoutFingerprint
+from remote_g2.protocol.messages import LayoutFingerprint
 
 
 def _safetensors(path: Path, tensors: dict[str, list[float]]) -> Path:

@@ -1,6 +1,6 @@
 """Across hosts with default settings: a registry, a source engine and a target engine on three "hosts".
 
-The hosts are Linux network namespaces on one box (:mod:`remote_g2.netns`):
+The hosts are Linux network namespaces on one box (:mod:`remote_g2.adapters.reference.netns`):
 a private subnet behind a bridge, which exists only inside the namespaces,
 so nothing reaches another host over loopback. The registry runs as an
 operator would start it (``remote-g2 serve --bind tcp://0.0.0.0:PORT``, its
@@ -41,10 +41,10 @@ import pytest
 from conftest import engine_prompt
 from remote_g2.adapters.reference.launch import EngineProcess, mpiexec_path
 from remote_g2.adapters.reference.messages import EngineResult
-from remote_g2 import netns
-from remote_g2.netns import Host, Hosts, NetnsError, list_netns, netns_unavailable_reason, remove_stale
+from remote_g2.adapters.reference import netns
+from remote_g2.adapters.reference.netns import Host, Hosts, NetnsError, list_netns, netns_unavailable_reason, remove_stale
 
-from remote_g2.hashing import chain_block_hashes
+from remote_g2.identity.hashing import chain_block_hashes
 
 _WHY_NOT = netns_unavailable_reason()
 
@@ -328,7 +328,7 @@ def test_source_killed_mid_load_across_hosts_means_recompute(net: Net, tmp_path:
 _REGISTER = """
 import sys
 from remote_g2.errors import RemoteG2Error
-from remote_g2.messages import LayoutFingerprint
+from remote_g2.protocol.messages import LayoutFingerprint
 from remote_g2.registry import RegistryClient
 fp = LayoutFingerprint("m", "bf16", 16, "HND", 2, 4, 32, 1)
 with RegistryClient(sys.argv[1], timeout_s=10) as reg:

@@ -1,4 +1,4 @@
-"""The advertised-address rule (remote_g2/net_address.py) and where it is applied: source start-up,
+"""The advertised-address rule (remote_g2/rpc/net_address.py) and where it is applied: source start-up,
 registry registrations, a mirror's feed address. Across real hosts: tests/test_multihost.py."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from remote_g2.errors import ConfigError, RegistryError
-from remote_g2.messages import LayoutFingerprint
-from remote_g2.net_address import (
+from remote_g2.protocol.messages import LayoutFingerprint
+from remote_g2.rpc.net_address import (
     advertised_endpoint,
     default_bind_host,
     is_loopback,
@@ -18,7 +18,7 @@ from remote_g2.net_address import (
     with_host,
 )
 from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer
-from remote_g2.registry.mirror import feed_endpoint_from
+from remote_g2.registry.client.mirror import feed_endpoint_from
 
 FP = LayoutFingerprint(model_id="tiny", dtype="bf16", tokens_per_block=16, kv_layout="HND",
                        num_layers=2, num_kv_heads=4, head_dim=32, tp_size=1)
@@ -119,7 +119,7 @@ def test_the_registry_refuses_a_wildcard_endpoint_and_keeps_serving() -> None:
 
 
 def test_the_registry_judges_loopback_endpoints_by_where_it_is_reached_from() -> None:
-    from remote_g2.registry.server import endpoint_verdict
+    from remote_g2.registry.server.service import endpoint_verdict
 
     assert endpoint_verdict("tcp://127.0.0.1:9001", "tcp://10.200.0.1:7450") == "loopback"  # refused
     assert endpoint_verdict("tcp://[::1]:9001", "tcp://0.0.0.0:7450") == "flagged"  # maybe a same-host source

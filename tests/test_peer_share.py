@@ -8,7 +8,7 @@ ranks it reads, byte for byte — is in ``test_target_mpi.py``; failures in
 from __future__ import annotations
 
 from remote_g2.errors import RpcTimeout
-from remote_g2.messages import GatherSlot, GatherWish, PeerResolve, PeerResolveReply, RankBlocks
+from remote_g2.protocol.messages import GatherSlot, GatherWish, PeerResolve, PeerResolveReply, RankBlocks
 from remote_g2.target.peer_share import combine, share_request
 
 H = [bytes([i]) * 32 for i in range(4)]

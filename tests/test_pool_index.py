@@ -1,4 +1,4 @@
-"""Unit tests for remote_g2.pool_index.PoolIndex, one area per test.
+"""Unit tests for remote_g2.memory.pool_index.PoolIndex, one area per test.
 
 Semantic tests run against both the C++ index and the pure-Python reference
 (the model of the property tests), so each is checked on its own and the two
@@ -12,7 +12,7 @@ import pytest
 
 from remote_g2.errors import BlockPinnedError, PoolIndexError
 from pool_index_reference import ReferencePoolIndex
-from remote_g2.pool_index import MAX_BLOCKS, PoolIndex
+from remote_g2.memory.pool_index import MAX_BLOCKS, PoolIndex
 
 
 @pytest.fixture(params=[PoolIndex, ReferencePoolIndex], ids=["cpp", "reference"])

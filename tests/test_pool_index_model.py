@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pool_index_reference import ReferencePoolIndex
-from remote_g2.pool_index import PoolIndex
+from remote_g2.memory.pool_index import PoolIndex
 
 # Valid hashes chosen to collide if anything compared less than the full key:
 # zero padding, shared prefixes, 8 vs 9 bytes, 31 vs 32 bytes.

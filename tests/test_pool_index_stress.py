@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from remote_g2.errors import BlockPinnedError
-from remote_g2.pool_index import PoolIndex
+from remote_g2.memory.pool_index import PoolIndex
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import remote_g2.adapters.reference.messages  # noqa: F401
 import remote_g2.adapters.vllm.tp_links  # noqa: F401
 
-from remote_g2.messages import MESSAGES
+from remote_g2.protocol.messages import MESSAGES
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
 

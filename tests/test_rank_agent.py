@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from remote_g2.secondary_pool import MemoryRegion
+from remote_g2.memory.secondary_pool import MemoryRegion
 from remote_g2.source.config import SourceConfig
 from remote_g2.source.progress_pace import ProgressPace, cma_usable, reads_need_source
 from remote_g2.source.rank_agent import RankAgent

@@ -16,8 +16,8 @@ import pytest
 from source_procs.pattern import make_layout
 
 from remote_g2.adapters.memcpy_transfer import MemcpyTransfer
-from remote_g2.secondary_pool import MemoryRegion
-from remote_g2.messages import RankBlocks, RankInfo, TargetDone, TargetLoad
+from remote_g2.memory.secondary_pool import MemoryRegion
+from remote_g2.protocol.messages import RankBlocks, RankInfo, TargetDone, TargetLoad
 from remote_g2.target.rank_worker import RankWorker
 
 LAYOUT = make_layout(num_blocks=16, num_kv_heads=2)

@@ -33,8 +33,8 @@ from remote_g2.adapters.reference.messages import EngineStep
 from remote_g2.registry import RegistryClient
 
 from remote_g2.errors import RequestRejected
-from remote_g2.hashing import chain_block_hashes
-from remote_g2.wire import decode_frame, encode_request
+from remote_g2.identity.hashing import chain_block_hashes
+from remote_g2.protocol.wire import decode_frame, encode_request
 
 pytestmark = [pytest.mark.mpi, pytest.mark.nixl, pytest.mark.slow,
               pytest.mark.skipif(mpiexec_path() == "mpiexec", reason="mpiexec is not in the venv (pip install mpich)")]

@@ -9,7 +9,7 @@ from remote_g2.adapters.host_pool import HostPool
 from remote_g2.adapters.reference import ModelConfig, ReferenceModel, slice_kv
 from remote_g2.adapters.reference.kv_cache import CacheConfig, G1BlockManager, PagedKv, block_layout
 from remote_g2.errors import ConfigError
-from remote_g2.hashing import chain_block_hashes
+from remote_g2.identity.hashing import chain_block_hashes
 
 H = [bytes([i]) * 8 for i in range(1, 40)]
 

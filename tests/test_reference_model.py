@@ -221,7 +221,7 @@ def test_configs_that_would_break_exactness_are_refused() -> None:
 def test_the_model_id_is_the_digest_of_every_weight_element_and_not_of_the_rank() -> None:
     """The reference engine's weights are its checkpoint: one element of one tensor changes its identity."""
     from remote_g2.adapters.reference.weights import full_weights, weights_digest
-    from remote_g2.model_identity import identity_of, model_id_for
+    from remote_g2.identity.model_identity import identity_of, model_id_for
 
     c = ModelConfig(num_layers=2, vocab_size=256, max_positions=512)
     full = full_weights(c)

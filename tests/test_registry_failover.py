@@ -32,7 +32,7 @@ import pytest
 from conftest import free_port
 
 from remote_g2.errors import ConfigError, MirrorNotReady, RpcTimeout
-from remote_g2.messages import LayoutFingerprint
+from remote_g2.protocol.messages import LayoutFingerprint
 from remote_g2.registry import RegistryClient, RegistryMirror, SourcePublisher
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
@@ -210,8 +210,8 @@ def test_a_batch_the_lost_server_applied_is_not_applied_again_nor_answered_resyn
     and then closes its socket without answering."""
     import zmq
 
-    from remote_g2.messages import BlockEvent, Events
-    from remote_g2.wire import decode_request
+    from remote_g2.protocol.messages import BlockEvent, Events
+    from remote_g2.protocol.wire import decode_request
 
     ctx = zmq.Context.instance()
     dying = ctx.socket(zmq.ROUTER)

@@ -10,7 +10,7 @@ sets on the other two masters still name the incarnations of before.
 
 What must hold: a worker registered after the loss never inherits those
 block sets (its incarnation id is new although the counter started over,
-``fresh_inc`` in ``registry/lua/_lib.lua``), so no lookup names it for a
+``fresh_inc`` in ``registry/stores/lua/_lib.lua``), so no lookup names it for a
 block it never stored; workers that re-register and resync (as their
 publishers do on ``unknown_worker``) are found again; and the sweeper's
 audit deletes every leftover membership and ``wb`` set of the forgotten
@@ -27,8 +27,8 @@ import redis
 from conftest import _need_redis_binaries, cluster_node_args, start_redis, start_redis_cluster, stop_redis, \
     wait_cluster_ok
 
-from remote_g2.messages import BlockEvent, Events, LayoutFingerprint, RegisterWorker, Resync
-from remote_g2.registry.store_redis import RedisClusterStore
+from remote_g2.protocol.messages import BlockEvent, Events, LayoutFingerprint, RegisterWorker, Resync
+from remote_g2.registry.stores.redis_store import RedisClusterStore
 
 pytestmark = pytest.mark.cluster
 

@@ -1,4 +1,4 @@
-"""The registry mirror (registry/mirror.py) against real registry servers and their change feeds.
+"""The registry mirror (registry/client/mirror.py) against real registry servers and their change feeds.
 
 Every backend (memory, a real redis-server, a real Redis Cluster) serves the
 mirror; each test drives writes through a real ``RegistryClient`` and checks
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from remote_g2.errors import ConfigError, MirrorNotReady, RegistryError
-from remote_g2.messages import BlockEvent, LayoutFingerprint
+from remote_g2.protocol.messages import BlockEvent, LayoutFingerprint
 from remote_g2.registry import MemoryStore, RegistryClient, RegistryMirror, RegistryServer
 
 FP = LayoutFingerprint(model_id="m", dtype="bf16", tokens_per_block=16, kv_layout="HND",
@@ -294,7 +294,7 @@ def test_mirror_lookups_need_a_feed():
 @pytest.mark.parametrize("make_store", ["memory"], indirect=True)
 def test_a_bug_while_following_drops_the_copy_and_the_mirror_recovers(served, monkeypatch):
     """Fault injection: applying one write raises. The copy must not stay "ready" behind a dead thread."""
-    from remote_g2.registry.mirror import MirrorIndex
+    from remote_g2.registry.client.mirror import MirrorIndex
 
     server, c = served()
     mirror = RegistryMirror(c.endpoint, retry_s=0.05).start()
@@ -319,7 +319,7 @@ def test_a_bug_while_following_drops_the_copy_and_the_mirror_recovers(served, mo
 
 
 def test_a_curve_registry_feeds_only_mirrors_holding_its_key(tmp_path):
-    from remote_g2.curve import CurveClientConfig, CurveServerConfig, generate_keypair
+    from remote_g2.rpc.curve import CurveClientConfig, CurveServerConfig, generate_keypair
 
     public, secret = generate_keypair(tmp_path / "keys", "registry")
     other_public, _ = generate_keypair(tmp_path / "keys", "other")
@@ -349,7 +349,7 @@ def test_a_curve_registry_feeds_only_mirrors_holding_its_key(tmp_path):
 def test_a_mirroring_server_behind_an_allow_list_reads_itself_with_its_own_key(tmp_path, make_store):
     import shutil
 
-    from remote_g2.curve import CurveClientConfig, CurveServerConfig, generate_keypair
+    from remote_g2.rpc.curve import CurveClientConfig, CurveServerConfig, generate_keypair
 
     public, secret = generate_keypair(tmp_path / "keys", "registry")
     client_public, client_secret = generate_keypair(tmp_path / "keys", "client")

@@ -17,9 +17,9 @@ import zmq
 
 from remote_g2.cli import main
 from remote_g2.errors import ConfigError, RpcTimeout, StaleEpoch
-from remote_g2.messages import BlockEvent, LayoutFingerprint
+from remote_g2.protocol.messages import BlockEvent, LayoutFingerprint
 from remote_g2.registry import MemoryStore, RegistryClient, RegistryServer, SourcePublisher
-from remote_g2.wire import PROTOCOL_VERSION
+from remote_g2.protocol.wire import PROTOCOL_VERSION
 
 FP = LayoutFingerprint(model_id="tiny", dtype="bf16", tokens_per_block=16, kv_layout="HND",
                        num_layers=2, num_kv_heads=4, head_dim=32, tp_size=2)
@@ -296,7 +296,7 @@ def test_serve_command_runs_until_sigterm(tmp_path):
 
 
 def test_feed_bind_settings():
-    from remote_g2.registry.serve_command import feed_endpoint
+    from remote_g2.registry.server.serve_command import feed_endpoint
 
     assert feed_endpoint("tcp://10.0.0.5:7450", "auto") == "tcp://10.0.0.5:0"
     assert feed_endpoint("tcp://127.0.0.1:7450", "none") is None
@@ -396,7 +396,7 @@ def test_server_on_redis_cluster(redis_cluster_url):
 
 
 def test_resync_chunks_cover_the_snapshot_once():
-    from remote_g2.registry.publisher import resync_chunks
+    from remote_g2.registry.client.publisher import resync_chunks
 
     hashes = [i.to_bytes(8, "big") for i in range(10)]
     parts = resync_chunks(hashes, size=4)

@@ -1,4 +1,4 @@
-"""The registry store contract (registry/store.py), one suite over every backend.
+"""The registry store contract (registry/stores/contract.py), one suite over every backend.
 
 ``make_store`` (tests/conftest.py) yields memory, a real single-node
 redis-server and a real 3-master Redis Cluster in turn.
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from remote_g2.errors import StaleEpoch
-from remote_g2.messages import BlockEvent, Events, Heartbeat, LayoutFingerprint, Lookup, RegisterWorker, Resync
+from remote_g2.protocol.messages import BlockEvent, Events, Heartbeat, LayoutFingerprint, Lookup, RegisterWorker, Resync
 
 FP = LayoutFingerprint(model_id="m", dtype="bf16", tokens_per_block=16, kv_layout="HND",
                        num_layers=4, num_kv_heads=8, head_dim=64, tp_size=2)

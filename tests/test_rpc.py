@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 import remote_g2
-from remote_g2.curve import CurveClientConfig, CurveServerConfig, generate_keypair
+from remote_g2.rpc.curve import CurveClientConfig, CurveServerConfig, generate_keypair
 from remote_g2.errors import (
     ConfigError,
     RemoteError,
@@ -20,10 +20,10 @@ from remote_g2.errors import (
     SourceError,
     UnknownMessage,
 )
-from remote_g2.messages import Ping, Pong, SiblingPin, SiblingPinReply, Stats
-from remote_g2.rpc_client import RpcClient
-from remote_g2.rpc_server import RpcServer
-from remote_g2.wire import PROTOCOL_VERSION, encode_request
+from remote_g2.protocol.messages import Ping, Pong, SiblingPin, SiblingPinReply, Stats
+from remote_g2.rpc.client import RpcClient
+from remote_g2.rpc.server import RpcServer
+from remote_g2.protocol.wire import PROTOCOL_VERSION, encode_request
 
 
 @pytest.fixture

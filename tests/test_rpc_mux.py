@@ -24,10 +24,10 @@ from remote_g2.errors import (
     SourceError,
     TransportError,
 )
-from remote_g2.messages import Heartbeat, HeartbeatReply, Ping, Pong
-from remote_g2.rpc_mux import RpcMux
-from remote_g2.rpc_server import RpcServer
-from remote_g2.wire import PROTOCOL_VERSION, decode_frame, encode_err, encode_ok
+from remote_g2.protocol.messages import Heartbeat, HeartbeatReply, Ping, Pong
+from remote_g2.rpc.mux import RpcMux
+from remote_g2.rpc.server import RpcServer
+from remote_g2.protocol.wire import PROTOCOL_VERSION, decode_frame, encode_err, encode_ok
 
 MARGIN_S = 0.5  # scheduling slack allowed on top of a call's timeout
 

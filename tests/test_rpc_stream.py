@@ -13,17 +13,17 @@ import time
 import msgpack
 import pytest
 
-from remote_g2.curve import CurveClientConfig, generate_keypair
+from remote_g2.rpc.curve import CurveClientConfig, generate_keypair
 from remote_g2.errors import ConfigError, FrameTooLarge, RpcTimeout, SourceError, TransportError
-from remote_g2.messages import Heartbeat, HeartbeatReply, Ping, Pong, Release
-from remote_g2.rpc_client import RpcClient
-from remote_g2.rpc_mux import RpcMux
-from remote_g2.rpc_stream import (
+from remote_g2.protocol.messages import Heartbeat, HeartbeatReply, Ping, Pong, Release
+from remote_g2.rpc.client import RpcClient
+from remote_g2.rpc.mux import RpcMux
+from remote_g2.rpc.stream import (
     StreamRpcServer,
     parse_stream_endpoint,
     stream_endpoint_on_host_of,
 )
-from remote_g2.wire import PROTOCOL_VERSION, encode_request, stream_frame, take_stream_frames
+from remote_g2.protocol.wire import PROTOCOL_VERSION, encode_request, stream_frame, take_stream_frames
 
 from test_rpc_mux import drive
 

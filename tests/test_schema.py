@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remote_g2.errors import ProtocolError
-from remote_g2.schema import BlockHash, HashList, Limits, Packed, decoder_for, encoder_for
+from remote_g2.protocol.schema import BlockHash, HashList, Limits, Packed, decoder_for, encoder_for
 
 
 @dataclass(frozen=True)

@@ -26,11 +26,11 @@ import msgspec
 import pytest
 
 from remote_g2.errors import CannotScore, ConfigError
-from remote_g2.messages import BlockEvent, Events, LayoutFingerprint, RegisterWorker
+from remote_g2.protocol.messages import BlockEvent, Events, LayoutFingerprint, RegisterWorker
 from remote_g2.registry import MemoryStore, RegistryClient
-from remote_g2.registry.score_http import ScoreHttpServer
-from remote_g2.registry.scoring import MAX_SCORE_TOKENS, Scorer, ScoreRequest, ScoringConfig
-from remote_g2.vllm_hashing import DEFAULT_SEED, VllmBlockHasher, hasher_for_scheme, scheme_name
+from remote_g2.registry.scoring.http_server import ScoreHttpServer
+from remote_g2.registry.scoring.scorer import MAX_SCORE_TOKENS, Scorer, ScoreRequest, ScoringConfig
+from remote_g2.identity.vllm_hashing import DEFAULT_SEED, VllmBlockHasher, hasher_for_scheme, scheme_name
 
 from conftest import free_port
 
@@ -95,7 +95,7 @@ def test_a_chain_computed_in_pieces_is_the_whole_chain(algo, bs):
     """PromptChain resumes the chain at its last hash: any cut gives the whole chain's hashes (the salt on
     block 0 only, the adapter on every block), on the C++ path and, at 4,096-token blocks with long keys,
     pickle's own."""
-    from remote_g2.vllm_hashing import PromptChain
+    from remote_g2.identity.vllm_hashing import PromptChain
 
     rng = random.Random(bs)
     hasher = VllmBlockHasher(algo, DEFAULT_SEED, bs)
@@ -159,7 +159,7 @@ def _json_reference(text: bytes) -> list[int] | None:
 
 def test_token_ids_parse_as_json_reads_them():
     """The C++ reader of token_ids (word-at-a-time digits) against json.loads, on valid and broken texts."""
-    from remote_g2.vllm_hashing import token_ids_from_json
+    from remote_g2.identity.vllm_hashing import token_ids_from_json
 
     rng = random.Random(7)
     edges = [0, 9, 10, 99, 12345678, 99999999, 100000000, 999999999, 1000000000, 2**31 - 1, 2**31, 9999999999,
@@ -190,7 +190,7 @@ def test_token_ids_parse_as_json_reads_them():
 def test_token_ids_cut_from_the_body_read_as_the_whole_body_does():
     """The body's token_ids array, cut out in C++ before msgspec reads the rest, gives what decoding the
     whole body gives: the same fields and ids, or a refusal for the same bodies."""
-    from remote_g2.registry import score_wire
+    from remote_g2.registry.scoring import json_wire as score_wire
 
     def outcome(read, body):
         try:
@@ -318,7 +318,7 @@ def test_block_hashes_score_without_hashing(prompt):
 def test_a_long_prompt_is_hashed_only_as_far_as_someone_holds_it():
     """Scores computed with the chain hashed in growing pieces equal those from the whole chain, for matches
     that end before, at and past each piece's end, and the prompt is hashed no further than they need."""
-    from remote_g2.registry import scoring
+    from remote_g2.registry.scoring import scorer as scoring
 
     rng = random.Random(5)
     hasher = VllmBlockHasher("sha256", DEFAULT_SEED, 16)
@@ -368,7 +368,7 @@ def test_a_dead_worker_leaves_the_scores_at_once(prompt):
 
 @pytest.mark.redis
 def test_scores_from_redis(redis_url, prompt):
-    from remote_g2.registry.store_factory import open_store
+    from remote_g2.registry.stores.factory import open_store
 
     store = open_store(redis_url=redis_url, key_prefix="score-test:")
     try:
@@ -384,7 +384,7 @@ def test_scores_from_redis(redis_url, prompt):
 def test_scores_from_a_servers_mirror_equal_the_stores(redis_url, prompt):
     """serve --mirror-lookups: the scorer asks the server's in-process copy of Redis, and gets what Redis says."""
     from remote_g2.registry import RegistryServer
-    from remote_g2.registry.store_factory import open_store
+    from remote_g2.registry.stores.factory import open_store
 
     store = open_store(redis_url=redis_url, key_prefix="score-mirror:")
     server = RegistryServer(store, bind="tcp://127.0.0.1:0", feed_bind="tcp://127.0.0.1:0", mirror_lookups=True)
@@ -586,7 +586,7 @@ def test_pipelined_requests_are_answered_in_order(api, prompt):
 
 
 def test_slow_and_idle_clients_are_cut_off(prompt):
-    from remote_g2.registry.score_http import ScoreLimits
+    from remote_g2.registry.scoring.http_server import ScoreLimits
 
     store = MemoryStore()
     _add(store, "a", _fp(), VllmBlockHasher("sha256", DEFAULT_SEED, 16).hashes(prompt)[:5])
@@ -651,7 +651,7 @@ def test_a_client_that_reads_no_answers_is_not_read_from_until_it_does(prompt):
 
 
 def test_a_client_that_never_reads_its_answers_is_disconnected(prompt):
-    from remote_g2.registry.score_http import ScoreLimits
+    from remote_g2.registry.scoring.http_server import ScoreLimits
 
     limits = ScoreLimits(idle_timeout_s=1.0)
     with ScoreHttpServer(Scorer(_wide_store(prompt)), "127.0.0.1:0", limits=limits) as srv:
@@ -748,7 +748,7 @@ def test_idle_strangers_cannot_lock_out_a_client_with_a_token(prompt):
     """More idle connections than every connection cap (512 before), some with half a head: the ones that
     never authenticated share a small budget, the oldest of the busiest source leaves for a new one, and a
     client with a valid token gets its 200 at once."""
-    from remote_g2.registry.score_http import ScoreLimits
+    from remote_g2.registry.scoring.http_server import ScoreLimits
 
     body = {"model": "tiny", "token_ids": prompt}
     with _token_server(prompt) as srv:
@@ -772,7 +772,7 @@ def test_idle_strangers_cannot_lock_out_a_client_with_a_token(prompt):
 
 
 def test_the_budgets_evict_the_busiest_sources_oldest_and_never_a_busy_authenticated_connection():
-    from remote_g2.registry.score_admission import Admission, source_of
+    from remote_g2.registry.scoring.admission import Admission, source_of
 
     class Conn:
         def __init__(self, source: str) -> None:
@@ -879,7 +879,7 @@ def pki(tmp_path_factory) -> Path:
 def test_https_with_client_certificates(pki: Path, prompt):
     import ssl
 
-    from remote_g2.registry.score_http import tls_context
+    from remote_g2.registry.scoring.http_server import tls_context
 
     store = MemoryStore()
     _add(store, "a", _fp(), VllmBlockHasher("sha256", DEFAULT_SEED, 16).hashes(prompt)[:7])
@@ -925,7 +925,7 @@ def test_tls_handshakes_count_in_the_unauthenticated_budget_and_time_out(pki: Pa
     by newer connections and closed at the request timeout; a token holder's HTTPS request gets its 200."""
     import ssl
 
-    from remote_g2.registry.score_http import ScoreLimits, tls_context
+    from remote_g2.registry.scoring.http_server import ScoreLimits, tls_context
 
     limits = ScoreLimits(request_timeout_s=1.0, max_unauthenticated=16)
     with _token_server(prompt, tls=tls_context(str(pki / "server.pem"), str(pki / "server.key")),

@@ -2,7 +2,7 @@
 
 Real parts: vLLM-format event batches over real ZMQ sockets into the real
 subscriber, the embedded store, the scorer, HTTP. The events' hashes are what
-vLLM sends: its block hash (``remote_g2.vllm_hashing``, held to real vLLM's in
+vLLM sends: its block hash (``remote_g2.identity.vllm_hashing``, held to real vLLM's in
 the vLLM suite) or, by default, its low 64 bits as an int
 (``vllm.v1.core.kv_cache_utils.maybe_convert_block_hash``, restated in ``_as_int``).
 """
@@ -18,15 +18,15 @@ import pytest
 from test_vllm_events import NewBatch, NewCleared, NewRemoved, NewStored, VllmLikePublisher, blocks_of, wait_for
 
 from remote_g2.errors import CannotScore
-from remote_g2.messages import BlockEvent, Events, LayoutFingerprint, RegisterWorker
+from remote_g2.protocol.messages import BlockEvent, Events, LayoutFingerprint, RegisterWorker
 from remote_g2.registry import MemoryStore
-from remote_g2.registry.engine_caches import EngineCaches, tier_of
-from remote_g2.registry.metrics import RegistryMetrics
-from remote_g2.registry.score_http import ScoreHttpServer
-from remote_g2.registry.scoring import Scorer, ScoreRequest
-from remote_g2.registry.vllm_event_decode import EngineEvent, decode_kv_event_batch
-from remote_g2.registry.vllm_events import FeedState, Subscription, VllmEventSubscriber
-from remote_g2.vllm_hashing import DEFAULT_SEED, VllmBlockHasher, scheme_name
+from remote_g2.registry.scoring.engine_caches import EngineCaches, tier_of
+from remote_g2.registry.server.metrics import RegistryMetrics
+from remote_g2.registry.scoring.http_server import ScoreHttpServer
+from remote_g2.registry.scoring.scorer import Scorer, ScoreRequest
+from remote_g2.registry.scoring.vllm_event_decode import EngineEvent, decode_kv_event_batch
+from remote_g2.registry.scoring.vllm_events import FeedState, Subscription, VllmEventSubscriber
+from remote_g2.identity.vllm_hashing import DEFAULT_SEED, VllmBlockHasher, scheme_name
 
 BS = 16
 

@@ -27,10 +27,10 @@ import pytest
 
 from remote_g2 import _vllm_hash
 from remote_g2.errors import CannotScore
-from remote_g2.messages import BlockEvent, Events, LayoutFingerprint, RegisterWorker
+from remote_g2.protocol.messages import BlockEvent, Events, LayoutFingerprint, RegisterWorker
 from remote_g2.registry import MemoryStore
-from remote_g2.registry.scoring import Scorer, ScoreRequest
-from remote_g2.vllm_hashing import (
+from remote_g2.registry.scoring.scorer import Scorer, ScoreRequest
+from remote_g2.identity.vllm_hashing import (
     DEFAULT_SEED,
     VllmBlockHasher,
     hasher_for_scheme,
@@ -184,7 +184,7 @@ def test_an_instance_without_a_model_identity_is_unscored_not_zero():
     engine holds is unknown here, so it is listed with its reason, for token ids and block hashes alike."""
     from dataclasses import replace
 
-    from remote_g2.model_identity import unshared_model_id
+    from remote_g2.identity.model_identity import unshared_model_id
 
     tokens = list(range(64))
     scheme = scheme_name("sha256", DEFAULT_SEED)

@@ -1,5 +1,5 @@
 """The scoring API's fast path: a whole, plain request on a kept-alive authenticated connection is answered in
-aiohttp's ``data_received`` (registry/score_conn.py), without waking aiohttp's handler task.
+aiohttp's ``data_received`` (registry/scoring/connection.py), without waking aiohttp's handler task.
 
 Real parts: the HTTP server on a loopback socket, raw client sockets. Each
 request is sent twice: first on a connection of its own (its first request:
@@ -18,11 +18,11 @@ import time
 
 import pytest
 
-from remote_g2.messages import BlockEvent, Events, LayoutFingerprint, RegisterWorker
+from remote_g2.protocol.messages import BlockEvent, Events, LayoutFingerprint, RegisterWorker
 from remote_g2.registry import MemoryStore
-from remote_g2.registry.score_http import ScoreHttpServer, ScoreLimits
-from remote_g2.registry.scoring import Scorer
-from remote_g2.vllm_hashing import DEFAULT_SEED, VllmBlockHasher, scheme_name
+from remote_g2.registry.scoring.http_server import ScoreHttpServer, ScoreLimits
+from remote_g2.registry.scoring.scorer import Scorer
+from remote_g2.identity.vllm_hashing import DEFAULT_SEED, VllmBlockHasher, scheme_name
 
 _FP = LayoutFingerprint(model_id="tiny#w-1", dtype="bfloat16", tokens_per_block=16, kv_layout="HND", num_layers=2,
                         num_kv_heads=4, head_dim=64, tp_size=1, hash_scheme=scheme_name("sha256", DEFAULT_SEED))
@@ -193,7 +193,7 @@ def test_requests_on_one_tls_connection_take_the_fast_path(prompt, tmp_path):
     import ssl
     import subprocess
 
-    from remote_g2.registry.score_http import tls_context
+    from remote_g2.registry.scoring.http_server import tls_context
 
     if shutil.which("openssl") is None:
         pytest.skip("no openssl command to make test certificates with")

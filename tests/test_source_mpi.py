@@ -34,9 +34,9 @@ from source_procs.harness import SourceWorker, have_mpiexec, run_readers
 from source_procs.pattern import hash_of
 
 from remote_g2.errors import SourceError
-from remote_g2.messages import GetMetadata, Release, Renew, Resolve, SiblingPin
-from remote_g2.rpc_client import RpcClient
-from remote_g2.wire import PROTOCOL_VERSION
+from remote_g2.protocol.messages import GetMetadata, Release, Renew, Resolve, SiblingPin
+from remote_g2.rpc.client import RpcClient
+from remote_g2.protocol.wire import PROTOCOL_VERSION
 
 pytestmark = [
     pytest.mark.mpi,
@@ -536,7 +536,7 @@ def test_metrics_are_served_per_rank(make_worker) -> None:
 
 def test_sibling_refuses_a_pin_for_a_released_lease(shared: SourceWorker) -> None:
     """A sibling_pin that arrives after rank 0 gave up on the lease (and released it) pins nothing."""
-    from remote_g2.messages import SiblingRelease
+    from remote_g2.protocol.messages import SiblingRelease
 
     sibling = f"ipc://{shared.ipc_dir}/{shared.worker_id}_tp1.sock"
     with RpcClient(sibling, timeout_ms=5000) as direct:
@@ -549,8 +549,8 @@ def test_sibling_refuses_a_pin_for_a_released_lease(shared: SourceWorker) -> Non
 def test_sibling_checks_a_forwarded_resolve_frame_as_rank_0_does(shared: SourceWorker) -> None:
     """sibling_resolve pins only what a valid resolve frame asks for; any other frame pins nothing."""
     from remote_g2.errors import ProtocolError
-    from remote_g2.messages import SiblingRelease, SiblingResolve
-    from remote_g2.wire import encode_request
+    from remote_g2.protocol.messages import SiblingRelease, SiblingResolve
+    from remote_g2.protocol.wire import encode_request
 
     sibling = f"ipc://{shared.ipc_dir}/{shared.worker_id}_tp1.sock"
     with RpcClient(sibling, timeout_ms=5000) as direct:

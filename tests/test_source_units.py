@@ -17,15 +17,15 @@ import zmq
 from remote_g2.adapters.host_pool import HostPool
 from remote_g2.source import PinBudget, SourceConfig, maybe_start_source_service
 from remote_g2.source import service as service_mod
-from remote_g2.connection_identity import new_identity
+from remote_g2.rpc.connection_identity import new_identity
 from remote_g2.source.leases import LeaseTable
-from remote_g2.tp_group import RankRecord, TpGroup, exchange
+from remote_g2.tp.group import RankRecord, TpGroup, exchange
 from source_procs.pattern import block_bytes_for, hash_of, make_layout
 
 from remote_g2.errors import ConfigError, SourceError
-from remote_g2.ipc_paths import claim_ipc_path, ipc_endpoint, prepare_ipc_dir
-from remote_g2.messages import GetMetadata, LayoutFingerprint, PeerResolve, Release, Renew, Resolve
-from remote_g2.rpc_client import RpcClient
+from remote_g2.rpc.ipc_paths import claim_ipc_path, ipc_endpoint, prepare_ipc_dir
+from remote_g2.protocol.messages import GetMetadata, LayoutFingerprint, PeerResolve, Release, Renew, Resolve
+from remote_g2.rpc.client import RpcClient
 
 
 def _pool(n_hashes: int = 16, num_blocks: int = 32, rank: int = 0, skip: set[int] = frozenset()) -> HostPool:
@@ -228,7 +228,7 @@ def test_the_stream_lane_is_the_default_unless_turned_off() -> None:
 
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 def test_the_stream_lane_is_never_offered_with_curve(tmp_path: Path) -> None:
-    from remote_g2.curve import CurveServerConfig, generate_keypair
+    from remote_g2.rpc.curve import CurveServerConfig, generate_keypair
 
     _, secret = generate_keypair(tmp_path, "source")
     assert not SourceConfig(curve=CurveServerConfig.from_files(secret)).stream_lane  # plaintext: never with keys
@@ -520,7 +520,7 @@ def test_tp1_service_without_mpi_serves_curve_only_clients(monkeypatch: pytest.M
     import zmq
     from remote_g2.source import start_source_service
 
-    from remote_g2.curve import CurveClientConfig, CurveServerConfig, generate_keypair
+    from remote_g2.rpc.curve import CurveClientConfig, CurveServerConfig, generate_keypair
     from remote_g2.errors import RpcTimeout
 
     if not zmq.has("curve"):
@@ -546,7 +546,7 @@ def test_tp1_service_without_mpi_serves_curve_only_clients(monkeypatch: pytest.M
 
 
 def test_tp_rank_that_disagrees_with_the_communicator_is_refused() -> None:
-    from remote_g2.tp_group import resolve_tp_group
+    from remote_g2.tp.group import resolve_tp_group
 
     comm = ThreadComm.group(2)[1]
     assert resolve_tp_group(None, None, comm).rank == 1
@@ -556,8 +556,8 @@ def test_tp_rank_that_disagrees_with_the_communicator_is_refused() -> None:
 
 
 def test_sibling_err_reply_arrives_as_its_error_class_naming_the_sibling(tmp_path: Path) -> None:
-    from remote_g2.messages import SiblingPin
-    from remote_g2.rpc_server import RpcServer
+    from remote_g2.protocol.messages import SiblingPin
+    from remote_g2.rpc.server import RpcServer
     from remote_g2.source.siblings import SiblingLinks
 
     def refuse(req: SiblingPin, ctx: object) -> object:

@@ -17,10 +17,10 @@ import redis
 from redis.connection import AbstractConnection
 
 from remote_g2.errors import ConfigError, StoreUnavailable
-from remote_g2.messages import BlockEvent, Events, Heartbeat, LayoutFingerprint, RegisterWorker, Resync
-from remote_g2.registry.store_factory import open_store
-from remote_g2.registry.store_memory import MemoryStore
-from remote_g2.registry.store_redis import RedisClusterStore, RedisStore
+from remote_g2.protocol.messages import BlockEvent, Events, Heartbeat, LayoutFingerprint, RegisterWorker, Resync
+from remote_g2.registry.stores.factory import open_store
+from remote_g2.registry.stores.memory import MemoryStore
+from remote_g2.registry.stores.redis_store import RedisClusterStore, RedisStore
 
 FP = LayoutFingerprint(model_id="m", dtype="bf16", tokens_per_block=16, kv_layout="HND",
                        num_layers=4, num_kv_heads=8, head_dim=64, tp_size=2)

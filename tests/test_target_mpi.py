@@ -31,7 +31,7 @@ import pytest
 from source_procs.harness import MPIEXEC, SourceWorker, have_mpiexec
 from source_procs.pattern import make_layout
 
-from remote_g2.head_slices import source_ranks_for
+from remote_g2.tp.head_slices import source_ranks_for
 
 
 pytestmark = [

@@ -17,7 +17,7 @@ import pytest
 
 from remote_g2.adapters.host_pool import HostPool
 from remote_g2.errors import ConfigError
-from remote_g2.messages import BlockLayout, LayoutFingerprint
+from remote_g2.protocol.messages import BlockLayout, LayoutFingerprint
 from remote_g2.target import TargetConfig, TargetMatch, start_target_client
 
 DEAD = "tcp://127.0.0.1:9"  # discard port: nothing answers a resolve there

@@ -1,6 +1,6 @@
 """The vLLM tier's holder side across hosts: a ChunkServer on one network namespace, a reader on another.
 
-The hosts are Linux network namespaces on one box (:mod:`remote_g2.netns`), with ``UCX_TLS=tcp`` on both sides
+The hosts are Linux network namespaces on one box (:mod:`remote_g2.adapters.reference.netns`), with ``UCX_TLS=tcp`` on both sides
 (all namespaces share one kernel: UCX would otherwise move the bytes through shared memory). The reader resolves
 at the holder's wildcard-bound endpoint, READs the rows with NIXL over UCX's TCP transport (an emulated READ: the
 holder's agent makes progress while the lease is open), gets the holder's bytes, and releases. The holder then
@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from remote_g2.netns import Hosts, netns_unavailable_reason, remove_stale
+from remote_g2.adapters.reference.netns import Hosts, netns_unavailable_reason, remove_stale
 
 _WHY_NOT = netns_unavailable_reason()
 
@@ -47,9 +47,9 @@ s.close()
 _READER = r"""
 import json, sys, time, numpy as np
 from remote_g2.adapters.nixl_transfer import NixlTransfer
-from remote_g2.messages import ChunkTable, Release, Resolve
-from remote_g2.rpc_client import RpcClient
-from remote_g2.secondary_pool import MemoryRegion
+from remote_g2.protocol.messages import ChunkTable, Release, Resolve
+from remote_g2.rpc.client import RpcClient
+from remote_g2.memory.secondary_pool import MemoryRegion
 endpoint, row = sys.argv[1], int(sys.argv[2])
 want = (np.arange(8 * row, dtype=np.uint64) * 2654435761 % 251).astype(np.uint8).reshape(8, row)
 dst = np.zeros((3, row), np.uint8)

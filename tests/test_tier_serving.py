@@ -18,8 +18,8 @@ pytest.importorskip("nixl", reason="needs NIXL (make venv installs it)")
 from remote_g2.adapters.vllm_tier.chunk_table import (SLOT_BYTES, WAYS, ChunkTable, bucket_of, digest_of,  # noqa: E402
                                                       find_in_buckets, slot_dtype)
 from remote_g2.adapters.vllm_tier.serving import ChunkServer  # noqa: E402
-from remote_g2.messages import ChunkTable as ChunkTableAsk, Release, Resolve  # noqa: E402
-from remote_g2.rpc_client import RpcClient  # noqa: E402
+from remote_g2.protocol.messages import ChunkTable as ChunkTableAsk, Release, Resolve  # noqa: E402
+from remote_g2.rpc.client import RpcClient  # noqa: E402
 
 ROW = 4096
 HASHES = [bytes([i + 1]) * 32 for i in range(4)]  # (none all zeros: bytes(32) is held by nobody)
@@ -152,7 +152,7 @@ def test_a_reader_finds_and_validates_rows_with_one_sided_nixl_reads() -> None:
     """Over a real NIXL agent: READ a chunk's bucket, find its row, READ the row, READ the slot again; an eviction
     in between moves the slot's version (the reader drops what it read)."""
     from remote_g2.adapters.nixl_transfer import NixlTransfer
-    from remote_g2.secondary_pool import MemoryRegion
+    from remote_g2.memory.secondary_pool import MemoryRegion
 
     src = np.random.default_rng(3).integers(0, 256, (8, ROW), dtype=np.uint8)
     s = ChunkServer("holder-1s", src.ctypes.data, ROW, 8, bind="tcp://127.0.0.1:0", validated=True)

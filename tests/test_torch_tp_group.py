@@ -2,7 +2,7 @@
 
 vLLM's workers are joined by ``torch.distributed``, not MPI. Two plain
 processes (no mpiexec) join a gloo group and start their source services
-with :class:`remote_g2.torch_group.TorchGroupComm` as the TP group's
+with :class:`remote_g2.tp.torch_group.TorchGroupComm` as the TP group's
 communicator; a reader then resolves on both ranks through rank 0 and reads
 every byte back over real NIXL.
 """
@@ -17,8 +17,8 @@ from source_procs.harness import SourceWorker, run_readers
 from source_procs.pattern import hash_of
 
 from remote_g2.errors import ConfigError
-from remote_g2.messages import GetMetadata, Release, Resolve
-from remote_g2.rpc_client import RpcClient
+from remote_g2.protocol.messages import GetMetadata, Release, Resolve
+from remote_g2.rpc.client import RpcClient
 
 torch_dist = pytest.importorskip("torch.distributed")
 
@@ -46,7 +46,7 @@ def test_a_tp2_source_starts_over_a_torch_group_and_serves_exact_bytes(tmp_path:
 
 
 def test_without_an_initialized_group_the_error_says_what_to_do() -> None:
-    from remote_g2.torch_group import TorchGroupComm
+    from remote_g2.tp.torch_group import TorchGroupComm
 
     if torch_dist.is_initialized():  # pragma: no cover - this process never joins one
         pytest.skip("this process has a torch.distributed group")

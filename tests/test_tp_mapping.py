@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from remote_g2.messages import BlockLayout, LayoutFingerprint, RankBlocks, RankInfo
+from remote_g2.protocol.messages import BlockLayout, LayoutFingerprint, RankBlocks, RankInfo
 from remote_g2.target.layout_compat import check_compatible, check_fingerprints
 from remote_g2.target.read_plan import ReadExtent, ReadPlan
 from remote_g2.target.tp_mapping import (

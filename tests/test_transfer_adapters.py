@@ -24,7 +24,7 @@ from source_procs.nixl_source_peer import PeerProcess, pattern_bytes
 
 from remote_g2.adapters.memcpy_transfer import MemcpyTransfer
 from remote_g2.plugins import load_adapter
-from remote_g2.secondary_pool import MemoryRegion
+from remote_g2.memory.secondary_pool import MemoryRegion
 from remote_g2.transfer import TransferAdapter
 from remote_g2.errors import TransferError
 

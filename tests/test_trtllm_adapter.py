@@ -31,9 +31,9 @@ from remote_g2.source import SourceConfig
 from remote_g2.target import TargetConfig
 
 from remote_g2.errors import ConfigError
-from remote_g2.hashing import u64_to_hash
-from remote_g2.messages import LayoutFingerprint, Release, Resolve
-from remote_g2.rpc_client import RpcClient
+from remote_g2.identity.hashing import u64_to_hash
+from remote_g2.protocol.messages import LayoutFingerprint, Release, Resolve
+from remote_g2.rpc.client import RpcClient
 
 LAYERS, KV, HEADS, TPB, DIM, BLOCKS = 2, 2, 4, 8, 16, 12
 

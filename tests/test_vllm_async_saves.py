@@ -31,7 +31,7 @@ import vllm_harness as vh  # noqa: E402
 from vllm_harness import BLOCK  # noqa: E402
 from zmq_clients import call_with_routing_id  # noqa: E402
 
-from remote_g2.messages import Resolve, ResolveReply  # noqa: E402
+from remote_g2.protocol.messages import Resolve, ResolveReply  # noqa: E402
 from remote_g2.registry import RegistryClient  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.registry_lease_ms(120_000)]

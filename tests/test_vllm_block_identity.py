@@ -12,8 +12,8 @@ from remote_g2.adapters.vllm import block_identity as bi
 from remote_g2.adapters.vllm.fetches import FetchTable
 
 from remote_g2.errors import ConfigError
-from remote_g2.load_snapshot import MARGIN_NS, StartMark
-from remote_g2.model_identity import identity_of
+from remote_g2.identity.load_snapshot import MARGIN_NS, StartMark
+from remote_g2.identity.model_identity import identity_of
 
 
 def _after_writes() -> StartMark:

@@ -20,11 +20,11 @@ import pytest
 import zmq
 
 from remote_g2.errors import ConfigError, ProtocolError
-from remote_g2.messages import BlockEvent, Heartbeat, LayoutFingerprint, RegisterWorker
+from remote_g2.protocol.messages import BlockEvent, Heartbeat, LayoutFingerprint, RegisterWorker
 from remote_g2.registry import MemoryStore
-from remote_g2.registry.metrics import RegistryMetrics
-from remote_g2.registry.store import RegistryStore
-from remote_g2.registry.vllm_events import (
+from remote_g2.registry.server.metrics import RegistryMetrics
+from remote_g2.registry.stores.contract import RegistryStore
+from remote_g2.registry.scoring.vllm_events import (
     EVENTS_ONLY_LAYOUT,
     DecodedBatch,
     FeedState,

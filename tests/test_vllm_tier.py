@@ -243,7 +243,7 @@ def test_other_fingerprints_never_share(pair, registry_url):
     finally:
         other.stop()
     chunked = {**FP, "tokens_per_block": 32}
-    from remote_g2.messages import LayoutFingerprint
+    from remote_g2.protocol.messages import LayoutFingerprint
 
     assert LayoutFingerprint(**chunked).compat_key() != LayoutFingerprint(**FP).compat_key()  # another chunk size
 
@@ -317,7 +317,7 @@ def test_the_tier_fingerprint_holds_what_must_match(model_dir: Path) -> None:
 
     from remote_g2.adapters.vllm import block_identity
     from remote_g2.adapters.vllm_tier.identity import tier_identity
-    from remote_g2.load_snapshot import MARGIN_NS, StartMark
+    from remote_g2.identity.load_snapshot import MARGIN_NS, StartMark
 
     def config(**kw: object):
         return EngineArgs(model=str(model_dir), tokenizer=str(model_dir), dtype="float32", block_size=32,
@@ -399,7 +399,7 @@ def test_a_registry_that_dies_turns_lookups_into_misses_not_hangs(tmp_path):
 
 
 def test_vllms_plugin_takes_the_load_snapshot_for_the_tier_too() -> None:
-    """The snapshot the identity checks against (remote_g2/load_snapshot.py) is taken for the tier's configs as
+    """The snapshot the identity checks against (remote_g2/identity/load_snapshot.py) is taken for the tier's configs as
     for the connector's: the model's path as it was before vLLM read it."""
     from vllm.config import KVTransferConfig
 
@@ -425,7 +425,7 @@ def test_a_chunk_with_no_known_holder_is_reported_failed_never_loaded(registry: 
 
     from remote_g2.adapters.vllm_tier.identity import TierIdentity
     from remote_g2.adapters.vllm_tier.tier import RemoteG2Tier
-    from remote_g2.messages import LayoutFingerprint
+    from remote_g2.protocol.messages import LayoutFingerprint
 
     rows = np.zeros((4, 4096), np.uint8)
     tier = RemoteG2Tier(_spec(), memoryview(rows), registry=registry, worker_id="lonely",

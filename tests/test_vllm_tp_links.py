@@ -19,7 +19,7 @@ import pytest
 from remote_g2.adapters.vllm.tp_links import StepLinks, TpStep, connect_step_links
 from remote_g2.adapters.vllm.tp_sync import FetchOutcome, TpSync
 from remote_g2.errors import LinkClosed, ProtocolError, TransportError
-from remote_g2.local_link import MessageLink
+from remote_g2.rpc.local_link import MessageLink
 
 
 def _pair(timeout_s: float = 5.0) -> tuple[StepLinks, StepLinks, socket.socket, socket.socket]:
@@ -103,7 +103,7 @@ def _rank_main(rank: int, size: int, port: int, ipc_dir: str, other_host: bool, 
     import torch.distributed as dist
 
     from remote_g2.adapters.vllm import tp_links
-    from remote_g2.torch_group import TorchGroupComm
+    from remote_g2.tp.torch_group import TorchGroupComm
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:

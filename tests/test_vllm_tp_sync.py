@@ -1,7 +1,7 @@
 """The vLLM connector's TP agreement (adapters/vllm/tp_sync.py) between two real processes in a gloo group.
 
 No vLLM needed: :class:`TpSync` only uses the TP group's communicator, here
-:class:`~remote_g2.torch_group.TorchGroupComm` over a real ``torch.distributed``
+:class:`~remote_g2.tp.torch_group.TorchGroupComm` over a real ``torch.distributed``
 gloo group of two spawned processes, as vLLM's CPU TP group would be.
 """
 
@@ -22,7 +22,7 @@ def _rank(rank: int, init: str, out: str) -> None:
 
     from remote_g2.adapters.landing_slots import LandingSlots
     from remote_g2.adapters.vllm.tp_sync import FetchOutcome, TpSync
-    from remote_g2.torch_group import TorchGroupComm
+    from remote_g2.tp.torch_group import TorchGroupComm
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     sync = TpSync(TorchGroupComm())

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remote_g2.errors import FrameTooLarge, ProtocolError, UnknownMessage
-from remote_g2.messages import ErrorReply, Ping, Pong, spec_for_request
-from remote_g2.wire import (
+from remote_g2.protocol.messages import ErrorReply, Ping, Pong, spec_for_request
+from remote_g2.protocol.wire import (
     ERR,
     OK,
     PROTOCOL_VERSION,
@@ -114,7 +114,7 @@ def test_random_bytes_never_escape_as_other_errors(data):
 
 
 def test_peek_type_reads_the_type_alone_and_never_raises():
-    from remote_g2.messages import Resolve
+    from remote_g2.protocol.messages import Resolve
 
     assert peek_type(encode_request(3, Resolve([b"h" * 8] * 4, 1000))) == "resolve"
     assert peek_type(encode_request(4, Ping())) == "ping"

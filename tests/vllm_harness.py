@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from remote_g2.messages import LayoutFingerprint
-from remote_g2.model_identity import checkpoint_files, weights_digest
+from remote_g2.protocol.messages import LayoutFingerprint
+from remote_g2.identity.model_identity import checkpoint_files, weights_digest
 from remote_g2.registry import RegistryClient
 
 __all__ = ["HERE", "INSTANCE", "BLOCK", "IN_PROCESS", "Instance", "make_model", "prompts", "write_prompts",

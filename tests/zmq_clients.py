@@ -6,9 +6,9 @@ from typing import Any
 
 import zmq
 
-from remote_g2.curve import CurveClientConfig
-from remote_g2.messages import spec_for_request
-from remote_g2.wire import decode_frame, decode_reply_body, encode_request
+from remote_g2.rpc.curve import CurveClientConfig
+from remote_g2.protocol.messages import spec_for_request
+from remote_g2.protocol.wire import decode_frame, decode_reply_body, encode_request
 
 __all__ = ["call_with_routing_id"]
 

@@ -14,7 +14,7 @@
 
 With ``--netns`` (root only) the registry, the source and the target each
 run on their own "host": a Linux network namespace on a private subnet
-(:mod:`remote_g2.netns`), the registry bound to ``0.0.0.0`` and the engines
+(:mod:`remote_g2.adapters.reference.netns`), the registry bound to ``0.0.0.0`` and the engines
 given only its address, with ``UCX_TLS=tcp`` so the KV crosses the link
 between the hosts (the namespaces share one kernel: UCX would otherwise use
 shared memory). The report names the hosts' addresses and the bytes the
@@ -82,7 +82,7 @@ def _say(quiet: bool, text: str) -> None:
 
 
 def _start_registry(redis_url: str | None, host: Any = None) -> tuple[subprocess.Popen[str], str]:
-    """``remote-g2 serve`` on loopback, or in ``host`` (a :class:`remote_g2.netns.Host`) bound to the wildcard
+    """``remote-g2 serve`` on loopback, or in ``host`` (a :class:`remote_g2.adapters.reference.netns.Host`) bound to the wildcard
     as an operator would; returns it and the endpoint the engines dial."""
     if host is None:
         endpoint = bind = f"tcp://127.0.0.1:{_free_port()}"
@@ -126,7 +126,7 @@ def _stop(proc: subprocess.Popen[Any]) -> None:
 
 
 def _distinct_blocks(prompts: list[list[int]]) -> set[bytes]:
-    from remote_g2.hashing import chain_block_hashes
+    from remote_g2.identity.hashing import chain_block_hashes
 
     return {h for p in prompts for h in chain_block_hashes(p, 16)}
 
@@ -149,7 +149,7 @@ def _wait_published(registry: str, worker_id: str, blocks: int, host: Any = None
 def run(args: argparse.Namespace) -> int:
     hosts = None
     if getattr(args, "netns", False):
-        from remote_g2.netns import Hosts, netns_unavailable_reason
+        from remote_g2.adapters.reference.netns import Hosts, netns_unavailable_reason
 
         why = netns_unavailable_reason()
         if why is None and args.redis_url:
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, hosts: Any) -> int:
-    """The demo; with ``hosts`` (:class:`remote_g2.netns.Hosts`), each part on its own host."""
+    """The demo; with ``hosts`` (:class:`remote_g2.adapters.reference.netns.Hosts`), each part on its own host."""
     from remote_g2.adapters.reference.launch import EngineProcess
 
     quiet = bool(args.json)

@@ -30,15 +30,15 @@ from remote_g2.source import SourceConfig, maybe_start_source_service
 from remote_g2.target import TargetConfig, maybe_start_target_client
 
 from remote_g2.errors import ProtocolError
-from remote_g2.ipc_paths import (
+from remote_g2.rpc.ipc_paths import (
     claim_ipc_path,
     default_ipc_dir,
     ipc_endpoint,
     prepare_ipc_dir,
     release_ipc_path,
 )
-from remote_g2.tp_group import resolve_tp_group
-from remote_g2.wire import decode_frame, decode_request_body, encode_request
+from remote_g2.tp.group import resolve_tp_group
+from remote_g2.protocol.wire import decode_frame, decode_request_body, encode_request
 
 from .kv_cache import CacheConfig, PagedKv, fingerprint
 from .messages import EngineStep, StepOp

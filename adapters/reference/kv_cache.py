@@ -6,9 +6,9 @@ Tiers
   float32 tensor per rank, ``[g1_blocks, layers, 2, local_kv_heads,
   tokens_per_block, head_dim]``: block-major, then head-major inside each
   (layer, K/V) slab, so a block's bytes are exactly a G2 block's bytes and a
-  head range is contiguous (the ``HND`` :class:`~remote_g2.messages.BlockLayout`).
+  head range is contiguous (the ``HND`` :class:`~remote_g2.protocol.messages.BlockLayout`).
 * **G2** (secondary, host) is a :class:`~remote_g2.adapters.host_pool.HostPool`
-  per rank: the :class:`~remote_g2.pool_index.PoolIndex` keeps hash → block,
+  per rank: the :class:`~remote_g2.memory.pool_index.PoolIndex` keeps hash → block,
   the pins, and the LRU order; eviction never touches a pinned block. Its last
   ``landing_blocks`` blocks are reserved: remote READs land there (same ids on
   every rank, chosen by the leader) and are then onboarded into G1 and stored
@@ -35,8 +35,8 @@ import torch
 from remote_g2.adapters.host_pool import HostPool
 
 from remote_g2.errors import ConfigError
-from remote_g2.hashing import chain_hash_scheme
-from remote_g2.messages import BlockLayout, LayoutFingerprint
+from remote_g2.identity.hashing import chain_hash_scheme
+from remote_g2.protocol.messages import BlockLayout, LayoutFingerprint
 
 from .model import KV, KV_DTYPE, ModelConfig
 

@@ -5,7 +5,7 @@ Each worker runs in its own session (mpiexec and its ranks share one process
 group), is asked to shut down over its API, and is killed by its process
 group only if it does not exit in time. Every wait is bounded. A worker can
 run inside a network namespace (``netns``: a "host" of
-:mod:`remote_g2.netns`); its API is then a Unix socket, which the caller
+:mod:`remote_g2.adapters.reference.netns`); its API is then a Unix socket, which the caller
 reaches from any namespace.
 """
 
@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from remote_g2.errors import RemoteG2Error
-from remote_g2.netns import Host
-from remote_g2.rpc_client import RpcClient
+from remote_g2.adapters.reference.netns import Host
+from remote_g2.rpc.client import RpcClient
 
 from .messages import (
     CacheMode,
@@ -145,7 +145,7 @@ class EngineProcess:
     given) is removed once the processes are gone; :meth:`log_tail` still
     answers from the log's last megabyte, kept in memory.
 
-    ``netns`` (a :class:`remote_g2.netns.Host`, or a namespace's name) runs
+    ``netns`` (a :class:`remote_g2.adapters.reference.netns.Host`, or a namespace's name) runs
     the worker inside that network namespace (``ip netns exec NS mpiexec
     ...``: the same PID and process group, so stopping still signals only
     this worker's group). Its API then binds ``ipc://`` in the temporary

@@ -1,6 +1,6 @@
 """The reference engine's messages: its request API (clients → rank 0) and its step plan (rank 0 → ranks).
 
-Both travel in the project's envelope (``remote_g2.wire``: msgpack, typed
+Both travel in the project's envelope (``remote_g2.protocol.wire``: msgpack, typed
 dataclasses, validated on receipt — a malformed frame gets ``ERR`` on the
 API socket and is dropped and logged on the step channel). ``docs/protocol.md``
 lists them under "Reference engine".
@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from remote_g2.messages import message
-from remote_g2.schema import Limits
+from remote_g2.protocol.messages import message
+from remote_g2.protocol.schema import Limits
 
 __all__ = [
     "CacheMode",

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from remote_g2.errors import RequestRejected
-from remote_g2.hashing import chain_block_hashes
+from remote_g2.identity.hashing import chain_block_hashes
 
 from ..failed_sources import FailedSources
 from ..landing_slots import LandingSlots, valid_prefix

@@ -11,7 +11,7 @@ and target hooks when enabled: ``--source`` / ``--target``, or
 settings). Rank 0 then serves the API (:mod:`.messages`: ``engine_submit``,
 ``engine_results``, ``engine_stats``, ``engine_evict``, ``engine_shutdown``)
 on ``--bind`` from the same thread that runs the engine loop (a driven
-:class:`~remote_g2.rpc_server.RpcServer`: no locks between the API and the
+:class:`~remote_g2.rpc.server.RpcServer`: no locks between the API and the
 scheduler), and writes ``--ready-file`` (JSON: ``endpoint``, ``worker_id``,
 ``tp_size``, ``source_endpoint``, ``pid``) once everything is up. Ranks > 0
 follow the leader's steps. ``engine_shutdown`` or SIGTERM stops every rank
@@ -37,9 +37,9 @@ from remote_g2.target import TargetConfig
 
 from remote_g2.errors import RequestRejected
 from remote_g2.log import configure_logging
-from remote_g2.messages import LayoutFingerprint
-from remote_g2.rpc_server import CallContext, RpcServer
-from remote_g2.tp_group import resolve_tp_group
+from remote_g2.protocol.messages import LayoutFingerprint
+from remote_g2.rpc.server import CallContext, RpcServer
+from remote_g2.tp.group import resolve_tp_group
 
 from .executor import EngineConfig, Executor
 from .kv_cache import CacheConfig, fingerprint

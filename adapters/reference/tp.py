@@ -2,7 +2,7 @@
 
 :class:`TpComm` wraps an mpi4py communicator scoped to one TP group (never
 assume MPI world: attention-DP worlds hold several groups; build it from a
-:class:`remote_g2.tp_group.TpGroup` with :meth:`TpComm.from_group`). A group
+:class:`remote_g2.tp.group.TpGroup` with :meth:`TpComm.from_group`). A group
 of one needs no MPI at all: ``TpComm()`` is rank 0 of 1 and its allgather is
 a no-op that adds the leading rank axis.
 
@@ -41,7 +41,7 @@ class TpComm:
 
     @classmethod
     def from_group(cls, group: Any) -> TpComm:
-        """The communicator of a :class:`remote_g2.tp_group.TpGroup` (``rank``/``size``/``comm``)."""
+        """The communicator of a :class:`remote_g2.tp.group.TpGroup` (``rank``/``size``/``comm``)."""
         comm = cls(group.comm)
         if (comm.rank, comm.size) != (group.rank, group.size):
             raise ValueError(f"TpGroup says rank {group.rank} of {group.size}, its communicator says "

@@ -5,7 +5,7 @@ generator of its own, seeded from (seed, name), so no tensor shifts another
 — and keeps its shard (:mod:`.model`). Those full tensors are the engine's
 checkpoint: the fingerprint's model id is a digest of every element of
 every one of them and of every config field that changes K or V
-(:func:`weights_model_id`; :mod:`remote_g2.model_identity`), so every TP
+(:func:`weights_model_id`; :mod:`remote_g2.identity.model_identity`), so every TP
 size of one config shares, and a change to any weight does not.
 """
 
@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from remote_g2.file_digest import ALGORITHM as DIGEST_ALGORITHM
-from remote_g2.file_digest import hasher_for
-from remote_g2.model_identity import model_id_for
+from remote_g2.identity.file_digest import ALGORITHM as DIGEST_ALGORITHM
+from remote_g2.identity.file_digest import hasher_for
+from remote_g2.identity.model_identity import model_id_for
 
 if TYPE_CHECKING:
     from .model import ModelConfig

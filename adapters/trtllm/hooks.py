@@ -14,7 +14,7 @@ The layout fingerprint both hooks use is resolved here, from the pool
 trusted in its place. Its model part is the digest of the files the engine
 loaded (``checkpoint=``, or ``$REMOTE_G2_MODEL_CHECKPOINT``: a TensorRT
 engine directory, a TensorRT-LLM checkpoint or a Hugging Face directory;
-:mod:`remote_g2.model_identity`), or an operator's ``model_id`` that must
+:mod:`remote_g2.identity.model_identity`), or an operator's ``model_id`` that must
 change whenever the weights do.
 
 Not run against TensorRT-LLM (no GPU here); see :mod:`.pool`.
@@ -31,8 +31,8 @@ from typing import Any
 
 from remote_g2.config import env_flag
 from remote_g2.errors import ConfigError
-from remote_g2.messages import BlockLayout, LayoutFingerprint
-from remote_g2.model_identity import checkpoint_files, model_id_for, override_model_id, weights_digest
+from remote_g2.protocol.messages import BlockLayout, LayoutFingerprint
+from remote_g2.identity.model_identity import checkpoint_files, model_id_for, override_model_id, weights_digest
 
 from .pool import TrtllmSecondaryPool, tp_from_executor
 

@@ -1,4 +1,4 @@
-"""TensorRT-LLM's host secondary pool as a remote-g2 :class:`~remote_g2.secondary_pool.SecondaryPool`.
+"""TensorRT-LLM's host secondary pool as a remote-g2 :class:`~remote_g2.memory.secondary_pool.SecondaryPool`.
 
 **Not run against TensorRT-LLM** (it needs a GPU; this machine has none).
 Written against the public shape of its KV cache manager as an engine
@@ -27,14 +27,14 @@ hash seed / algorithm (optional)  attributes ``block_hash_seed`` or ``hash_seed`
 ``KVCacheManager`` wraps; methods are looked up there first because the
 wrapper does not forward all of them. TensorRT-LLM block hashes are u64;
 remote-g2 carries them as 8 bytes big-endian
-(:func:`~remote_g2.hashing.u64_to_hash`).
+(:func:`~remote_g2.identity.hashing.u64_to_hash`).
 
 Layout: TensorRT-LLM's pool rows are ``[num_layers, kv_factor, num_kv_heads,
 tokens_per_block, head_dim]`` per block (head-major, ``HND``); the sizes come
 from the manager (``num_local_layers`` or ``num_layers``,
 ``num_kv_heads_per_layer[0]`` or ``num_kv_heads``, ``tokens_per_block``,
 ``head_dim``, ``kv_factor``; MLA has ``kv_factor == 1``) unless the caller
-passes a :class:`~remote_g2.messages.BlockLayout`.
+passes a :class:`~remote_g2.protocol.messages.BlockLayout`.
 
 What the bytes are (:meth:`TrtllmSecondaryPool.fingerprint`) is read from the
 pool, never from configuration: ``dtype`` is the pool tensor's dtype, with the
@@ -53,10 +53,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from remote_g2.errors import ConfigError
-from remote_g2.hashing import hash_to_u64, u64_to_hash
-from remote_g2.messages import BlockLayout, LayoutFingerprint
+from remote_g2.identity.hashing import hash_to_u64, u64_to_hash
+from remote_g2.protocol.messages import BlockLayout, LayoutFingerprint
 
-from remote_g2.secondary_pool import MemoryRegion, PoolEventKind, PoolListener
+from remote_g2.memory.secondary_pool import MemoryRegion, PoolEventKind, PoolListener
 
 __all__ = ["TrtllmApi", "TrtllmSecondaryPool", "block_hash_scheme", "detect_api", "kv_dtype_name", "tp_from_executor"]
 

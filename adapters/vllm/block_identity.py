@@ -16,10 +16,10 @@ the same thing:
 * **What the bytes mean** — the model as loaded (:func:`model_identity`: a
   digest of the weight files vLLM read and the options that change K and V,
   never the path they were read from; given only when nothing on the
-  weights' path changed after the engine started, :mod:`remote_g2.load_snapshot`),
+  weights' path changed after the engine started, :mod:`remote_g2.identity.load_snapshot`),
   the KV tensors' dtype (and the KV-cache
   quantisation, if any), the block size and the per-layer shape: the
-  :class:`~remote_g2.messages.LayoutFingerprint` built by
+  :class:`~remote_g2.protocol.messages.LayoutFingerprint` built by
   :func:`fingerprint`. The scheduler builds it from the configuration
   (:func:`kv_dtype_name` resolves ``"auto"`` the way vLLM allocates its
   tensors); each worker builds it from the tensors it was given and refuses
@@ -43,11 +43,11 @@ from typing import Any
 import torch
 
 from remote_g2.errors import ConfigError
-from remote_g2.load_snapshot import LoadSnapshot, StartMark, changed_after, hub_repo_dir, start_mark
-from remote_g2.messages import LayoutFingerprint
-from remote_g2.model_identity import WeightsDigest, checkpoint_files, model_id_for, override_model_id, weights_digest
-from remote_g2.mounts import untrusted_reason
-from remote_g2.vllm_hashing import ALGORITHMS, DEFAULT_SEED, scheme_name
+from remote_g2.identity.load_snapshot import LoadSnapshot, StartMark, changed_after, hub_repo_dir, start_mark
+from remote_g2.protocol.messages import LayoutFingerprint
+from remote_g2.identity.model_identity import WeightsDigest, checkpoint_files, model_id_for, override_model_id, weights_digest
+from remote_g2.identity.mounts import untrusted_reason
+from remote_g2.identity.vllm_hashing import ALGORITHMS, DEFAULT_SEED, scheme_name
 
 __all__ = ["CONFIG_FILES", "ModelIdentity", "config_files", "hash_scheme", "kv_dtype_name", "load_options",
            "model_identity", "prompt_block_hashes", "fingerprint", "weights_location"]
@@ -260,13 +260,13 @@ def weights_location(model: str, revision: str | None, download_dir: str | None,
 
 def model_identity(model_config: Any, load_config: Any, cache_config: Any, override: str | None = None, *,
                    digest_cache: Any = True, mark: StartMark | None = None) -> ModelIdentity:
-    """This instance's model identity (:mod:`remote_g2.model_identity`): the loaded weights' digest and
+    """This instance's model identity (:mod:`remote_g2.identity.model_identity`): the loaded weights' digest and
     :func:`load_options`; with ``override`` (the ``model_id`` setting) the operator's name in place of the
     digest. No identity — so no sharing — for generated weights (``load_format="dummy"``, whatever the
     override), a load format whose files remote-g2 cannot find, a checkpoint it cannot locate or read, or one
-    that changed after ``mark`` (:func:`remote_g2.load_snapshot.changed_after`: then the bytes digested need
+    that changed after ``mark`` (:func:`remote_g2.identity.load_snapshot.changed_after`: then the bytes digested need
     not be the bytes loaded). ``mark`` defaults to the snapshot vLLM's plugin took before the load (inherited
-    from this process or an ancestor: :class:`~remote_g2.load_snapshot.LoadSnapshot`), else this process's
+    from this process or an ancestor: :class:`~remote_g2.identity.load_snapshot.LoadSnapshot`), else this process's
     start.
     """
     fmt = str(getattr(load_config, "load_format", "auto"))

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from remote_g2.errors import ConfigError
-from remote_g2.vllm_hashing import with_hash_unit
+from remote_g2.identity.vllm_hashing import with_hash_unit
 
 from . import block_identity
 from .instance_identity import InstanceIdentity

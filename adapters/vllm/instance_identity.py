@@ -12,7 +12,7 @@ from typing import Any
 
 from prometheus_client import Gauge
 
-from remote_g2.messages import LayoutFingerprint
+from remote_g2.protocol.messages import LayoutFingerprint
 
 from . import block_identity
 from .settings import ConnectorSettings

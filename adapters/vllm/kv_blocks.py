@@ -2,7 +2,7 @@
 
 A G2 block holds one vLLM block of every layer, ``[layers, kv, kv_heads,
 block_size, head_dim]`` — the head-major ``HND``
-:class:`~remote_g2.messages.BlockLayout` the target's TP planner slices by
+:class:`~remote_g2.protocol.messages.BlockLayout` the target's TP planner slices by
 heads (``kv`` = 2 slabs, K and V; 1 for MLA's single latent). vLLM keeps one
 tensor per attention layer, laid out by its attention backend;
 :class:`VllmKvLayout` turns each into a view ``[num_blocks, kv, kv_heads,
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from remote_g2.errors import ConfigError
-from remote_g2.messages import BlockLayout
+from remote_g2.protocol.messages import BlockLayout
 
 __all__ = ["VllmKvLayout", "layer_order"]
 
@@ -131,7 +131,7 @@ class VllmKvLayout:
         pieces are not contiguous in host memory (device tensors, token-major layouts): use
         :meth:`gather` then.
         """
-        from remote_g2.extent_copy import copy_extents
+        from remote_g2.memory.extent_copy import copy_extents
 
         n = len(block_ids)
         if out.dtype != np.uint8 or out.size != n * self.block_bytes or not out.flags.c_contiguous:
@@ -151,7 +151,7 @@ class VllmKvLayout:
         False, with nothing copied, where :meth:`gather_into` would be (device KV, token-major
         layouts): use :meth:`scatter` then.
         """
-        from remote_g2.extent_copy import copy_extents
+        from remote_g2.memory.extent_copy import copy_extents
 
         if len(block_ids) != len(rows):
             raise ValueError(f"scatter_rows: {len(block_ids)} blocks, {len(rows)} rows")

@@ -42,7 +42,7 @@ at the next check (that request's forward may mix the two adapters'
 bytes); a directory above the adapter replaced *before* the first request
 with it is not seen. Timestamps must be trustworthy: on a filesystem whose
 ``ctime`` need not move on writes (FUSE object-store mounts, 9p, NFS
-``nocto``: :func:`remote_g2.mounts.untrusted_reason`) an adapter still gets
+``nocto``: :func:`remote_g2.identity.mounts.untrusted_reason`) an adapter still gets
 an identity, as the model does, with a warning that a change keeping size
 and ``mtime`` would go unseen: roll adapters out to new paths there.
 """
@@ -62,8 +62,8 @@ from typing import Any, NamedTuple
 from prometheus_client import Counter
 
 from remote_g2.errors import ConfigError
-from remote_g2.file_digest import ALGORITHM, hasher_for
-from remote_g2.mounts import untrusted_reason
+from remote_g2.identity.file_digest import ALGORITHM, hasher_for
+from remote_g2.identity.mounts import untrusted_reason
 
 __all__ = ["CONFIG_FILE", "DIGESTED", "NO_IDENTITY", "SETTLE_S", "WEIGHT_FILES", "LoraIdentities", "LoraIdentity",
            "PathVersion", "changed_adapters", "digest_adapter", "files_unchanged", "lora_block_keys", "lora_options"]

@@ -14,12 +14,12 @@ process starts, once. The connector checks again when it is built, for
 engines created without ``EngineArgs``.
 
 It also records what the model's path names before anything is loaded
-(:class:`~remote_g2.load_snapshot.LoadSnapshot`: the moment, each component
+(:class:`~remote_g2.identity.load_snapshot.LoadSnapshot`: the moment, each component
 and symlink of the path, the hub ref and the commit it names) and hands it
 to the engine's processes through their environment (for the connector, and
 for vLLM's own offloading with remote-g2's tier): the connector, which
 digests the weights only after vLLM loaded them, gives an identity only
-when nothing on that path changed since (:mod:`remote_g2.load_snapshot`).
+when nothing on that path changed since (:mod:`remote_g2.identity.load_snapshot`).
 The snapshot is taken before vLLM reads ``config.json``.
 
 Registering twice is harmless (vLLM may load plugins more than once); with
@@ -55,8 +55,8 @@ def uses_remote_g2_tier(kv_transfer_config: Any) -> bool:
 
 
 def _snapshot(engine_args: Any) -> Any:
-    """The :class:`~remote_g2.load_snapshot.LoadSnapshot` of the model ``engine_args`` names, or None."""
-    from remote_g2.load_snapshot import LoadSnapshot
+    """The :class:`~remote_g2.identity.load_snapshot.LoadSnapshot` of the model ``engine_args`` names, or None."""
+    from remote_g2.identity.load_snapshot import LoadSnapshot
 
     try:
         return LoadSnapshot.take(str(engine_args.model), getattr(engine_args, "revision", None),

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from remote_g2.errors import RemoteG2Error
-from remote_g2.host_memory import huge_page_buffer, populate
+from remote_g2.memory.host_memory import huge_page_buffer, populate
 
 from .kv_blocks import VllmKvLayout
 

@@ -111,7 +111,7 @@ class SchedulerSide:
         if fp is None:
             return 0, False
         if self._registry is None:
-            from remote_g2.curve import CurveClientConfig
+            from remote_g2.rpc.curve import CurveClientConfig
             from remote_g2.registry import RegistryClient, RegistryMirror
 
             curve = CurveClientConfig.from_env("REMOTE_G2_CURVE_SERVER_KEY")
@@ -159,7 +159,7 @@ class SchedulerSide:
     def _lookup(self, hashes: list[bytes], compat_key: str) -> Any:
         """The registry's answer: from the in-process mirror when it holds a complete copy, else the server."""
         if self._mirror is not None:
-            from remote_g2.messages import Lookup
+            from remote_g2.protocol.messages import Lookup
 
             replies = self._mirror.lookup_many([Lookup(hashes, self.settings.worker_id, compat_key, False)])
             if replies is not None:

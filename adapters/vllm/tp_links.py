@@ -8,7 +8,7 @@ thread once or twice in every step with a load (what that costs against a
 link: ``bench/bench_tp_exchange.py``, docs/benchmarks.md). The
 ranks of one instance share a host (vLLM runs a TP group's CPU workers on one
 machine), so :class:`StepLinks` carries the same exchanges over one Unix
-stream socket per rank (:mod:`remote_g2.local_link`: typed frames, validated
+stream socket per rank (:mod:`remote_g2.rpc.local_link`: typed frames, validated
 on arrival, in a private directory of mode 0700):
 
 * :meth:`StepLinks.gather_and` — every rank's bit vector, ANDed by the leader
@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from remote_g2.errors import ConfigError, LinkClosed, ProtocolError, TransportError
-from remote_g2.ipc_paths import default_ipc_dir, ipc_endpoint, prepare_ipc_dir
-from remote_g2.local_link import LinkListener, MessageLink, boot_id, connect_link
-from remote_g2.messages import message
-from remote_g2.schema import Limits, Packed
+from remote_g2.rpc.ipc_paths import default_ipc_dir, ipc_endpoint, prepare_ipc_dir
+from remote_g2.rpc.local_link import LinkListener, MessageLink, boot_id, connect_link
+from remote_g2.protocol.messages import message
+from remote_g2.protocol.schema import Limits, Packed
 
 __all__ = ["StepLinks", "TpStep", "connect_step_links", "STEP_TIMEOUT_S"]
 

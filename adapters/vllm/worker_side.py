@@ -7,7 +7,7 @@
   fingerprint promised, and starts the source service and target client on
   it — the same hooks an engine executor calls. At ``tensor_parallel_size >
   1`` their start-up exchange runs over vLLM's CPU TP group
-  (:class:`~remote_g2.torch_group.TorchGroupComm`), rank 0's target client
+  (:class:`~remote_g2.tp.torch_group.TorchGroupComm`), rank 0's target client
   resolves each load and hands every rank its share (heterogeneous TP as the
   core plans it), and the ranks agree on what each step decides
   (:mod:`.tp_sync`).
@@ -81,7 +81,7 @@ def _tp_comm(tp_size: int) -> Any:
         return None
     from vllm.distributed.parallel_state import get_tp_group
 
-    from remote_g2.torch_group import TorchGroupComm
+    from remote_g2.tp.torch_group import TorchGroupComm
 
     group = get_tp_group()
     comm = TorchGroupComm(group.cpu_group)
@@ -184,14 +184,14 @@ class WorkerSide:
     def _announce_unshared(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register this instance without an identity (TP rank 0), so that ``admin models`` shows it and why.
 
-        It registers under :func:`~remote_g2.model_identity.unshared_model_id` (an identity no other instance
+        It registers under :func:`~remote_g2.identity.model_identity.unshared_model_id` (an identity no other instance
         has: nothing matches it either way), publishes no block and keeps its lease by heartbeats; routers'
         scores list it as unscored. Best effort: a registry it cannot reach costs a log line, nothing else.
         """
         s = self.settings
         if not s.registry:
             return
-        from remote_g2.model_identity import unshared_model_id
+        from remote_g2.identity.model_identity import unshared_model_id
         from remote_g2.registry import RegistryClient, SourcePublisher
         from remote_g2.source import SourceConfig
 

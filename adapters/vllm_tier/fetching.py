@@ -55,8 +55,8 @@ from typing import Any
 import numpy as np
 
 from remote_g2.errors import RemoteG2Error
-from remote_g2.messages import ChunkTable, Release, Resolve
-from remote_g2.secondary_pool import MemoryRegion
+from remote_g2.protocol.messages import ChunkTable, Release, Resolve
+from remote_g2.memory.secondary_pool import MemoryRegion
 from remote_g2.source.progress_pace import cma_usable, local_reads_one_sided, reads_need_source
 
 from .chunk_table import SLOT_BYTES, bucket_of, digest_of, find_in_buckets, slot_dtype
@@ -269,7 +269,7 @@ class ChunkFetcher:
                 self._ask_table(run.endpoint)
 
     def _client(self, endpoint: str) -> Any:
-        from remote_g2.rpc_client import RpcClient
+        from remote_g2.rpc.client import RpcClient
 
         client = self._clients.get(endpoint)
         if client is None:

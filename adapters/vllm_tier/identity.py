@@ -16,7 +16,7 @@ compat key (everything but ``tp_size``) holds them:
 * ``tokens_per_block``: the tokens of one chunk (``blocks_per_chunk`` blocks);
 * ``hash_scheme``: vLLM's algorithm and seed, with the hash unit when vLLM
   hashes more finely than the chunk (the chunk's key is the hash of its last
-  unit, :func:`~remote_g2.vllm_hashing.with_hash_unit`): a router's scorer
+  unit, :func:`~remote_g2.identity.vllm_hashing.with_hash_unit`): a router's scorer
   then scores the tier's chunks like the connector's blocks;
 * ``kv_layout``: the row: its bytes, vLLM's KV-cache layout, and either
   ``canonical`` (vLLM's parallelism-free pages: the same bytes at every TP
@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from remote_g2.errors import ConfigError
-from remote_g2.messages import LayoutFingerprint
-from remote_g2.vllm_hashing import with_hash_unit
+from remote_g2.protocol.messages import LayoutFingerprint
+from remote_g2.identity.vllm_hashing import with_hash_unit
 
 __all__ = ["TierIdentity", "tier_identity", "vllm_config_of_caller"]
 

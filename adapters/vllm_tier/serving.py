@@ -1,9 +1,9 @@
 """Serving peers: this instance's primary-tier chunks, READ by peers under a lease.
 
 The holder side of the tier (:mod:`.tier`). A peer asks over RPC, with the
-source service's own messages (:class:`~remote_g2.messages.Resolve`,
-:class:`~remote_g2.messages.Release`): a row of the primary region is one
-"block" (:class:`~remote_g2.messages.BlockLayout` of one opaque slab of the
+source service's own messages (:class:`~remote_g2.protocol.messages.Resolve`,
+:class:`~remote_g2.protocol.messages.Release`): a row of the primary region is one
+"block" (:class:`~remote_g2.protocol.messages.BlockLayout` of one opaque slab of the
 row's bytes), the region is registered with this process's NIXL agent
 (:class:`~source.rank_agent.RankAgent`), and a reply names the rows holding
 the asked chunks, in order, for the longest prefix held. A lease is kept one
@@ -50,10 +50,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from remote_g2.connection_identity import is_local
-from remote_g2.messages import (BlockLayout, ChunkTable as ChunkTableAsk, ChunkTableReply, RankBlocks, RankInfo,
+from remote_g2.rpc.connection_identity import is_local
+from remote_g2.protocol.messages import (BlockLayout, ChunkTable as ChunkTableAsk, ChunkTableReply, RankBlocks, RankInfo,
                                 Release, ReleaseReply, Resolve, ResolveReply)
-from remote_g2.secondary_pool import MemoryRegion
+from remote_g2.memory.secondary_pool import MemoryRegion
 from remote_g2.source.progress_pace import ServedOwners, readers_of
 
 from .chunk_table import SLOT_BYTES, WAYS, ChunkTable
@@ -113,7 +113,7 @@ class ChunkServer:
                  validated: bool = False, wait_s: float = 2.0, max_ttl_ms: int = 30_000, max_leases: int = 4096,
                  on_ask: Callable[[], None] = lambda: None,
                  on_unheld: Callable[[list[bytes]], None] = lambda hashes: None, source_config: Any = None) -> None:
-        from remote_g2.rpc_server import RpcServer
+        from remote_g2.rpc.server import RpcServer
         from remote_g2.source import SourceConfig
         from remote_g2.source.rank_agent import RankAgent
 

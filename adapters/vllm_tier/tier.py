@@ -80,7 +80,7 @@ from vllm.v1.kv_offload.base import Locality, LookupResult, OffloadKey, ReqConte
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from remote_g2.messages import Lookup
+from remote_g2.protocol.messages import Lookup
 
 from .fetching import ChunkFetcher, LoadRun
 from .identity import TierIdentity, tier_identity, vllm_config_of_caller

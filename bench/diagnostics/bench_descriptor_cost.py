@@ -18,7 +18,7 @@ For each N the same ``--mib`` are read as N equal extents (64 MiB / 16 =
   (a target whose blocks take each source rank's heads in pieces, TP 2 → 1);
   beside it ``land + scatter``: the same bytes READ as one descriptor into a
   landing buffer, then copied to the scattered destination extents in this
-  process (:func:`remote_g2.extent_copy.copy_extents`, GIL released) — what
+  process (:func:`remote_g2.memory.extent_copy.copy_extents`, GIL released) — what
   a target-side bounce buffer would cost, to tell whether it pays.
 
 Each cell is the median of ``--reps`` timed READs (after one warm-up READ
@@ -47,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 import numpy as np  # noqa: E402
 from source_procs.nixl_source_peer import PeerProcess, pattern_bytes  # noqa: E402
 
-from remote_g2.extent_copy import copy_extents  # noqa: E402
-from remote_g2.secondary_pool import MemoryRegion  # noqa: E402
+from remote_g2.memory.extent_copy import copy_extents  # noqa: E402
+from remote_g2.memory.secondary_pool import MemoryRegion  # noqa: E402
 
 SEED = 3
 READ_TIMEOUT_S = 30.0

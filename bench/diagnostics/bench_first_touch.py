@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from remote_g2.host_memory import huge_page_buffer, populate  # noqa: E402
+from remote_g2.memory.host_memory import huge_page_buffer, populate  # noqa: E402
 
 
 def _copies(buf: np.ndarray, src: np.ndarray, parts: int) -> list[tuple[float, float]]:

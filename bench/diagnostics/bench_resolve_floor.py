@@ -18,7 +18,7 @@ turn, so a noisy minute hits all of them):
 
 * ``zmq/zmq``: what the source runs (DESIGN.md): ZMQ over TCP, then ZMQ IPC;
 * ``zmq/unix``: the sibling hop as a plain Unix stream socket with
-  length-prefixed frames, as the target's ranks talk (``remote_g2/local_link.py``);
+  length-prefixed frames, as the target's ranks talk (``remote_g2/rpc/local_link.py``);
 * ``tcp/unix``: no ZMQ at all — a plain TCP socket (``TCP_NODELAY``) in front;
 * ``zmq/capture``: the source's transports, but rank 0 serves through a ZMQ
   proxy (as its pooled server does) whose *capture* socket copies each
@@ -54,8 +54,8 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from remote_g2.messages import Resolve, SiblingPin
-from remote_g2.wire import decode_frame, decode_request_body, encode_request
+from remote_g2.protocol.messages import Resolve, SiblingPin
+from remote_g2.protocol.wire import decode_frame, decode_request_body, encode_request
 
 CHAINS = ("zmq/zmq", "zmq/unix", "tcp/unix", "zmq/capture")
 STOP = b"stop"

@@ -39,7 +39,7 @@ import struct
 import time
 from pathlib import Path
 
-from remote_g2.messages import BlockLayout, RankBlocks, RankInfo
+from remote_g2.protocol.messages import BlockLayout, RankBlocks, RankInfo
 from remote_g2.target import tp_mapping
 from remote_g2.target.tp_mapping import ReadPlanner
 

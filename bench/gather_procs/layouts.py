@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from remote_g2.messages import BlockLayout, LayoutFingerprint
+from remote_g2.protocol.messages import BlockLayout, LayoutFingerprint
 
 __all__ = ["layout_for", "fingerprint_for", "hash_of", "block_stream", "layout_dict"]
 

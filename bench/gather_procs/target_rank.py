@@ -57,9 +57,9 @@ from transfer_procs.common import write_json  # noqa: E402
 
 from remote_g2.adapters.host_pool import HostPool  # noqa: E402
 from remote_g2.adapters.nixl_transfer import NixlTransfer  # noqa: E402
-from remote_g2.extent_copy import copy_extents  # noqa: E402
-from remote_g2.messages import BlockLayout, Ping, RankBlocks, RankInfo  # noqa: E402
-from remote_g2.rpc_client import RpcClient  # noqa: E402
+from remote_g2.memory.extent_copy import copy_extents  # noqa: E402
+from remote_g2.protocol.messages import BlockLayout, Ping, RankBlocks, RankInfo  # noqa: E402
+from remote_g2.rpc.client import RpcClient  # noqa: E402
 from remote_g2.target import TargetConfig, start_target_client  # noqa: E402
 from remote_g2.target.tp_mapping import ReadPlanner  # noqa: E402
 

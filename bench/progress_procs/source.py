@@ -34,7 +34,7 @@ def pattern(seed: int, nbytes: int) -> np.ndarray:
 
 
 def serve(mode: str, mib: int, seed: int) -> None:
-    from remote_g2.secondary_pool import MemoryRegion
+    from remote_g2.memory.secondary_pool import MemoryRegion
     from remote_g2.source.config import SourceConfig
     from remote_g2.source.rank_agent import RankAgent
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from remote_g2.adapters.nixl_transfer import NixlTransfer
-from remote_g2.messages import BlockLayout, LayoutFingerprint
+from remote_g2.protocol.messages import BlockLayout, LayoutFingerprint
 
 __all__ = ["make_layout", "fingerprint_for", "hash_of", "rank_stream", "write_json", "read_json", "RecordingNixl",
            "EVENTS", "record", "raw_agent_name"]

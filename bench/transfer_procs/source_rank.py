@@ -56,7 +56,7 @@ from transfer_procs.common import (  # noqa: E402
 )
 
 from remote_g2.adapters.host_pool import HostPool  # noqa: E402
-from remote_g2.secondary_pool import MemoryRegion  # noqa: E402
+from remote_g2.memory.secondary_pool import MemoryRegion  # noqa: E402
 from remote_g2.source import SourceConfig, maybe_start_source_service  # noqa: E402
 
 IDLE_PROGRESS_S = 0.02

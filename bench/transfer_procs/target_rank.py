@@ -72,8 +72,8 @@ from transfer_procs.common import (  # noqa: E402
 )
 
 from remote_g2.adapters.nixl_transfer import NixlTransfer  # noqa: E402
-from remote_g2.secondary_pool import MemoryRegion  # noqa: E402
-from remote_g2.messages import BlockLayout  # noqa: E402
+from remote_g2.memory.secondary_pool import MemoryRegion  # noqa: E402
+from remote_g2.protocol.messages import BlockLayout  # noqa: E402
 from remote_g2.target import TargetConfig, start_target_client  # noqa: E402
 from remote_g2.target.tp_mapping import ReadPlanner  # noqa: E402
 
@@ -111,8 +111,8 @@ def instrument_rpc() -> None:
     leader's event loop (``RpcMux.call``) from send to the moment their
     callback runs.
     """
-    from remote_g2.rpc_client import RpcClient
-    from remote_g2.rpc_mux import RpcMux
+    from remote_g2.rpc.client import RpcClient
+    from remote_g2.rpc.mux import RpcMux
 
     orig = RpcClient.call
 
@@ -137,7 +137,7 @@ def instrument_rpc() -> None:
 
     RpcMux.call = mux_call  # type: ignore[method-assign]
 
-    from remote_g2.local_link import MessageLink
+    from remote_g2.rpc.local_link import MessageLink
 
     orig_send, orig_receive = MessageLink.send, MessageLink.receive
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from remote_g2.cli import print_json
-from remote_g2.curve import generate_keypair
+from remote_g2.rpc.curve import generate_keypair
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -7,8 +7,8 @@ import time
 
 from remote_g2.cli import print_json, print_table
 from remote_g2.config import ClientSettings
-from remote_g2.curve import CurveClientConfig
-from remote_g2.rpc_client import RpcClient
+from remote_g2.rpc.curve import CurveClientConfig
+from remote_g2.rpc.client import RpcClient
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

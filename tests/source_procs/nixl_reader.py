@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 from source_procs.pattern import block_bytes_for, hash_of  # noqa: E402
 
-from remote_g2.messages import Release, Resolve  # noqa: E402
-from remote_g2.rpc_client import RpcClient  # noqa: E402
+from remote_g2.protocol.messages import Release, Resolve  # noqa: E402
+from remote_g2.rpc.client import RpcClient  # noqa: E402
 
 
 class Reader:

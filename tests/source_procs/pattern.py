@@ -11,7 +11,7 @@ import hashlib
 
 import numpy as np
 
-from remote_g2.messages import BlockLayout
+from remote_g2.protocol.messages import BlockLayout
 
 __all__ = ["make_layout", "hash_of", "block_bytes_for"]
 

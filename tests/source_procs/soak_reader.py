@@ -46,8 +46,8 @@ from source_procs.files import write_whole  # noqa: E402
 from source_procs.nixl_reader import Reader  # noqa: E402
 from source_procs.pattern import block_bytes_for, hash_of  # noqa: E402
 
-from remote_g2.messages import GetMetadata, Release, Resolve  # noqa: E402
-from remote_g2.rpc_client import RpcClient  # noqa: E402
+from remote_g2.protocol.messages import GetMetadata, Release, Resolve  # noqa: E402
+from remote_g2.rpc.client import RpcClient  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

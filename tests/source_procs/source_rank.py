@@ -13,7 +13,7 @@ Each rank fills a HostPool with hashes ``hash_of(0..N-1)`` (bytes from
   is applied and renamed to ``.done``;
 * ``--file-comm RANK:SIZE`` starts a rank without mpiexec (see :class:`FileComm`);
   ``--torch-comm RANK:SIZE`` without MPI too, over a real ``torch.distributed``
-  gloo group (:class:`remote_g2.torch_group.TorchGroupComm`, as vLLM's workers);
+  gloo group (:class:`remote_g2.tp.torch_group.TorchGroupComm`, as vLLM's workers);
 * a file ``D/delay-pin-{rank}`` makes this rank's find_and_pin sleep that many
   seconds first (to kill or freeze a rank in the middle of a resolve);
 * ``--mla`` makes the worker an MLA one: the fingerprint says ``is_mla=True``
@@ -58,9 +58,9 @@ from source_procs.files import write_whole  # noqa: E402
 from source_procs.pattern import block_bytes_for, hash_of, make_layout  # noqa: E402
 
 from remote_g2.adapters.host_pool import HostPool  # noqa: E402
-from remote_g2.curve import CurveServerConfig  # noqa: E402
+from remote_g2.rpc.curve import CurveServerConfig  # noqa: E402
 from remote_g2.errors import PoolIndexError  # noqa: E402
-from remote_g2.messages import LayoutFingerprint  # noqa: E402
+from remote_g2.protocol.messages import LayoutFingerprint  # noqa: E402
 from remote_g2.source import SourceConfig, maybe_start_source_service  # noqa: E402
 
 
@@ -243,7 +243,7 @@ def main() -> int:
     elif args.torch_comm:
         import torch.distributed as dist
 
-        from remote_g2.torch_group import TorchGroupComm
+        from remote_g2.tp.torch_group import TorchGroupComm
 
         r, n = (int(x) for x in args.torch_comm.split(":"))
         dist.init_process_group("gloo", init_method=f"file://{args.dir / 'torch-init'}", rank=r, world_size=n)

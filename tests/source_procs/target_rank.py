@@ -80,8 +80,8 @@ from source_procs.pattern import block_bytes_for, hash_of, make_layout  # noqa: 
 
 from remote_g2.adapters.nixl_transfer import NixlTransfer  # noqa: E402
 from remote_g2.plugins import register_adapter  # noqa: E402
-from remote_g2.secondary_pool import MemoryRegion  # noqa: E402
-from remote_g2.messages import BlockLayout, LayoutFingerprint  # noqa: E402
+from remote_g2.memory.secondary_pool import MemoryRegion  # noqa: E402
+from remote_g2.protocol.messages import BlockLayout, LayoutFingerprint  # noqa: E402
 from remote_g2.target import TargetConfig, start_target_client  # noqa: E402
 from remote_g2.target.metrics import PHASES  # noqa: E402
 from remote_g2.target.tp_mapping import head_slices  # noqa: E402

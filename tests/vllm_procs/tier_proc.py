@@ -47,7 +47,7 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 from tiering_manager import build_manager, chunk_bytes  # (this file's folder: on sys.path when run as a script)
 
 from remote_g2.adapters.vllm_tier.identity import TierIdentity
-from remote_g2.messages import LayoutFingerprint
+from remote_g2.protocol.messages import LayoutFingerprint
 
 STEP = ScheduleEndContext((), ())
 
@@ -66,9 +66,9 @@ class RawReader:
     def read(self, endpoint: str, hashes: list[bytes]) -> float:
         from remote_g2.adapters.nixl_transfer import NixlTransfer
         from remote_g2.adapters.vllm_tier.fetching import coalesce
-        from remote_g2.messages import Release, Resolve
-        from remote_g2.rpc_client import RpcClient
-        from remote_g2.secondary_pool import MemoryRegion
+        from remote_g2.protocol.messages import Release, Resolve
+        from remote_g2.rpc.client import RpcClient
+        from remote_g2.memory.secondary_pool import MemoryRegion
 
         if self.agent is None:
             self.buf = np.ones((self.rows, self.row_bytes), np.uint8)  # (every page touched)
@@ -209,15 +209,15 @@ def main() -> None:
                 ours.fetcher.recent.clear()
             say({"fetches": times})
         elif op == "resolve_only":  # a reader that takes a lease and never gives it back (it died, say)
-            from remote_g2.messages import Resolve
-            from remote_g2.rpc_client import RpcClient
+            from remote_g2.protocol.messages import Resolve
+            from remote_g2.rpc.client import RpcClient
 
             client = asking.get(cmd["endpoint"]) or asking.setdefault(cmd["endpoint"], RpcClient(cmd["endpoint"]))
             reply = client.call(Resolve([bytes.fromhex(k)[:-4] for k in cmd["keys"]], int(cmd["ttl_ms"]), "gone"))
             say({"matched": reply.matched, "expires_in_ms": reply.expires_in_ms, "lease_id": reply.lease_id})
         elif op == "release":  # on resolve_only's connection to that holder (a lease is its connection's), or another
-            from remote_g2.messages import Release
-            from remote_g2.rpc_client import RpcClient
+            from remote_g2.protocol.messages import Release
+            from remote_g2.rpc.client import RpcClient
 
             if cmd.get("other_connection"):
                 with RpcClient(cmd["endpoint"]) as other:
