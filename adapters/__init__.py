@@ -5,6 +5,6 @@
 * pools (:class:`~remote_g2.memory.secondary_pool.SecondaryPool`): :mod:`.host_pool` — ``HostPool``, a
   ``PoolIndex`` over one host buffer.
 
-Adapters depend on the parts they wire together (``source``, ``target``,
+May import: the core and the parts they wire together (``source``, ``target``,
 ``registry``); nothing in those parts or in the core imports this package.
 """

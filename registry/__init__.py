@@ -6,6 +6,9 @@ Packages (each ``__init__`` says what it may import)::
     stores/    the storage contract; memory, Redis, Redis Cluster; the Lua scripts
     client/    the typed client, the publisher, the in-process mirror, ``remote-g2 admin``
     scoring/   the router-facing scoring API and vLLM KV-event ingest
+    metrics.py the server's Prometheus metrics (the server and the KV-event ingest count into them)
+
+Dependencies point one way: ``server -> client, scoring -> stores`` (tests/test_layout.py).
 
 Public names (imported lazily so a client does not pull in redis or prometheus)::
 

@@ -36,8 +36,9 @@ import pytest
 import torch
 
 from remote_g2.adapters.reference import ModelConfig, ReferenceModel, TpComm, concat_kv, shard_for, slice_kv
-from remote_g2.adapters.reference.model import (PROB_BITS, W_FRAC_BITS, _exp_on_prob_grid, _linear,
-                                                 _to_act_grid)
+from remote_g2.adapters.reference.config import PROB_BITS, W_FRAC_BITS
+from remote_g2.adapters.reference.model import _exp_on_prob_grid, _linear, _to_act_grid
+from remote_g2.adapters.reference.weights import weights_model_id
 from remote_g2.errors import ConfigError
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -215,7 +216,7 @@ def test_configs_that_would_break_exactness_are_refused() -> None:
         ModelConfig(mla=True)
     with pytest.raises(ConfigError, match="num_q_heads=6 is not a multiple of num_kv_heads=4"):
         ModelConfig(num_q_heads=6)
-    assert ModelConfig().model_id != ModelConfig(seed=1).model_id
+    assert weights_model_id(ModelConfig()) != weights_model_id(ModelConfig(seed=1))
 
 
 def test_the_model_id_is_the_digest_of_every_weight_element_and_not_of_the_rank() -> None:
@@ -225,17 +226,17 @@ def test_the_model_id_is_the_digest_of_every_weight_element_and_not_of_the_rank(
 
     c = ModelConfig(num_layers=2, vocab_size=256, max_positions=512)
     full = full_weights(c)
-    assert c.model_id == model_id_for("reference-gqa", weights_digest(full), dataclasses.asdict(c))
-    assert c.model_id.startswith("reference-gqa#w-")
+    assert weights_model_id(c) == model_id_for("reference-gqa", weights_digest(full), dataclasses.asdict(c))
+    assert weights_model_id(c).startswith("reference-gqa#w-")
     base = weights_digest(full)
     for name, index in (("layers.1.wk", (3, 5)), ("tok_emb", (0, 0)), ("final_norm", (c.hidden - 1,))):
         t = full[name].clone()
         t[index] = torch.nextafter(t[index], torch.tensor(math.inf, dtype=t.dtype))  # one ulp, one element
         assert weights_digest({**full, name: t}) != base, name
     # shards of the same full tensors on every rank: the identity does not depend on the TP layout
-    assert ReferenceModel(c).config.model_id == c.model_id
-    assert identity_of(ModelConfig(num_layers=2, vocab_size=256, max_positions=512, rms_eps=1e-6).model_id) \
-        != identity_of(c.model_id)  # no weight changed, but K and V do
+    assert weights_model_id(ReferenceModel(c).config) == weights_model_id(c)
+    assert identity_of(weights_model_id(ModelConfig(num_layers=2, vocab_size=256, max_positions=512, rms_eps=1e-6))) \
+        != identity_of(weights_model_id(c))  # no weight changed, but K and V do
 
 
 def test_past_kv_of_the_wrong_shape_is_refused(models: dict, reference: dict) -> None:

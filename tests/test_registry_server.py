@@ -396,7 +396,7 @@ def test_server_on_redis_cluster(redis_cluster_url):
 
 
 def test_resync_chunks_cover_the_snapshot_once():
-    from remote_g2.registry.client.publisher import resync_chunks
+    from remote_g2.registry.stores.contract import resync_chunks
 
     hashes = [i.to_bytes(8, "big") for i in range(10)]
     parts = resync_chunks(hashes, size=4)

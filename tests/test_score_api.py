@@ -159,7 +159,7 @@ def _json_reference(text: bytes) -> list[int] | None:
 
 def test_token_ids_parse_as_json_reads_them():
     """The C++ reader of token_ids (word-at-a-time digits) against json.loads, on valid and broken texts."""
-    from remote_g2.identity.vllm_hashing import token_ids_from_json
+    from remote_g2.registry.scoring.json_wire import token_ids_from_json
 
     rng = random.Random(7)
     edges = [0, 9, 10, 99, 12345678, 99999999, 100000000, 999999999, 1000000000, 2**31 - 1, 2**31, 9999999999,

@@ -42,7 +42,8 @@ from remote_g2.protocol.wire import decode_frame, decode_request_body, encode_re
 
 from .kv_cache import CacheConfig, PagedKv, fingerprint
 from .messages import EngineStep, StepOp
-from .model import ModelConfig, ReferenceModel, SequenceCache
+from .config import ModelConfig
+from .model import ReferenceModel, SequenceCache
 from .scheduler import Scheduler
 from .tp import TpComm
 

@@ -38,7 +38,8 @@ from remote_g2.errors import ConfigError
 from remote_g2.identity.hashing import chain_hash_scheme
 from remote_g2.protocol.messages import BlockLayout, LayoutFingerprint
 
-from .model import KV, KV_DTYPE, ModelConfig
+from .config import KV, KV_DTYPE, ModelConfig
+from .weights import weights_model_id
 
 __all__ = ["CacheConfig", "G1BlockManager", "PagedKv", "block_layout", "fingerprint"]
 
@@ -74,7 +75,7 @@ def fingerprint(model: ModelConfig, cache: CacheConfig, tp_size: int,
     ``kv_dtype`` is the dtype of the KV tensors as allocated (the executor
     passes its own G1 tensor's), so the fingerprint states what the bytes are.
     """
-    return LayoutFingerprint(model_id=model.model_id, dtype=str(kv_dtype).removeprefix("torch."),
+    return LayoutFingerprint(model_id=weights_model_id(model), dtype=str(kv_dtype).removeprefix("torch."),
                              tokens_per_block=cache.tokens_per_block, kv_layout="HND",
                              num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
                              tp_size=tp_size, is_mla=model.mla, hash_scheme=chain_hash_scheme())

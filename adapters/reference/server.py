@@ -54,7 +54,8 @@ from .messages import (
     EngineStatsReply,
     EngineSubmit,
 )
-from .model import ModelConfig
+from .config import ModelConfig
+from .weights import weights_model_id
 
 __all__ = ["EngineServer", "main"]
 
@@ -122,7 +123,7 @@ class EngineServer:
         ex, s = self.ex, self.sched
         g2 = ex.stats()
         return EngineStatsReply(
-            worker_id=ex.config.worker_id, tp_size=ex.tp_size, model_id=ex.config.model.model_id,
+            worker_id=ex.config.worker_id, tp_size=ex.tp_size, model_id=weights_model_id(ex.config.model),
             source_enabled=ex.source is not None, target_enabled=ex.target is not None,
             source_endpoint=getattr(ex.source, "endpoint", "") or "", running=len(s.running) + len(s.waiting),
             finished=self.finished + len(s.finished), g1_cached=s.g1.cached(), g2_cached=g2["g2_cached"],

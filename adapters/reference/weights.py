@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,14 +21,10 @@ from remote_g2.identity.file_digest import ALGORITHM as DIGEST_ALGORITHM
 from remote_g2.identity.file_digest import hasher_for
 from remote_g2.identity.model_identity import model_id_for
 
-if TYPE_CHECKING:
-    from .model import ModelConfig
+from .config import W_FRAC_BITS, W_MAX, ModelConfig
 
-__all__ = ["W_FRAC_BITS", "full_weights", "remember_digest", "weights_digest", "weights_model_id"]
+__all__ = ["full_weights", "remember_digest", "weights_digest", "weights_model_id"]
 
-#: Weight matrices are multiples of 2**-W_FRAC_BITS with |w| < 1.
-W_FRAC_BITS = 20
-_W_MAX = float(2**W_FRAC_BITS - 1)
 
 
 def _weight_specs(c: ModelConfig) -> list[tuple[str, tuple[int, ...], float, bool]]:
@@ -56,7 +51,7 @@ def _full_tensor(c: ModelConfig, name: str, shape: tuple[int, ...], std: float, 
     w = torch.randn(shape, generator=gen, dtype=torch.float64).mul_(std)
     if on_grid:
         scale = float(2**W_FRAC_BITS)
-        w = torch.round(w * scale).clamp_(-_W_MAX, _W_MAX).mul_(1.0 / scale)
+        w = torch.round(w * scale).clamp_(-W_MAX, W_MAX).mul_(1.0 / scale)
     return w
 
 

@@ -4,6 +4,8 @@ Not run against TensorRT-LLM itself (no GPU on the development machines):
 written against its KV cache manager's public API with every method
 feature-detected, tested against stand-ins shaped like its classes. See
 :mod:`.pool` and ``docs/integrations.md``.
+
+May import: the core, ``source`` and ``target``; TensorRT-LLM only by feature detection.
 """
 
 from remote_g2.lazy_exports import lazy_getattr

@@ -4,6 +4,8 @@ vLLM loads it by module path (``kv_connector_module_path="remote_g2.adapters.vll
 ``kv_connector="RemoteG2Connector"``). The connector is imported on first
 use, so :mod:`.kv_blocks` (block copies between vLLM's KV tensors and a G2
 pool, torch only) and :mod:`.settings` import without vLLM installed.
+
+May import: the core, ``source``, ``target``, ``registry`` and ``adapters``' own transfers and pools.
 """
 
 from remote_g2.lazy_exports import lazy_getattr

@@ -140,7 +140,7 @@ class RegistryMirror:
 
     ``start()`` begins in the background; :meth:`wait_ready` blocks until the
     first snapshot is in. ``lookup`` has the server's contract (see
-    :mod:`.store`) and raises :class:`MirrorNotReady` while no complete copy is
+    :mod:`..stores.contract`) and raises :class:`MirrorNotReady` while no complete copy is
     held. Thread-safe: one thread follows the feeds, any thread may look up.
     """
 
@@ -244,14 +244,14 @@ class RegistryMirror:
         return index.lookup_many(requests, ties)
 
     def held_prefixes(self, hashes: Sequence[bytes], compat_key: str) -> dict[str, int] | None:
-        """:meth:`~.store.RegistryStore.held_prefixes` from the copy; None while no complete copy is held."""
+        """:meth:`~..stores.contract.RegistryStore.held_prefixes` from the copy; None while no complete copy is held."""
         index = self._index
         if index is None or not self._ready.is_set():
             return None
         return index.held_prefixes(hashes, compat_key)
 
     def holds_any(self, block_hash: bytes) -> bool | None:
-        """:meth:`~.store.RegistryStore.holds_any` from the copy; None while no complete copy is held."""
+        """:meth:`~..stores.contract.RegistryStore.holds_any` from the copy; None while no complete copy is held."""
         index = self._index
         if index is None or not self._ready.is_set():
             return None

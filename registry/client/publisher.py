@@ -18,7 +18,7 @@ thread; they only append to a queue. One background thread:
   ``unknown_worker`` (lease lapsed, drained) registers with a new epoch first.
 
 With a failover list, a server that dies or hangs is left by the client
-(:mod:`.client`) as soon as its connection is lost or stops answering
+(:mod:`.registry_client`) as soon as its connection is lost or stops answering
 heartbeats; the batch in flight goes to the next server unchanged, and its
 sequence number keeps it from being applied twice (a batch the lost server
 applied is answered ``ok``) or lost. A registry that does not answer at all
@@ -38,20 +38,12 @@ from collections.abc import Callable, Iterable, Sequence
 from remote_g2.errors import RegistryError, StaleEpoch, TransportError
 from remote_g2.protocol.messages import BlockEvent, LayoutFingerprint
 
+from ..stores.contract import resync_chunks
 from .registry_client import RegistryClient
 
-__all__ = ["SourcePublisher", "resync_chunks"]
+__all__ = ["SourcePublisher"]
 
 log = logging.getLogger("remote_g2.registry.client.publisher")
-
-RESYNC_CHUNK = 16_384
-
-
-def resync_chunks(hashes: Sequence[bytes], size: int = RESYNC_CHUNK) -> list[tuple[Sequence[bytes], bool, bool]]:
-    """Split a snapshot into ``(chunk, first, last)`` for ``resync``; an empty pool is one empty chunk."""
-    parts = [hashes[i:i + size] for i in range(0, len(hashes), size)] or [hashes[:0]]
-    return [(part, i == 0, i == len(parts) - 1) for i, part in enumerate(parts)]
-
 
 class SourcePublisher:
     """Publishes one worker's block events to the registry; see the module docstring."""

@@ -5,5 +5,6 @@ its JSON, :mod:`.http_server` / :mod:`.connection` / :mod:`.admission` serve it 
 tokens, and :mod:`.engine_caches` / :mod:`.vllm_events` / :mod:`.vllm_event_decode` follow vLLM workers' own
 cache tiers from their KV events.
 
-May import: :mod:`..stores` and the core. Never the server or the client side.
+May import: :mod:`..stores`, :mod:`..metrics` and the core. Never the server or the client side: the scorer
+takes the server's mirror as a :class:`~.scorer.PrefixIndex`.
 """

@@ -1,5 +1,5 @@
 """One connection to the scoring API: aiohttp's request handler, plus its admission state and one deadline,
-and the TLS handshake run under the same budget (:mod:`.score_admission`).
+and the TLS handshake run under the same budget (:mod:`.admission`).
 
 aiohttp parses (its C parser: llhttp, strict: a bare LF, a duplicate
 Content-Length, a malformed length are refused with 400 and the connection
@@ -29,7 +29,7 @@ what aiohttp leaves to its user:
   earlier requests are all answered, a request that aiohttp's parser has
   read whole (HTTP/1.1, no ``Expect``, no ``Connection: close``, not
   chunked) is answered in ``data_received`` by the same rules
-  (:meth:`~.score_http.ScoreHttpServer.answer_inline`), its answer written
+  (:meth:`~.http_server.ScoreHttpServer.answer_inline`), its answer written
   at once. Anything else, and everything after it on that connection until
   aiohttp's task has answered it, goes aiohttp's way, so answers keep their
   order. Parsing stays aiohttp's in both paths. The fast path uses some of
@@ -98,7 +98,7 @@ class RequestLate(Exception):
 
 
 class ScoreConnection(web.RequestHandler):
-    """aiohttp's handler of one connection, with the budgets' view of it (:class:`~.score_admission.Admitted`)."""
+    """aiohttp's handler of one connection, with the budgets' view of it (:class:`~.admission.Admitted`)."""
 
     def __init__(self, manager: _AiohttpServer, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -116,7 +116,7 @@ class ScoreConnection(web.RequestHandler):
         self.deadline = 0.0
         self.timer: asyncio.TimerHandle | None = None
 
-    # -- the budgets' view (score_admission.Admitted) ------------------------------------------------
+    # -- the budgets' view (admission.Admitted) ------------------------------------------------
 
     @property
     def idle(self) -> bool:

@@ -1,6 +1,6 @@
-"""The scoring API over HTTP/1.1 (``remote-g2 serve --score-bind``): routers ask, the :class:`~.scoring.Scorer` answers.
+"""The scoring API over HTTP/1.1 (``remote-g2 serve --score-bind``): routers ask, the :class:`~.scorer.Scorer` answers.
 
-Routes (bodies are JSON, :mod:`.score_wire` reads and writes them; every
+Routes (bodies are JSON, :mod:`.json_wire` reads and writes them; every
 answer is JSON, errors included)::
 
     POST /v1/score   remote-g2's own shape            -> {"model", "num_tokens", "best", "workers", "unscored"}
@@ -18,9 +18,9 @@ store is unreachable, or every authenticated connection is busy).
 The HTTP is aiohttp's (its low-level server and C parser; plain HTTP on
 uvloop where installed): parsing, keep-alive, pipelining, writing with back-pressure and
 TLS are that library's code; a plain request on an authenticated kept-alive
-connection is answered without a task of its own (:mod:`.score_conn`). This module writes the routes and the rules
-of who may ask; :mod:`.score_conn` the per-connection deadline and the TLS
-hand-over; :mod:`.score_admission` the tokens and the connection budgets.
+connection is answered without a task of its own (:mod:`.connection`). This module writes the routes and the rules
+of who may ask; :mod:`.connection` the per-connection deadline and the TLS
+hand-over; :mod:`.admission` the tokens and the connection budgets.
 
 Who may ask: "is this prompt cached anywhere?" is a prompt-probing
 attacker's question (docs/security.md), so a bind beyond loopback needs a
@@ -34,7 +34,7 @@ body (one that announces a body is refused unread); answered to a
 connection that has not authenticated, it closes that connection.
 Unauthenticated connections (TLS handshakes included) live in a small
 budget of their own and can never take an authenticated one's place
-(:mod:`.score_admission`).
+(:mod:`.admission`).
 
 One thread runs the event loop and scores each request on it: the work is
 CPU-bound and short (a Redis store's lookup blocks the loop for its round
@@ -397,7 +397,7 @@ class ScoreHttpServer:
 
 def _new_loop(*, tls: bool) -> asyncio.AbstractEventLoop:
     """uvloop's event loop where it is installed (it halves aiohttp's cost per request), asyncio's otherwise
-    and for HTTPS: the TLS hand-over (:class:`~.score_conn.TlsGate`) pauses a new connection's reads from its
+    and for HTTPS: the TLS hand-over (:class:`~.connection.TlsGate`) pauses a new connection's reads from its
     ``connection_made`` until ``start_tls`` takes them, which asyncio honours and uvloop does not."""
     if tls:
         return asyncio.new_event_loop()

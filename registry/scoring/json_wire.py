@@ -1,4 +1,4 @@
-"""The scoring API's JSON, both ways: request bodies into :class:`~.scoring.ScoreRequest`, answers into bytes.
+"""The scoring API's JSON, both ways: request bodies into :class:`~.scorer.ScoreRequest`, answers into bytes.
 
 Two request shapes are read (docs/scoring.md maps every field):
 
@@ -15,7 +15,7 @@ Two request shapes are read (docs/scoring.md maps every field):
 
 ``model_name`` is accepted for ``model`` (Dynamo's and llm-d's name for it);
 ``block_hashes`` are hex strings; ``token_ids`` are parsed in C++ straight
-from the JSON text (:func:`~remote_g2.identity.vllm_hashing.token_ids_from_json`),
+from the JSON text (:func:`token_ids_from_json`),
 never as a Python int per token. Unknown fields are ignored, as Dynamo's
 indexer ignores them. Anything malformed is :class:`~remote_g2.errors.CannotScore`
 with reason ``bad_request``; nothing here touches a socket.
@@ -23,17 +23,49 @@ with reason ``bad_request``; nothing here touches a socket.
 
 from __future__ import annotations
 
+import array
 from typing import Any
 
 import msgspec
 
+from remote_g2 import _vllm_hash
 from remote_g2.errors import CannotScore
 from remote_g2.identity.hashing import hash_from_hex
-from remote_g2.identity.vllm_hashing import split_token_ids, token_ids_from_json
 
 from .scorer import ScoreReply, ScoreRequest
 
-__all__ = ["request_from_json", "query_request", "query_reply", "score_answer", "query_answer", "error_answer"]
+__all__ = ["token_ids_from_json", "split_token_ids", "request_from_json", "query_request", "query_reply",
+           "score_answer", "query_answer", "error_answer"]
+
+
+def token_ids_from_json(raw: bytes | memoryview | object) -> array.array:
+    """A JSON array of token ids (its raw text: any bytes-like object, ``msgspec.Raw`` included) as
+    ``array('I')``, parsed in C++ without a Python int per token; :class:`CannotScore` (``bad_request``)
+    for anything but integers in ``[0, MAX_TOKEN_ID]`` (:mod:`remote_g2.identity.vllm_hashing`)."""
+    try:
+        ids = array.array("I")
+        ids.frombytes(_vllm_hash.parse_ids(raw))
+        return ids
+    except ValueError as e:
+        raise CannotScore(str(e), reason="bad_request") from None
+
+
+def split_token_ids(body: bytes | bytearray) -> tuple[array.array, bytes] | None:
+    """A JSON body's ``token_ids`` array, cut out: ``(ids, the body with the array replaced by null)``.
+
+    Only for the plain case (a JSON object with unescaped keys, exactly one
+    ``token_ids``, an array of valid ids); None for anything else, which the
+    caller then decodes whole (and refuses with its own errors). What is cut
+    is where the object's structure puts that member's value, and every
+    other byte stays in the rest for the caller's decoder to validate.
+    """
+    split = _vllm_hash.split_ids(body)
+    if split is None:
+        return None
+    ids = array.array("I")
+    ids.frombytes(split[0])
+    return ids, split[1]
+
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=False):  # unknown fields are ignored, as Dynamo's indexer does
@@ -73,7 +105,7 @@ def _read(body: bytes | bytearray) -> tuple[_Body, Any]:
     """The body's fields, and its token ids (None: none sent).
 
     The usual body (an object with plain keys and one valid ``token_ids``
-    array) has its array cut out in C++ first (:func:`~remote_g2.identity.vllm_hashing.split_token_ids`),
+    array) has its array cut out in C++ first (:func:`split_token_ids`),
     so msgspec reads tens of bytes, not the array a second time; any other
     body is decoded whole, the array then parsed from msgspec's raw view.
     """

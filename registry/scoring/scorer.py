@@ -26,7 +26,7 @@ worker that serves the request's model:
    (:meth:`Scorer._hashes_needed`): a long prompt with a short cached
    prefix costs about its prefix.
 3. **How much each holds.** One registry lookup per group with every holder
-   (:meth:`~.store.RegistryStore.held_prefixes`; answered by the server's
+   (:meth:`~..stores.contract.RegistryStore.held_prefixes`; answered by the server's
    mirror when it keeps one): each worker's match runs from block 0 without
    a gap. Dead workers are never in a lookup's answer, so a worker that dies
    leaves the scores at once.
@@ -55,7 +55,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -92,6 +92,19 @@ _NOT_A_CHAIN = frozenset({"scheme_not_learned", "kv_cache_groups", "block_too_la
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1,
                 "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "uint8": 1, "int8": 1}
 
+
+class PrefixIndex(Protocol):
+    """What the scorer asks of the server's registry mirror (:class:`remote_g2.registry.client.mirror.RegistryMirror`).
+
+    Both answer from local memory, without a round trip to the store, and None while the mirror holds no
+    complete copy (the scorer then asks the store).
+    """
+
+    def held_prefixes(self, hashes: Sequence[bytes], compat_key: str) -> dict[str, int] | None:
+        """Per holder of ``compat_key``'s layout, how many of ``hashes`` it holds from block 0 on."""
+
+    def holds_any(self, block_hash: bytes) -> bool | None:
+        """Whether anyone holds ``block_hash``."""
 
 @dataclass(frozen=True, slots=True)
 class ScoreRequest:
@@ -191,7 +204,7 @@ class _Candidate:
 class Scorer:
     """Answers :class:`ScoreRequest` from a store (and the server's mirror, when it keeps one). Thread-safe."""
 
-    def __init__(self, store: RegistryStore, config: ScoringConfig | None = None, *, mirror: object = None,
+    def __init__(self, store: RegistryStore, config: ScoringConfig | None = None, *, mirror: PrefixIndex | None = None,
                  engines: EngineCaches | None = None) -> None:
         self.store, self.config, self._mirror, self.engines = store, config or ScoringConfig(), mirror, engines
         self._lock = threading.Lock()
@@ -262,7 +275,7 @@ class Scorer:
         """worker id -> blocks matched from block 0, for every live holder of ``hashes[0]`` of ``compat_key``."""
         mirror = self._mirror
         if mirror is not None:
-            held = mirror.held_prefixes(hashes, compat_key)  # type: ignore[attr-defined]
+            held = mirror.held_prefixes(hashes, compat_key)
             if held is not None:
                 return held
         return self.store.held_prefixes(hashes, compat_key)
@@ -280,7 +293,7 @@ class Scorer:
         while n < chain.total:
             last = chain.upto(n)[n - 1]
             mirror = self._mirror
-            held = mirror.holds_any(last) if mirror is not None else None  # type: ignore[attr-defined]
+            held = mirror.holds_any(last) if mirror is not None else None
             if held is None:
                 held = self.store.holds_any(last)
             if held is False:

@@ -51,7 +51,7 @@ from remote_g2.rpc.net_address import apply_advertise, is_loopback, is_wildcard,
 from remote_g2.rpc.server import CallContext, RpcServer
 
 from .feed import DEFAULT_TICK_S, FeedPublisher
-from .metrics import RegistryMetrics
+from ..metrics import RegistryMetrics
 from ..client.mirror import RegistryMirror
 from ..stores.contract import ConvertedLookups, RegistryStore
 

@@ -1,6 +1,6 @@
 """The registry's storage contract, shared by every backend.
 
-Backends: :mod:`.store_memory` (embedded, one process), :mod:`.store_redis`
+Backends: :mod:`.memory` (embedded, one process), :mod:`.redis_store`
 (single-node Redis, Lua scripts), the same module's cluster mode (Redis
 Cluster, node-batched). One parametrized test suite
 (``tests/test_registry_store.py``) holds them all to this contract.
@@ -69,7 +69,7 @@ Semantics every backend implements
     cursor of the next (``b""`` when done; pass ``b""`` to start), with the
     worker's record as of this chunk (None and no hashes when it is unknown or
     dead). A hash held for the whole scan comes back at least once; one added
-    or removed meanwhile may or may not. For mirrors (:mod:`.mirror`).
+    or removed meanwhile may or may not. For mirrors (:mod:`remote_g2.registry.client.mirror`).
 ``drain_worker(worker_id)``
     forgets the worker and its blocks; a later register starts afresh.
 ``sweep()``
@@ -99,9 +99,18 @@ from remote_g2.protocol.messages import (
     RegisterWorkerReply, Resync, ResyncReply, WorkerRecord,
 )
 
-__all__ = ["PendingLookups", "ConvertedLookups", "RegistryStore", "DEFAULT_LEASE_TTL_MS"]
+__all__ = ["PendingLookups", "ConvertedLookups", "RegistryStore", "DEFAULT_LEASE_TTL_MS", "RESYNC_CHUNK",
+           "resync_chunks"]
 
 DEFAULT_LEASE_TTL_MS = 10_000
+#: Hashes per ``resync`` message: a worker's snapshot goes in chunks of this many (:func:`resync_chunks`).
+RESYNC_CHUNK = 16_384
+
+
+def resync_chunks(hashes: Sequence[bytes], size: int = RESYNC_CHUNK) -> list[tuple[Sequence[bytes], bool, bool]]:
+    """Split a snapshot into ``(chunk, first, last)`` for ``resync``; an empty pool is one empty chunk."""
+    parts = [hashes[i:i + size] for i in range(0, len(hashes), size)] or [hashes[:0]]
+    return [(part, i == 0, i == len(parts) - 1) for i, part in enumerate(parts)]
 
 
 class PendingLookups(Protocol):

@@ -45,8 +45,7 @@ from remote_g2 import _vllm_hash
 from remote_g2.errors import CannotScore
 
 __all__ = ["ALGORITHMS", "DEFAULT_SEED", "MAX_BLOCK_SIZE", "MAX_TOKEN_ID", "VllmBlockHasher", "PromptChain",
-           "scheme_name", "with_hash_unit", "parse_scheme", "hasher_for_scheme", "token_ids_from_json",
-           "split_token_ids"]
+           "scheme_name", "with_hash_unit", "parse_scheme", "hasher_for_scheme"]
 
 assert array.array("I").itemsize == 4  # cpp_ext/vllm_hash.cpp reads token buffers as uint32
 
@@ -64,35 +63,6 @@ _PICKLE_FRAME_TARGET = 64 * 1024  # pickle's _FRAME_SIZE_TARGET: a body under it
 _STAND_IN_PARENT = bytes(32)
 _STAND_IN_HEAD = b"C " + _STAND_IN_PARENT + b"\x94K\x00\x85\x94"  # SHORT_BINBYTES 32, MEMOIZE, (0,), MEMOIZE
 _EXTRA_AT = 11 + len(_STAND_IN_HEAD)
-
-
-def token_ids_from_json(raw: bytes | memoryview | object) -> array.array:
-    """A JSON array of token ids (its raw text: any bytes-like object, ``msgspec.Raw`` included) as
-    ``array('I')``, parsed in C++ without a Python int per token; :class:`CannotScore` (``bad_request``)
-    for anything but integers in ``[0, MAX_TOKEN_ID]``."""
-    try:
-        ids = array.array("I")
-        ids.frombytes(_vllm_hash.parse_ids(raw))
-        return ids
-    except ValueError as e:
-        raise CannotScore(str(e), reason="bad_request") from None
-
-
-def split_token_ids(body: bytes | bytearray) -> tuple[array.array, bytes] | None:
-    """A JSON body's ``token_ids`` array, cut out: ``(ids, the body with the array replaced by null)``.
-
-    Only for the plain case (a JSON object with unescaped keys, exactly one
-    ``token_ids``, an array of valid ids); None for anything else, which the
-    caller then decodes whole (and refuses with its own errors). What is cut
-    is where the object's structure puts that member's value, and every
-    other byte stays in the rest for the caller's decoder to validate.
-    """
-    split = _vllm_hash.split_ids(body)
-    if split is None:
-        return None
-    ids = array.array("I")
-    ids.frombytes(split[0])
-    return ids, split[1]
 
 
 def scheme_name(algo: str, seed: str) -> str:
