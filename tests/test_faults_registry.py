@@ -371,7 +371,7 @@ def test_a_master_failing_over_under_load_gives_no_wrong_answer_and_every_worker
     try:
         from remote_g2.registry.stores.redis_store import RedisClusterStore
         probe = RedisClusterStore(url)
-        meta_port = int(probe._nodes.node(b"rg2:{m}:lease")[0].rsplit(":", 1)[1])
+        meta_port = int(probe.space.nodes.node(b"rg2:{m}:lease")[0].rsplit(":", 1)[1])
         probe.close()
         nodes = _nodes(meta_port)
         meta_id = next(n[0] for n in nodes if n[1] == meta_port)

@@ -88,7 +88,7 @@ def test_a_meta_slot_restarted_empty_gives_no_wrong_answer_and_its_leftovers_are
         old_ids = memberships(ports)
         assert len(old_ids) == WORKERS
 
-        meta_name, _ = store._nodes.node(b"rg2:{m}:lease")
+        meta_name, _ = store.space.nodes.node(b"rg2:{m}:lease")
         meta_port = int(meta_name.rsplit(":", 1)[1])
         (meta_proc,) = [p for p in procs if int(str(p.args[2])) == meta_port]
         meta_proc.kill()  # SIGKILL: nothing saved, nothing handed over

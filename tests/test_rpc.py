@@ -193,7 +193,7 @@ def test_malformed_frames_get_err_and_server_keeps_serving(serve, frames, name):
 def test_server_that_does_not_serve_a_type_says_so():
     # "ping" is always served; drop it to see the refusal path.
     server = RpcServer("tcp://127.0.0.1:0", {}, name="bare")
-    server._handlers.pop("ping")
+    server._calls.handlers.pop("ping")
     ep = server.start()
     try:
         with RpcClient(ep) as c, pytest.raises(UnknownMessage, match="does not serve"):

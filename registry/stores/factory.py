@@ -20,11 +20,11 @@ def open_store(redis_url: str | None = None, redis_cluster_url: str | None = Non
                **options: Any) -> RegistryStore:
     """A store for these settings; nothing connects until the first call.
 
-    * ``redis_cluster_url`` (any node of the cluster) → :class:`~.store_redis.RedisClusterStore`;
-    * ``redis_url`` → :class:`~.store_redis.RedisStore` (single node);
-    * ``redis_sentinel`` (``host:port[,...]/service``) → :class:`~.store_redis.RedisSentinelStore`
+    * ``redis_cluster_url`` (any node of the cluster) → :class:`~.redis_store.RedisClusterStore`;
+    * ``redis_url`` → :class:`~.redis_store.RedisStore` (single node);
+    * ``redis_sentinel`` (``host:port[,...]/service``) → :class:`~.redis_store.RedisSentinelStore`
       (single node, its master named by Redis Sentinel);
-    * neither → :class:`~.store_memory.MemoryStore` (embedded, one process).
+    * neither → :class:`~.memory.MemoryStore` (embedded, one process).
 
     ``options`` go to the Redis store (``key_prefix``, ``socket_timeout_s``,
     ``max_connections``, ``sweep_grace_ms``, ...); they are an error for memory.

@@ -1,8 +1,8 @@
 """The embedded registry store: plain dicts under one lock, for one box.
 
 It is the default of ``remote-g2 serve``, the copy a registry mirror keeps
-(:mod:`.mirror`), and the readable reference for the contract in
-:mod:`.store`. Superseded incarnations are dropped synchronously (the cost is
+(:mod:`remote_g2.registry.client.mirror`), and the readable reference for the contract in
+:mod:`.contract`. Superseded incarnations are dropped synchronously (the cost is
 one pass over their blocks); dead ones are found by :meth:`MemoryStore.sweep`.
 
 The reverse map, hash → holders, is the C++ :class:`~remote_g2.registry.stores.holder_index.HolderIndex`,

@@ -1,10 +1,10 @@
 """Where a registry key lives: key names, and the Redis nodes behind them (one node, Sentinel, Cluster).
 
 :class:`Keys` names every key of one ``key_prefix`` (the layout is in
-:mod:`.store_redis`'s docstring). A node set answers which client holds a
+:mod:`.redis_store`'s docstring). A node set answers which client holds a
 key, groups keys by node for one call per node, and on Cluster refreshes its
 slot table and reruns a call once when a node moved or died. Used by
-:mod:`.store_redis` only.
+the Redis store's modules only (:mod:`.redis_keyspace` holds one).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ REDIS_ERRORS = (RedisError, RedisClusterException)
 
 
 class Keys:
-    """Key names (bytes, binary-safe) for one ``key_prefix``; the layout is in :mod:`.store_redis`'s docstring."""
+    """Key names (bytes, binary-safe) for one ``key_prefix``; the layout is in :mod:`.redis_store`'s docstring."""
 
     __slots__ = ("prefix", "meta", "lease", "gone", "topo", "block", "header")
 

@@ -2,7 +2,7 @@
 
 The registry's every Redis call is one of these scripts (a lookup is one
 EVALSHA), so this is its hot path; see :class:`Scripts` for why it bypasses
-redis-py's per-command machinery. Used by :mod:`.store_redis` only.
+redis-py's per-command machinery. Used by the Redis store's modules only.
 """
 
 from __future__ import annotations
