@@ -5,7 +5,9 @@ back to these, so a deployment can configure a worker without code changes.
 Every part reads its variables with the same helpers (:func:`env_str`,
 :func:`env_int`, :func:`env_flag`, :func:`env_float`, :func:`env_fingerprint`), from ``os.environ`` or
 the ``env`` mapping its ``from_env(env=...)`` was given; a set but malformed
-variable is a :class:`~remote_g2.errors.ConfigError` naming it. The shared ones:
+variable is a :class:`~remote_g2.errors.ConfigError` naming it. A part with
+many variables lists them as an :data:`EnvTable` (variable, field, reader)
+and reads the set ones with :func:`env_fields`. The shared ones:
 
 =============================  ===================================================
 ``REMOTE_G2_REGISTRY``         registry endpoint, e.g. ``tcp://10.0.0.5:7450``
@@ -19,13 +21,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from remote_g2.errors import ConfigError
 from remote_g2.protocol.messages import LayoutFingerprint
 
-__all__ = ["ClientSettings", "env_str", "env_int", "env_flag", "env_float", "env_fingerprint", "DEFAULT_REGISTRY_ENDPOINT"]
+__all__ = ["ClientSettings", "env_str", "env_int", "env_flag", "env_float", "env_fingerprint", "env_flag_or_none",
+           "env_positive", "env_word", "EnvTable", "env_fields", "DEFAULT_REGISTRY_ENDPOINT"]
 
 DEFAULT_REGISTRY_ENDPOINT = "tcp://127.0.0.1:7450"
 _TRUE = {"1", "true", "yes", "on"}
@@ -99,6 +102,46 @@ def env_fingerprint(name: str, env: Mapping[str, str] | None = None) -> LayoutFi
     except TypeError as e:
         raise ConfigError(f"{name}: {e}") from None
 
+
+
+def env_flag_or_none(name: str, env: Mapping[str, str] | None = None) -> bool | None:
+    """A boolean variable, or None when unset or blank (:func:`env_flag` with ``default=None``)."""
+    return env_flag(name, env, default=None)
+
+
+def env_positive(name: str, env: Mapping[str, str] | None = None) -> float | None:
+    """A positive number variable (see :func:`env_float`), or None when unset or empty."""
+    if env_str(name, env) is None:
+        return None
+    return env_float(name, 1.0, env)  # a value of blanks reads as 1.0, as SourceConfig always read it
+
+
+def env_word(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """A word variable (a mode's name), trimmed and lower-cased, or None when unset or blank.
+
+    Whether the word is one the field takes is the settings' own check.
+    """
+    raw = _environ(env).get(name, "").strip()
+    return raw.lower() if raw else None
+
+
+EnvReader = Callable[[str, Mapping[str, str] | None], object]
+#: Rows ``(variable, field, reader)``: ``reader(variable, env)`` is the field's value, or None when unset.
+EnvTable = Sequence[tuple[str, str, EnvReader]]
+
+
+def env_fields(table: EnvTable, env: Mapping[str, str] | None = None) -> dict[str, object]:
+    """``{field: value}`` for each row of ``table`` whose variable is set, read in the table's order.
+
+    A field whose variable is unset is left out (the settings' own default
+    holds); the first malformed variable, in table order, is the
+    :class:`ConfigError`.
+    """
+    values: dict[str, object] = {}
+    for var, field, read in table:
+        if (value := read(var, env)) is not None:
+            values[field] = value
+    return values
 
 @dataclass(frozen=True)
 class ClientSettings:

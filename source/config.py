@@ -43,7 +43,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from remote_g2.config import env_fingerprint, env_flag, env_float, env_int, env_str
+from remote_g2.config import (
+    EnvTable, env_fields, env_fingerprint, env_flag_or_none, env_int, env_positive, env_str, env_word,
+)
 from remote_g2.rpc.curve import CurveClientConfig, CurveServerConfig
 from remote_g2.errors import ConfigError
 from remote_g2.protocol.messages import LayoutFingerprint
@@ -52,6 +54,35 @@ from .progress_pace import MODES, ProgressPace, cma_usable
 __all__ = ["SourceConfig", "ENABLE_ENV"]
 
 ENABLE_ENV = "REMOTE_G2_SOURCE"
+
+# What :meth:`SourceConfig.from_env` reads, in this order (the first malformed variable is the error);
+# the CURVE keys, which take two variables each, are read apart.
+_ENV_FIELDS: EnvTable = (
+    ("REMOTE_G2_REGISTRY", "registry_endpoint", env_str),
+    ("REMOTE_G2_SOURCE_BIND", "bind", env_str),
+    ("REMOTE_G2_SOURCE_ADVERTISE", "advertise", env_str),
+    ("REMOTE_G2_SOURCE_IPC_DIR", "ipc_dir", env_str),
+    ("REMOTE_G2_SOURCE_DEFAULT_TTL_MS", "default_lease_ttl_ms", env_int),
+    ("REMOTE_G2_SOURCE_MAX_TTL_MS", "max_lease_ttl_ms", env_int),
+    ("REMOTE_G2_SOURCE_MIN_TTL_MS", "min_lease_ttl_ms", env_int),
+    ("REMOTE_G2_SOURCE_SIBLING_TIMEOUT_MS", "sibling_timeout_ms", env_int),
+    ("REMOTE_G2_SOURCE_RPC_WORKERS", "rpc_workers", env_int),
+    ("REMOTE_G2_SOURCE_METRICS_PORT", "metrics_port", env_int),
+    ("REMOTE_G2_SOURCE_PIN_BUDGET", "pin_budget_blocks", env_int),
+    ("REMOTE_G2_SOURCE_STAGING_MIB", "staging_mib", env_int),
+    ("REMOTE_G2_SOURCE_GATHER_MIN_DESCRIPTORS", "gather_min_descriptors", env_int),
+    ("REMOTE_G2_SOURCE_GATHER_MAX_PIECE_KIB", "gather_max_piece_kib", env_int),
+    ("REMOTE_G2_SOURCE_GATHER_CHUNK_KIB", "gather_chunk_kib", env_int),
+    ("REMOTE_G2_SOURCE_PROGRESS_MS", "progress_interval_ms", env_positive),
+    ("REMOTE_G2_SOURCE_ONE_SIDED_PROGRESS_MS", "one_sided_progress_interval_ms", env_positive),
+    ("REMOTE_G2_SOURCE_IDLE_PROGRESS_MS", "idle_progress_interval_ms", env_positive),
+    ("REMOTE_G2_SOURCE_EVENT_TIMEOUT_MS", "event_timeout_ms", env_positive),
+    (ENABLE_ENV, "enabled", env_flag_or_none),
+    ("REMOTE_G2_SOURCE_PEER_RESOLVE", "peer_resolve", env_flag_or_none),
+    ("REMOTE_G2_SOURCE_PROGRESS", "progress", env_word),
+    ("REMOTE_G2_SOURCE_PEER_TRANSPORT", "peer_transport", env_word),
+    ("REMOTE_G2_SOURCE_FINGERPRINT", "fingerprint", env_fingerprint),
+)
 
 
 @dataclass(frozen=True)
@@ -234,38 +265,7 @@ class SourceConfig:
         """
         e = env if env is not None else os.environ
         kw: dict[str, object] = dict(defaults)
-        for var, name in (("REMOTE_G2_REGISTRY", "registry_endpoint"), ("REMOTE_G2_SOURCE_BIND", "bind"),
-                          ("REMOTE_G2_SOURCE_ADVERTISE", "advertise"), ("REMOTE_G2_SOURCE_IPC_DIR", "ipc_dir")):
-            if (text := env_str(var, e)) is not None:
-                kw[name] = text
-        for var, name in (("REMOTE_G2_SOURCE_DEFAULT_TTL_MS", "default_lease_ttl_ms"),
-                          ("REMOTE_G2_SOURCE_MAX_TTL_MS", "max_lease_ttl_ms"),
-                          ("REMOTE_G2_SOURCE_MIN_TTL_MS", "min_lease_ttl_ms"),
-                          ("REMOTE_G2_SOURCE_SIBLING_TIMEOUT_MS", "sibling_timeout_ms"),
-                          ("REMOTE_G2_SOURCE_RPC_WORKERS", "rpc_workers"),
-                          ("REMOTE_G2_SOURCE_METRICS_PORT", "metrics_port"),
-                          ("REMOTE_G2_SOURCE_PIN_BUDGET", "pin_budget_blocks"),
-                          ("REMOTE_G2_SOURCE_STAGING_MIB", "staging_mib"),
-                          ("REMOTE_G2_SOURCE_GATHER_MIN_DESCRIPTORS", "gather_min_descriptors"),
-                          ("REMOTE_G2_SOURCE_GATHER_MAX_PIECE_KIB", "gather_max_piece_kib"),
-                          ("REMOTE_G2_SOURCE_GATHER_CHUNK_KIB", "gather_chunk_kib")):
-            if (number := env_int(var, e)) is not None:
-                kw[name] = number
-        for var, name in (("REMOTE_G2_SOURCE_PROGRESS_MS", "progress_interval_ms"),
-                          ("REMOTE_G2_SOURCE_ONE_SIDED_PROGRESS_MS", "one_sided_progress_interval_ms"),
-                          ("REMOTE_G2_SOURCE_IDLE_PROGRESS_MS", "idle_progress_interval_ms"),
-                          ("REMOTE_G2_SOURCE_EVENT_TIMEOUT_MS", "event_timeout_ms")):
-            if env_str(var, e) is not None:
-                kw[name] = env_float(var, 1.0, e)
-        for var, name in ((ENABLE_ENV, "enabled"), ("REMOTE_G2_SOURCE_PEER_RESOLVE", "peer_resolve")):
-            if (flag := env_flag(var, e, default=None)) is not None:
-                kw[name] = flag
-        if e.get("REMOTE_G2_SOURCE_PROGRESS", "").strip():
-            kw["progress"] = e["REMOTE_G2_SOURCE_PROGRESS"].strip().lower()
-        if e.get("REMOTE_G2_SOURCE_PEER_TRANSPORT", "").strip():
-            kw["peer_transport"] = e["REMOTE_G2_SOURCE_PEER_TRANSPORT"].strip().lower()
-        if (fingerprint := env_fingerprint("REMOTE_G2_SOURCE_FINGERPRINT", e)) is not None:
-            kw["fingerprint"] = fingerprint
+        kw.update(env_fields(_ENV_FIELDS, e))
         secret = e.get("REMOTE_G2_SOURCE_CURVE_SECRET_KEY")
         if secret:
             kw["curve"] = CurveServerConfig.from_files(secret, e.get("REMOTE_G2_SOURCE_CURVE_ALLOWED") or None)

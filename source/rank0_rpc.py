@@ -19,9 +19,12 @@ resolves proceed in parallel):
   (``sibling_trim``, local unpin of the tail) before the reply; 0 → ``miss``
   with every pin dropped.
 
-:class:`Rank0Rpc` is a part of :class:`~.service.SourceService` (which
-builds the state these handlers use); it is kept apart because it is the
-lease protocol, and the service is the rank's start-up and lifetime.
+:class:`Rank0Handlers` is an object of its own: :class:`~.service.SourceService`
+builds it once the TP group's records are in (rank 0 only), handing it the
+lease table, pin budget, sibling links, gatherer, metrics and the worker's
+metadata, and registers its methods on rank 0's servers. The handlers are
+the lease protocol; the service is the rank's start-up and lifetime (it
+owns, and closes, everything it handed over).
 """
 
 from __future__ import annotations
@@ -35,22 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 from remote_g2.errors import SourceError, TransportError
 from remote_g2.protocol.messages import (
-    MAX_FORWARDED_RESOLVE_BYTES,
-    GetMetadata,
-    RankBlocks,
-    RankInfo,
-    Release,
-    ReleaseReply,
-    Renew,
-    RenewReply,
-    Resolve,
-    ResolveReply,
-    SiblingPin,
-    SiblingPinReply,
-    SiblingRelease,
-    SiblingRenew,
-    SiblingResolve,
-    SiblingTrim,
+    MAX_FORWARDED_RESOLVE_BYTES, GetMetadata, RankBlocks, RankInfo, Release, ReleaseReply, Renew, RenewReply,
+    Resolve, ResolveReply, SiblingPin, SiblingPinReply, SiblingRelease, SiblingRenew, SiblingResolve, SiblingTrim,
     SourceMetadataReply,
 )
 from remote_g2.rpc.server import CallContext
@@ -88,30 +77,38 @@ class _Forwarded:
         self.undo(self.lease_id, self.pending.wait(), self.owner)
 
 
-class Rank0Rpc:
-    """The handlers rank 0 serves to targets; mixed into :class:`~.service.SourceService`, which owns the state."""
+class Rank0Handlers:
+    """The handlers rank 0 serves to targets, over the rank's lease state; built by :class:`~.service.SourceService`.
 
-    worker_id: str
-    epoch: int
-    tp_size: int
-    config: SourceConfig
-    metrics: SourceMetrics
-    budget: PinBudget
-    leases: LeaseTable
-    gatherer: Gatherer | None
-    _links: SiblingLinks | None
-    _rank_infos: list[RankInfo]
+    ``rank_infos`` is the worker's metadata (one :class:`RankInfo` per rank,
+    in rank order), answered by ``get_metadata`` and, less what the caller
+    knows, by every resolve; the service may fill in rank 0's peer endpoint
+    once its lane is bound (before the worker endpoint serves).
+    """
 
-    def _get_metadata(self, req: GetMetadata, ctx: CallContext) -> SourceMetadataReply:
-        return SourceMetadataReply(self.worker_id, self.epoch, self.tp_size, list(self._rank_infos))
+    def __init__(self, *, worker_id: str, epoch: int, tp_size: int, config: SourceConfig, metrics: SourceMetrics,
+                 budget: PinBudget, leases: LeaseTable, links: SiblingLinks, gatherer: Gatherer | None,
+                 rank_infos: list[RankInfo]) -> None:
+        self.worker_id = worker_id
+        self.epoch = epoch
+        self.tp_size = tp_size
+        self.config = config
+        self.metrics = metrics
+        self.budget = budget
+        self.leases = leases
+        self.gatherer = gatherer
+        self.rank_infos = rank_infos
+        self._links = links
 
-    def _forward_resolve(self, owner: bytes | None, frame: bytes) -> _Forwarded | None:
+    def get_metadata(self, req: GetMetadata, ctx: CallContext) -> SourceMetadataReply:
+        return SourceMetadataReply(self.worker_id, self.epoch, self.tp_size, list(self.rank_infos))
+
+    def forward_resolve(self, owner: bytes | None, frame: bytes) -> _Forwarded | None:
         """The arrival hook of ``resolve``: send the undecoded frame to every sibling (None: not sent).
 
         Each sibling's share belongs to ``owner``, the identity of the connection the frame came on.
         """
         links = self._links
-        assert links is not None
         if not owner or not links.ranks or len(frame) > MAX_FORWARDED_RESOLVE_BYTES or links.down():
             return None  # the handler takes the sibling_pin path (or fails fast on a rank that is down)
         # Random, not sequential: a reader that mixes up its ids must not be able to release
@@ -121,7 +118,7 @@ class Rank0Rpc:
         return _Forwarded(lease_id, owner, sent,
                           links.begin(lambda r: SiblingResolve(lease_id, frame, owner), fail_fast=True), self._undo)
 
-    def _resolve(self, req: Resolve, ctx: CallContext) -> ResolveReply:
+    def resolve(self, req: Resolve, ctx: CallContext) -> ResolveReply:
         t0 = time.perf_counter()
         try:
             reply = self._resolve_pins(req, owner_of(ctx), ctx.arrival)
@@ -132,7 +129,6 @@ class Rank0Rpc:
         return reply
 
     def _resolve_pins(self, req: Resolve, owner: bytes, forwarded: _Forwarded | None) -> ResolveReply:
-        assert self.budget is not None and self._links is not None
         links = self._links
         ttl_ms = self.config.lease_ttl_ms(req.ttl_ms)
         # The siblings start their clocks later (on receipt): they outlive us.
@@ -152,7 +148,7 @@ class Rank0Rpc:
         if forwarded is not None:
             lease_id, pending = forwarded.lease_id, forwarded.pending
         else:  # no siblings, or a frame too large to forward
-            lease_id = secrets.randbits(62) + 1  # random: see _forward_resolve
+            lease_id = secrets.randbits(62) + 1  # random: see forward_resolve
             pending = links.begin(lambda r: SiblingPin(lease_id, hashes, ttl_ms, owner), fail_fast=True)
         try:
             local = self.leases.pin(lease_id, hashes, deadline, owner, worker_wide=True)
@@ -194,10 +190,10 @@ class Rank0Rpc:
         # A caller that knows an agent already holds its RankInfo for this epoch: leave it out
         # (decoding the layouts again costs the target a little on every load).
         known = set(req.known_agents)
-        metadata = [info for info in self._rank_infos if info.agent_name not in known]
-        return ResolveReply("ok", lease_id, matched, self.epoch, expires_in_ms,
-                            [RankBlocks(r, ids[:matched], [replace(s, blocks=min(s.blocks, matched)) for s in staged[r]])
-                             for r, ids in sorted(per_rank.items())], metadata)
+        metadata = [info for info in self.rank_infos if info.agent_name not in known]
+        blocks = [RankBlocks(r, ids[:matched], [replace(s, blocks=min(s.blocks, matched)) for s in staged[r]])
+                  for r, ids in sorted(per_rank.items())]
+        return ResolveReply("ok", lease_id, matched, self.epoch, expires_in_ms, blocks, metadata)
 
     def _undo(self, lease_id: int, answers: dict[int, Any], owner: bytes) -> None:
         """Drop a lease everywhere: locally, and on every sibling that holds (or may hold) pins for it.
@@ -208,7 +204,6 @@ class Rank0Rpc:
         tombstone refuses a pin that arrives after it, and their own expiry
         covers the rest).
         """
-        assert self._links is not None
         self.leases.release(lease_id, owner)
         answered = [r for r, a in answers.items() if not isinstance(a, BaseException)
                     and not (isinstance(a, SiblingPinReply) and not a.block_ids)]
@@ -218,7 +213,7 @@ class Rank0Rpc:
         if unsure:
             self._links.begin(lambda r: SiblingRelease(lease_id, owner), unsure)  # not waited for
 
-    def _release(self, req: Release, ctx: CallContext) -> ReleaseReply:
+    def release(self, req: Release, ctx: CallContext) -> ReleaseReply:
         """Unpin locally, tell every sibling, answer: the siblings' acks are not waited for.
 
         Each sibling drops its pins when the message arrives (a fraction of a
@@ -234,19 +229,18 @@ class Rank0Rpc:
         if lease is None:
             return ReleaseReply(False)
         self.metrics.leases_released.inc()
-        assert self._links is not None
         if self._links.ranks and lease.worker_wide:  # a peer_resolve share is this rank's alone
             self._links.begin(lambda r: SiblingRelease(req.lease_id, owner))
         return ReleaseReply(True)
 
-    def _renew(self, req: Renew, ctx: CallContext) -> RenewReply:
+    def renew(self, req: Renew, ctx: CallContext) -> RenewReply:
         ttl_ms = self.config.lease_ttl_ms(req.ttl_ms)
         deadline = time.monotonic() + ttl_ms / 1000.0
         owner = owner_of(ctx)
         lease = self.leases.get(req.lease_id)
         if not self.leases.renew(req.lease_id, deadline, owner):
             return RenewReply(False, 0)
-        assert self._links is not None and lease is not None
+        assert lease is not None
         if self._links.ranks and lease.worker_wide:  # a peer_resolve share is this rank's alone
             answers = self._links.call_all(lambda r: SiblingRenew(req.lease_id, ttl_ms, owner))
             lost = {r: a for r, a in answers.items() if isinstance(a, BaseException) or not a.known}

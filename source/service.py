@@ -11,8 +11,10 @@ Start-up (every rank, :func:`start_source_service`):
    TCP and, with a registry configured, registers the worker and streams the
    pool's stored/removed events (heartbeat load = open leases).
 
-Rank 0's ``resolve`` / ``release`` / ``renew`` and their fan-out to the
-siblings are in :mod:`.rank0_rpc`.
+Rank 0's ``resolve`` / ``release`` / ``renew`` / ``get_metadata`` and their
+fan-out to the siblings are an object of their own,
+:class:`~.rank0_rpc.Rank0Handlers`, which the service builds over its lease
+state and registers on its servers.
 
 Every rank reaps its own expired leases from a bounded sleep loop, so a
 reader that dies never leaks pins.
@@ -32,7 +34,7 @@ from typing import Any
 
 from remote_g2.memory.secondary_pool import MemoryRegion, SecondaryPool
 from remote_g2.config import env_flag
-from remote_g2.errors import ConfigError, ProtocolError, SourceError
+from remote_g2.errors import ProtocolError, SourceError
 from remote_g2.rpc.ipc_paths import (
     claim_ipc_path,
     default_ipc_dir,
@@ -48,7 +50,8 @@ from remote_g2.protocol.messages import RankInfo
 from remote_g2.rpc.server import Handler, RpcServer, free_port_on_host_of
 from remote_g2.rpc.stream import StreamRpcServer, stream_endpoint_on_host_of
 from remote_g2.stall_watchdog import maybe_start_stall_watchdog
-from remote_g2.tp.group import RankRecord, TpGroup, exchange, resolve_tp_group
+from remote_g2.tp.group import RankRecord, TpGroup, exchange
+from remote_g2.tp.start import start_on_every_rank
 
 from .config import ENABLE_ENV, SourceConfig
 from .gather import GATHER_OUTCOMES, Gatherer
@@ -56,7 +59,7 @@ from .leases import LeaseTable, PinBudget
 from .metrics import SourceMetrics
 from .peer import peer_handlers
 from .rank_agent import RankAgent, agent_name_for
-from .rank0_rpc import Rank0Rpc
+from .rank0_rpc import Rank0Handlers
 from .siblings import SiblingLinks, sibling_handlers
 from .staging import StagingArena
 
@@ -98,20 +101,13 @@ def start_source_service(pool: SecondaryPool, *, worker_id: str, tp_rank: int | 
                          tp_size: int | None = None, config: SourceConfig | None = None,
                          comm: Any = None) -> SourceService:
     """Start this rank's source service unconditionally (see :func:`maybe_start_source_service`)."""
-    if not worker_id or len(worker_id) > 128:
-        raise ConfigError(f"worker_id must be 1..128 characters, got {worker_id!r}")
     config = config or SourceConfig(enabled=True)
-    group = resolve_tp_group(tp_rank, tp_size, comm)
-    service = SourceService(pool, worker_id=worker_id, group=group, config=config)
-    try:
-        service._start()
-    except BaseException:
-        service.shutdown()
-        raise
-    return service
+    return start_on_every_rank(lambda group: SourceService(pool, worker_id=worker_id, group=group, config=config),
+                               SourceService._start, worker_id=worker_id, tp_rank=tp_rank, tp_size=tp_size,
+                               comm=comm)
 
 
-class SourceService(Rank0Rpc):
+class SourceService:
     """One rank's part of a worker's source; built by :func:`start_source_service`.
 
     ``endpoint`` is rank 0's bound TCP endpoint (what targets call), or a
@@ -147,7 +143,7 @@ class SourceService(Rank0Rpc):
         self._links: SiblingLinks | None = None
         self._publisher: Any = None
         self._registry_client: Any = None
-        self._rank_infos: list[RankInfo] = []
+        self._rank0: Rank0Handlers | None = None  # rank 0's lease RPCs; see _start_rank0
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
         self._shutdown_lock = threading.Lock()
@@ -285,26 +281,29 @@ class SourceService(Rank0Rpc):
 
     def _start_rank0(self) -> None:
         cfg = self.config
-        self._rank_infos = [RankInfo(r.rank, r.agent_name, r.agent_metadata, r.pool_base, r.pool_bytes, r.layout,
-                                     r.peer_endpoint, r.staging_base, r.staging_bytes) for r in self.records]
+        rank_infos = [RankInfo(r.rank, r.agent_name, r.agent_metadata, r.pool_base, r.pool_bytes, r.layout,
+                               r.peer_endpoint, r.staging_base, r.staging_bytes) for r in self.records]
         siblings = {r.rank: r.sibling_endpoint for r in self.records[1:] if r.sibling_endpoint}
         self._links = SiblingLinks(siblings, timeout_ms=cfg.sibling_timeout_ms,
                                    retry_after_s=cfg.sibling_retry_after_ms / 1000,
                                    on_failure=self._sibling_failed, on_refusal=self._sibling_refused)
+        rank0 = self._rank0 = Rank0Handlers(worker_id=self.worker_id, epoch=self.epoch, tp_size=self.tp_size,
+                                            config=cfg, metrics=self.metrics, budget=self.budget, leases=self.leases,
+                                            links=self._links, gatherer=self.gatherer, rank_infos=rank_infos)
         peer_resolve = peer_handlers(self.leases, epoch=lambda: self.epoch, lease_ttl_ms=cfg.lease_ttl_ms,
                                      observe=self.metrics.resolve_outcome, gatherer=self.gatherer)["peer_resolve"]
         if cfg.stream_lane:  # before the worker endpoint: targets learn of the lane from its metadata
-            self._start_peer_server({"peer_resolve": peer_resolve, "release": self._release, "renew": self._renew})
-            self._rank_infos[0] = replace(self._rank_infos[0], peer_endpoint=self.peer_endpoint)
+            self._start_peer_server({"peer_resolve": peer_resolve, "release": rank0.release, "renew": rank0.renew})
+            rank0.rank_infos[0] = replace(rank0.rank_infos[0], peer_endpoint=self.peer_endpoint)
         assert cfg.bind is not None  # _routable_addresses chose it
         self._server = RpcServer(cfg.bind, {
-            "resolve": self._resolve,
-            "release": self._release,
-            "renew": self._renew,
-            "get_metadata": self._get_metadata,
+            "resolve": rank0.resolve,
+            "release": rank0.release,
+            "renew": rank0.renew,
+            "get_metadata": rank0.get_metadata,
             "peer_resolve": peer_resolve,
         }, name=f"source-{self.worker_id}", workers=cfg.rpc_workers, curve=cfg.curve,
-            on_call=self.metrics.observe_call, on_arrival={"resolve": self._forward_resolve}, identify_clients=True)
+            on_call=self.metrics.observe_call, on_arrival={"resolve": rank0.forward_resolve}, identify_clients=True)
         self.endpoint = self._server.start()
         self.advertised_endpoint = self._advertised(self.endpoint, own_port=False)
         if self.advertised_endpoint != self.endpoint:

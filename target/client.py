@@ -59,7 +59,8 @@ from remote_g2.plugins import load_adapter
 from remote_g2.rpc.mux import RpcMux
 from remote_g2.memory.secondary_pool import SecondaryPool
 from remote_g2.stall_watchdog import maybe_start_stall_watchdog
-from remote_g2.tp.group import TpGroup, resolve_tp_group
+from remote_g2.tp.group import TpGroup
+from remote_g2.tp.start import start_on_every_rank
 
 from .config import TargetConfig
 from .coordinator import LOOKUP_CACHE, Coordinator
@@ -106,16 +107,9 @@ def maybe_start_target_client(pool: SecondaryPool, *, tp_rank: int | None = None
 def start_target_client(pool: SecondaryPool, *, tp_rank: int | None = None, tp_size: int | None = None,
                         worker_id: str, config: TargetConfig, comm: Any = None) -> TargetClient:
     """Start unconditionally (see :func:`maybe_start_target_client`)."""
-    if not worker_id or len(worker_id) > 128:
-        raise ConfigError(f"worker_id must be 1..128 characters, got {worker_id!r}")
-    group = resolve_tp_group(tp_rank, tp_size, comm)
-    client = TargetClient(pool, worker_id=worker_id, group=group, config=config)
-    try:
-        client._start()
-    except BaseException:
-        client.shutdown()
-        raise
-    return client
+    return start_on_every_rank(lambda group: TargetClient(pool, worker_id=worker_id, group=group, config=config),
+                               TargetClient._start, worker_id=worker_id, tp_rank=tp_rank, tp_size=tp_size,
+                               comm=comm)
 
 
 class TargetClient:

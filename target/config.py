@@ -28,7 +28,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from remote_g2.config import env_fingerprint, env_flag, env_int, env_str
+from remote_g2.config import EnvTable, env_fields, env_fingerprint, env_flag, env_flag_or_none, env_int, env_str
 from remote_g2.rpc.curve import CurveClientConfig
 from remote_g2.errors import ConfigError
 from remote_g2.rpc.ipc_paths import default_ipc_dir
@@ -37,6 +37,24 @@ from remote_g2.protocol.messages import LayoutFingerprint
 __all__ = ["TargetConfig", "ENABLE_ENV"]
 
 ENABLE_ENV = "REMOTE_G2_TARGET"
+
+# What :meth:`TargetConfig.from_env` reads, in this order (the first malformed variable is the error);
+# the CURVE keys, which take two variables each, are read apart.
+_ENV_FIELDS: EnvTable = (
+    (ENABLE_ENV, "enabled", env_flag_or_none),
+    ("REMOTE_G2_TARGET_REGISTRY_MIRROR", "registry_mirror", env_flag_or_none),
+    ("REMOTE_G2_TARGET_PEER_RESOLVE", "peer_resolve", env_flag_or_none),
+    ("REMOTE_G2_TARGET_GATHER", "gather", env_flag_or_none),
+    ("REMOTE_G2_REGISTRY", "registry_endpoint", env_str),
+    ("REMOTE_G2_TARGET_TRANSFER", "transfer", env_str),
+    ("REMOTE_G2_TARGET_IPC_DIR", "ipc_dir", env_str),
+    ("REMOTE_G2_TARGET_LEASE_TTL_MS", "lease_ttl_ms", env_int),
+    ("REMOTE_G2_TARGET_RPC_TIMEOUT_MS", "rpc_timeout_ms", env_int),
+    ("REMOTE_G2_TARGET_TIMEOUT_MS", "transfer_timeout_ms", env_int),
+    ("REMOTE_G2_TARGET_BOUNCE_MIB", "bounce_mib", env_int),
+    ("REMOTE_G2_TARGET_METRICS_PORT", "metrics_port", env_int),
+    ("REMOTE_G2_TARGET_FINGERPRINT", "fingerprint", env_fingerprint),
+)
 
 
 @dataclass(frozen=True)
@@ -110,24 +128,7 @@ class TargetConfig:
     def from_env(cls, env: Mapping[str, str] | None = None) -> TargetConfig:
         """Read ``REMOTE_G2_TARGET*`` (see the module docstring); a malformed variable is a :class:`ConfigError`."""
         e = os.environ if env is None else env
-        values: dict[str, object] = {"enabled": env_flag(ENABLE_ENV, e),
-                                     "registry_mirror": env_flag("REMOTE_G2_TARGET_REGISTRY_MIRROR", e)}
-        for var, name in (("REMOTE_G2_TARGET_PEER_RESOLVE", "peer_resolve"), ("REMOTE_G2_TARGET_GATHER", "gather")):
-            if (flag := env_flag(var, e, default=None)) is not None:
-                values[name] = flag
-        for var, name in (("REMOTE_G2_REGISTRY", "registry_endpoint"), ("REMOTE_G2_TARGET_TRANSFER", "transfer"),
-                          ("REMOTE_G2_TARGET_IPC_DIR", "ipc_dir")):
-            if (text := env_str(var, e)) is not None:
-                values[name] = text
-        for var, name in (("REMOTE_G2_TARGET_LEASE_TTL_MS", "lease_ttl_ms"),
-                          ("REMOTE_G2_TARGET_RPC_TIMEOUT_MS", "rpc_timeout_ms"),
-                          ("REMOTE_G2_TARGET_TIMEOUT_MS", "transfer_timeout_ms"),
-                          ("REMOTE_G2_TARGET_BOUNCE_MIB", "bounce_mib"),
-                          ("REMOTE_G2_TARGET_METRICS_PORT", "metrics_port")):
-            if (number := env_int(var, e)) is not None:
-                values[name] = number
-        if (fingerprint := env_fingerprint("REMOTE_G2_TARGET_FINGERPRINT", e)) is not None:
-            values["fingerprint"] = fingerprint
+        values = env_fields(_ENV_FIELDS, e)
         values["registry_curve"] = CurveClientConfig.from_env("REMOTE_G2_CURVE_SERVER_KEY", dict(e))
         values["source_curve"] = CurveClientConfig.from_env("REMOTE_G2_SOURCE_CURVE_SERVER_KEY", dict(e))
         return cls(**values)  # type: ignore[arg-type]

@@ -8,7 +8,10 @@ import os
 import pytest
 
 from remote_g2 import errors
-from remote_g2.config import ClientSettings, env_fingerprint, env_flag, env_float, env_int, env_str
+from remote_g2.config import (
+    ClientSettings, env_fields, env_fingerprint, env_flag, env_flag_or_none, env_float, env_int, env_positive, env_str,
+    env_word,
+)
 from remote_g2.identity.hashing import (
     chain_block_hashes,
     check_block_hash,
@@ -98,6 +101,18 @@ def test_env_helpers_tell_unset_from_set_and_name_the_variable():
         env_fingerprint("FP", {"FP": '{"colour": 1}'})
 
 
+
+def test_an_env_table_reads_the_set_variables_into_fields_and_the_first_malformed_one_is_the_error():
+    table = (("A", "a", env_int), ("B", "b", env_flag_or_none), ("C", "c", env_positive), ("D", "d", env_word))
+    assert env_fields(table, {}) == {}
+    assert env_fields(table, {"A": " 3 ", "B": "off", "C": "0.5", "D": " Poll ", "E": "x"}) == {
+        "a": 3, "b": False, "c": 0.5, "d": "poll"}
+    assert env_fields(table, {"A": "", "D": "  "}) == {}
+    with pytest.raises(errors.ConfigError, match="A='x' is not an integer"):
+        env_fields(table, {"A": "x", "B": "maybe"})
+    with pytest.raises(errors.ConfigError, match="C must be positive"):
+        env_fields(table, {"C": "-1"})
+
 def test_target_config_reads_integers_and_fingerprint_from_env():
     from remote_g2.target import TargetConfig
 
@@ -157,3 +172,33 @@ def test_an_endpoint_setting_names_one_server_or_a_failover_list_and_moves_past_
     assert servers.failed("tcp://a:1") == "tcp://b:2"
     assert servers.failed("tcp://a:1") == "tcp://b:2"  # a late report of the one already left changes nothing
     assert servers.failed("tcp://b:2") == "tcp://a:1"  # round the list
+
+
+def test_start_on_every_rank_checks_the_worker_id_and_shuts_down_a_part_whose_start_failed():
+    from remote_g2.tp.start import start_on_every_rank
+
+    class Part:
+        def __init__(self, group, fail: bool) -> None:
+            self.group, self.fail, self.stopped = group, fail, False
+
+        def start(self) -> None:
+            if self.fail:
+                raise RuntimeError("bind failed")
+
+        def shutdown(self) -> None:
+            self.stopped = True
+
+    built: list[Part] = []
+
+    def build(fail: bool):
+        return lambda group: built.append(Part(group, fail)) or built[-1]
+
+    part = start_on_every_rank(build(False), Part.start, worker_id="w", tp_rank=0, tp_size=1, comm=None)
+    assert (part.group.rank, part.group.size, part.stopped) == (0, 1, False)
+    with pytest.raises(RuntimeError, match="bind failed"):
+        start_on_every_rank(build(True), Part.start, worker_id="w", tp_rank=None, tp_size=1, comm=None)
+    assert built[-1].stopped
+    for bad in ("", "w" * 129):
+        with pytest.raises(errors.ConfigError, match="worker_id must be 1..128 characters"):
+            start_on_every_rank(build(False), Part.start, worker_id=bad, tp_rank=0, tp_size=1, comm=None)
+    assert len(built) == 2  # a bad id is refused before anything is built
