@@ -16,6 +16,9 @@ Modules::
     config.py       TargetConfig (code or REMOTE_G2_TARGET* environment)
 
 Names are imported lazily so ``import remote_g2.target`` stays cheap.
+
+May import: the core, and the registry's client side (``registry.client``: the typed client and the mirror
+its leader looks up through) when a registry is configured. Never ``source`` or ``adapters``.
 """
 
 from __future__ import annotations
