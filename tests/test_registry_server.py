@@ -65,6 +65,19 @@ def test_round_trip_of_every_message(registry):
         c.register_worker("w2", "tcp://127.0.0.1:9002", FP, epoch=4)
 
 
+def test_a_client_registers_a_source_and_nothing_else(registry):
+    """Only the server's own KV-event ingest lists an events-only worker: over the wire it is refused."""
+    from remote_g2.errors import RegistryError
+    from remote_g2.protocol.messages import RegisterWorker
+
+    server, c = registry
+    with pytest.raises(RegistryError, match="registers a source"):
+        c._call(RegisterWorker("w9", "tcp://127.0.0.1:9009", FP, 1, kind="events-only"))
+    assert c.worker_info("w9") is None
+    c.register_worker("w9", "tcp://127.0.0.1:9009", FP, epoch=1)
+    assert c.worker_info("w9").kind == "source"
+
+
 def test_metrics_count_lookups_events_and_bad_frames(registry):
     server, c = registry
     c.register_worker("w1", "tcp://127.0.0.1:9001", FP, epoch=1)
@@ -216,6 +229,7 @@ def test_admin_cli(registry, capsys):
     doc = json.loads(out)
     assert code == 0 and [w["worker_id"] for w in doc] == ["w1", "w2"]
     assert {"worker_id", "endpoint", "tp_size", "epoch", "live"} <= set(doc[0]) and doc[0]["live"] is True
+    assert doc[0]["kind"] == "source"
     code, out, _ = run_cli(capsys, "admin", "--registry", ep, "workers")
     assert "worker_id" in out and "tcp://127.0.0.1:9002" in out
 

@@ -21,7 +21,7 @@ from remote_g2.errors import CannotScore
 from remote_g2.protocol.messages import BlockEvent, Events, LayoutFingerprint, RegisterWorker
 from remote_g2.registry import MemoryStore
 from remote_g2.registry.scoring.engine_caches import EngineCaches, tier_of
-from remote_g2.registry.server.metrics import RegistryMetrics
+from remote_g2.registry.metrics import RegistryMetrics
 from remote_g2.registry.scoring.http_server import ScoreHttpServer
 from remote_g2.registry.scoring.scorer import Scorer, ScoreRequest
 from remote_g2.registry.scoring.vllm_event_decode import EngineEvent, decode_kv_event_batch
@@ -168,7 +168,7 @@ def test_engines_whose_hash_space_is_unknown_are_listed_as_unscored(prompt):
     store.apply_events(Events("sharing", 1, 1, [BlockEvent("stored", hashes[:4])]))
     events_only = LayoutFingerprint(model_id="tiny", dtype="unknown", tokens_per_block=1, kv_layout="events-only",
                                     num_layers=1, num_kv_heads=1, head_dim=1, tp_size=1)
-    store.register_worker(RegisterWorker("quiet", "events-only://quiet", events_only, 1))
+    store.register_worker(RegisterWorker("quiet", "events-only://quiet", events_only, 1, kind="events-only"))
     reply = Scorer(store, engines=EngineCaches()).score(ScoreRequest("tiny", prompt))
     assert [w.worker_id for w in reply.workers] == ["sharing"]
     assert reply.unscored == [{"worker_id": "quiet", "reason": "scheme_not_learned",
@@ -185,7 +185,7 @@ def test_block_hashes_score_an_engine_known_from_its_events(prompt):
     hashes = VllmBlockHasher("sha256", DEFAULT_SEED, BS).hashes(prompt)
     events_only = LayoutFingerprint(model_id="tiny", dtype="unknown", tokens_per_block=1, kv_layout="events-only",
                                     num_layers=1, num_kv_heads=1, head_dim=1, tp_size=1)
-    store.register_worker(RegisterWorker("stock", "events-only://stock", events_only, 1))
+    store.register_worker(RegisterWorker("stock", "events-only://stock", events_only, 1, kind="events-only"))
     caches = EngineCaches()
     caches.apply("stock", [_event(prompt[:BS * 9], hashes[:9], True)])  # a chain's start: its hash space learned
     assert caches.hasher("stock")[0] is not None
@@ -239,7 +239,7 @@ def test_an_engine_with_several_kv_cache_groups_is_unscored_not_zero(prompt):
     store = MemoryStore(lease_ttl_ms=60_000)
     events_only = LayoutFingerprint(model_id="tiny", dtype="unknown", tokens_per_block=1, kv_layout="events-only",
                                     num_layers=1, num_kv_heads=1, head_dim=1, tp_size=1)
-    store.register_worker(RegisterWorker("hybrid", "events-only://hybrid", events_only, 1))
+    store.register_worker(RegisterWorker("hybrid", "events-only://hybrid", events_only, 1, kind="events-only"))
     hashes = VllmBlockHasher("sha256", DEFAULT_SEED, BS).hashes(prompt)
     fine = VllmBlockHasher("sha256", DEFAULT_SEED, BS // 2).hashes(prompt)
     caches = EngineCaches()

@@ -400,3 +400,18 @@ def test_a_worker_registered_before_the_first_recorded_topology_is_asked_to_resy
     register(store, "w1")
     store.sweep()
     assert store.heartbeat(Heartbeat("w1", 1, 0)).status == "resync_needed"
+
+
+def test_a_record_stored_before_kinds_were_reads_as_a_source(backend) -> None:
+    """A registry upgraded in place finds records with no ``kind`` field: they were all sources' records."""
+    store = make(backend)
+    register(store, "w1")
+    found = 0
+    for node in backend[1]:
+        for key in node.scan_iter(match="*i:*", count=1000):
+            if node.type(key) == b"hash" and node.hget(key, "wid") == b"w1":
+                assert node.hget(key, "kind") == b"source"
+                found += node.hdel(key, "kind")
+    assert found == 1
+    assert store.worker_info("w1").kind == "source" and [w.kind for w in store.list_workers()] == ["source"]
+    store.close()

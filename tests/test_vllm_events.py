@@ -22,7 +22,7 @@ import zmq
 from remote_g2.errors import ConfigError, ProtocolError
 from remote_g2.protocol.messages import BlockEvent, Heartbeat, LayoutFingerprint, RegisterWorker
 from remote_g2.registry import MemoryStore
-from remote_g2.registry.server.metrics import RegistryMetrics
+from remote_g2.registry.metrics import RegistryMetrics
 from remote_g2.registry.stores.contract import RegistryStore
 from remote_g2.registry.scoring.vllm_events import (
     EVENTS_ONLY_LAYOUT,
@@ -260,7 +260,8 @@ def test_a_stock_vllm_registers_itself_with_its_blocks_under_the_exact_hashes_se
         wait_for(lambda: store.worker_info("vllm-0") is not None, "self-registration")
         rec = store.worker_info("vllm-0")
         assert rec.live and rec.endpoint == events_only_endpoint("vllm-0") == "events-only://vllm-0"
-        assert rec.fingerprint.kv_layout == EVENTS_ONLY_LAYOUT and rec.fingerprint.model_id == "tiny-llama"
+        assert rec.kind == "events-only" and rec.fingerprint.kv_layout == EVENTS_ONLY_LAYOUT
+        assert rec.fingerprint.model_id == "tiny-llama"
         pub.handshake(sub)
         pub.send([new_stored(H[:4], parent=None)])
         wait_for(lambda: blocks_of(store, "vllm-0") == set(H[:4]), "the blocks")

@@ -58,7 +58,7 @@ class MirrorIndex(MemoryStore):
                 self._drop_incarnation(old)
             rec = _Incarnation(
                 inc=next(self._ids), worker_id=record.worker_id, epoch=record.epoch, endpoint=record.endpoint,
-                fingerprint=record.fingerprint, compat=record.fingerprint.compat_key(),
+                fingerprint=record.fingerprint, compat=record.fingerprint.compat_key(), kind=record.kind,
                 registered_at_ms=record.registered_at_ms,
                 expires_at=self._clock() + record.lease_expires_in_ms / 1000,
                 last_seq=record.last_seq, load=record.load,

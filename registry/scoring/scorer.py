@@ -66,7 +66,6 @@ from remote_g2.identity.vllm_hashing import DEFAULT_SEED, PromptChain, VllmBlock
 
 from .engine_caches import EngineCaches
 from ..stores.contract import RegistryStore
-from .vllm_events import EVENTS_ONLY_LAYOUT
 
 __all__ = ["ScoreRequest", "WorkerScore", "ScoreReply", "Scorer", "ScoringConfig", "block_bytes",
            "MAX_SCORE_TOKENS", "MAX_SCORE_HASHES", "parse_prefill_rates"]
@@ -194,7 +193,7 @@ class _Candidate:
     def __init__(self, worker: WorkerRecord, ends: float, key: str,
                  costs: tuple[float | None, float | None]) -> None:
         self.worker, self.wid, self.ends, self.key, self.costs = worker, worker.worker_id, ends, key, costs
-        self.events_only = worker.fingerprint.kv_layout == EVENTS_ONLY_LAYOUT  # an engine without remote-g2
+        self.events_only = worker.kind == "events-only"  # an engine without remote-g2
         self.unshared = unshared_kind(worker.fingerprint.model_id)  # an instance without a model identity: why
         # the fields of its WorkerScore that no prompt changes, in their order
         self.fixed = (worker.worker_id, worker.endpoint, worker.tp_size, worker.fingerprint.model_id, key)

@@ -42,8 +42,9 @@ Each subscription names the worker id its blocks belong to. Then, per stream:
   not create), the subscriber follows that record: it resyncs the blocks into
   it and applies events to it; the source keeps its lease;
 * otherwise (a stock vLLM) the subscriber registers an *events-only* record
-  while the stream is up: endpoint ``events-only://WORKER_ID`` (nothing to
-  dial) and a fingerprint with ``kv_layout="events-only"``, which no sharing
+  (``kind="events-only"``) while the stream is up: endpoint
+  ``events-only://WORKER_ID`` (nothing to dial) and a fingerprint that carries
+  the model, with ``kv_layout="events-only"``, which no sharing
   worker's compat key matches, so a target's lookup never picks it while
   ``remote-g2 admin`` lists it and its blocks. Its epochs are small numbers,
   so a registration by the worker's own source (wall-clock epoch) always
@@ -540,7 +541,7 @@ class VllmEventSubscriber:
         self._enter(feed, FeedState.UNSYNCED, f"no vLLM KV-event stream for {self.store.lease_ttl_ms} ms: gone")
 
     def _is_own(self, feed: _Feed, rec: WorkerRecord) -> bool:
-        return rec.endpoint == events_only_endpoint(feed.sub.worker_id)
+        return rec.kind == "events-only" and rec.endpoint == events_only_endpoint(feed.sub.worker_id)
 
     def _sync(self, feed: _Feed, now: float, lease_s: float) -> None:
         """Find or make the record this stream's blocks go to, and resync the mirror into it."""
@@ -558,7 +559,8 @@ class VllmEventSubscriber:
             return  # a stock worker is listed only while its stream is up
         # Small epochs: a registration by the worker's own source (wall-clock ns) always wins.
         epoch = max(feed.own_epoch, rec.epoch if rec is not None and self._is_own(feed, rec) else 0) + 1
-        req = RegisterWorker(wid, events_only_endpoint(wid), events_only_fingerprint(feed.sub.model or wid), epoch)
+        req = RegisterWorker(wid, events_only_endpoint(wid), events_only_fingerprint(feed.sub.model or wid), epoch,
+                             kind="events-only")
         reply = self._store_call(feed, "registering", lambda: self.store.register_worker(req))
         if reply is _FAILED:
             return

@@ -29,7 +29,7 @@ from remote_g2.errors import StaleEpoch
 from remote_g2.registry.stores.holder_index import HolderIndex
 from remote_g2.protocol.messages import (
     DrainWorkerReply, Events, EventsReply, Heartbeat, HeartbeatReply, Holder, LayoutFingerprint, LookupReply,
-    RegisterWorker, RegisterWorkerReply, Resync, ResyncReply, WorkerRecord,
+    RegisterWorker, RegisterWorkerReply, Resync, ResyncReply, WorkerKind, WorkerRecord,
 )
 
 from .contract import DEFAULT_LEASE_TTL_MS, RegistryStore
@@ -48,6 +48,7 @@ class _Incarnation:
     endpoint: str
     fingerprint: LayoutFingerprint
     compat: str
+    kind: WorkerKind
     registered_at_ms: int
     expires_at: float
     blocks: set[bytes] = field(default_factory=set)  # empty unless the store keeps_block_sets
@@ -120,7 +121,7 @@ class MemoryStore(RegistryStore):
     def _new_incarnation(self, req: RegisterWorker) -> _Incarnation:
         rec = _Incarnation(
             inc=next(self._ids), worker_id=req.worker_id, epoch=req.epoch, endpoint=req.endpoint,
-            fingerprint=req.fingerprint, compat=req.fingerprint.compat_key(),
+            fingerprint=req.fingerprint, compat=req.fingerprint.compat_key(), kind=req.kind,
             registered_at_ms=int(time.time() * 1000), expires_at=self._clock() + self.lease_ttl_ms / 1000,
         )
         self._incs[rec.inc] = rec
@@ -133,6 +134,7 @@ class MemoryStore(RegistryStore):
             worker_id=rec.worker_id, endpoint=rec.endpoint, epoch=rec.epoch, tp_size=rec.fingerprint.tp_size,
             fingerprint=rec.fingerprint, live=left > 0, lease_expires_in_ms=int(left * 1000),
             blocks=rec.count, last_seq=rec.last_seq, load=rec.load, registered_at_ms=rec.registered_at_ms,
+            kind=rec.kind,
         )
 
     # -- worker side -------------------------------------------------------------------
@@ -146,9 +148,9 @@ class MemoryStore(RegistryStore):
                     raise StaleEpoch(f"worker {req.worker_id!r} registered with epoch {req.epoch}, "
                                      f"older than the live epoch {old.epoch}")
                 if req.epoch == old.epoch:
-                    if (req.endpoint, req.fingerprint) != (old.endpoint, old.fingerprint):
+                    if (req.endpoint, req.fingerprint, req.kind) != (old.endpoint, old.fingerprint, old.kind):
                         raise StaleEpoch(f"worker {req.worker_id!r} re-registered epoch {req.epoch} with a "
-                                         "different endpoint or fingerprint; use a new epoch")
+                                         "different endpoint, fingerprint or kind; use a new epoch")
                     old.expires_at = self._clock() + self.lease_ttl_ms / 1000
                     return RegisterWorkerReply(self.lease_ttl_ms, old.last_seq + 1, False)
             if old is not None:

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from remote_g2.errors import RegistryError, StaleEpoch
 from remote_g2.protocol.messages import (
     BlockEvent, DrainWorkerReply, Events, EventsReply, Heartbeat, HeartbeatReply, LayoutFingerprint, RegisterWorker,
-    RegisterWorkerReply, Resync, ResyncReply, WorkerRecord,
+    RegisterWorkerReply, Resync, ResyncReply, WorkerKind, WorkerRecord,
 )
 
 from .redis_keyspace import RedisKeyspace, command
@@ -27,6 +27,16 @@ from .redis_keyspace import RedisKeyspace, command
 __all__ = ["WorkerCommands", "ClusterWorkerCommands"]
 
 _KIND = {"stored": b"s", "removed": b"r", "cleared": b"c"}
+
+
+def _kind(stored: bytes | None) -> WorkerKind:
+    """A record's kind as stored; a record written before kinds were stored is a source's."""
+    if not stored:
+        return "source"
+    kind = stored.decode()
+    if kind not in ("source", "events-only"):
+        raise RegistryError(f"a worker record holds an unknown kind {kind!r}: written by a newer registry?")
+    return kind  # type: ignore[return-value]
 
 
 class WorkerCommands:
@@ -40,7 +50,7 @@ class WorkerCommands:
     def register_worker(self, req: RegisterWorker) -> RegisterWorkerReply:
         fp = req.fingerprint
         status, value = self.space.meta("register", req.worker_id, req.epoch, req.endpoint, _fp_json(fp),
-                                        fp.compat_key(), fp.tp_size, self.lease_ttl_ms, _nonce())
+                                        fp.compat_key(), fp.tp_size, self.lease_ttl_ms, req.kind, _nonce())
         if status == b"new":
             return RegisterWorkerReply(self.lease_ttl_ms, 1, True)
         if status == b"renewed":
@@ -49,7 +59,7 @@ class WorkerCommands:
             raise StaleEpoch(f"worker {req.worker_id!r} registered with epoch {req.epoch}, "
                              f"older than the live epoch {value.decode()}")
         raise StaleEpoch(f"worker {req.worker_id!r} re-registered epoch {req.epoch} with a "
-                         "different endpoint or fingerprint; use a new epoch")
+                         "different endpoint, fingerprint or kind; use a new epoch")
 
     @command()
     def heartbeat(self, req: Heartbeat) -> HeartbeatReply:
@@ -91,12 +101,12 @@ class WorkerCommands:
         rows = self.space.meta("workers", *worker_ids)
         blocks = self.space.block_counts([row[1] for row in rows])
         out = []
-        for (wid, inc, left, endpoint, epoch, fp, seq, load, reg), n in zip(rows, blocks):
+        for (wid, inc, left, endpoint, epoch, fp, seq, load, reg, kind), n in zip(rows, blocks):
             fingerprint = LayoutFingerprint(**json.loads(fp))
             out.append((inc, WorkerRecord(
                 worker_id=wid.decode(), endpoint=endpoint.decode(), epoch=int(epoch), tp_size=fingerprint.tp_size,
                 fingerprint=fingerprint, live=left > 0, lease_expires_in_ms=int(left), blocks=n,
-                last_seq=int(seq), load=int(load), registered_at_ms=int(reg))))
+                last_seq=int(seq), load=int(load), registered_at_ms=int(reg), kind=_kind(kind))))
         return out
 
     @command()

@@ -58,6 +58,7 @@ from remote_g2.protocol.registry_messages import (
     WorkerInfo,
     WorkerInfoReply,
     WorkerRecord,
+    WorkerKind,
     WorkerStatus,
 )
 from remote_g2.protocol.sibling_messages import (
@@ -129,6 +130,7 @@ __all__ = [
     "WorkerInfo",
     "WorkerInfoReply",
     "WorkerRecord",
+    "WorkerKind",
     "WorkerStatus",
     # rank_types.py
     "BlockLayout",

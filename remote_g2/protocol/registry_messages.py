@@ -26,6 +26,9 @@ _Seq = Annotated[int, Limits(ge=1)]
 
 LookupReason = Literal["ok", "no_candidate", "source_is_target", "incompatible_layout"]
 WorkerStatus = Literal["ok", "resync_needed", "unknown_worker"]
+#: What a worker record stands for: a worker whose source serves its G2 pool to peers, or a stock engine the
+#: registry follows from its KV events alone (``serve --vllm-kv-events``): scored, never read from.
+WorkerKind = Literal["source", "events-only"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,7 @@ class WorkerRecord:
     last_seq: Count
     load: Count
     registered_at_ms: Count
+    kind: WorkerKind = "source"
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +111,7 @@ class RegisterWorker:
     endpoint: Endpoint
     fingerprint: LayoutFingerprint
     epoch: Epoch
+    kind: WorkerKind = "source"
 
 
 @dataclass(frozen=True, slots=True)
