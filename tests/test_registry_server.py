@@ -75,7 +75,17 @@ def test_a_client_registers_a_source_and_nothing_else(registry):
         c._call(RegisterWorker("w9", "tcp://127.0.0.1:9009", FP, 1, kind="events-only"))
     assert c.worker_info("w9") is None
     c.register_worker("w9", "tcp://127.0.0.1:9009", FP, epoch=1)
-    assert c.worker_info("w9").kind == "source"
+    assert c.worker_info("w9").kind is None
+
+
+def test_a_source_s_messages_carry_no_kind_so_a_registry_that_predates_kinds_decodes_them():
+    from remote_g2.protocol.messages import RegisterWorker, WorkerRecord
+    from remote_g2.protocol.schema import encoder_for
+
+    assert "kind" not in encoder_for(RegisterWorker)(RegisterWorker("w1", "tcp://127.0.0.1:9001", FP, 1))
+    rec = WorkerRecord("w1", "tcp://127.0.0.1:9001", 1, 2, FP, True, 100, 0, 0, 0, 0)
+    assert "kind" not in encoder_for(WorkerRecord)(rec)
+    assert encoder_for(RegisterWorker)(RegisterWorker("w1", "e", FP, 1, kind="events-only"))["kind"] == "events-only"
 
 
 def test_metrics_count_lookups_events_and_bad_frames(registry):

@@ -237,12 +237,12 @@ def test_a_record_keeps_the_kind_it_was_registered_with(store):
     register(store, "w1")
     store.register_worker(RegisterWorker("stock", "events-only://stock", fp(kv_layout="events-only"), 1,
                                          kind="events-only"))
-    assert {w.worker_id: w.kind for w in store.list_workers()} == {"w1": "source", "stock": "events-only"}
+    assert {w.worker_id: w.kind for w in store.list_workers()} == {"w1": None, "stock": "events-only"}
     assert store.worker_info("stock").kind == "events-only"
     with pytest.raises(StaleEpoch, match="kind"):  # the same epoch under another kind is another worker
         store.register_worker(RegisterWorker("stock", "events-only://stock", fp(kv_layout="events-only"), 1))
     assert store.register_worker(RegisterWorker("stock", "tcp://127.0.0.1:7000", FP, 2)).new_incarnation
-    assert store.worker_info("stock").kind == "source"
+    assert store.worker_info("stock").kind is None
 
 
 def test_worker_records_and_drain(store):

@@ -87,8 +87,8 @@ def _hashes(texts: list[str]) -> list[bytes]:
 def _worker_json(w: WorkerRecord) -> dict[str, Any]:
     fp = w.fingerprint
     return {
-        "worker_id": w.worker_id, "kind": w.kind, "endpoint": w.endpoint, "tp_size": w.tp_size, "epoch": w.epoch,
-        "live": w.live,
+        "worker_id": w.worker_id, "kind": w.kind or "source", "endpoint": w.endpoint, "tp_size": w.tp_size,
+        "epoch": w.epoch, "live": w.live,
         "blocks": w.blocks, "load": w.load, "last_seq": w.last_seq, "lease_expires_in_ms": w.lease_expires_in_ms,
         "registered_at_ms": w.registered_at_ms,
         "fingerprint": {f: getattr(fp, f) for f in fp.__dataclass_fields__}, "compat_key": fp.compat_key(),
@@ -98,8 +98,8 @@ def _worker_json(w: WorkerRecord) -> dict[str, Any]:
 def _print_workers(workers: list[WorkerRecord]) -> None:
     print_table(
         ["worker_id", "kind", "endpoint", "tp", "epoch", "live", "blocks", "load", "lease_ms", "model", "compat_key"],
-        [[w.worker_id, w.kind, w.endpoint, w.tp_size, w.epoch, "yes" if w.live else "NO", w.blocks, w.load,
-          w.lease_expires_in_ms, w.fingerprint.model_id, w.fingerprint.compat_key()] for w in workers],
+        [[w.worker_id, w.kind or "source", w.endpoint, w.tp_size, w.epoch, "yes" if w.live else "NO", w.blocks,
+          w.load, w.lease_expires_in_ms, w.fingerprint.model_id, w.fingerprint.compat_key()] for w in workers],
     )
 
 

@@ -251,8 +251,8 @@ class RegistryServer:
         raise RegistryError(message)
 
     def _register_worker(self, req: RegisterWorker, ctx: CallContext) -> RegisterWorkerReply:
-        if req.kind != "source":  # only this server's own KV-event ingest lists a worker it follows
-            raise RegistryError(f"worker {req.worker_id}: a client registers a source ('source'), not {req.kind!r}")
+        if req.kind is not None:  # only this server's own KV-event ingest lists a worker it follows
+            raise RegistryError(f"worker {req.worker_id}: a client registers a source (no kind), not {req.kind!r}")
         self._check_endpoint(req)
         reply = self.store.register_worker(req)
         self.publish(req)

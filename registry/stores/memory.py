@@ -48,7 +48,7 @@ class _Incarnation:
     endpoint: str
     fingerprint: LayoutFingerprint
     compat: str
-    kind: WorkerKind
+    kind: WorkerKind | None
     registered_at_ms: int
     expires_at: float
     blocks: set[bytes] = field(default_factory=set)  # empty unless the store keeps_block_sets

@@ -29,14 +29,14 @@ __all__ = ["WorkerCommands", "ClusterWorkerCommands"]
 _KIND = {"stored": b"s", "removed": b"r", "cleared": b"c"}
 
 
-def _kind(stored: bytes | None) -> WorkerKind:
-    """A record's kind as stored; a record written before kinds were stored is a source's."""
-    if not stored:
-        return "source"
-    kind = stored.decode()
-    if kind not in ("source", "events-only"):
-        raise RegistryError(f"a worker record holds an unknown kind {kind!r}: written by a newer registry?")
-    return kind  # type: ignore[return-value]
+def _kind(stored: bytes | None) -> WorkerKind | None:
+    """A record's kind as stored ("source" for a source's, which the record states as None); a record
+    written before kinds were stored is a source's."""
+    if not stored or stored == b"source":
+        return None
+    if stored == b"events-only":
+        return "events-only"
+    raise RegistryError(f"a worker record holds an unknown kind {stored!r}: written by a newer registry?")
 
 
 class WorkerCommands:
@@ -50,7 +50,7 @@ class WorkerCommands:
     def register_worker(self, req: RegisterWorker) -> RegisterWorkerReply:
         fp = req.fingerprint
         status, value = self.space.meta("register", req.worker_id, req.epoch, req.endpoint, _fp_json(fp),
-                                        fp.compat_key(), fp.tp_size, self.lease_ttl_ms, req.kind, _nonce())
+                                        fp.compat_key(), fp.tp_size, self.lease_ttl_ms, req.kind or "source", _nonce())
         if status == b"new":
             return RegisterWorkerReply(self.lease_ttl_ms, 1, True)
         if status == b"renewed":

@@ -26,9 +26,11 @@ _Seq = Annotated[int, Limits(ge=1)]
 
 LookupReason = Literal["ok", "no_candidate", "source_is_target", "incompatible_layout"]
 WorkerStatus = Literal["ok", "resync_needed", "unknown_worker"]
-#: What a worker record stands for: a worker whose source serves its G2 pool to peers, or a stock engine the
-#: registry follows from its KV events alone (``serve --vllm-kv-events``): scored, never read from.
-WorkerKind = Literal["source", "events-only"]
+#: What a worker record stands for when it is not a source's (a worker whose source serves its G2 pool, the
+#: record's kind None): a stock engine the registry follows from its KV events alone (``serve
+#: --vllm-kv-events``), scored for routers, never read from. None is left out on the wire, so a registry or a
+#: client that predates kinds still decodes every source's messages (a rolling upgrade).
+WorkerKind = Literal["events-only"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +92,7 @@ class WorkerRecord:
     last_seq: Count
     load: Count
     registered_at_ms: Count
-    kind: WorkerKind = "source"
+    kind: WorkerKind | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +113,7 @@ class RegisterWorker:
     endpoint: Endpoint
     fingerprint: LayoutFingerprint
     epoch: Epoch
-    kind: WorkerKind = "source"
+    kind: WorkerKind | None = None
 
 
 @dataclass(frozen=True, slots=True)
