@@ -72,22 +72,22 @@ demo: venv
 
 bench: venv redis
 	@mkdir -p bench/results
-	$(VPY) bench/bench_pool_index.py --json bench/results/pool_index.json
-	$(VPY) bench/bench_holder_index.py --json bench/results/holder_index.json
-	$(VPY) bench/bench_registry.py --json bench/results/registry.json
-	$(VPY) bench/bench_source.py --json bench/results/source.json
-	$(VPY) bench/bench_peer_lane.py --json bench/results/peer_lane.json
-	$(VPY) bench/bench_tp_exchange.py --json bench/results/tp_exchange.json
-	$(VPY) bench/bench_pool_prefault.py --json bench/results/pool_prefault.json
-	$(VPY) bench/bench_score.py --json bench/results/score.json
-	$(VPY) bench/bench_transfer.py --json bench/results/transfer.json
-	$(VPY) bench/bench_gather.py --json bench/results/gather.json
-	$(VPY) bench/bench_e2e.py --json bench/results/e2e.json
-	$(VPY) bench/bench_weight_digest.py --json bench/results/weight_digest.json
+	$(VPY) -m bench.memory.bench_pool_index --json bench/results/pool_index.json
+	$(VPY) -m bench.registry.bench_holder_index --json bench/results/holder_index.json
+	$(VPY) -m bench.registry.bench_registry --json bench/results/registry.json
+	$(VPY) -m bench.source.bench_source --json bench/results/source.json
+	$(VPY) -m bench.rpc.bench_peer_lane --json bench/results/peer_lane.json
+	$(VPY) -m bench.rpc.bench_tp_exchange --json bench/results/tp_exchange.json
+	$(VPY) -m bench.memory.bench_pool_prefault --json bench/results/pool_prefault.json
+	$(VPY) -m bench.scoring.bench_score --json bench/results/score.json
+	$(VPY) -m bench.transfer.bench_transfer --json bench/results/transfer.json
+	$(VPY) -m bench.transfer.bench_gather --json bench/results/gather.json
+	$(VPY) -m bench.transfer.bench_e2e --json bench/results/e2e.json
+	$(VPY) -m bench.identity.bench_weight_digest --json bench/results/weight_digest.json
 
 # BASE (any git revision) against this checkout: BASE built in a worktree under .bench-compare/ with its own venv
 # (sharing this one's packages), the fetch, registry, e2e and score benches run on both sides in interleaved rounds,
-# HEAD / BASE per metric with a verdict (bench/compare.py). More options: COMPARE_ARGS='--rounds 5 --benches fetch'.
+# HEAD / BASE per metric with a verdict (bench/compare/). More options: COMPARE_ARGS='--rounds 5 --benches fetch'.
 COMPARE_ARGS ?=
 ifneq ($(filter bench-compare,$(MAKECMDGOALS)),)
 ifndef BASE
@@ -96,13 +96,13 @@ endif
 endif
 bench-compare: venv redis
 	@mkdir -p bench/results
-	$(VPY) bench/compare.py $(BASE) --json bench/results/compare.json $(COMPARE_ARGS)
+	$(VPY) -m bench.compare $(BASE) --json bench/results/compare.json $(COMPARE_ARGS)
 
 # What the transport under a resolve costs, and what a woken process pays per hop (bench/diagnostics/).
 bench-diagnostics: venv
 	@mkdir -p bench/results
-	$(VPY) bench/diagnostics/bench_resolve_floor.py --json bench/results/resolve_floor.json
-	$(VPY) bench/diagnostics/bench_wake_cost.py --json bench/results/wake_cost.json
+	$(VPY) -m bench.diagnostics.bench_resolve_floor --json bench/results/resolve_floor.json
+	$(VPY) -m bench.diagnostics.bench_wake_cost --json bench/results/wake_cost.json
 
 # What the vLLM connector adds to vLLM (lookup per request, G2 save per step) against plain vLLM, time to
 # first token at TP 2 -> 2 and 1 -> 2 with a remote hit vs a local hit vs recompute (matplotlib for --plot),
@@ -111,20 +111,20 @@ bench-diagnostics: venv
 bench-vllm: venv-vllm redis
 	@mkdir -p bench/results
 	$(VLLM_PY) -m pip install -q matplotlib
-	$(VLLM_PY) bench/bench_vllm_overhead.py --json bench/results/vllm_overhead.json
-	$(VLLM_PY) bench/bench_vllm_overhead.py --modes plain,cputier,nulltier,tier --rounds 12 --requests 20 --batch 16 \
+	$(VLLM_PY) -m bench.vllm.bench_vllm_overhead --json bench/results/vllm_overhead.json
+	$(VLLM_PY) -m bench.vllm.bench_vllm_overhead --modes plain,cputier,nulltier,tier --rounds 12 --requests 20 --batch 16 \
 		--batches 1 --json bench/results/vllm_overhead_tier.json
-	$(VLLM_PY) bench/bench_vllm_tier.py --json bench/results/vllm_tier.json
-	$(VLLM_PY) bench/bench_vllm_p2p.py --json bench/results/vllm_p2p.json
-	$(VLLM_PY) bench/bench_vllm_tp_ttft.py --json bench/results/vllm_tp_ttft.json --plot bench/results/vllm_tp_ttft.png
-	$(VLLM_PY) bench/bench_vllm_identity_startup.py --json bench/results/vllm_identity_startup.json
-	$(VLLM_PY) bench/bench_routing.py --json bench/results/vllm_routing.json
+	$(VLLM_PY) -m bench.vllm.bench_vllm_tier --json bench/results/vllm_tier.json
+	$(VLLM_PY) -m bench.vllm.bench_vllm_p2p --json bench/results/vllm_p2p.json
+	$(VLLM_PY) -m bench.vllm.bench_vllm_tp_ttft --json bench/results/vllm_tp_ttft.json --plot bench/results/vllm_tp_ttft.png
+	$(VLLM_PY) -m bench.vllm.bench_vllm_identity_startup --json bench/results/vllm_identity_startup.json
+	$(VLLM_PY) -m bench.vllm.bench_routing --json bench/results/vllm_routing.json
 
-# The systems remote-g2 is compared with (bench/bench_peers.py) and matplotlib for --plot.
+# The systems remote-g2 is compared with (bench/peers/) and matplotlib for --plot.
 # Mooncake's wheel needs libibverbs even for TCP; Debian's package, installed when root.
 bench-peers: venv redis rdma-libs
 	$(VPY) -m pip install -q matplotlib mooncake-transfer-engine-non-cuda ai-dynamo-runtime
-	$(VPY) bench/bench_peers.py all --json bench/results/peers.json --plot bench/results/peers.png
+	$(VPY) -m bench.peers.bench_peers all --json bench/results/peers.json --plot bench/results/peers.png
 
 clean:
 	rm -rf build $(VENV) .pytest_cache bench/results

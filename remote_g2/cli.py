@@ -39,7 +39,6 @@ HELP: dict[str, str] = {
     "admin": "query and manage the registry (workers, who-has, prefix, ...)",
     "ping": "check that a remote-g2 server answers, and who it is",
     "keygen": "write a CURVE key pair for authenticated TCP endpoints",
-    "bench": "run a benchmark (pool, registry, source, transfer, e2e, peers) with --json/--plot",
     "demo": "two reference engines on one box: remote KV reuse, checked bit for bit",
 }
 

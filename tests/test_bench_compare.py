@@ -1,4 +1,4 @@
-"""``bench/compare.py``: its arithmetic and its table on made-up numbers, then one real comparison of HEAD with itself.
+"""``bench.compare``: its arithmetic and its table on made-up numbers, then one real comparison of HEAD with itself.
 
 The pure parts: HEAD / BASE paired per round (rounds where a side is missing
 left out), the verdict against the threshold in both directions, ``lost`` and
@@ -13,33 +13,20 @@ build); the worktree is removed at the end.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
 from conftest import _need_redis_binaries
 
+from bench.compare import compare
+
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "bench" / "compare.py"
-
-
-def _load_compare() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_compare", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-compare = _load_compare()
 HIGHER, LOWER = compare.Direction.HIGHER, compare.Direction.LOWER
 
 TRANSFER_ROW = {"block_kib": 64, "ratio_e2e_over_raw": 0.8, "e2e_s": 0.05, "one_block_e2e_s": 0.002}
@@ -140,7 +127,7 @@ def test_vllm_metrics_pair_one_commits_connector_with_anothers_tier() -> None:
 
 
 def test_each_shared_venv_gets_a_side_venv_of_its_own() -> None:
-    from compare_sides import SharedVenv
+    from bench.compare.sides import SharedVenv
 
     names = [SharedVenv(Path(p), ()).side_venv_name() for p in ("/r/.venv", "/r/.venv-vllm", "/opt/py311", "/r/venv")]
     assert names == ["venv", "venv-vllm", "venv-py311", "venv"]
@@ -195,9 +182,23 @@ def test_options_for_both_sides_one_side_and_one_bench() -> None:
 def test_a_bench_the_side_lacks_is_a_failed_run_without_metrics(tmp_path: Path) -> None:
     side = compare.Side("base", "old", "ab" * 20, tmp_path, tmp_path, Path(sys.executable), {})
     run = compare.run_bench(side, "e2e", 0, compare.parse_args(["old"]), tmp_path)
-    assert run["error"] == "bench/bench_e2e.py does not exist at abababa"
+    assert run["error"] == "bench.transfer.bench_e2e (or bench/bench_e2e.py) does not exist at abababa"
     assert (run["rc"], run["metrics"]) == (None, {})
     assert run["command"][:2] == [sys.executable, str(tmp_path / "bench" / "bench_e2e.py")]
+
+
+def test_each_side_runs_a_bench_by_its_own_layout(tmp_path: Path) -> None:
+    """A tree with the benches as packages runs the module; one from before (BASE) runs its script."""
+    python = Path(sys.executable)
+    new, old = tmp_path / "new", tmp_path / "old"
+    (new / "bench" / "transfer").mkdir(parents=True)
+    (new / "bench" / "transfer" / "bench_e2e.py").write_text("")
+    (old / "bench").mkdir(parents=True)
+    (old / "bench" / "bench_e2e.py").write_text("")
+    e2e = compare.BENCHES["e2e"]
+    assert e2e.command(new, python) == [str(python), "-m", "bench.transfer.bench_e2e"]
+    assert e2e.command(old, python) == [str(python), str(old / "bench" / "bench_e2e.py")]
+    assert e2e.command(REPO, python) == [str(python), "-m", "bench.transfer.bench_e2e"]  # (this checkout)
 
 
 # ---------------------------------------------------------------- one real comparison
@@ -212,7 +213,7 @@ def _git(*args: str) -> str:
 
 
 def _compare(*args: str) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "bench.compare", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return proc
@@ -250,8 +251,8 @@ def test_compare_head_commit_with_itself_in_a_worktree(tmp_path: Path) -> None:
         (row,) = [r for r in result["summary"] if r["metric"] == "registry.lookup_p50_ms"]
         assert len(row["ratios"]) == 1 and row["ratio_median"] > 0 and row["verdict"] in ("better", "worse", "same")
         assert [(r["side"], r["rc"], r["error"]) for r in result["runs"]] == [("base", 0, None), ("head", 0, None)]
-        assert result["runs"][0]["command"][:2] == [str(root / "venv" / "bin" / "python"),
-                                                    str(tree / "bench" / "bench_registry.py")]
+        runner = compare.BENCHES["registry"].command(tree, root / "venv" / "bin" / "python")  # (BASE's layout)
+        assert runner is not None and result["runs"][0]["command"][:len(runner)] == runner
         assert {"nproc", "loadavg", "date"} <= set(result["machine"])
         assert "HEAD/BASE" in proc.stdout and "registry.lookup_p50_ms" in proc.stdout
         assert f"building BASE {sha[:7]}" in proc.stderr

@@ -1,4 +1,4 @@
-"""Smoke test: ``bench/bench_fleet.py`` with a tiny fleet (20 workers, 1 server, a real redis-server, 3 s phases).
+"""Smoke test: ``bench.registry.bench_fleet`` with a tiny fleet (20 workers, 1 server, a real redis-server, 3 s phases).
 
 It finishes, and what it reports holds together: the publishers were told
 every batch was applied and the server counted exactly those block events;
@@ -20,7 +20,7 @@ import pytest
 from conftest import _need_redis_binaries
 
 REPO = Path(__file__).resolve().parent.parent
-BENCH = REPO / "bench" / "bench_fleet.py"
+BENCH = "bench.registry.bench_fleet"
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 def test_bench_fleet_tiny_run_holds_together(tmp_path: Path) -> None:
     _need_redis_binaries()
     out = tmp_path / "fleet.json"
-    proc = subprocess.Popen([sys.executable, str(BENCH), "--servers", "1", "--store", "redis", "--workers", "20",
+    proc = subprocess.Popen([sys.executable, "-m", BENCH, "--servers", "1", "--store", "redis", "--workers", "20",
                              "--lookups", "server", "--seconds", "3", "--fill-seconds", "10", "--targets", "1",
                              "--followers", "1", "--churn-per-min", "6", "--json", str(out)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -1,8 +1,8 @@
 """Smoke tests of the registry-scale benches with tiny settings: they run, and what they report holds together.
 
-``bench/bench_ingest.py``: real publishers into a real ``remote-g2 serve``
+``bench.registry.bench_ingest``: real publishers into a real ``remote-g2 serve``
 (embedded store), the server's counter moved and the registry holds exactly
-the pools. ``bench/bench_mirror_scale.py``: the mirror's copy of 100 k
+the pools. ``bench.registry.bench_mirror_scale``: the mirror's copy of 100 k
 hashes stays within its memory bound and answers every lookup whole.
 """
 
@@ -28,7 +28,7 @@ def _run(args: list[str], timeout_s: float) -> str:
 
 def test_bench_ingest_tiny_run_loses_nothing(tmp_path: Path) -> None:
     out = tmp_path / "ingest.json"
-    _run(["bench/bench_ingest.py", "--stores", "memory", "--publishers", "2", "--pool", "4096", "--chunk", "64",
+    _run(["-m", "bench.registry.bench_ingest", "--stores", "memory", "--publishers", "2", "--pool", "4096", "--chunk", "64",
           "--batch", "512", "--seconds", "1", "--json", str(out)], 120)
     (row,) = json.loads(out.read_text())["rows"]
     assert row["store"] == "memory" and row["events"] > 0 and row["events_per_s"] > 0
@@ -38,7 +38,7 @@ def test_bench_ingest_tiny_run_loses_nothing(tmp_path: Path) -> None:
 
 def test_bench_mirror_scale_tiny_run_stays_small(tmp_path: Path) -> None:
     out = tmp_path / "mirror.json"
-    _run(["bench/bench_mirror_scale.py", "--hashes", "100000", "--no-dynamo", "--lookups", "200", "--rounds", "2",
+    _run(["-m", "bench.registry.bench_mirror_scale", "--hashes", "100000", "--no-dynamo", "--lookups", "200", "--rounds", "2",
           "--json", str(out)], 120)
     result = json.loads(out.read_text())
     assert result["hashes"] == 100_000 - 100_000 % 128 and result["entries"] == 2 * result["hashes"]

@@ -1,4 +1,4 @@
-"""Smoke test of ``bench/bench_score.py`` with tiny settings: it runs against a real server, and what it
+"""Smoke test of ``bench.scoring.bench_score`` with tiny settings: it runs against a real server, and what it
 reports holds together (every prompt scored, the long prompts' scores equal to the whole-prompt baseline's,
 which the bench itself checks)."""
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 def test_bench_score_tiny_run(tmp_path: Path) -> None:
     out = tmp_path / "score.json"
-    proc = subprocess.run([sys.executable, "bench/bench_score.py", "--workers", "4", "--hashes", "4000",
+    proc = subprocess.run([sys.executable, "-m", "bench.scoring.bench_score", "--workers", "4", "--hashes", "4000",
                            "--tokens", "512", "--prompts", "4", "--requests", "40", "--long-tokens", "4096",
                            "--long-requests", "4", "--json", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -1,4 +1,4 @@
-"""Smoke test of ``bench/bench_source_progress.py`` with tiny settings: it runs, and what it reports holds together.
+"""Smoke test of ``bench.source.bench_source_progress`` with tiny settings: it runs, and what it reports holds together.
 
 Two sources of 4 MiB over UCX TCP, one round, both progress modes, 2 timed
 READs each: every run checked its bytes, moved something, has a read and
@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-BENCH = REPO / "bench" / "bench_source_progress.py"
+BENCH = "bench.source.bench_source_progress"
 
 pytestmark = pytest.mark.slow
 
 
 def test_bench_source_progress_tiny_run(tmp_path: Path) -> None:
     out = tmp_path / "progress.json"
-    proc = subprocess.Popen([sys.executable, str(BENCH), "--mib", "4", "--reps", "2", "--rounds", "1", "--sources", "2",
+    proc = subprocess.Popen([sys.executable, "-m", BENCH, "--mib", "4", "--reps", "2", "--rounds", "1", "--sources", "2",
                              "--fabrics", "tcp", "--modes", "event,poll", "--idle-s", "0.5", "--json", str(out)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -1,4 +1,4 @@
-"""Smoke test: ``bench/bench_transfer.py --netns`` across three network namespaces over UCX TCP.
+"""Smoke test: ``bench.transfer.bench_transfer --netns`` across three network namespaces over UCX TCP.
 
 A tiny run (4 MiB, 1 MiB blocks, 2 reps, no streams): it finishes, the bytes
 it read crossed the source host's link (not shared memory), the source left
@@ -18,7 +18,7 @@ import pytest
 from remote_g2.adapters.reference.netns import list_netns, netns_unavailable_reason
 
 REPO = Path(__file__).resolve().parent.parent
-BENCH = REPO / "bench" / "bench_transfer.py"
+BENCH = "bench.transfer.bench_transfer"
 
 _WHY_NOT = netns_unavailable_reason()
 pytestmark = [pytest.mark.mpi, pytest.mark.nixl, pytest.mark.slow,
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.nixl, pytest.mark.slow,
 
 def test_bench_transfer_across_namespaces(tmp_path: Path) -> None:
     out = tmp_path / "netns.json"
-    proc = subprocess.Popen([sys.executable, str(BENCH), "--netns", "--blocks-kib", "1024", "--mib", "4",
+    proc = subprocess.Popen([sys.executable, "-m", BENCH, "--netns", "--blocks-kib", "1024", "--mib", "4",
                              "--reps", "2", "--stream-requests", "0", "--timeout-s", "90", "--json", str(out)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -1,4 +1,4 @@
-"""Smoke test of ``bench/bench_weight_digest.py`` with tiny settings: it runs, and what it reports holds together.
+"""Smoke test of ``bench.identity.bench_weight_digest`` with tiny settings: it runs, and what it reports holds together.
 
 A 20 MB checkpoint, one round, BLAKE3 and SHA-256 in one thread: every row
 (the plain read too, cold and warm) has a positive throughput, the digest
@@ -27,7 +27,7 @@ def _bench_dirs() -> set[Path]:
 def test_bench_weight_digest_tiny_run(tmp_path: Path) -> None:
     out = tmp_path / "wd.json"
     before = _bench_dirs()
-    proc = subprocess.run([sys.executable, "bench/bench_weight_digest.py", "--gb", "0.02", "--rounds", "1",
+    proc = subprocess.run([sys.executable, "-m", "bench.identity.bench_weight_digest", "--gb", "0.02", "--rounds", "1",
                            "--algorithms", "blake3,sha256", "--threads", "1", "--json", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]

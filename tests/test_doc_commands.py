@@ -2,13 +2,12 @@
 
 A command is a line of a fenced shell block, or an inline `code span`, that
 runs one of the project's programs: the console scripts of pyproject.toml's
-``[project.scripts]`` (``remote-g2``), ``python -m remote_g2…`` and the
-checkout's ``*.py`` scripts (``bench/…``), also behind ``$ ``, ``VAR=value``,
+``[project.scripts]`` (``remote-g2``), ``python -m remote_g2…``, the
+benches (``python -m bench…``) and the checkout's ``*.py`` scripts, also behind ``$ ``, ``VAR=value``,
 ``mpiexec -n N`` and ``.venv/bin/``, continued with ``\\``, chained with
 ``&&``. Each is handed to the program's own entry point, which runs until it
 calls argparse: the parser it built then parses the doc's arguments (a usage
-error fails the test, named by doc and line). ``remote-g2 bench … --args=…``
-also parses the arguments it passes to the benchmark script.
+error fails the test, named by doc and line).
 
 Run for real: ``remote-g2 keygen`` (into a temporary directory: the files it
 writes must be the ones the line's comment and the rest of its line name),
@@ -132,7 +131,7 @@ def _classify(tokens: list[str]) -> tuple[str, str, list[str], dict[str, str]] |
     if re.fullmatch(r"python(3(\.\d+)?)?", prog):
         if len(args) >= 2 and args[0] == "-m":
             mod = args[1]
-            return ("module", mod, args[2:], env) if mod.split(".")[0] == "remote_g2" else None
+            return ("module", mod, args[2:], env) if mod.split(".")[0] in ("remote_g2", "bench") else None
         if args and args[0].endswith(".py") and (ROOT / args[0]).is_file():
             return "path", args[0], args[1:], env
         return None
@@ -155,7 +154,7 @@ def _commands_in(text: str, doc: str, line: int, inline: bool) -> Iterator[DocCo
         if found is None:
             continue
         kind, program, args, env = found
-        # `remote-g2 bench {pool,holder,…}`: one command per alternative
+        # `python -m bench.plot {pool,holder,…} …`: one command per alternative
         alternatives = [re.fullmatch(r"\{([^{}]+)\}", a).group(1).split(",") if re.fullmatch(r"\{[^{}]+\}", a)
                         else [a] for a in args]
         for expanded in itertools.product(*alternatives):
@@ -197,6 +196,7 @@ def test_the_docs_show_commands_of_every_kind():
     """The extraction finds what the docs are known to show (a broken extractor would pass everything)."""
     kinds = {(c.kind, c.program) for c in ALL}
     assert {("script", "remote-g2"), ("module", "remote_g2.adapters.reference.server"), ("make", "make")} <= kinds
+    assert any(kind == "module" and program.startswith("bench.") for kind, program in kinds)  # (the benches)
     assert any(c.kind == "path" for c in ALL)
     keygen = [c for c in ALL if c.kind == "script" and c.args[:1] == ["keygen"]]
     assert any(c.doc == "docs/security.md" for c in keygen) and any(c.doc == "README.md" for c in keygen)
@@ -292,8 +292,6 @@ def test_doc_command_parses(cmd: DocCommand):
         return
     code, message = parse(parser, cmd.args)
     assert code == 0, f"{cmd.doc}:{cmd.line}: `{cmd.text}` is refused by {cmd.program}: {message}"
-    if cmd.kind == "script" and cmd.args[:1] == ["bench"]:
-        _check_bench_script_args(cmd, parser)
 
 
 def _only_commands(parser: argparse.ArgumentParser, args: list[str]) -> bool:
@@ -304,18 +302,6 @@ def _only_commands(parser: argparse.ArgumentParser, args: list[str]) -> bool:
             return False
         parser = sub.choices[t]
     return True
-
-
-def _check_bench_script_args(cmd: DocCommand, parser: argparse.ArgumentParser) -> None:
-    """``remote-g2 bench X --args="…"``: the benchmark script accepts what the command passes it."""
-    from remote_g2.commands.bench import SCRIPTS as BENCH
-
-    ns = parser.parse_args(cmd.args)
-    script, fixed = BENCH[ns.what]
-    inner = DocCommand(cmd.doc, cmd.line, cmd.text, "path", f"bench/{script}",
-                       [*fixed, "--json", "out.json", *shlex.split(ns.args)], False)
-    code, message = parse(program_parser(inner), inner.args)
-    assert code == 0, f"{cmd.doc}:{cmd.line}: `{cmd.text}`: bench/{script} refuses {inner.args}: {message}"
 
 
 # ---------------------------------------------------------------- run for real

@@ -1,6 +1,6 @@
 """Registry consistency soak: 4 publishers stream events while 4 clients look up; every answer is checked.
 
-The run and the check live in ``bench/bench_registry_soak.py`` (its module
+The run and the check live in ``bench/registry/bench_registry_soak.py`` (its module
 docstring states the invariant); here it runs for a bounded time on the memory
 store and on a real redis-server, each behind a real ``remote-g2 serve``
 process, with publishers and clients in their own processes. A unit test
@@ -12,9 +12,7 @@ invariant in each way it can be broken.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from array import array
 from pathlib import Path
 from types import ModuleType
@@ -22,23 +20,15 @@ from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
 SOAK_S = float(os.environ.get("REMOTE_G2_SOAK_S", "8"))
 
 
 @pytest.fixture(scope="module")
 def soak(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
-    """``bench/bench_registry_soak.py`` as the module ``bench_registry_soak`` (spawned processes import it by name)."""
-    name = "bench_registry_soak"
-    if str(BENCH) not in sys.path:
-        sys.path.append(str(BENCH))  # its helpers (bench_servers); a spawned child starts with this sys.path
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """``bench.registry.bench_registry_soak`` (spawned processes import it by name, from the repository root)."""
+    from bench.registry import bench_registry_soak
+
+    return bench_registry_soak
 
 
 def _publisher_log(events: list[tuple[float, int, int]], acks: list[tuple[float, int]]) -> dict[str, Any]:

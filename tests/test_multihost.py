@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from bench.common import stop_group
 from conftest import engine_prompt
 from remote_g2.adapters.reference.launch import EngineProcess, mpiexec_path
 from remote_g2.adapters.reference.messages import EngineResult
@@ -96,17 +97,7 @@ class Registry:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL, to its own process group (it runs in its own session)."""
-        for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-            if self.proc.poll() is not None:
-                return
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(wait_s)
-            except subprocess.TimeoutExpired:
-                pass
+        stop_group(self.proc, timeout_s=10)
 
 
 def start_registry(host: Host, log_dir: Path, *extra: str, timeout_s: float = 30.0,

@@ -3,7 +3,7 @@
 The rule is pinned as a table; the agent with real NIXL agents: a reader in
 another process READs a source's pool on one host (``cma``) in each mode,
 and the source's CPU is measured while it is idle (the processes of
-``bench/bench_source_progress.py``, whose smoke test runs both modes over
+``bench.source.bench_source_progress``, whose smoke test runs both modes over
 ``UCX_TLS=tcp``, where every READ needs the source).
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -24,8 +23,7 @@ from remote_g2.source.progress_pace import ProgressPace, cma_usable, reads_need_
 from remote_g2.source.rank_agent import RankAgent
 from remote_g2.errors import ConfigError
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import bench_source_progress  # noqa: E402  (its source and reader processes)
+from bench.source import bench_source_progress  # (its source and reader processes)
 
 
 @pytest.mark.parametrize(("ucx_tls", "needs"), [
@@ -140,7 +138,7 @@ def test_event_mode_runs_no_thread_of_ours() -> None:
 
 
 def _run_pair(mode: str, fabric: str, tmp_path: Path) -> dict:
-    """One source (4 MiB) in ``mode`` and a reader, over ``fabric``: bench/bench_source_progress.py's run."""
+    """One source (4 MiB) in ``mode`` and a reader, over ``fabric``: bench.source.bench_source_progress's run."""
     args = argparse.Namespace(mib=4, reps=3, read_timeout_s=10.0, idle_s=1.0)
     return bench_source_progress.run_once(bench_source_progress.Config(fabric, 1, 64), mode, args, tmp_path)
 

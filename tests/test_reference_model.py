@@ -35,6 +35,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.common import signal_group
 from remote_g2.adapters.reference import ModelConfig, ReferenceModel, TpComm, concat_kv, shard_for, slice_kv
 from remote_g2.adapters.reference.config import PROB_BITS, W_FRAC_BITS
 from remote_g2.adapters.reference.model import _exp_on_prob_grid, _linear, _to_act_grid
@@ -280,7 +281,7 @@ def run_ranks(cmd: list[str], env: dict[str, str]) -> None:
     try:
         log, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        signal_group(proc, signal.SIGKILL)
         log, _ = proc.communicate()
         pytest.fail(f"{' '.join(cmd[:3])} did not finish within {RUN_TIMEOUT_S} s:\n{log[-3000:]}")
     assert proc.returncode == 0, f"{' '.join(cmd[:3])} failed (rc={proc.returncode}):\n{log[-3000:]}"

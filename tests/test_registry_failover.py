@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -35,8 +34,7 @@ from remote_g2.errors import ConfigError, MirrorNotReady, RpcTimeout
 from remote_g2.protocol.messages import LayoutFingerprint
 from remote_g2.registry import RegistryClient, RegistryMirror, SourcePublisher
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
-from bench_servers import start_registry  # noqa: E402  (the bench starts the same servers)
+from bench.common import start_registry  # (the bench starts the same servers)
 
 FP = LayoutFingerprint(model_id="failover", dtype="bf16", tokens_per_block=16, kv_layout="HND",
                        num_layers=2, num_kv_heads=4, head_dim=32, tp_size=1)

@@ -45,6 +45,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from bench.common import kill_group
 from source_procs.harness import MPIEXEC, SourceWorker, have_mpiexec
 
 from remote_g2.registry import MemoryStore, RegistryServer
@@ -154,11 +155,7 @@ class Target:
 
     def kill(self) -> None:
         if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(10)
+            kill_group(self.proc)
         self._log.close()
 
 

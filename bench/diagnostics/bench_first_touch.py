@@ -10,24 +10,19 @@ same copy again. Then a second buffer of the same size, faulted in first
 process sees depends on how recently the machine freed the memory it gets:
 run it on a quiet machine, more than once.
 
-    python bench/diagnostics/bench_first_touch.py [--gib 1] [--mib 16] [--parts 4] [--json F]
+    python -m bench.diagnostics.bench_first_touch [--gib 1] [--mib 16] [--parts 4] [--json F]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from remote_g2.memory.host_memory import huge_page_buffer, populate  # noqa: E402
+from bench.common import write_result
+from remote_g2.memory.host_memory import huge_page_buffer, populate
 
 
 def _copies(buf: np.ndarray, src: np.ndarray, parts: int) -> list[tuple[float, float]]:
@@ -70,12 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"populate: {done / 2**20:.0f} MiB in {populate_s * 1e3:.0f} ms"
           + ("" if done else " (the kernel does not offer MADV_POPULATE_WRITE)"))
     if a.json:
-        out = {"benchmark": "first_touch", "args": vars(a), "cpus": os.cpu_count(), "host": platform.node(),
-               "date": time.strftime("%Y-%m-%d"), "lazy_ms": lazy, "faulted_in_ms": warm,
-               "populate_ms": populate_s * 1e3, "populated_bytes": done}
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(out, indent=1))
-        print(f"wrote {a.json}")
+        write_result(a.json, "first_touch", args=vars(a), lazy_ms=lazy, faulted_in_ms=warm,
+                     populate_ms=populate_s * 1e3, populated_bytes=done)
     return 0
 
 

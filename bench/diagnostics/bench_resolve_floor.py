@@ -30,14 +30,13 @@ The gap between the rows is what replacing a transport (or the capture
 fan-out) could save a resolve; ``tcp/unix`` is the floor of the design's hop
 sequence itself.
 
-    python bench/diagnostics/bench_resolve_floor.py [--rounds 300] [--hashes 512] [--idle-ms 0,20] [--copy-mib 0,64]
+    python -m bench.diagnostics.bench_resolve_floor [--rounds 300] [--hashes 512] [--idle-ms 0,20] [--copy-mib 0,64]
                                         [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -54,6 +53,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
+from bench.common import pct, write_result
 from remote_g2.protocol.messages import Resolve, SiblingPin
 from remote_g2.protocol.wire import decode_frame, decode_request_body, encode_request
 
@@ -344,7 +344,7 @@ def main() -> int:
             ts = sorted(times[(name, idle, mib)])
             rows.append({"chain": name, "idle_ms": idle * 1000, "copy_mib": mib,
                          "p50_us": statistics.median(ts) * 1e6,
-                         "p90_us": ts[min(len(ts) - 1, int(0.9 * len(ts)))] * 1e6})
+                         "p90_us": pct(ts, 90) * 1e6})
     base = {(r["idle_ms"], r["copy_mib"]): r["p50_us"] for r in rows if r["chain"] == CHAINS[0]}
     print(f"resolve-shaped chain (target -> rank 0 -> sibling and back), {hashes} hashes, frames decoded and "
           f"re-encoded, no other work; {rounds} round trips per cell, interleaved; {os.cpu_count()} CPUs, "
@@ -358,10 +358,8 @@ def main() -> int:
           "  on a Unix stream socket; tcp/unix: no ZMQ at all; zmq/capture: rank 0's proxy copies each request to the\n"
           "  sibling as it arrives (not what the source runs); copy MiB: copied on both CPUs before each round trip")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"benchmark": "resolve_floor", "hashes": hashes, "rounds": rounds,
-                                         "copy_mib": copies, "cpus": os.cpu_count(), "rows": rows}, indent=2))
-        print(f"wrote {args.json}")
+        write_result(args.json, "resolve_floor", args=vars(args), hashes=hashes, rounds=rounds, copy_mib=copies,
+                     rows=rows)
     return 0
 
 

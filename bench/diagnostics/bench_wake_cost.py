@@ -21,14 +21,13 @@ whole-block extents: one call into the ``_read_plan`` extension) and
 ``array`` (numpy always), warm and woken. ``--cpus same|split`` puts both
 processes on one CPU or on two.
 
-    python bench/diagnostics/bench_wake_cost.py [--rounds 300] [--blocks 32,512] [--idle-ms 0,20] [--plan-path compiled|array|both]
+    python -m bench.diagnostics.bench_wake_cost [--rounds 300] [--blocks 32,512] [--idle-ms 0,20] [--plan-path compiled|array|both]
                                     [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -39,6 +38,7 @@ import struct
 import time
 from pathlib import Path
 
+from bench.common import pct, write_result
 from remote_g2.protocol.messages import BlockLayout, RankBlocks, RankInfo
 from remote_g2.target import tp_mapping
 from remote_g2.target.tp_mapping import ReadPlanner
@@ -140,9 +140,9 @@ def measure(blocks: int, rounds: int, idle_ms: list[float], cpus: tuple[int | No
                 woken.append(first)
                 again.append(second)
             out["idle"][str(gap)] = {"round_trip_us": statistics.median(rtt) * 1e6,
-                                     "round_trip_p90_us": sorted(rtt)[int(0.9 * len(rtt))] * 1e6,
+                                     "round_trip_p90_us": pct(rtt, 90) * 1e6,
                                      "plan_woken_us": statistics.median(woken) * 1e6,
-                                     "plan_woken_p90_us": sorted(woken)[int(0.9 * len(woken))] * 1e6,
+                                     "plan_woken_p90_us": pct(woken, 90) * 1e6,
                                      "plan_again_us": statistics.median(again) * 1e6}
     finally:
         parent.sendall(b"q")
@@ -189,10 +189,8 @@ def main() -> int:
           "one call into the _read_plan extension; array: numpy always);\n  again: the same call once more, "
           "right after the woken one")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"benchmark": "wake_cost", "cpus": args.cpus, "rounds": args.rounds,
-                                         "machine": platform.platform(), "rows": rows}, indent=2))
-        print(f"wrote {args.json}")
+        write_result(args.json, "wake_cost", args=vars(args), cpus=args.cpus, rounds=args.rounds,
+                     machine=platform.platform(), rows=rows)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Mooncake Store's TCP batch get, measured the way remote-g2's transfer benchmark measures a remote fetch.
 
-``python bench/peers/mooncake_store.py --block-kib 64 --mib 64 --reps 10 --json out.json``
+``python -m bench.peers.mooncake_store --block-kib 64 --mib 64 --reps 10 --json out.json``
 
 Starts a real ``mooncake_master`` (with its HTTP metadata server) on
 loopback, a *holder* process that mounts a segment and ``batch_put_from``s
@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from bench.common import write_json
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 # the TCP transport the comparison is about, not a same-host memcpy shortcut
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run(a.block_kib, a.mib, a.reps)
     print(json.dumps(res))
     if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=2))
+        write_json(a.json, res)
     return 0
 
 

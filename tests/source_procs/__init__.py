@@ -1,1 +1,1 @@
-"""Process entry points and shared helpers for tests/test_source*.py and bench/bench_source.py."""
+"""Process entry points and shared helpers for tests/test_source*.py and bench/source/bench_source.py."""

@@ -1,6 +1,6 @@
 """Launch and watch synthetic source workers (``mpiexec -n TP source_rank.py``) and NIXL readers.
 
-Used by ``tests/test_source_mpi.py`` and ``bench/bench_source.py``. Every
+Used by ``tests/test_source_mpi.py`` and ``bench/source/bench_source.py``. Every
 process is started in its own session and stopped by its PID (its process
 group: mpiexec and the ranks it started); every wait has a timeout.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import shutil
 import subprocess
 import sys
@@ -18,6 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from bench.common import kill_group
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -194,14 +195,7 @@ class SourceWorker:
         """Kill what we started (mpiexec and its ranks: the process groups we created) if still running."""
         for p in self.procs:
             if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    pass
+                kill_group(p)
         if not self._log.closed:
             self._log.close()
         self._remove_ipc_dir()
@@ -239,8 +233,7 @@ def run_readers(endpoint: str, out_dir: Path, specs: list[dict[str, Any]], *, ti
         except subprocess.TimeoutExpired:
             for p, _ in procs:
                 if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait(10)
+                    kill_group(p)
             raise AssertionError(f"reader did not finish within {timeout_s} s") from None
         if not out.exists():
             raise AssertionError(f"reader wrote no result (rc={proc.returncode}):\n"

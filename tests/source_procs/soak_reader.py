@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -214,16 +213,11 @@ def run_soak_readers(endpoint: str, out_dir: Path, n: int, *, key_space: int, wi
     procs: list[tuple[subprocess.Popen[bytes], Path]] = []
 
     def kill_all() -> None:
+        from bench.common import kill_group  # (here: this file also runs as a script, without the repository root)
+
         for proc, _ in procs:
             if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    pass
+                kill_group(proc)
 
     try:
         for i in range(n):

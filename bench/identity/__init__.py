@@ -1,0 +1,1 @@
+"""Model identity benchmarks: digesting a checkpoint's weights."""

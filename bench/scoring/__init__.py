@@ -1,0 +1,1 @@
+"""Scoring API benchmarks: latency and scores per server CPU through a real server."""

@@ -1,1 +1,0 @@
-"""Rank scripts and shared helpers of ``bench/bench_transfer.py`` (a synthetic source and target worker)."""
