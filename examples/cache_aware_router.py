@@ -49,7 +49,7 @@ left for 5 s and the request sent to the next one (counted as
 answer, the router closes the client's connection without the stream's
 last chunk: the client sees a cut-short body, never an error inside a 200.
 ``--policy round-robin`` ignores scores (and asks for none): the baseline to
-compare against (``bench/bench_routing.py``).
+compare against (``bench/vllm/bench_routing.py``).
 
 One file on aiohttp (which vLLM installs): an example to read and adapt,
 not a production proxy (no retries once a request has reached an instance,

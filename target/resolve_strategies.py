@@ -146,9 +146,9 @@ class PeerResolve(ResolveStrategy):
         The other ranks go first: their chain is a hop longer (the
         ``target_load``, then their calls). Where ranks share a CPU, a rank
         woken first holds it while the leader's calls wait (the
-        ``to_resolve`` phase of ``bench/bench_gather.py --cpus split``); with
+        ``to_resolve`` phase of ``bench/transfer/bench_gather.py --cpus split``); with
         a core per rank, as in a deployment, this order is the faster one
-        (``bench/bench_transfer.py --bind core``; docs/benchmarks.md).
+        (``bench/transfer/bench_transfer.py --bind core``; docs/benchmarks.md).
         """
         host = self.host
         assert match.worker_id is not None and match.endpoint is not None

@@ -145,7 +145,7 @@ def start_redis_cluster(workdir: Path, *, replicas: int = 0,
     """Start a private 3-master Redis Cluster in ``workdir`` (``replicas`` per master); return its servers, in
     port order, and ``redis://127.0.0.1:P1``.
 
-    Also used by ``bench/bench_peers.py``. The caller stops the servers (``stop_redis``).
+    Also used by ``bench/peers/bench_peers.py``. The caller stops the servers (``stop_redis``).
     """
     procs: list[subprocess.Popen[bytes]] = []
     try:

@@ -6,7 +6,7 @@ straightforward way: a dict from hash to block, per-block lists, an
 ``threading.Lock``. It serves two purposes:
 
 - the model the property tests compare the C++ index against, step by step;
-- the baseline of ``bench/bench_pool_index.py``, so it is written to be
+- the baseline of ``bench/memory/bench_pool_index.py``, so it is written to be
   reasonably fast (locals bound in hot loops, no per-call allocation beyond
   the result), not as a strawman.
 

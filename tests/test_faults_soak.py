@@ -1,6 +1,6 @@
 """Load under eviction: concurrent NIXL readers against a TP=2 source whose small pool keeps evicting.
 
-A bounded version of ``bench/bench_soak.py`` (issue 8, load): each rank of a
+A bounded version of ``bench/source/bench_soak.py`` (issue 8, load): each rank of a
 synthetic source holds 128 one-KiB blocks while a churn thread stores runs of
 hashes from a key space of 256 at 2,000 hashes/s — every rank its own runs
 (``--churn-rank-seeds``), so ranks evict different blocks and resolves get

@@ -5,7 +5,7 @@ every rank's G2 holds and on how the leader's fetches ended. Over vLLM's CPU
 (gloo) TP group each of those is a ``torch.distributed.all_gather_object``:
 a pickle, two collectives and a handful of torch ops, paid on the engine's
 thread once or twice in every step with a load (what that costs against a
-link: ``bench/bench_tp_exchange.py``, docs/benchmarks.md). The
+link: ``bench/rpc/bench_tp_exchange.py``, docs/benchmarks.md). The
 ranks of one instance share a host (vLLM runs a TP group's CPU workers on one
 machine), so :class:`StepLinks` carries the same exchanges over one Unix
 stream socket per rank (:mod:`remote_g2.rpc.local_link`: typed frames, validated

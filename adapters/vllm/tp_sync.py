@@ -29,7 +29,7 @@ step has loads or fetches in flight is itself made from this shared state.
 The exchanges run over the ranks' local links (:mod:`.tp_links`) when every
 rank is on one host, else over vLLM's CPU (gloo) TP group through
 :class:`~remote_g2.tp.torch_group.TorchGroupComm`, an order of magnitude slower
-(``bench/bench_tp_exchange.py``); at TP 1 nothing is exchanged.
+(``bench/rpc/bench_tp_exchange.py``); at TP 1 nothing is exchanged.
 """
 
 from __future__ import annotations

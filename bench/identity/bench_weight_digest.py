@@ -458,7 +458,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         measured = measure(args, files, root)
         cache = measure_digest_cache(files, root, max(args.threads), cache_dir)
         result = {
-            "benchmark": "weight_digest",
             "config": {"gb": args.gb, "bytes": nbytes, "shards": len(files) - 1, "shard_gib": args.shard_gib,
                        "files": [f.name for f in files], "algorithms": args.algorithms, "threads": args.threads,
                        "rounds": args.rounds, "seed": args.seed, "dir": str(root),

@@ -8,7 +8,7 @@ one pass over their blocks); dead ones are found by :meth:`MemoryStore.sweep`.
 The reverse map, hash → holders, is the C++ :class:`~remote_g2.registry.stores.holder_index.HolderIndex`,
 because a lookup is one probe of it per asked hash and at a million entries
 each probe of a dict of sets costs a couple of cache misses where a probe of
-the C++ table costs one (``bench/bench_holder_index.py``; docs/benchmarks.md,
+the C++ table costs one (``bench/registry/bench_holder_index.py``; docs/benchmarks.md,
 "holder index"). The store also keeps each incarnation's blocks as a Python
 set, for ``scan_worker`` and drops; a copy that never scans (a registry
 mirror, ``keeps_block_sets = False``) keeps only a count per incarnation and

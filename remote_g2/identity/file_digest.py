@@ -46,7 +46,7 @@ the file itself (one warning). A long first read logs its progress
 (:class:`Progress`).
 
 The hash is BLAKE3 (:data:`ALGORITHM`; measured against SHA-256 and xxh3 in
-``bench/bench_weight_digest.py``, figures in ``docs/benchmarks.md``). Every
+``bench/identity/bench_weight_digest.py``, figures in ``docs/benchmarks.md``). Every
 worker of a fleet must use the same one, so it is not a setting.
 """
 

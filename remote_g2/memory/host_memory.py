@@ -4,7 +4,7 @@ Why: on one host NIXL's UCX backend copies with cross-memory attach
 (``process_vm_readv``), and over RDMA the NIC translates every page it
 touches; either way the cost per 4 KiB page adds up. With the pool in 2 MiB
 pages the same 64 MiB fetch runs faster end to end
-(``bench/bench_transfer.py --pool-pages huge`` vs ``4k``: the "huge pages"
+(``bench/transfer/bench_transfer.py --pool-pages huge`` vs ``4k``: the "huge pages"
 row of the fetch A/B table in ``docs/benchmarks.md``). NumPy already asks for huge pages for its own large
 arrays; torch's CPU allocator does not unless ``THP_MEM_ALLOC_ENABLE=1``.
 

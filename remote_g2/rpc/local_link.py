@@ -9,7 +9,7 @@ is (``link_hello``); from then on either side sends typed one-way messages
 Why not ZMQ IPC, which the RPC layer uses: a ZMQ message is handed from the
 sending thread to the sender's I/O thread and from the receiver's I/O thread
 to the receiving thread — three threads to wake per hop instead of one
-(what that costs a round trip: ``bench/bench_local_link.py``;
+(what that costs a round trip: ``bench/rpc/bench_local_link.py``;
 docs/benchmarks.md, "local links"). The target's hand-off to its ranks and their
 reports sit on every load's critical path.
 

@@ -4,7 +4,7 @@ A peer-resolved load makes one RPC per target rank before its READ can
 start (``peer_resolve``, docs/target.md), so that round trip is part of
 every load's fixed cost. Over ZMQ each direction passes through the sender's
 and the receiver's I/O threads: four extra thread wake-ups per call, which on
-a small host cost more than the handler (``bench/bench_peer_lane.py``;
+a small host cost more than the handler (``bench/rpc/bench_peer_lane.py``;
 docs/benchmarks.md, "peer lane").
 This lane carries the same frames on a TCP connection read and written by
 the threads that use them.

@@ -2,7 +2,7 @@
 ``TieringOffloadingSpec`` builds the shared primary region, its CPU primary tier and ``P2PSecondaryTierManager``
 (``{"type": "p2p", "host": ..., "port": ...}`` in ``secondary_tiers``), as an engine's connector would.
 bench/bench_vllm_p2p.py runs two of these (a producer and a consumer) to time p2p's chunk fetch the way
-bench/bench_vllm_tier.py part 1 times remote-g2's tier.
+bench/vllm/bench_vllm_tier.py part 1 times remote-g2's tier.
 
     python p2p_proc.py CONFIG_JSON
 

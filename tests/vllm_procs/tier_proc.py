@@ -19,7 +19,7 @@ and driven over stdin/stdout, one JSON object a line (answers start with ``@@ ``
 * ``{"op": "fetch_times"}``: the tier's last loads, ``(chunks, seconds from resolve to release)`` each;
 * ``{"op": "raw_read", "endpoint": E, "keys": [...]}``: those chunks READ from holder ``E`` by a NIXL agent of
   this process's own into a scratch region shaped like the primary, timed from the post to ``done``
-  (bench/bench_vllm_tier.py's baseline);
+  (bench/vllm/bench_vllm_tier.py's baseline);
 * ``{"op": "resolve_only", "endpoint": E, "keys": [...], "ttl_ms": T}``: a lease on those chunks at holder ``E``,
   not released (answers ``matched``, ``expires_in_ms``, ``lease_id``);
 * ``{"op": "release", "endpoint": E, "lease_id": L, "other_connection": bool}``: its release (on the connection
