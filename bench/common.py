@@ -297,6 +297,7 @@ def wait_http(url: str, proc: subprocess.Popen[Any], log: Path, timeout_s: float
 def post_json(url: str, body: dict[str, Any], timeout_s: float = 300, headers: dict[str, str] | None = None
               ) -> tuple[dict[str, Any], dict[str, str]]:
     """POST ``body`` as JSON, with ``headers`` too; the JSON answer and the answer's headers (an HTTP error raises)."""
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         return json.loads(r.read()), dict(r.headers)

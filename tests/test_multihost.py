@@ -43,7 +43,8 @@ from conftest import engine_prompt
 from remote_g2.adapters.reference.launch import EngineProcess, mpiexec_path
 from remote_g2.adapters.reference.messages import EngineResult
 from remote_g2.adapters.reference import netns
-from remote_g2.adapters.reference.netns import Host, Hosts, NetnsError, list_netns, netns_unavailable_reason, remove_stale
+from remote_g2.adapters.reference.netns import (Host, Hosts, NetnsError, list_netns, netns_unavailable_reason,
+                                               remove_stale)
 
 from remote_g2.identity.hashing import chain_block_hashes
 

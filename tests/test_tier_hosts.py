@@ -1,7 +1,8 @@
 """The vLLM tier's holder side across hosts: a ChunkServer on one network namespace, a reader on another.
 
-The hosts are Linux network namespaces on one box (:mod:`remote_g2.adapters.reference.netns`), with ``UCX_TLS=tcp`` on both sides
-(all namespaces share one kernel: UCX would otherwise move the bytes through shared memory). The reader resolves
+The hosts are Linux network namespaces on one box (:mod:`remote_g2.adapters.reference.netns`), with
+``UCX_TLS=tcp`` on both sides (all namespaces share one kernel: UCX would otherwise move the bytes through
+shared memory). The reader resolves
 at the holder's wildcard-bound endpoint, READs the rows with NIXL over UCX's TCP transport (an emulated READ: the
 holder's agent makes progress while the lease is open), gets the holder's bytes, and releases. The holder then
 refuses it the chunk table (its READs need the holder's progress; one-sided lookups would hang on an idle

@@ -41,7 +41,8 @@ import vllm_harness as vh  # noqa: E402
 from conftest import free_port  # noqa: E402
 from vllm_harness import BLOCK  # noqa: E402
 
-from bench.common import kill_group, post_json, stop_group, wait_http  # noqa: E402  (bench_routing.py starts the same processes)
+# (bench_routing.py starts the same processes)
+from bench.common import kill_group, post_json, stop_group, wait_http  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl]
 

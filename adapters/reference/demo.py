@@ -81,7 +81,7 @@ def _say(quiet: bool, text: str) -> None:
 
 
 def _start_registry(redis_url: str | None, host: Any = None) -> tuple[subprocess.Popen[str], str]:
-    """``remote-g2 serve`` on loopback, or in ``host`` (a :class:`remote_g2.adapters.reference.netns.Host`) bound to the wildcard
+    """``remote-g2 serve`` on loopback, or in ``host`` (a :class:`.netns.Host`) bound to the wildcard
     as an operator would; returns it and the endpoint the engines dial."""
     if host is None:
         endpoint = bind = f"tcp://127.0.0.1:{_free_port()}"

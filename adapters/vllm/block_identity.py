@@ -45,7 +45,13 @@ import torch
 from remote_g2.errors import ConfigError
 from remote_g2.identity.load_snapshot import LoadSnapshot, StartMark, changed_after, hub_repo_dir, start_mark
 from remote_g2.protocol.messages import LayoutFingerprint
-from remote_g2.identity.model_identity import WeightsDigest, checkpoint_files, model_id_for, override_model_id, weights_digest
+from remote_g2.identity.model_identity import (
+    WeightsDigest,
+    checkpoint_files,
+    model_id_for,
+    override_model_id,
+    weights_digest,
+)
 from remote_g2.identity.mounts import untrusted_reason
 from remote_g2.identity.vllm_hashing import ALGORITHMS, DEFAULT_SEED, scheme_name
 

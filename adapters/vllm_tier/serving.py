@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from remote_g2.rpc.connection_identity import is_local
-from remote_g2.protocol.messages import (BlockLayout, ChunkTable as ChunkTableAsk, ChunkTableReply, RankBlocks, RankInfo,
-                                Release, ReleaseReply, Resolve, ResolveReply)
+from remote_g2.protocol.messages import (BlockLayout, ChunkTable as ChunkTableAsk, ChunkTableReply, RankBlocks,
+                                         RankInfo, Release, ReleaseReply, Resolve, ResolveReply)
 from remote_g2.memory.secondary_pool import MemoryRegion
 from remote_g2.source.progress_pace import ServedOwners, readers_of
 

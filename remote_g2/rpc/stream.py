@@ -188,7 +188,7 @@ class _ServerSide:
 
 
 class StreamRpcServer(RpcServer):
-    """An :class:`~remote_g2.rpc.server.RpcServer` on ``tcp+stream://HOST:PORT`` (port 0: any); see the module docstring."""
+    """An :class:`~.server.RpcServer` on ``tcp+stream://HOST:PORT`` (port 0: any); see the module docstring."""
 
     def __init__(self, endpoint: str, handlers: Mapping[str, Handler], *, name: str = "remote-g2",
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, on_call: Any = None, max_batch: int = 64,
