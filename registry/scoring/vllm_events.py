@@ -73,7 +73,6 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from remote_g2.rpc.endpoint_list import endpoint_problem
 from remote_g2.errors import ConfigError, ProtocolError, RemoteG2Error
 from remote_g2.protocol.messages import (
     BlockEvent,
@@ -91,6 +90,7 @@ from ..metrics import RegistryMetrics
 from ..stores.contract import resync_chunks
 from .engine_caches import EngineCaches
 from ..stores.contract import RegistryStore
+from .vllm_subscriptions import Subscription, parse_subscriptions
 from .vllm_event_decode import G2_MEDIUM, DecodedBatch, EngineEvent, decode_kv_event_batch
 
 __all__ = [
@@ -110,70 +110,10 @@ __all__ = [
 log = logging.getLogger("remote_g2.registry.vllm")
 
 EVENTS_ONLY_LAYOUT = "events-only"
-_SYNTAX = "[@|>]ENDPOINT=WORKER_ID[=MODEL], e.g. @tcp://127.0.0.1:5557=vllm-0"
-_MAX_WORKER_ID = 128  # RegisterWorker.worker_id
-_MAX_MODEL = 256  # LayoutFingerprint.model_id
 _MAX_EVENTS = 4096  # per Events request (its wire limit, which the change feed applies)
 _RECV_BURST = 64  # messages taken from one socket before looking at the others
 _RETRY_S = 1.0  # a store call that failed is tried again after this
 _FAILED = object()  # what a failed store call answers (see VllmEventSubscriber._store_call)
-
-
-# -- subscriptions ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Subscription:
-    """One vLLM publisher endpoint, the worker id its blocks belong to, and whether to bind.
-
-    ``model`` names the model in an events-only record (default: the worker id).
-    """
-
-    endpoint: str
-    worker_id: str
-    bind: bool = False
-    model: str | None = None
-
-
-def parse_subscriptions(text: str) -> list[Subscription]:
-    """Parse ``[@|>]ENDPOINT=WORKER_ID[=MODEL][,…]`` (the ``--vllm-kv-events`` flag).
-
-    ``@`` binds the endpoint (vLLM connects to it), ``>`` or nothing connects.
-    """
-    subs: list[Subscription] = []
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        spec, sep, rest = item.partition("=")
-        worker_id, has_model, model = rest.partition("=")
-        bind = spec.startswith("@")
-        endpoint = spec[1:] if spec.startswith(("@", ">")) else spec
-        why = (None if sep else "no =WORKER_ID") or _endpoint_problem(endpoint, bind) \
-            or _name_problem("worker id", worker_id, _MAX_WORKER_ID) \
-            or (_name_problem("model", model, _MAX_MODEL) if has_model else None)
-        if why is None and any(s.worker_id == worker_id for s in subs):
-            why = f"worker {worker_id} is listed twice"
-        if why is None and any(s.endpoint == endpoint for s in subs):
-            why = f"endpoint {endpoint} is listed twice"
-        if why is not None:
-            raise ConfigError(f"--vllm-kv-events entry {item!r}: {why}; expected {_SYNTAX}")
-        subs.append(Subscription(endpoint, worker_id, bind, model if has_model else None))
-    if not subs:
-        raise ConfigError(f"--vllm-kv-events lists no publisher; expected {_SYNTAX}")
-    return subs
-
-
-def _endpoint_problem(endpoint: str, bind: bool) -> str | None:
-    why = endpoint_problem(endpoint, bind=bind)
-    if why and why.startswith("cannot connect"):  # (only ever said of a tcp:// endpoint to connect to)
-        return f"{why}, or write @{endpoint} to bind it"
-    return why
-
-
-def _name_problem(what: str, name: str, max_len: int) -> str | None:
-    if not name:
-        return f"the {what} is empty"
-    if len(name) > max_len or any(c.isspace() for c in name):
-        return f"the {what} {name!r:.40} is longer than {max_len} characters or has blanks"
-    return None
 
 
 def events_only_endpoint(worker_id: str) -> str:

@@ -168,7 +168,8 @@ def build_score_api(args: argparse.Namespace, server: RegistryServer, *, follows
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..scoring.vllm_events import VllmEventSubscriber, parse_subscriptions
+    from ..scoring.vllm_events import VllmEventSubscriber
+    from ..scoring.vllm_subscriptions import parse_subscriptions
 
     vllm_subscriptions = parse_subscriptions(args.vllm_kv_events) if args.vllm_kv_events is not None else None
     server = build_server(args)
