@@ -103,7 +103,6 @@ def env_fingerprint(name: str, env: Mapping[str, str] | None = None) -> LayoutFi
         raise ConfigError(f"{name}: {e}") from None
 
 
-
 def env_flag_or_none(name: str, env: Mapping[str, str] | None = None) -> bool | None:
     """A boolean variable, or None when unset or blank (:func:`env_flag` with ``default=None``)."""
     return env_flag(name, env, default=None)
@@ -142,6 +141,7 @@ def env_fields(table: EnvTable, env: Mapping[str, str] | None = None) -> dict[st
         if (value := read(var, env)) is not None:
             values[field] = value
     return values
+
 
 @dataclass(frozen=True)
 class ClientSettings:

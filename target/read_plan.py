@@ -15,6 +15,7 @@ from remote_g2.tp.head_slices import PlanMode
 
 __all__ = ["PlanMode", "ReadExtent", "SourceReads", "ReadPlan", "frozen"]
 
+
 @dataclass(frozen=True, slots=True)
 class ReadExtent:
     """One contiguous READ: ``nbytes`` from ``remote_addr`` on ``source_rank`` to ``local_addr``."""

@@ -101,7 +101,6 @@ def test_env_helpers_tell_unset_from_set_and_name_the_variable():
         env_fingerprint("FP", {"FP": '{"colour": 1}'})
 
 
-
 def test_an_env_table_reads_the_set_variables_into_fields_and_the_first_malformed_one_is_the_error():
     table = (("A", "a", env_int), ("B", "b", env_flag_or_none), ("C", "c", env_positive), ("D", "d", env_word))
     assert env_fields(table, {}) == {}
@@ -112,6 +111,7 @@ def test_an_env_table_reads_the_set_variables_into_fields_and_the_first_malforme
         env_fields(table, {"A": "x", "B": "maybe"})
     with pytest.raises(errors.ConfigError, match="C must be positive"):
         env_fields(table, {"C": "-1"})
+
 
 def test_target_config_reads_integers_and_fingerprint_from_env():
     from remote_g2.target import TargetConfig

@@ -94,7 +94,6 @@ class ModelConfig:
         return self.num_q_heads // self.num_kv_heads
 
 
-
 @dataclass(frozen=True)
 class TpShard:
     """What rank ``rank`` of ``size`` owns, as global index ranges.

@@ -133,7 +133,6 @@ __all__ = ["ChunkOutput", "Generation", "ReferenceModel", "SequenceCache", "conc
 _EXP_COEFFS = tuple(1.0 / math.factorial(k) for k in range(6, -1, -1))
 
 
-
 class ChunkOutput(NamedTuple):
     """``logits``: ``[tokens, vocab]`` float32, identical on every rank; ``kv``: this rank's new K/V."""
 

@@ -26,7 +26,6 @@ from .config import W_FRAC_BITS, W_MAX, ModelConfig
 __all__ = ["full_weights", "remember_digest", "weights_digest", "weights_model_id"]
 
 
-
 def _weight_specs(c: ModelConfig) -> list[tuple[str, tuple[int, ...], float, bool]]:
     """Every full weight tensor: ``(name, shape, std, on the weight grid)``, in the order they are made."""
     d, in_std = c.head_dim, 1.0 / math.sqrt(c.hidden)

@@ -63,8 +63,6 @@ def _planner_and_request(blocks: int) -> tuple[ReadPlanner, list[RankBlocks], li
     return planner, src, list(range(blocks))
 
 
-
-
 def _use_path(path: str) -> None:
     """``compiled``: the planner's own choice; ``array``: numpy for every request."""
     tp_mapping.COMPILED_WHOLE_BLOCK_PLANS = path == "compiled"

@@ -43,7 +43,6 @@ from tests.conftest import start_redis_cluster  # (the test suite's cluster buil
 from remote_g2.registry import RegistryClient, SourcePublisher
 
 
-
 def _play(endpoint: str, first: int, count: int, args: dict[str, Any], go: Any, stop: Any, out: Any) -> None:
     """One process: ``count`` publishers, fed round-robin until ``stop`` is set; then flush and report."""
     pubs, pools, locks = [], [], []

@@ -45,6 +45,7 @@ __all__ = ["SourcePublisher"]
 
 log = logging.getLogger("remote_g2.registry.client.publisher")
 
+
 class SourcePublisher:
     """Publishes one worker's block events to the registry; see the module docstring."""
 

@@ -67,7 +67,6 @@ def split_token_ids(body: bytes | bytearray) -> tuple[array.array, bytes] | None
     return ids, split[1]
 
 
-
 class _Body(msgspec.Struct, forbid_unknown_fields=False):  # unknown fields are ignored, as Dynamo's indexer does
     model: str | None = None
     model_name: str | None = None

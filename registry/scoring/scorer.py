@@ -105,6 +105,7 @@ class PrefixIndex(Protocol):
     def holds_any(self, block_hash: bytes) -> bool | None:
         """Whether anyone holds ``block_hash``."""
 
+
 @dataclass(frozen=True, slots=True)
 class ScoreRequest:
     """A prompt to score: ``token_ids`` with ``model`` (and the request's LoRA adapter and salt), or

@@ -351,7 +351,6 @@ class RegistryServer:
         log.info("worker %s drained by admin (%d blocks)", req.worker_id, reply.removed_blocks)
         return reply
 
-
     def _feed_info(self, req: FeedInfo, ctx: CallContext) -> FeedInfoReply:
         if self.feed is None:
             return FeedInfoReply("", "", 0, self.store.lease_ttl_ms)

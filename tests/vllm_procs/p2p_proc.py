@@ -55,7 +55,6 @@ STEP = ScheduleEndContext((), ())
 HOST = "127.0.0.1"
 
 
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))

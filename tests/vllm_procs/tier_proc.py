@@ -52,7 +52,6 @@ from remote_g2.protocol.messages import LayoutFingerprint
 STEP = ScheduleEndContext((), ())
 
 
-
 class RawReader:
     """A NIXL agent of its own over a scratch region shaped like the primary (faulted in): READs a holder's rows
     with no tier in the way (a bench's baseline; the resolve and release around it are not timed)."""
