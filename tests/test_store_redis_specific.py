@@ -415,3 +415,24 @@ def test_a_record_stored_before_kinds_were_reads_as_a_source(backend) -> None:
     assert found == 1
     assert store.worker_info("w1").kind is None and [w.kind for w in store.list_workers()] == [None]
     store.close()
+
+
+def test_an_audit_that_scanned_a_set_a_sweeper_then_removed_queues_nothing(backend) -> None:
+    """The audit scans ``wb`` sets, then asks the meta slot which are unknown. A set another sweeper emptied and
+    unqueued in between is not an orphan: queued again, it would be swept (and counted) twice."""
+    store = make(backend, sweep_grace_ms=0)
+    register(store, "w1")
+    events(store, "w1", 1, stored(CHAIN[:8]))
+    store.drain_worker("w1")
+    space = store.space
+    wb_prefix = space.keys.header[2] + b"{"
+    scanned = {name: [k[len(wb_prefix):-1] for k in client.scan_iter(match=wb_prefix + b"*")]
+               for name, client in space.nodes.clients().items()}
+    assert sum(map(len, scanned.values())) == 1  # the drained incarnation's set, as an audit's scan saw it
+    assert store.sweep() == 1  # a sweeper empties it and takes it off the queue
+    for name, client in space.nodes.clients().items():
+        if scanned[name]:  # the audit goes on with what it scanned: unknown to the meta slot now, yet no orphan
+            assert space.meta("orphans", b"0", *scanned[name]) == scanned[name]
+            assert store._sweeps._queue_orphans(client, wb_prefix, scanned[name]) == 0
+    assert store.sweep() == 0
+    store.close()

@@ -114,7 +114,7 @@ class SweepCommands:
             keys = self._audit_scan(name, client, _glob_escape(wb_prefix) + b"*")
             incs = [k[len(wb_prefix):-1] for k in keys if k.endswith(b"}")]
             if incs:
-                queued += len(space.meta("orphans", b"1", *incs))
+                queued += self._queue_orphans(client, wb_prefix, incs)
             keys = self._audit_scan(name, client, _glob_escape(space.keys.block) + b"*")
             if not keys:
                 continue
@@ -131,6 +131,23 @@ class SweepCommands:
                         pipe.srem(key, *gone)
                 removed += sum(pipe.execute())
         return queued, removed
+
+    def _queue_orphans(self, client: redis.Redis, wb_prefix: bytes, incs: list[bytes]) -> int:
+        """Queue for the sweeper those of ``incs`` (their ``wb`` sets on ``client``'s node) the meta slot
+        does not know, once their ``wb`` set is seen to exist after that answer.
+
+        In that order on purpose: a sweeper takes an incarnation off the queue only once its ``wb`` set is
+        gone, so a set that exists after the meta slot said "unknown" is a real orphan. Queued straight from
+        the scan, a set another sweeper emptied meanwhile would be queued (and counted) a second time.
+        """
+        unknown = self.space.meta("orphans", b"0", *incs)
+        if not unknown:
+            return 0
+        pipe = client.pipeline(transaction=False)
+        for inc in unknown:
+            pipe.exists(wb_prefix + inc + b"}")
+        still = [inc for inc, n in zip(unknown, pipe.execute()) if n]
+        return len(self.space.meta("orphans", b"1", *still)) if still else 0
 
     def _audit_scan(self, node: str, client: redis.Redis, pattern: bytes) -> list[bytes]:
         """The next keys matching ``pattern`` on ``node`` (about ``sweep_chunk``), resuming the last scan."""
