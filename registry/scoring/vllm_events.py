@@ -87,9 +87,8 @@ from remote_g2.protocol.messages import (
 from remote_g2.rpc.server import normalize_bind_endpoint
 
 from ..metrics import RegistryMetrics
-from ..stores.contract import resync_chunks
+from ..stores.contract import RegistryStore, resync_chunks
 from .engine_caches import EngineCaches
-from ..stores.contract import RegistryStore
 from .vllm_subscriptions import Subscription, parse_subscriptions
 from .vllm_event_decode import G2_MEDIUM, DecodedBatch, EngineEvent, decode_kv_event_batch
 
